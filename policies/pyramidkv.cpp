@@ -1,0 +1,52 @@
+// PyramidKV: Cai et al. 2024, "PyramidKV: Dynamic KV Cache Compression based on Pyramidal
+// Information Funneling". SnapKV's selection with a per-layer share of the budget: lower layers,
+// whose attention is spread wide, keep more; upper layers, whose attention has funnelled, keep less.
+#include "policies/pyramidkv.h"
+#include "policies/snapkv.h"
+
+namespace kvsim {
+
+// floor(2 B (r (L-1) - k (r-1)) / ((r+1)(L-1))): an arithmetic series from layer 0 to L-1 whose
+// mean is B and whose first term is r times its last.
+int pyramid_budget(int budget, int layer, int num_layers, int ratio) {
+    if (num_layers <= 1) return budget;
+    const int64_t L1 = num_layers - 1;
+    const int64_t numerator = 2 * int64_t{budget} * (ratio * L1 - int64_t{layer} * (ratio - 1));
+    return static_cast<int>(numerator / ((ratio + 1) * L1));
+}
+
+namespace {
+
+class PyramidKV : public SnapKV {
+public:
+    PyramidKV(int budget, int layer_share, int recent_window, int obs_window, int pool_kernel)
+        : SnapKV(std::max(layer_share, budget) + 1, recent_window, obs_window, pool_kernel),
+          layer_share_(layer_share) {}
+
+protected:
+    int eviction_target(int budget) const override { return std::min(budget, layer_share_); }
+
+private:
+    int layer_share_;
+};
+
+}  // namespace
+
+PolicyDescriptor pyramidkv_descriptor() {
+    return {"pyramidkv", "Cai et al. 2024, PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling",
+            {{"pyramid_ratio", 4, true, 1, "budget of the first layer over that of the last"},
+             {"recent_window", 32, true, 0, "most recent tokens never evicted"},
+             {"obs_window", 16, true, 1, "steps of attention summed into the score"},
+             {"pool_kernel", 7, true, 1, "width of the max-pooling over neighbouring cached tokens", true}},
+            [](const ParamValues& p, const PolicyContext& ctx) -> std::unique_ptr<Policy> {
+                const int recent_window = param_int(p, "recent_window");
+                const int share = pyramid_budget(ctx.budget, ctx.layer, ctx.num_layers, param_int(p, "pyramid_ratio"));
+                // A layer never keeps less than its recent window plus one evictable token.
+                const int layer_share = std::max(share, recent_window + 1);
+                return std::make_unique<PyramidKV>(ctx.budget, layer_share, recent_window,
+                                                   param_int(p, "obs_window"), param_int(p, "pool_kernel"));
+            },
+            check_recent_window_fits};
+}
+
+}  // namespace kvsim

@@ -1,0 +1,79 @@
+// Every policy kvsim knows, by the name configs use.
+#include <cmath>
+#include <sstream>
+
+#include "policies/policy.h"
+#include "src/errors.h"
+
+namespace kvsim {
+
+PolicyDescriptor sliding_window_descriptor();
+PolicyDescriptor streaming_llm_descriptor();
+PolicyDescriptor h2o_descriptor();
+PolicyDescriptor scissorhands_descriptor();
+PolicyDescriptor tova_descriptor();
+PolicyDescriptor snapkv_descriptor();
+PolicyDescriptor pyramidkv_descriptor();
+
+const std::vector<PolicyDescriptor>& policy_registry() {
+    static const std::vector<PolicyDescriptor> registry = {
+        sliding_window_descriptor(), streaming_llm_descriptor(), h2o_descriptor(),   scissorhands_descriptor(),
+        tova_descriptor(),           snapkv_descriptor(),        pyramidkv_descriptor(),
+    };
+    return registry;
+}
+
+const PolicyDescriptor* find_policy(std::string_view name) {
+    for (const auto& policy : policy_registry())
+        if (policy.name == name) return &policy;
+    return nullptr;
+}
+
+std::string known_policy_names() {
+    std::string names;
+    for (const auto& policy : policy_registry()) names += (names.empty() ? "" : ", ") + policy.name;
+    return names;
+}
+
+static std::string format_number(double v) {
+    std::ostringstream out;
+    out << v;
+    return out.str();
+}
+
+ParamValues resolve_params(const PolicyDescriptor& policy, const std::map<std::string, double>& given,
+                           const std::string& where) {
+    ParamValues values;
+    for (const auto& spec : policy.params) values[spec.name] = spec.default_value;
+    for (const auto& [name, value] : given) {
+        const ParamSpec* spec = nullptr;
+        for (const auto& s : policy.params)
+            if (s.name == name) spec = &s;
+        if (!spec) {
+            std::string known;
+            for (const auto& s : policy.params) known += (known.empty() ? "" : ", ") + s.name;
+            throw InputError(where + ": unknown parameter '" + name + "' for policy " + policy.name +
+                             (known.empty() ? " (it takes none)" : " (known: " + known + ")"));
+        }
+        const std::string key = where + "." + name;
+        if (!std::isfinite(value)) throw InputError(key + ": must be a finite number");
+        if (spec->integer && value != std::floor(value))
+            throw InputError(key + ": must be an integer, got " + format_number(value));
+        if (value < spec->min_value)
+            throw InputError(key + ": must be >= " + format_number(spec->min_value) + ", got " + format_number(value));
+        if (spec->integer && value > 1e9) throw InputError(key + ": " + format_number(value) + " is too large");
+        if (spec->odd && static_cast<int64_t>(value) % 2 == 0)
+            throw InputError(key + ": must be odd, got " + format_number(value));
+        values[name] = value;
+    }
+    return values;
+}
+
+std::string check_recent_window_fits(const ParamValues& params, int budget) {
+    const int window = param_int(params, "recent_window");
+    if (window >= budget)
+        return "recent_window = " + std::to_string(window) + " must be less than the budget " + std::to_string(budget);
+    return {};
+}
+
+}  // namespace kvsim

@@ -1,0 +1,102 @@
+// The mechanism shared by most eviction policies: each cached position carries a score, and
+// eviction removes the lowest-scoring positions outside a protected window of the most recent
+// ones. A policy supplies only how its per-slot state is updated and turned into a score.
+#pragma once
+#include <Eigen/Core>
+#include <algorithm>
+#include <limits>
+#include <stdexcept>
+#include <vector>
+
+#include "policies/policy.h"
+
+namespace kvsim {
+
+// A score equal to this value marks a slot that may not be evicted yet (TOVA's unobserved token).
+template <class Score>
+constexpr Score kNotEvictable = std::numeric_limits<Score>::has_infinity
+                                    ? std::numeric_limits<Score>::infinity()
+                                    : std::numeric_limits<Score>::max();
+
+template <class Score>
+class ScoredEviction : public Policy {
+public:
+    ScoredEviction(int capacity, int recent_window) : capacity_(capacity), recent_window_(recent_window) {
+        positions_.reserve(capacity);
+        positions_.push_back(0);
+    }
+
+    void on_decode_step(int32_t pos, std::span<const float> attn) final {
+        observe(attn.first(std::min(attn.size(), positions_.size())));
+        if (static_cast<int>(positions_.size()) >= capacity_)
+            throw std::logic_error("admitted past its capacity of " + std::to_string(capacity_));
+        positions_.push_back(pos);
+        admit();
+    }
+
+    // Argmin selection as the reference harness defines it: repeat `needed` times, scan the
+    // evictable slots (all but the protected recent tail, which includes the slot admitted this
+    // step) and take the smallest score; strict < sends ties to the lower position.
+    void evict(int budget, std::vector<int32_t>& victims) final {
+        const std::size_t size = positions_.size();
+        const std::size_t target = static_cast<std::size_t>(eviction_target(budget));
+        if (size <= target) return;
+        const std::size_t needed = size - target;
+        const std::size_t evictable_end = size - std::min<std::size_t>(recent_window_, size);
+        if (evictable_end == 0) return;
+        const Score* score = scores().data();
+
+        chosen_.clear();
+        if (needed == 1) {
+            // The common case, one victim per step: a vectorised minimum, then its first slot.
+            using Array = Eigen::Array<Score, Eigen::Dynamic, 1>;
+            const Score lowest = Eigen::Map<const Array>(score, static_cast<Eigen::Index>(evictable_end)).minCoeff();
+            if (lowest != kNotEvictable<Score>)
+                chosen_.push_back(static_cast<std::size_t>(std::find(score, score + evictable_end, lowest) - score));
+        } else {
+            for (std::size_t taken = 0; taken < needed && taken < evictable_end; ++taken) {
+                std::size_t best = evictable_end;
+                Score best_score = kNotEvictable<Score>;
+                for (std::size_t i = 0; i < evictable_end; ++i) {
+                    if (score[i] < best_score && std::find(chosen_.begin(), chosen_.end(), i) == chosen_.end()) {
+                        best = i;
+                        best_score = score[i];
+                    }
+                }
+                if (best == evictable_end) break;
+                chosen_.push_back(best);
+            }
+            std::sort(chosen_.begin(), chosen_.end());  // victims go out in ascending position order
+        }
+        for (std::size_t slot : chosen_) victims.push_back(positions_[slot]);
+        erase_slots<int32_t>(positions_, chosen_);
+        drop_state(chosen_);
+    }
+
+    std::size_t bytes_per_slot() const final {
+        return sizeof(int32_t) + state_bytes_per_slot();
+    }
+
+protected:
+    // Updates the existing slots' state from this step's attention (index-aligned).
+    virtual void observe(std::span<const float> attn) = 0;
+    // Appends the state of the slot just admitted.
+    virtual void admit() = 0;
+    // One score per slot; kNotEvictable<Score> for a slot that must stay.
+    virtual std::span<const Score> scores() = 0;
+    // Removes the state of the evicted slots (ascending indices), keeping order.
+    virtual void drop_state(std::span<const std::size_t> evicted) = 0;
+    virtual std::size_t state_bytes_per_slot() const = 0;
+    // How far evict() brings the cache down; PyramidKV gives each layer its own share.
+    virtual int eviction_target(int budget) const { return budget; }
+
+    std::size_t size() const { return positions_.size(); }
+
+private:
+    int capacity_;
+    int recent_window_;
+    std::vector<int32_t> positions_;
+    std::vector<std::size_t> chosen_;  // slots selected for eviction
+};
+
+}  // namespace kvsim

@@ -1,0 +1,31 @@
+// SnapKV: Li et al. 2024, "SnapKV: LLM Knows What You are Looking for Before Generation".
+// Score = attention summed over an observation window of recent steps, max-pooled over
+// neighbouring cached tokens so that phrases survive together. PyramidKV reuses it per layer.
+#pragma once
+#include "policies/scored_eviction.h"
+
+namespace kvsim {
+
+class SnapKV : public ScoredEviction<double> {
+public:
+    SnapKV(int capacity, int recent_window, int obs_window, int pool_kernel);
+
+protected:
+    void observe(std::span<const float> attn) override;
+    void admit() override;
+    std::span<const double> scores() override;
+    void drop_state(std::span<const std::size_t> evicted) override;
+    std::size_t state_bytes_per_slot() const override;
+
+private:
+    int pool_radius_;
+    // window_[k][slot]: the attention of the k-th entry of a ring of the last obs_window steps,
+    // stored column by column so that the per-slot sums vectorise across slots.
+    std::vector<std::vector<float>> window_;
+    int write_index_ = 0;  // one ring index shared by all slots
+    std::vector<double> window_sum_;
+    std::vector<double> pooled_;
+};
+
+
+}  // namespace kvsim

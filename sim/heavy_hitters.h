@@ -1,0 +1,14 @@
+// The top-k "heavy hitter" positions of one attention row, with the reference harness's tie
+// rule: every position above the k-th largest weight, then positions equal to it in ascending
+// order until k are chosen. Computed once per step and shared by every policy of a run.
+#pragma once
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace kvsim {
+
+// Appends the top-min(k, row.size()) positions of `row` to `out` (order unspecified).
+void top_k_positions(std::span<const float> row, int k, std::vector<int32_t>& out);
+
+}  // namespace kvsim

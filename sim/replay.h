@@ -1,0 +1,38 @@
+// Lockstep replay: one pass over a trace drives every (policy, parameters, budget) combination
+// side by side. Each block of steps is read once and its heavy hitters computed once; then every
+// (head, combination) pair advances through the block in parallel. Each pair owns its state and
+// results are summed in a fixed order, so they do not depend on the number of threads.
+#pragma once
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "policies/policy.h"
+#include "sim/attention_source.h"
+#include "sim/harness.h"
+
+namespace kvsim {
+
+struct ReplayCombo {
+    const PolicyDescriptor* policy = nullptr;
+    ParamValues params;
+    int budget = 0;
+    std::string label;  // e.g. "h2o(recent_window=64)"
+};
+
+struct ReplayOptions {
+    int heavy_hitter_k = 32;
+    int64_t block_floats = 1 << 21;  // attention weights read per block, all heads of a layer together
+    std::function<void(double done_fraction)> progress;  // called between blocks, from the calling thread
+};
+
+struct ComboResult {
+    StreamMetrics total;                 // over every sequence, layer and head
+    std::vector<StreamMetrics> by_layer;  // over every sequence and head of one layer
+    std::size_t policy_bytes_per_slot = 0;
+};
+
+std::vector<ComboResult> replay(AttentionSource& source, const std::vector<ReplayCombo>& combos,
+                                const ReplayOptions& options);
+
+}  // namespace kvsim

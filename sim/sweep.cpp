@@ -1,0 +1,75 @@
+#include "sim/sweep.h"
+
+#include <cmath>
+#include <cstdio>
+#include <set>
+
+#include "src/errors.h"
+
+namespace kvsim {
+
+std::string format_param(double value) {
+    char text[32];
+    if (value == std::floor(value) && std::fabs(value) < 1e15)
+        std::snprintf(text, sizeof text, "%.0f", value);
+    else
+        std::snprintf(text, sizeof text, "%g", value);
+    return text;
+}
+
+std::string policy_label(const PolicyDescriptor& policy, const std::map<std::string, double>& given) {
+    std::string label = policy.name;
+    std::string args;
+    for (const ParamSpec& spec : policy.params) {
+        const auto it = given.find(spec.name);
+        if (it != given.end() && it->second != spec.default_value) args += (args.empty() ? "" : ",") + spec.name + "=" + format_param(it->second);
+    }
+    return args.empty() ? label : label + "(" + args + ")";
+}
+
+std::vector<ReplayCombo> expand_sweep(const std::vector<PolicyEntry>& policies, const std::vector<GridAxis>& grid,
+                                      const std::vector<int>& budgets) {
+    for (const GridAxis& axis : grid) {
+        bool used = false;
+        for (const PolicyEntry& entry : policies) used |= entry.name == axis.policy;
+        if (!used) throw InputError(axis.where + ": policy '" + axis.policy + "' is not among the config's policies");
+    }
+
+    std::vector<ReplayCombo> combos;
+    std::set<std::string> labels;
+    for (const PolicyEntry& entry : policies) {
+        const PolicyDescriptor* policy = find_policy(entry.name);
+        if (!policy)
+            throw InputError(entry.where + ": unknown policy '" + entry.name + "' (known: " + known_policy_names() + ")");
+        std::vector<const GridAxis*> axes;
+        for (const GridAxis& axis : grid)
+            if (axis.policy == entry.name) axes.push_back(&axis);
+
+        // Walk the grid points like an odometer, the last axis fastest.
+        std::vector<std::size_t> index(axes.size(), 0);
+        while (true) {
+            std::map<std::string, double> given = entry.params;
+            std::string where = entry.where;
+            for (std::size_t a = 0; a < axes.size(); ++a) {
+                given[axes[a]->param] = axes[a]->values[index[a]];
+                where = axes[a]->where;
+            }
+            const ParamValues values = resolve_params(*policy, given, axes.empty() ? entry.where : where);
+            const std::string label = policy_label(*policy, given);
+            if (!labels.insert(label).second) throw InputError(entry.where + ": " + label + " is listed twice");
+            for (int budget : budgets) {
+                if (policy->check_budget) {
+                    const std::string problem = policy->check_budget(values, budget);
+                    if (!problem.empty()) throw InputError(entry.where + ": " + label + ": " + problem);
+                }
+                combos.push_back({policy, values, budget, label});
+            }
+            std::size_t a = axes.size();
+            while (a > 0 && ++index[a - 1] == axes[a - 1]->values.size()) index[--a] = 0;
+            if (a == 0) break;
+        }
+    }
+    return combos;
+}
+
+}  // namespace kvsim

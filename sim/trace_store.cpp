@@ -1,0 +1,473 @@
+#include "sim/trace_store.h"
+
+#include <hdf5.h>
+
+#include <Eigen/Core>  // Eigen::half: correctly rounded float -> float16
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+
+#include "kvsim_version.h"
+#include "src/atomic_file.h"
+#include "src/errors.h"
+
+namespace kvsim {
+namespace {
+
+// HDF5 prints its error stack to stderr by default; kvsim reports one line of its own instead.
+struct SilenceHdf5 {
+    SilenceHdf5() { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); }
+};
+const SilenceHdf5 silence_hdf5;
+
+// Owns one HDF5 identifier and closes it with the matching function.
+class Handle {
+public:
+    using Closer = herr_t (*)(hid_t);
+    Handle() = default;
+    Handle(hid_t id, Closer close) : id_(id), close_(close) {}
+    Handle(Handle&& o) noexcept : id_(o.id_), close_(o.close_) { o.id_ = -1; }
+    Handle& operator=(Handle&& o) noexcept {
+        reset();
+        id_ = o.id_;
+        close_ = o.close_;
+        o.id_ = -1;
+        return *this;
+    }
+    ~Handle() { reset(); }
+    hid_t get() const { return id_; }
+    bool valid() const { return id_ >= 0; }
+    void reset() {
+        if (id_ >= 0 && close_) close_(id_);
+        id_ = -1;
+    }
+
+private:
+    hid_t id_ = -1;
+    Closer close_ = nullptr;
+};
+
+Handle group_handle(hid_t id) { return Handle(id, H5Gclose); }
+Handle dataset_handle(hid_t id) { return Handle(id, H5Dclose); }
+Handle space_handle(hid_t id) { return Handle(id, H5Sclose); }
+Handle type_handle(hid_t id) { return Handle(id, H5Tclose); }
+Handle attr_handle(hid_t id) { return Handle(id, H5Aclose); }
+Handle plist_handle(hid_t id) { return Handle(id, H5Pclose); }
+
+// IEEE binary16 as an HDF5 type: sign bit 15, exponent bits 10..14 (bias 15), mantissa 0..9.
+Handle float16_type() {
+    Handle t = type_handle(H5Tcopy(H5T_IEEE_F32LE));
+    H5Tset_fields(t.get(), 15, 10, 5, 0, 10);
+    H5Tset_size(t.get(), 2);
+    H5Tset_ebias(t.get(), 15);
+    return t;
+}
+
+std::string sequence_group(int sequence) {
+    char name[32];
+    std::snprintf(name, sizeof name, "/sequences/%06d", sequence);
+    return name;
+}
+std::string layer_name(int layer) {
+    char name[32];
+    std::snprintf(name, sizeof name, "layer_%03d", layer);
+    return name;
+}
+std::string head_name(int head) {
+    char name[32];
+    std::snprintf(name, sizeof name, "head_%03d", head);
+    return name;
+}
+std::string attention_path(int sequence, int layer, int head) {
+    return sequence_group(sequence) + "/attention/" + layer_name(layer) + "/" + head_name(head);
+}
+std::string qkv_path(int sequence, int layer, const char* tensor) {
+    return sequence_group(sequence) + "/qkv/" + layer_name(layer) + "/" + tensor;
+}
+
+void write_string_attr(hid_t obj, const char* name, const std::string& value) {
+    Handle type = type_handle(H5Tcopy(H5T_C_S1));
+    H5Tset_size(type.get(), std::max<size_t>(1, value.size()));
+    H5Tset_strpad(type.get(), H5T_STR_NULLPAD);
+    Handle space = space_handle(H5Screate(H5S_SCALAR));
+    Handle attr = attr_handle(H5Acreate2(obj, name, type.get(), space.get(), H5P_DEFAULT, H5P_DEFAULT));
+    std::string padded = value.empty() ? std::string(1, '\0') : value;
+    if (!attr.valid() || H5Awrite(attr.get(), type.get(), padded.data()) < 0)
+        throw std::runtime_error(std::string("cannot write attribute ") + name);
+}
+
+void write_int_attr(hid_t obj, const char* name, int64_t value) {
+    Handle space = space_handle(H5Screate(H5S_SCALAR));
+    Handle attr = attr_handle(H5Acreate2(obj, name, H5T_STD_I64LE, space.get(), H5P_DEFAULT, H5P_DEFAULT));
+    if (!attr.valid() || H5Awrite(attr.get(), H5T_NATIVE_INT64, &value) < 0)
+        throw std::runtime_error(std::string("cannot write attribute ") + name);
+}
+
+// Creates every missing group along `path` (like mkdir -p).
+Handle ensure_group(hid_t file, const std::string& path) {
+    std::string partial;
+    Handle group;
+    size_t start = 1;
+    while (start <= path.size()) {
+        size_t slash = path.find('/', start);
+        if (slash == std::string::npos) slash = path.size();
+        partial = path.substr(0, slash);
+        if (H5Lexists(file, partial.c_str(), H5P_DEFAULT) > 0)
+            group = group_handle(H5Gopen2(file, partial.c_str(), H5P_DEFAULT));
+        else
+            group = group_handle(H5Gcreate2(file, partial.c_str(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT));
+        if (!group.valid()) throw std::runtime_error("cannot create group " + partial);
+        start = slash + 1;
+    }
+    return group;
+}
+
+// Chunked, shuffled, deflated: attention rows and Q/K/V compress well and stream in blocks.
+Handle compressed_layout(int rank, const hsize_t* chunk) {
+    Handle plist = plist_handle(H5Pcreate(H5P_DATASET_CREATE));
+    H5Pset_chunk(plist.get(), rank, chunk);
+    H5Pset_shuffle(plist.get());
+    H5Pset_deflate(plist.get(), 4);
+    return plist;
+}
+
+constexpr hsize_t kAttentionChunk = 1 << 16;  // floats: 256 KiB
+
+}  // namespace
+
+const char* to_string(TraceKind kind) { return kind == TraceKind::attention ? "attention" : "qkv"; }
+
+// ---------------------------------------------------------------------------------------------
+// Writer
+
+struct TraceWriter::Impl {
+    AtomicFile file;
+    TraceMetadata metadata;
+    Handle h5;
+    std::vector<SequenceInfo> sequences;
+    explicit Impl(const std::string& path) : file(path) {}
+};
+
+TraceWriter::TraceWriter(const std::string& path, TraceMetadata metadata) : impl_(std::make_unique<Impl>(path)) {
+    metadata.kvsim_version = KVSIM_VERSION;
+    impl_->metadata = metadata;
+    impl_->h5 = Handle(H5Fcreate(impl_->file.temp_path().c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), H5Fclose);
+    if (!impl_->h5.valid()) throw InputError(path + ": cannot create HDF5 file");
+    const hid_t root = impl_->h5.get();
+    write_string_attr(root, "format", kTraceFormat);
+    write_int_attr(root, "format_version", kTraceFormatVersion);
+    write_string_attr(root, "kind", to_string(metadata.kind));
+    write_string_attr(root, "model_name", metadata.model_name);
+    write_int_attr(root, "num_layers", metadata.num_layers);
+    write_int_attr(root, "num_query_heads", metadata.num_query_heads);
+    write_int_attr(root, "num_kv_heads", metadata.num_kv_heads);
+    write_int_attr(root, "head_dim", metadata.head_dim);
+    write_string_attr(root, "source_kind", metadata.source_kind);
+    write_string_attr(root, "source_generator", metadata.source_generator);
+    write_int_attr(root, "source_seed", metadata.source_seed);
+    write_string_attr(root, "source_model_file", metadata.source_model_file);
+    write_string_attr(root, "source_model_sha256", metadata.source_model_sha256);
+    write_string_attr(root, "source_text_sha256", metadata.source_text_sha256);
+    write_string_attr(root, "kvsim_version", metadata.kvsim_version);
+    ensure_group(root, "/sequences");
+}
+
+TraceWriter::~TraceWriter() = default;
+
+int TraceWriter::add_sequence(const std::string& name, int64_t length) {
+    const int index = static_cast<int>(impl_->sequences.size());
+    Handle group = ensure_group(impl_->h5.get(), sequence_group(index));
+    write_string_attr(group.get(), "name", name);
+    write_int_attr(group.get(), "length", length);
+    impl_->sequences.push_back({name, length});
+    return index;
+}
+
+void TraceWriter::write_attention_rows(int sequence, int layer, int head, int64_t first_step,
+                                       std::span<const float> rows) {
+    const hid_t file = impl_->h5.get();
+    const int64_t length = impl_->sequences.at(sequence).length;
+    const std::string path = attention_path(sequence, layer, head);
+    Handle dataset;
+    if (H5Lexists(file, sequence_group(sequence).c_str(), H5P_DEFAULT) > 0 &&
+        H5Lexists(file, (sequence_group(sequence) + "/attention").c_str(), H5P_DEFAULT) > 0 &&
+        H5Lexists(file, (sequence_group(sequence) + "/attention/" + layer_name(layer)).c_str(), H5P_DEFAULT) > 0 &&
+        H5Lexists(file, path.c_str(), H5P_DEFAULT) > 0) {
+        dataset = dataset_handle(H5Dopen2(file, path.c_str(), H5P_DEFAULT));
+    } else {
+        Handle group = ensure_group(file, sequence_group(sequence) + "/attention/" + layer_name(layer));
+        const hsize_t total = static_cast<hsize_t>(attention_row_offset(length));
+        const hsize_t chunk = std::max<hsize_t>(1, std::min(total, kAttentionChunk));
+        Handle space = space_handle(H5Screate_simple(1, &total, nullptr));
+        Handle layout = compressed_layout(1, &chunk);
+        dataset = dataset_handle(H5Dcreate2(group.get(), head_name(head).c_str(), H5T_IEEE_F32LE, space.get(),
+                                            H5P_DEFAULT, layout.get(), H5P_DEFAULT));
+    }
+    if (!dataset.valid()) throw std::runtime_error("cannot create dataset " + path);
+    const hsize_t offset = static_cast<hsize_t>(attention_row_offset(first_step));
+    const hsize_t count = rows.size();
+    Handle file_space = space_handle(H5Dget_space(dataset.get()));
+    H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, &offset, nullptr, &count, nullptr);
+    Handle mem_space = space_handle(H5Screate_simple(1, &count, nullptr));
+    if (H5Dwrite(dataset.get(), H5T_NATIVE_FLOAT, mem_space.get(), file_space.get(), H5P_DEFAULT, rows.data()) < 0)
+        throw std::runtime_error("cannot write dataset " + path);
+}
+
+void TraceWriter::write_qkv(int sequence, int layer, const QkvLayer& data, TensorDtype dtype) {
+    const TraceMetadata& m = impl_->metadata;
+    Handle group = ensure_group(impl_->h5.get(), sequence_group(sequence) + "/qkv/" + layer_name(layer));
+    Handle half = float16_type();
+    const hid_t file_type = dtype == TensorDtype::float16 ? half.get() : H5T_IEEE_F32LE;
+    auto write = [&](const char* name, const std::vector<float>& values, int64_t heads) {
+        const hsize_t dims[3] = {static_cast<hsize_t>(data.tokens), static_cast<hsize_t>(heads),
+                                 static_cast<hsize_t>(m.head_dim)};
+        if (values.size() != dims[0] * dims[1] * dims[2])
+            throw std::logic_error(std::string("write_qkv: ") + name + " has the wrong size");
+        const hsize_t chunk[3] = {std::max<hsize_t>(1, std::min<hsize_t>(dims[0], 256)), dims[1], dims[2]};
+        Handle space = space_handle(H5Screate_simple(3, dims, nullptr));
+        Handle layout = compressed_layout(3, chunk);
+        Handle dataset =
+            dataset_handle(H5Dcreate2(group.get(), name, file_type, space.get(), H5P_DEFAULT, layout.get(), H5P_DEFAULT));
+        herr_t status;
+        if (dtype == TensorDtype::float16) {
+            // Round to nearest even ourselves and hand HDF5 the bits, so no conversion path is in doubt.
+            std::vector<Eigen::half> halves(values.begin(), values.end());
+            status = H5Dwrite(dataset.get(), half.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, halves.data());
+        } else {
+            status = H5Dwrite(dataset.get(), H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, values.data());
+        }
+        if (!dataset.valid() || status < 0) throw std::runtime_error(std::string("cannot write dataset ") + name);
+    };
+    write("q", data.q, m.num_query_heads);
+    write("k", data.k, m.num_kv_heads);
+    write("v", data.v, m.num_kv_heads);
+}
+
+void TraceWriter::write_tokens(int sequence, std::span<const int32_t> tokens) {
+    Handle group = ensure_group(impl_->h5.get(), sequence_group(sequence));
+    const hsize_t n = tokens.size();
+    Handle space = space_handle(H5Screate_simple(1, &n, nullptr));
+    Handle dataset = dataset_handle(
+        H5Dcreate2(group.get(), "tokens", H5T_STD_I32LE, space.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT));
+    if (!dataset.valid() || H5Dwrite(dataset.get(), H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, tokens.data()) < 0)
+        throw std::runtime_error("cannot write tokens");
+}
+
+void TraceWriter::commit() {
+    write_int_attr(impl_->h5.get(), "num_sequences", static_cast<int64_t>(impl_->sequences.size()));
+    impl_->h5.reset();
+    impl_->file.commit();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reader
+
+struct TraceReader::Impl {
+    std::string path;
+    Handle h5;
+    TraceMetadata metadata;
+    std::vector<SequenceInfo> sequences;
+
+    [[noreturn]] void fail(const std::string& what) const { throw InputError(path + ": " + what); }
+
+    Handle open_attr(hid_t obj, const std::string& obj_name, const char* name) const {
+        if (H5Aexists(obj, name) <= 0) fail(obj_name + "missing attribute '" + name + "'");
+        return attr_handle(H5Aopen(obj, name, H5P_DEFAULT));
+    }
+
+    std::string string_attr(hid_t obj, const std::string& obj_name, const char* name) const {
+        Handle attr = open_attr(obj, obj_name, name);
+        Handle type = type_handle(H5Aget_type(attr.get()));
+        if (H5Tget_class(type.get()) != H5T_STRING || H5Tis_variable_str(type.get()) > 0)
+            fail(obj_name + "attribute '" + std::string(name) + "' is not a fixed-length string");
+        std::string value(H5Tget_size(type.get()), '\0');
+        if (H5Aread(attr.get(), type.get(), value.data()) < 0) fail(obj_name + "cannot read attribute '" + name + "'");
+        value.resize(std::strlen(value.c_str()));
+        return value;
+    }
+
+    int64_t int_attr(hid_t obj, const std::string& obj_name, const char* name, int64_t min_value) const {
+        Handle attr = open_attr(obj, obj_name, name);
+        Handle type = type_handle(H5Aget_type(attr.get()));
+        Handle space = space_handle(H5Aget_space(attr.get()));
+        if (H5Tget_class(type.get()) != H5T_INTEGER || H5Sget_simple_extent_npoints(space.get()) != 1)
+            fail(obj_name + "attribute '" + std::string(name) + "' is not an integer");
+        int64_t value = 0;
+        if (H5Aread(attr.get(), H5T_NATIVE_INT64, &value) < 0) fail(obj_name + "cannot read attribute '" + name + "'");
+        if (value < min_value)
+            fail(obj_name + "attribute '" + name + "' = " + std::to_string(value) + " must be >= " +
+                 std::to_string(min_value));
+        return value;
+    }
+
+    // Opens a dataset and checks its element class and shape.
+    Handle open_dataset(const std::string& name, H5T_class_t element_class, const std::vector<hsize_t>& shape) const {
+        if (H5Lexists(h5.get(), name.c_str(), H5P_DEFAULT) <= 0 || H5Oexists_by_name(h5.get(), name.c_str(), H5P_DEFAULT) <= 0)
+            fail("missing dataset '" + name + "'");
+        Handle dataset = dataset_handle(H5Dopen2(h5.get(), name.c_str(), H5P_DEFAULT));
+        if (!dataset.valid()) fail("cannot open dataset '" + name + "'");
+        Handle type = type_handle(H5Dget_type(dataset.get()));
+        if (H5Tget_class(type.get()) != element_class)
+            fail("dataset '" + name + "' has the wrong element type");
+        Handle space = space_handle(H5Dget_space(dataset.get()));
+        const int rank = H5Sget_simple_extent_ndims(space.get());
+        std::vector<hsize_t> dims(std::max(rank, 0));
+        if (rank > 0) H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr);
+        if (dims != shape) {
+            auto show = [](const std::vector<hsize_t>& d) {
+                std::string s = "[";
+                for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+                return s + "]";
+            };
+            fail("dataset '" + name + "' has shape " + show(dims) + ", expected " + show(shape));
+        }
+        return dataset;
+    }
+
+    void read_all(const std::string& name, const Handle& dataset, hid_t mem_type, void* out) const {
+        if (H5Dread(dataset.get(), mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, out) < 0)
+            fail("cannot read dataset '" + name + "' (truncated or corrupt)");
+    }
+};
+
+TraceReader::TraceReader(const std::string& path) : impl_(std::make_unique<Impl>()) {
+    Impl& r = *impl_;
+    r.path = path;
+    if (!std::filesystem::exists(path)) r.fail("no such file");
+    if (H5Fis_hdf5(path.c_str()) <= 0) r.fail("not an HDF5 file");
+    r.h5 = Handle(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+    if (!r.h5.valid()) r.fail("cannot open as HDF5 (truncated or corrupt)");
+    const hid_t root = r.h5.get();
+    if (H5Aexists(root, "format") <= 0) r.fail("not a kvsim trace (no root attribute 'format')");
+    const std::string format = r.string_attr(root, "", "format");
+    if (format != kTraceFormat) r.fail("not a kvsim trace (root attribute 'format' is '" + format + "')");
+    const int64_t version = r.int_attr(root, "", "format_version", 0);
+    if (version != kTraceFormatVersion)
+        r.fail("root attribute 'format_version' is " + std::to_string(version) + "; this kvsim reads version " +
+               std::to_string(kTraceFormatVersion));
+
+    TraceMetadata& m = r.metadata;
+    const std::string kind = r.string_attr(root, "", "kind");
+    if (kind == "attention")
+        m.kind = TraceKind::attention;
+    else if (kind == "qkv")
+        m.kind = TraceKind::qkv;
+    else
+        r.fail("root attribute 'kind' is '" + kind + "' (expected attention or qkv)");
+    m.model_name = r.string_attr(root, "", "model_name");
+    m.num_layers = r.int_attr(root, "", "num_layers", 1);
+    m.num_query_heads = r.int_attr(root, "", "num_query_heads", 1);
+    m.num_kv_heads = r.int_attr(root, "", "num_kv_heads", 1);
+    m.head_dim = r.int_attr(root, "", "head_dim", m.kind == TraceKind::qkv ? 1 : 0);
+    if (m.num_query_heads % m.num_kv_heads != 0)
+        r.fail("root attributes: num_query_heads " + std::to_string(m.num_query_heads) +
+               " is not a multiple of num_kv_heads " + std::to_string(m.num_kv_heads));
+    m.source_kind = r.string_attr(root, "", "source_kind");
+    m.source_generator = r.string_attr(root, "", "source_generator");
+    m.source_seed = r.int_attr(root, "", "source_seed", INT64_MIN);
+    m.source_model_file = r.string_attr(root, "", "source_model_file");
+    m.source_model_sha256 = r.string_attr(root, "", "source_model_sha256");
+    m.source_text_sha256 = r.string_attr(root, "", "source_text_sha256");
+    m.kvsim_version = r.string_attr(root, "", "kvsim_version");
+
+    const int64_t num_sequences = r.int_attr(root, "", "num_sequences", 1);
+    for (int s = 0; s < num_sequences; ++s) {
+        const std::string group_name = sequence_group(s);
+        if (H5Lexists(root, "/sequences", H5P_DEFAULT) <= 0 || H5Lexists(root, group_name.c_str(), H5P_DEFAULT) <= 0)
+            r.fail("missing group '" + group_name + "'");
+        Handle group = group_handle(H5Gopen2(root, group_name.c_str(), H5P_DEFAULT));
+        SequenceInfo info;
+        info.name = r.string_attr(group.get(), group_name + ": ", "name");
+        info.length = r.int_attr(group.get(), group_name + ": ", "length", 2);
+        r.sequences.push_back(info);
+        // Check every dataset's shape now, so a replay never fails half-way through.
+        for (int layer = 0; layer < m.num_layers; ++layer) {
+            if (m.kind == TraceKind::attention) {
+                for (int head = 0; head < m.num_query_heads; ++head)
+                    r.open_dataset(attention_path(s, layer, head), H5T_FLOAT,
+                                   {static_cast<hsize_t>(attention_row_offset(info.length))});
+            } else {
+                const hsize_t t = info.length, d = m.head_dim;
+                r.open_dataset(qkv_path(s, layer, "q"), H5T_FLOAT, {t, static_cast<hsize_t>(m.num_query_heads), d});
+                r.open_dataset(qkv_path(s, layer, "k"), H5T_FLOAT, {t, static_cast<hsize_t>(m.num_kv_heads), d});
+                r.open_dataset(qkv_path(s, layer, "v"), H5T_FLOAT, {t, static_cast<hsize_t>(m.num_kv_heads), d});
+            }
+        }
+        const std::string tokens = group_name + "/tokens";
+        if (H5Lexists(root, tokens.c_str(), H5P_DEFAULT) > 0)
+            r.open_dataset(tokens, H5T_INTEGER, {static_cast<hsize_t>(info.length)});
+    }
+}
+
+TraceReader::~TraceReader() = default;
+const std::string& TraceReader::path() const { return impl_->path; }
+const TraceMetadata& TraceReader::metadata() const { return impl_->metadata; }
+const std::vector<SequenceInfo>& TraceReader::sequences() const { return impl_->sequences; }
+
+void TraceReader::read_attention_rows(int sequence, int layer, int head, int64_t first_step, int64_t end_step,
+                                      std::vector<float>& out) const {
+    const std::string name = attention_path(sequence, layer, head);
+    Handle dataset = dataset_handle(H5Dopen2(impl_->h5.get(), name.c_str(), H5P_DEFAULT));
+    const hsize_t offset = static_cast<hsize_t>(attention_row_offset(first_step));
+    const hsize_t count = static_cast<hsize_t>(attention_row_offset(end_step)) - offset;
+    out.resize(count);
+    Handle file_space = space_handle(H5Dget_space(dataset.get()));
+    H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, &offset, nullptr, &count, nullptr);
+    Handle mem_space = space_handle(H5Screate_simple(1, &count, nullptr));
+    if (H5Dread(dataset.get(), H5T_NATIVE_FLOAT, mem_space.get(), file_space.get(), H5P_DEFAULT, out.data()) < 0)
+        impl_->fail("cannot read dataset '" + name + "' (truncated or corrupt)");
+}
+
+QkvLayer TraceReader::read_qkv(int sequence, int layer) const {
+    const TraceMetadata& m = impl_->metadata;
+    if (m.kind != TraceKind::qkv) impl_->fail("is an attention trace; it holds no Q/K/V");
+    QkvLayer data;
+    data.tokens = impl_->sequences.at(sequence).length;
+    const hsize_t t = data.tokens, d = m.head_dim;
+    auto read = [&](const char* tensor, std::vector<float>& out, int64_t heads) {
+        const std::string name = qkv_path(sequence, layer, tensor);
+        Handle dataset = impl_->open_dataset(name, H5T_FLOAT, {t, static_cast<hsize_t>(heads), d});
+        out.resize(t * heads * d);
+        impl_->read_all(name, dataset, H5T_NATIVE_FLOAT, out.data());
+    };
+    read("q", data.q, m.num_query_heads);
+    read("k", data.k, m.num_kv_heads);
+    read("v", data.v, m.num_kv_heads);
+    return data;
+}
+
+std::vector<int32_t> TraceReader::read_tokens(int sequence) const {
+    const std::string name = sequence_group(sequence) + "/tokens";
+    if (H5Lexists(impl_->h5.get(), name.c_str(), H5P_DEFAULT) <= 0) return {};
+    const hsize_t length = impl_->sequences.at(sequence).length;
+    Handle dataset = impl_->open_dataset(name, H5T_INTEGER, {length});
+    std::vector<int32_t> tokens(length);
+    impl_->read_all(name, dataset, H5T_NATIVE_INT32, tokens.data());
+    return tokens;
+}
+
+uint64_t TraceReader::file_bytes() const { return std::filesystem::file_size(impl_->path); }
+
+std::vector<DatasetSize> TraceReader::dataset_sizes() const {
+    std::vector<DatasetSize> sizes;
+    const TraceMetadata& m = impl_->metadata;
+    auto add = [&](const std::string& name) {
+        Handle dataset = dataset_handle(H5Dopen2(impl_->h5.get(), name.c_str(), H5P_DEFAULT));
+        Handle type = type_handle(H5Dget_type(dataset.get()));
+        Handle space = space_handle(H5Dget_space(dataset.get()));
+        const uint64_t raw = static_cast<uint64_t>(H5Sget_simple_extent_npoints(space.get())) * H5Tget_size(type.get());
+        sizes.push_back({name, raw, H5Dget_storage_size(dataset.get())});
+    };
+    for (size_t s = 0; s < impl_->sequences.size(); ++s)
+        for (int layer = 0; layer < m.num_layers; ++layer) {
+            if (m.kind == TraceKind::attention) {
+                for (int head = 0; head < m.num_query_heads; ++head) add(attention_path(s, layer, head));
+            } else {
+                for (const char* tensor : {"q", "k", "v"}) add(qkv_path(s, layer, tensor));
+            }
+        }
+    return sizes;
+}
+
+}  // namespace kvsim

@@ -1,0 +1,109 @@
+// The kvsim trace store: recorded attention (or the Q/K/V it comes from) in HDF5, schema
+// version 1, documented in docs/trace-format.md. The reader validates every attribute and shape
+// before use and reads one (layer, head) block of steps at a time, so replay memory stays bounded.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace kvsim {
+
+inline constexpr const char* kTraceFormat = "kvsim-trace";
+inline constexpr int64_t kTraceFormatVersion = 1;
+
+enum class TraceKind { attention, qkv };
+enum class TensorDtype { float32, float16 };
+
+const char* to_string(TraceKind kind);
+
+struct TraceMetadata {
+    TraceKind kind = TraceKind::attention;
+    std::string model_name;
+    int64_t num_layers = 1;
+    int64_t num_query_heads = 1;
+    int64_t num_kv_heads = 1;
+    int64_t head_dim = 0;  // 0 when the trace has no Q/K/V (a synthetic attention trace)
+    std::string source_kind;       // "synthetic" or "model"
+    std::string source_generator;  // e.g. "policybook/decode-4096"
+    int64_t source_seed = 0;
+    std::string source_model_file;
+    std::string source_model_sha256;
+    std::string source_text_sha256;
+    std::string kvsim_version;  // filled in by the writer
+};
+
+struct SequenceInfo {
+    std::string name;
+    int64_t length = 0;  // tokens; an attention trace has decode steps 1..length-1
+};
+
+// Offset of decode step t's row in a packed attention dataset (rows 1..T-1, row t has t weights).
+inline int64_t attention_row_offset(int64_t step) { return step * (step - 1) / 2; }
+
+// End (exclusive) of a block of decode steps that starts at first_step, ends by last_step and
+// holds at most max_floats packed weights (always at least one row): readers stream in blocks.
+inline int64_t attention_block_end(int64_t first_step, int64_t last_step, int64_t max_floats) {
+    int64_t end = first_step + 1;
+    while (end <= last_step && attention_row_offset(end + 1) - attention_row_offset(first_step) <= max_floats) ++end;
+    return end;
+}
+
+struct QkvLayer {
+    int64_t tokens = 0;
+    std::vector<float> q;  // [tokens][num_query_heads][head_dim]
+    std::vector<float> k;  // [tokens][num_kv_heads][head_dim]
+    std::vector<float> v;  // [tokens][num_kv_heads][head_dim]
+};
+
+class TraceWriter {
+public:
+    // Creates the file under a temporary name; commit() publishes it.
+    TraceWriter(const std::string& path, TraceMetadata metadata);
+    ~TraceWriter();
+
+    int add_sequence(const std::string& name, int64_t length);
+    // Writes decode steps [first_step, first_step + rows) of one (layer, query head), packed.
+    void write_attention_rows(int sequence, int layer, int head, int64_t first_step, std::span<const float> rows);
+    void write_qkv(int sequence, int layer, const QkvLayer& layer_data, TensorDtype dtype);
+    void write_tokens(int sequence, std::span<const int32_t> tokens);
+    void commit();
+
+private:
+    struct Impl;
+    std::unique_ptr<Impl> impl_;
+};
+
+struct DatasetSize {
+    std::string name;
+    uint64_t raw_bytes = 0;
+    uint64_t stored_bytes = 0;
+};
+
+class TraceReader {
+public:
+    // Throws InputError naming the file and the attribute or dataset at the first problem.
+    explicit TraceReader(const std::string& path);
+    ~TraceReader();
+
+    const std::string& path() const;
+    const TraceMetadata& metadata() const;
+    const std::vector<SequenceInfo>& sequences() const;
+
+    // Decode steps [first_step, end_step) of one (sequence, layer, query head), packed row after
+    // row, into out (resized).
+    void read_attention_rows(int sequence, int layer, int head, int64_t first_step, int64_t end_step,
+                             std::vector<float>& out) const;
+    QkvLayer read_qkv(int sequence, int layer) const;
+    std::vector<int32_t> read_tokens(int sequence) const;  // empty when the trace stores none
+
+    uint64_t file_bytes() const;
+    std::vector<DatasetSize> dataset_sizes() const;
+
+private:
+    struct Impl;
+    std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvsim

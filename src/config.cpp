@@ -1,0 +1,260 @@
+#include "src/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <charconv>
+#include <cmath>
+#include <filesystem>
+#include <set>
+
+#include "src/errors.h"
+
+namespace kvsim {
+namespace {
+
+class ConfigParser {
+public:
+    explicit ConfigParser(std::string file) : file_(std::move(file)) {}
+
+    [[noreturn]] void fail(const YAML::Node& node, const std::string& key, const std::string& what) const {
+        std::string where = file_;
+        if (node.IsDefined() && node.Mark().line >= 0) where += ":" + std::to_string(node.Mark().line + 1);
+        throw InputError(where + ": " + (key.empty() ? "" : key + ": ") + what);
+    }
+    std::string where(const YAML::Node& node, const std::string& key) const {
+        std::string w = file_;
+        if (node.IsDefined() && node.Mark().line >= 0) w += ":" + std::to_string(node.Mark().line + 1);
+        return w + ": " + key;
+    }
+
+    double number(const YAML::Node& node, const std::string& key) const {
+        if (!node.IsScalar()) fail(node, key, "expected a number");
+        const std::string text = node.Scalar();
+        double value = 0;
+        const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+        if (ec != std::errc() || end != text.data() + text.size() || !std::isfinite(value))
+            fail(node, key, "expected a number, got '" + text + "'");
+        return value;
+    }
+
+    int64_t integer(const YAML::Node& node, const std::string& key, int64_t min_value) const {
+        const double value = number(node, key);
+        if (value != std::floor(value)) fail(node, key, "expected an integer, got " + node.Scalar());
+        if (value < static_cast<double>(min_value))
+            fail(node, key, "must be >= " + std::to_string(min_value) + ", got " + node.Scalar());
+        if (value > 1e12) fail(node, key, node.Scalar() + " is too large");
+        return static_cast<int64_t>(value);
+    }
+
+    std::string string(const YAML::Node& node, const std::string& key) const {
+        if (!node.IsScalar()) fail(node, key, "expected a string");
+        return node.Scalar();
+    }
+
+    bool boolean(const YAML::Node& node, const std::string& key) const {
+        bool value = false;
+        if (!node.IsScalar() || !YAML::convert<bool>::decode(node, value)) fail(node, key, "expected true or false");
+        return value;
+    }
+
+    // Checks a map's keys against the allowed ones.
+    void only_keys(const YAML::Node& map, const std::string& key, const std::set<std::string>& allowed) const {
+        if (!map.IsMap()) fail(map, key, "expected a map");
+        for (const auto& item : map) {
+            const std::string name = item.first.as<std::string>();
+            if (!allowed.count(name)) {
+                std::string known;
+                for (const auto& a : allowed) known += (known.empty() ? "" : ", ") + a;
+                fail(item.first, key.empty() ? name : key + "." + name, "unknown key (known: " + known + ")");
+            }
+        }
+    }
+
+    // A list item that is a name, or a one-key map from the name to its options.
+    std::pair<std::string, YAML::Node> named_item(const YAML::Node& item, const std::string& key) const {
+        if (item.IsScalar()) return {item.Scalar(), YAML::Node()};
+        if (item.IsMap() && item.size() == 1) {
+            const auto entry = *item.begin();
+            return {string(entry.first, key), entry.second};
+        }
+        fail(item, key, "expected a name, or a one-key map from a name to its parameters");
+    }
+
+    std::string file_;
+};
+
+// Paths inside a config are relative to the config file, so it runs from any folder.
+std::string resolve_against(const std::string& config_path, const std::string& relative) {
+    const std::filesystem::path p(relative);
+    if (p.is_absolute()) return p.string();
+    return (std::filesystem::path(config_path).parent_path() / p).lexically_normal().string();
+}
+
+}  // namespace
+
+ExperimentConfig load_config(const std::string& path) {
+    ConfigParser p(path);
+    if (!std::filesystem::exists(path)) throw InputError(path + ": no such file");
+    YAML::Node root;
+    try {
+        root = YAML::LoadFile(path);
+    } catch (const YAML::BadFile&) {
+        throw InputError(path + ": cannot read");
+    } catch (const YAML::ParserException& e) {
+        throw InputError(path + ":" + std::to_string(e.mark.line + 1) + ": YAML syntax error: " + e.msg);
+    }
+    if (!root.IsMap()) throw InputError(path + ": expected a map of keys (trace, budgets, policies, ...)");
+    p.only_keys(root, "", {"trace", "budgets", "policies", "metrics", "grid", "output"});
+
+    ExperimentConfig config;
+    config.file = path;
+
+    // trace: a path, or {synthetic: policybook, name: decode-4096, max_steps: N}
+    const YAML::Node trace = root["trace"];
+    if (!trace) throw InputError(path + ": missing key 'trace'");
+    config.trace.where = p.where(trace, "trace");
+    if (trace.IsScalar()) {
+        config.trace.path = resolve_against(path, trace.Scalar());
+    } else {
+        p.only_keys(trace, "trace", {"synthetic", "name", "max_steps", "path"});
+        if (trace["path"]) {
+            if (trace["synthetic"]) p.fail(trace, "trace", "give either 'path' or 'synthetic', not both");
+            config.trace.path = resolve_against(path, p.string(trace["path"], "trace.path"));
+        } else {
+            if (!trace["synthetic"]) p.fail(trace, "trace", "missing key 'synthetic' (or 'path')");
+            config.trace.synthetic = p.string(trace["synthetic"], "trace.synthetic");
+            if (config.trace.synthetic != "policybook")
+                p.fail(trace["synthetic"], "trace.synthetic", "unknown generator '" + config.trace.synthetic +
+                                                                  "' (known: policybook)");
+            config.trace.name = trace["name"] ? p.string(trace["name"], "trace.name") : "decode-4096";
+        }
+        if (trace["max_steps"]) config.trace.max_steps = p.integer(trace["max_steps"], "trace.max_steps", 1);
+    }
+
+    const YAML::Node budgets = root["budgets"];
+    if (!budgets) throw InputError(path + ": missing key 'budgets'");
+    if (!budgets.IsSequence()) p.fail(budgets, "budgets", "expected a list of integers, e.g. [256, 512, 1024]");
+    if (budgets.size() == 0) p.fail(budgets, "budgets", "empty list");
+    for (std::size_t i = 0; i < budgets.size(); ++i) {
+        const std::string key = "budgets[" + std::to_string(i) + "]";
+        config.budgets.push_back(static_cast<int>(p.integer(budgets[i], key, 1)));
+        if (config.budgets.back() > 100000000) p.fail(budgets[i], key, "budget too large");
+    }
+
+    const YAML::Node policies = root["policies"];
+    if (!policies) throw InputError(path + ": missing key 'policies'");
+    if (!policies.IsSequence() || policies.size() == 0)
+        p.fail(policies, "policies", "expected a non-empty list of policies");
+    for (std::size_t i = 0; i < policies.size(); ++i) {
+        const std::string key = "policies[" + std::to_string(i) + "]";
+        auto [name, params] = p.named_item(policies[i], key);
+        PolicyEntry entry;
+        entry.name = name;
+        entry.where = p.where(policies[i], key + "." + name);
+        if (params && !params.IsNull()) {
+            if (!params.IsMap()) p.fail(params, key + "." + name, "expected a map of parameters");
+            for (const auto& kv : params) {
+                const std::string param = p.string(kv.first, key + "." + name);
+                entry.params[param] = p.number(kv.second, key + "." + name + "." + param);
+            }
+        }
+        config.policies.push_back(entry);
+    }
+
+    if (const YAML::Node metrics = root["metrics"]) {
+        if (!metrics.IsSequence() || metrics.size() == 0) p.fail(metrics, "metrics", "expected a non-empty list");
+        config.metrics.clear();
+        for (std::size_t i = 0; i < metrics.size(); ++i) {
+            const std::string key = "metrics[" + std::to_string(i) + "]";
+            auto [name, options] = p.named_item(metrics[i], key);
+            bool known = false;
+            for (const auto& m : known_metrics()) known |= (m == name);
+            if (!known) {
+                std::string list;
+                for (const auto& m : known_metrics()) list += (list.empty() ? "" : ", ") + m;
+                p.fail(metrics[i], key, "unknown metric '" + name + "' (known: " + list + ")");
+            }
+            if (options && !options.IsNull()) {
+                if (name != "heavy_hitter_recall") p.fail(options, key + "." + name, "takes no options");
+                p.only_keys(options, key + "." + name, {"k"});
+                if (options["k"]) config.heavy_hitter_k = static_cast<int>(p.integer(options["k"], key + ".k", 1));
+            }
+            config.metrics.push_back(name);
+        }
+    }
+
+    if (const YAML::Node grid = root["grid"]) {
+        if (!grid.IsMap()) p.fail(grid, "grid", "expected a map from policy.parameter to a list of values");
+        for (const auto& kv : grid) {
+            const std::string axis_key = p.string(kv.first, "grid");
+            const std::string key = "grid." + axis_key;
+            GridAxis axis;
+            const auto dot = axis_key.find('.');
+            if (dot == std::string::npos || dot == 0 || dot + 1 == axis_key.size())
+                p.fail(kv.first, key, "expected policy.parameter, e.g. h2o.recent_window");
+            axis.policy = axis_key.substr(0, dot);
+            axis.param = axis_key.substr(dot + 1);
+            axis.where = p.where(kv.first, key);
+            if (!kv.second.IsSequence() || kv.second.size() == 0) p.fail(kv.second, key, "expected a non-empty list");
+            for (std::size_t i = 0; i < kv.second.size(); ++i)
+                axis.values.push_back(p.number(kv.second[i], key + "[" + std::to_string(i) + "]"));
+            config.grid.push_back(axis);
+        }
+    }
+
+    config.output_dir = "results/" + std::filesystem::path(path).stem().string();
+    if (const YAML::Node output = root["output"]) {
+        p.only_keys(output, "output", {"dir", "format", "per_layer"});
+        if (output["dir"]) config.output_dir = p.string(output["dir"], "output.dir");
+        if (output["format"]) {
+            config.output_format = p.string(output["format"], "output.format");
+            if (config.output_format != "table" && config.output_format != "csv" && config.output_format != "json")
+                p.fail(output["format"], "output.format", "expected table, csv or json");
+        }
+        if (output["per_layer"]) config.per_layer = p.boolean(output["per_layer"], "output.per_layer");
+    }
+    return config;
+}
+
+std::vector<int> parse_budget_list(const std::string& text, const std::string& where) {
+    std::vector<int> budgets;
+    std::size_t start = 0;
+    while (start <= text.size()) {
+        std::size_t comma = text.find(',', start);
+        if (comma == std::string::npos) comma = text.size();
+        const std::string item = text.substr(start, comma - start);
+        int value = 0;
+        const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), value);
+        if (item.empty() || ec != std::errc() || end != item.data() + item.size() || value < 1)
+            throw InputError(where + ": '" + item + "' is not a budget (an integer >= 1)");
+        budgets.push_back(value);
+        start = comma + 1;
+    }
+    return budgets;
+}
+
+GridAxis parse_grid_flag(const std::string& text, const std::string& where) {
+    const auto eq = text.find('=');
+    const auto dot = text.find('.');
+    if (eq == std::string::npos || dot == std::string::npos || dot == 0 || dot + 1 >= eq || eq + 1 >= text.size())
+        throw InputError(where + ": '" + text + "' is not policy.parameter=v1,v2,... (e.g. h2o.recent_window=16,32,64)");
+    GridAxis axis;
+    axis.policy = text.substr(0, dot);
+    axis.param = text.substr(dot + 1, eq - dot - 1);
+    axis.where = where + " " + text.substr(0, eq);
+    std::size_t start = eq + 1;
+    while (start <= text.size()) {
+        std::size_t comma = text.find(',', start);
+        if (comma == std::string::npos) comma = text.size();
+        const std::string item = text.substr(start, comma - start);
+        double value = 0;
+        const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), value);
+        if (item.empty() || ec != std::errc() || end != item.data() + item.size() || !std::isfinite(value))
+            throw InputError(where + ": '" + item + "' in '" + text + "' is not a number");
+        axis.values.push_back(value);
+        start = comma + 1;
+    }
+    return axis;
+}
+
+}  // namespace kvsim

@@ -1,0 +1,60 @@
+// The declarative experiment config (YAML), parsed and checked up front: every mistake is one
+// InputError naming the file, the line and the key.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace kvsim {
+
+// A policy as the config names it, with the parameters the config gives (defaults come later).
+struct PolicyEntry {
+    std::string name;
+    std::map<std::string, double> params;
+    std::string where;  // "FILE:LINE: policies[2]" for error messages
+};
+
+// One sweep axis: a policy parameter and the values it takes.
+struct GridAxis {
+    std::string policy;
+    std::string param;
+    std::vector<double> values;
+    std::string where;
+};
+
+struct TraceRef {
+    std::string path;       // a trace file, resolved against the config file's folder; or
+    std::string synthetic;  // a generator ("policybook") and
+    std::string name;       // its trace name ("decode-4096")
+    int64_t max_steps = 0;  // 0: every step
+    std::string where;
+};
+
+inline const std::vector<std::string>& known_metrics() {
+    static const std::vector<std::string> metrics = {"retained_mass", "heavy_hitter_recall", "eviction_calls",
+                                                     "policy_bytes_per_slot"};
+    return metrics;
+}
+
+struct ExperimentConfig {
+    std::string file;
+    TraceRef trace;
+    std::vector<int> budgets;
+    std::vector<PolicyEntry> policies;
+    std::vector<std::string> metrics = {"retained_mass", "heavy_hitter_recall"};  // tables printed
+    int heavy_hitter_k = 32;
+    std::vector<GridAxis> grid;
+    std::string output_dir;  // relative to the current directory; default results/<config name>
+    std::string output_format = "table";
+    bool per_layer = false;
+};
+
+ExperimentConfig load_config(const std::string& path);
+
+// "--budgets 64,128,256"
+std::vector<int> parse_budget_list(const std::string& text, const std::string& where);
+// "--set h2o.recent_window=16,32,64"
+GridAxis parse_grid_flag(const std::string& text, const std::string& where);
+
+}  // namespace kvsim

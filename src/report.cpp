@@ -1,0 +1,149 @@
+#include "src/report.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <set>
+
+#include "sim/sweep.h"
+
+namespace kvsim {
+
+double round6(double x) { return std::isfinite(x) ? std::floor(x * 1e6 + 0.5) / 1e6 : x; }
+
+namespace {
+
+std::string metric_cell(const ResultRecord& r, const std::string& metric) {
+    char text[48];
+    if (metric == "retained_mass")
+        std::snprintf(text, sizeof text, "%.6f", round6(r.retained_mass));
+    else if (metric == "heavy_hitter_recall")
+        std::snprintf(text, sizeof text, "%.6f", round6(r.heavy_hitter_recall));
+    else if (metric == "eviction_calls")
+        std::snprintf(text, sizeof text, "%lld", static_cast<long long>(r.eviction_calls));
+    else
+        std::snprintf(text, sizeof text, "%zu", r.policy_bytes_per_slot);
+    return text;
+}
+
+const char* metric_title(const std::string& metric) {
+    if (metric == "retained_mass") return "retained attention mass (mean over steps, before eviction)";
+    if (metric == "heavy_hitter_recall") return "heavy-hitter recall (top-k positions of each step kept)";
+    if (metric == "eviction_calls") return "eviction calls";
+    return "policy bookkeeping bytes per cached token";
+}
+
+std::string json_string(const std::string& s) {
+    std::string out = "\"";
+    for (unsigned char c : s) {
+        if (c == '"' || c == '\\') {
+            out += '\\';
+            out += static_cast<char>(c);
+        } else if (c < 0x20) {
+            char esc[8];
+            std::snprintf(esc, sizeof esc, "\\u%04x", c);
+            out += esc;
+        } else {
+            out += static_cast<char>(c);
+        }
+    }
+    return out + "\"";
+}
+
+std::string json_number(double x) {
+    if (!std::isfinite(x)) return "null";
+    char text[32];
+    std::snprintf(text, sizeof text, "%.17g", x);
+    return text;
+}
+
+std::string csv_field(const std::string& s) {
+    if (s.find_first_of(",\"\n") == std::string::npos) return s;
+    std::string out = "\"";
+    for (char c : s) out += (c == '"') ? std::string("\"\"") : std::string(1, c);
+    return out + "\"";
+}
+
+std::string params_text(const ParamValues& params) {
+    std::string text;
+    for (const auto& [name, value] : params) text += (text.empty() ? "" : ";") + name + "=" + format_param(value);
+    return text;
+}
+
+}  // namespace
+
+std::string format_table(const std::vector<ResultRecord>& records, const std::vector<std::string>& metrics,
+                         const std::string& title) {
+    std::vector<std::string> rows;
+    std::set<int> budget_set;
+    std::map<std::pair<std::string, int>, const ResultRecord*> cell;
+    for (const ResultRecord& r : records) {
+        if (r.layer >= 0) continue;
+        if (std::find(rows.begin(), rows.end(), r.label) == rows.end()) rows.push_back(r.label);
+        budget_set.insert(r.budget);
+        cell[{r.label, r.budget}] = &r;
+    }
+    const std::vector<int> budgets(budget_set.begin(), budget_set.end());
+    std::size_t label_width = 6;
+    for (const auto& row : rows) label_width = std::max(label_width, row.size());
+
+    std::string out = title.empty() ? "" : title + "\n";
+    for (const std::string& metric : metrics) {
+        out += "\n" + std::string(metric_title(metric)) + "\n";
+        std::string header = "  " + std::string("policy") + std::string(label_width - 6, ' ');
+        std::vector<std::size_t> widths;
+        for (int b : budgets) {
+            const std::string name = "B=" + std::to_string(b);
+            widths.push_back(std::max<std::size_t>(name.size(), 8));
+            header += "  " + std::string(widths.back() - name.size(), ' ') + name;
+        }
+        out += header + "\n  " + std::string(header.size() - 2, '-') + "\n";
+        for (const auto& row : rows) {
+            std::string line = "  " + row + std::string(label_width - row.size(), ' ');
+            for (std::size_t i = 0; i < budgets.size(); ++i) {
+                const auto it = cell.find({row, budgets[i]});
+                const std::string value = it == cell.end() ? "-" : metric_cell(*it->second, metric);
+                line += "  " + std::string(widths[i] > value.size() ? widths[i] - value.size() : 0, ' ') + value;
+            }
+            out += line + "\n";
+        }
+    }
+    return out;
+}
+
+std::string format_csv(const std::vector<ResultRecord>& records) {
+    std::string out = "policy,label,params,budget,layer,steps,retained_mass,heavy_hitter_recall,eviction_calls,"
+                      "policy_bytes_per_slot\n";
+    for (const ResultRecord& r : records) {
+        out += csv_field(r.policy) + "," + csv_field(r.label) + "," + csv_field(params_text(r.params)) + "," +
+               std::to_string(r.budget) + "," + (r.layer < 0 ? std::string("all") : std::to_string(r.layer)) + "," +
+               std::to_string(r.steps) + "," + json_number(r.retained_mass) + "," +
+               json_number(r.heavy_hitter_recall) + "," + std::to_string(r.eviction_calls) + "," +
+               std::to_string(r.policy_bytes_per_slot) + "\n";
+    }
+    return out;
+}
+
+std::string format_json(const std::vector<ResultRecord>& records, const std::string& trace) {
+    std::string out = "[\n";
+    for (std::size_t i = 0; i < records.size(); ++i) {
+        const ResultRecord& r = records[i];
+        std::string params = "{";
+        for (const auto& [name, value] : r.params)
+            params += (params.size() > 1 ? ", " : "") + json_string(name) + ": " + json_number(value);
+        params += "}";
+        out += "  {\"policy\": " + json_string(r.policy) + ", \"label\": " + json_string(r.label) +
+               ", \"params\": " + params + ", \"budget\": " + std::to_string(r.budget);
+        if (r.layer >= 0) out += ", \"layer\": " + std::to_string(r.layer);
+        out += ", \"trace\": " + json_string(trace) + ", \"steps\": " + std::to_string(r.steps) +
+               ", \"retained_mass\": " + json_number(r.retained_mass) +
+               ", \"heavy_hitter_recall\": " + json_number(r.heavy_hitter_recall) +
+               ", \"eviction_calls\": " + std::to_string(r.eviction_calls) +
+               ", \"policy_bytes_per_slot\": " + std::to_string(r.policy_bytes_per_slot) + "}";
+        out += (i + 1 < records.size() ? ",\n" : "\n");
+    }
+    return out + "]\n";
+}
+
+}  // namespace kvsim

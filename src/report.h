@@ -1,0 +1,33 @@
+// Results as a paper-style table (policy rows, budget columns), CSV and JSON records.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "policies/policy.h"
+
+namespace kvsim {
+
+struct ResultRecord {
+    std::string policy;  // registry name
+    std::string label;   // table row: name plus the parameters the user set
+    ParamValues params;  // every parameter, defaults included
+    int budget = 0;
+    int layer = -1;      // -1: over all layers
+    int64_t steps = 0;
+    double retained_mass = 0;
+    double heavy_hitter_recall = 0;
+    int64_t eviction_calls = 0;
+    std::size_t policy_bytes_per_slot = 0;
+};
+
+// round6 as the reference harness defines it: floor(x * 1e6 + 0.5) / 1e6.
+double round6(double x);
+
+// One table per metric; rows in first-seen order, budgets ascending. Whole-trace records only.
+std::string format_table(const std::vector<ResultRecord>& records, const std::vector<std::string>& metrics,
+                         const std::string& title);
+std::string format_csv(const std::vector<ResultRecord>& records);
+std::string format_json(const std::vector<ResultRecord>& records, const std::string& trace);
+
+}  // namespace kvsim

@@ -1,0 +1,166 @@
+"""End-to-end tests of the kvsim command line: outputs, bad input, exit codes.
+
+Run by meson test as: python3 tests/cli_test.py build/kvsim
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+KVSIM = None
+
+SMALL = """trace: {synthetic: policybook, name: decode-4096, max_steps: 600}
+budgets: [64, 128]
+policies: [sliding_window, streaming_llm, h2o, tova, snapkv]
+"""
+
+
+def read(path):
+    with open(path) as f:
+        return f.read()
+
+
+def kvsim(*args, cwd=None):
+    return subprocess.run([KVSIM, *args], capture_output=True, text=True, cwd=cwd)
+
+
+class Cli(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.dir = self.tmp.name
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    def write(self, name, text):
+        path = os.path.join(self.dir, name)
+        with open(path, "w") as f:
+            f.write(text)
+        return path
+
+    def assert_input_error(self, result, *fragments):
+        self.assertEqual(result.returncode, 2, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        self.assertEqual(len(lines), 1, result.stderr)
+        for fragment in fragments:
+            self.assertIn(fragment, lines[0])
+
+    def test_run_prints_a_table_and_writes_csv_and_json(self):
+        config = self.write("small.yaml", SMALL)
+        out = os.path.join(self.dir, "out")
+        result = kvsim("run", config, "--out", out)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("retained attention mass", result.stdout)
+        self.assertIn("B=128", result.stdout)
+        self.assertNotIn("\r", result.stderr)  # no progress bar when stderr is not a terminal
+        records = json.loads(read(os.path.join(out, "results.json")))
+        self.assertEqual(len(records), 10)
+        for key in ("policy", "params", "budget", "retained_mass", "heavy_hitter_recall", "eviction_calls",
+                    "policy_bytes_per_slot"):
+            self.assertIn(key, records[0])
+        self.assertEqual(records[0]["eviction_calls"], 600 - 64 + 1)
+        csv_lines = read(os.path.join(out, "results.csv")).splitlines()
+        self.assertEqual(len(csv_lines), 11)
+        self.assertEqual(sorted(os.listdir(out)), ["results.csv", "results.json"])  # no temporary files left
+
+    def test_format_json_and_csv_on_stdout(self):
+        config = self.write("small.yaml", SMALL)
+        result = kvsim("run", config, "--format", "json", "--out", os.path.join(self.dir, "o"), "-q")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertEqual(len(json.loads(result.stdout)), 10)
+        result = kvsim("run", config, "--format", "csv", "--out", os.path.join(self.dir, "o"), "-q")
+        self.assertTrue(result.stdout.startswith("policy,label,params,budget"))
+
+    def test_results_do_not_depend_on_threads(self):
+        config = self.write("small.yaml", SMALL)
+        one = kvsim("run", config, "--format", "json", "--threads", "1", "--out", os.path.join(self.dir, "a"), "-q")
+        two = kvsim("run", config, "--format", "json", "--threads", "2", "--out", os.path.join(self.dir, "b"), "-q")
+        self.assertEqual(one.returncode, 0, one.stderr)
+        self.assertEqual(one.stdout, two.stdout)
+
+    def test_sweep_crosses_config_and_command_line_grids(self):
+        config = self.write("sweep.yaml", SMALL + "grid: {snapkv.pool_kernel: [1, 7]}\n")
+        result = kvsim("sweep", config, "--budgets", "64,96,128", "--set", "h2o.recent_window=8,16,32",
+                       "--format", "json", "--out", os.path.join(self.dir, "o"), "-q")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        records = json.loads(result.stdout)
+        # (sliding + streaming + tova) x 3 budgets + h2o 3 windows x 3 + snapkv 2 kernels x 3 = 24
+        self.assertEqual(len(records), 24)
+        labels = {r["label"] for r in records}
+        self.assertIn("h2o(recent_window=8)", labels)
+        self.assertIn("snapkv(pool_kernel=1)", labels)
+        self.assertEqual({r["budget"] for r in records}, {64, 96, 128})
+
+    def test_trace_synth_info_and_replay_from_file(self):
+        trace = os.path.join(self.dir, "d.h5")
+        result = kvsim("trace", "synth", "policybook", "--name", "decode-4096", "-o", trace)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        info = kvsim("trace", "info", trace)
+        self.assertEqual(info.returncode, 0, info.stderr)
+        self.assertIn("kvsim-trace version 1", info.stdout)
+        self.assertIn("policybook/decode-4096, seed 7", info.stdout)
+        self.assertIn("4096 tokens", info.stdout)
+        from_file = self.write("file.yaml", "trace: d.h5\nbudgets: [256]\npolicies: [streaming_llm]\n")
+        result = kvsim("run", from_file, "--format", "json", "--out", os.path.join(self.dir, "o"), "-q")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        record = json.loads(result.stdout)[0]
+        self.assertEqual(round(record["retained_mass"], 6), 0.736691)
+        self.assertEqual(round(record["heavy_hitter_recall"], 6), 0.859419)
+
+    def test_policybook_config_reproduces_the_published_baselines(self):
+        result = kvsim("run", "configs/policybook.yaml", "--format", "json",
+                       "--out", os.path.join(self.dir, "o"), "-q")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        got = {(r["label"], r["budget"]): (round(r["retained_mass"], 6), round(r["heavy_hitter_recall"], 6))
+               for r in json.loads(result.stdout)}
+        self.assertEqual(len(got), 21)
+        self.assertEqual(got[("sliding_window", 512)], (0.655518, 0.774107))
+        self.assertEqual(got[("streaming_llm", 1024)], (0.866203, 0.927572))
+
+    def test_bad_config_inputs(self):
+        out = os.path.join(self.dir, "out")
+        self.assert_input_error(kvsim("run", os.path.join(self.dir, "missing.yaml"), "--out", out),
+                                "missing.yaml: no such file")
+        bad = self.write("bad.yaml", "trace: {synthetic: policybook}\nbudgets: [0]\npolicies: [h2o]\n")
+        self.assert_input_error(kvsim("run", bad, "--out", out), "bad.yaml:2: budgets[0]: must be >= 1")
+        unknown = self.write("unknown.yaml", "trace: {synthetic: policybook}\nbudgets: [8]\npolicies: [lru]\n")
+        self.assert_input_error(kvsim("run", unknown, "--out", out), "unknown.yaml:3", "unknown policy 'lru'")
+        wrong_type = self.write("type.yaml", "trace: {synthetic: policybook}\nbudgets: [8]\npolicies: {h2o: 1}\n")
+        self.assert_input_error(kvsim("run", wrong_type, "--out", out), "type.yaml:3: policies")
+        self.assertFalse(os.path.exists(out))  # nothing written
+
+    def test_bad_trace_files(self):
+        out = os.path.join(self.dir, "out")
+        garbage = self.write("garbage.h5", "definitely not HDF5\n")
+        config = self.write("g.yaml", "trace: garbage.h5\nbudgets: [8]\npolicies: [h2o]\n".replace("[8]", "[64]"))
+        self.assert_input_error(kvsim("run", config, "--out", out), "garbage.h5: not an HDF5 file")
+        self.assert_input_error(kvsim("trace", "info", garbage), "garbage.h5: not an HDF5 file")
+        # A real trace cut short.
+        trace = os.path.join(self.dir, "d.h5")
+        self.assertEqual(kvsim("trace", "synth", "policybook", "-o", trace).returncode, 0)
+        cut = os.path.join(self.dir, "cut.h5")
+        with open(trace, "rb") as f, open(cut, "wb") as g:
+            g.write(f.read()[: os.path.getsize(trace) // 3])
+        config = self.write("c.yaml", "trace: cut.h5\nbudgets: [64]\npolicies: [h2o]\n")
+        self.assert_input_error(kvsim("run", config, "--out", out), "cut.h5")
+        self.assertFalse(os.path.exists(out))
+
+    def test_bad_flags(self):
+        config = self.write("small.yaml", SMALL)
+        self.assertEqual(kvsim("run", config, "--format", "xml").returncode, 2)
+        self.assertEqual(kvsim("run", config, "--bogus").returncode, 2)
+        self.assertEqual(kvsim("frobnicate").returncode, 2)
+        self.assert_input_error(kvsim("sweep", config, "--budgets", "64,x"), "--budgets: 'x' is not a budget")
+        self.assert_input_error(kvsim("sweep", config, "--set", "h2o.recent_window"), "--set")
+        self.assert_input_error(kvsim("sweep", config, "--set", "lru.size=1,2"), "policy 'lru' is not among")
+        self.assert_input_error(kvsim("trace", "synth", "policybook", "--name", "decode-1", "-o",
+                                      os.path.join(self.dir, "x.h5")), "unknown policybook trace 'decode-1'")
+        self.assertFalse(os.path.exists(os.path.join(self.dir, "x.h5")))
+        self.assertEqual(kvsim("--version").returncode, 0)
+
+
+if __name__ == "__main__":
+    KVSIM = os.path.abspath(sys.argv.pop(1))
+    unittest.main(verbosity=2)

@@ -1,0 +1,127 @@
+// Config parsing and sweep expansion: every mistake is one InputError naming the file and key.
+#include <doctest/doctest.h>
+
+#include <fstream>
+
+#include "helpers.h"
+#include "src/config.h"
+#include "src/errors.h"
+
+using namespace kvsim;
+using namespace kvsim::test;
+
+namespace {
+
+std::string write_config(const std::string& name, const std::string& text) {
+    const std::string path = temp_dir() + "/" + name + ".yaml";
+    std::ofstream(path) << text;
+    return path;
+}
+
+// The InputError message from loading and expanding a config ("" when it is fine).
+std::string config_error(const std::string& text) {
+    const std::string path = write_config("case", text);
+    try {
+        const ExperimentConfig c = load_config(path);
+        expand_sweep(c.policies, c.grid, c.budgets);
+    } catch (const InputError& e) {
+        return e.what();
+    }
+    return "";
+}
+
+const std::string kGood = "trace: {synthetic: policybook}\nbudgets: [64]\npolicies: [h2o]\n";
+
+}  // namespace
+
+TEST_CASE("a full config parses") {
+    const std::string path = write_config("full", R"(
+trace: {synthetic: policybook, name: decode-4096, max_steps: 500}
+budgets: [64, 128]
+policies:
+  - sliding_window
+  - h2o: {recent_window: 16}
+  - snapkv: {pool_kernel: 5}
+metrics: [retained_mass, {heavy_hitter_recall: {k: 16}}, eviction_calls]
+grid: {h2o.recent_window: [8, 16]}
+output: {dir: out/x, format: json, per_layer: true}
+)");
+    const ExperimentConfig c = load_config(path);
+    CHECK(c.trace.synthetic == "policybook");
+    CHECK(c.trace.max_steps == 500);
+    CHECK(c.budgets == std::vector<int>{64, 128});
+    REQUIRE(c.policies.size() == 3);
+    CHECK(c.policies[1].params.at("recent_window") == 16);
+    CHECK(c.heavy_hitter_k == 16);
+    CHECK(c.metrics.size() == 3);
+    CHECK(c.output_dir == "out/x");
+    CHECK(c.output_format == "json");
+    CHECK(c.per_layer);
+    const auto combos = expand_sweep(c.policies, c.grid, c.budgets);
+    // sliding_window x 2 budgets, h2o x 2 grid points x 2 budgets, snapkv x 2 budgets.
+    CHECK(combos.size() == 8);
+    CHECK(combos[2].label == "h2o(recent_window=8)");
+    CHECK(combos[4].label == "h2o(recent_window=16)");  // the grid overrides the entry's own value
+    CHECK(combos[6].label == "snapkv(pool_kernel=5)");
+}
+
+TEST_CASE("a trace path is resolved against the config file's folder") {
+    const ExperimentConfig c = load_config(write_config("path", "trace: traces/t.h5\nbudgets: [4]\npolicies: [tova]\n"));
+    CHECK(c.trace.path == temp_dir() + "/traces/t.h5");
+}
+
+TEST_CASE("config mistakes name the file, the line and the key") {
+    CHECK(config_error(kGood) == "");
+    const std::string file = temp_dir() + "/case.yaml";
+    CHECK(config_error("budgets: [64]\npolicies: [h2o]\n") == file + ": missing key 'trace'");
+    CHECK(config_error(kGood + "colour: blue\n") == file + ":4: colour: unknown key (known: budgets, grid, metrics, output, policies, trace)");
+    CHECK(config_error("trace: {synthetic: policybook}\nbudgets: []\npolicies: [h2o]\n") == file + ":2: budgets: empty list");
+    CHECK(config_error("trace: {synthetic: policybook}\nbudgets: [64, 0]\npolicies: [h2o]\n") ==
+          file + ":2: budgets[1]: must be >= 1, got 0");
+    CHECK(config_error("trace: {synthetic: policybook}\nbudgets: [64, 1.5]\npolicies: [h2o]\n") ==
+          file + ":2: budgets[1]: expected an integer, got 1.5");
+    CHECK(config_error("trace: {synthetic: policybook}\nbudgets: 64\npolicies: [h2o]\n") ==
+          file + ":2: budgets: expected a list of integers, e.g. [256, 512, 1024]");
+    CHECK(config_error("trace: {synthetic: policybook}\nbudgets: [64]\npolicies: [lru]\n").find(
+              "policies[0].lru: unknown policy 'lru' (known: sliding_window, streaming_llm, h2o") != std::string::npos);
+    CHECK(config_error("trace: {synthetic: policybook}\nbudgets: [64]\npolicies: [{h2o: {recnt_window: 3}}]\n") ==
+          file + ":3: policies[0].h2o: unknown parameter 'recnt_window' for policy h2o (known: recent_window)");
+    CHECK(config_error("trace: {synthetic: policybook}\nbudgets: [64]\npolicies: [{h2o: {recent_window: many}}]\n") ==
+          file + ":3: policies[0].h2o.recent_window: expected a number, got 'many'");
+    CHECK(config_error("trace: {synthetic: policybook}\nbudgets: [64]\npolicies: [{snapkv: {pool_kernel: 4}}]\n") ==
+          file + ":3: policies[0].snapkv.pool_kernel: must be odd, got 4");
+    CHECK(config_error("trace: {synthetic: policybook}\nbudgets: [16]\npolicies: [h2o]\n") ==
+          file + ":3: policies[0].h2o: h2o: recent_window = 32 must be less than the budget 16");
+    CHECK(config_error("trace: {synthetic: policybook}\nbudgets: [64]\npolicies: [h2o, h2o]\n").find("h2o is listed twice") !=
+          std::string::npos);
+    CHECK(config_error("trace: {synthetic: imagined}\nbudgets: [64]\npolicies: [h2o]\n") ==
+          file + ":1: trace.synthetic: unknown generator 'imagined' (known: policybook)");
+    CHECK(config_error(kGood + "metrics: [perplexity]\n").find("metrics[0]: unknown metric 'perplexity'") != std::string::npos);
+    CHECK(config_error(kGood + "grid: {tova.recent_window: [1, 2]}\n").find("policy 'tova' is not among") !=
+          std::string::npos);
+    CHECK(config_error("trace: {synthetic: policybook\nbudgets: [64]\n").find(file + ":") == 0);  // YAML syntax
+    CHECK(config_error("- just\n- a list\n") == file + ": expected a map of keys (trace, budgets, policies, ...)");
+}
+
+TEST_CASE("a missing config file is named") {
+    try {
+        load_config("/nonexistent/x.yaml");
+        FAIL("expected InputError");
+    } catch (const InputError& e) {
+        CHECK(std::string(e.what()) == "/nonexistent/x.yaml: no such file");
+    }
+}
+
+TEST_CASE("command-line grids: --budgets and --set") {
+    CHECK(parse_budget_list("64,128,256", "--budgets") == std::vector<int>{64, 128, 256});
+    CHECK_THROWS_WITH_AS(parse_budget_list("64,,256", "--budgets"), "--budgets: '' is not a budget (an integer >= 1)",
+                         InputError);
+    CHECK_THROWS_WITH_AS(parse_budget_list("0", "--budgets"), "--budgets: '0' is not a budget (an integer >= 1)",
+                         InputError);
+    const GridAxis axis = parse_grid_flag("h2o.recent_window=16,32,64", "--set");
+    CHECK(axis.policy == "h2o");
+    CHECK(axis.param == "recent_window");
+    CHECK(axis.values == std::vector<double>{16, 32, 64});
+    CHECK_THROWS_AS(parse_grid_flag("h2o=16", "--set"), InputError);
+    CHECK_THROWS_AS(parse_grid_flag("h2o.recent_window=a", "--set"), InputError);
+}

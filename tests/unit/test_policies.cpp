@@ -1,0 +1,137 @@
+// The seven eviction policies on decode-4096: the published figures of the attention-free
+// policies, the findings the reference publishes about the others, and the harness contract.
+#include <doctest/doctest.h>
+
+#include "helpers.h"
+#include "policies/pyramidkv.h"
+#include "src/errors.h"
+
+using namespace kvsim;
+using namespace kvsim::test;
+
+namespace {
+const std::vector<int> kBudgets = {256, 512, 1024};
+
+const std::vector<Row>& all_policies() {
+    static const std::vector<Row> rows = policybook_rows(
+        {entry("sliding_window"), entry("streaming_llm"), entry("h2o"), entry("scissorhands"), entry("tova"),
+         entry("snapkv"), entry("pyramidkv")},
+        kBudgets);
+    return rows;
+}
+}  // namespace
+
+TEST_CASE("sliding window and StreamingLLM reproduce the published figures to 6 decimals") {
+    struct Published {
+        const char* label;
+        int budget;
+        double mass, recall;
+    };
+    // policybook-kvcache.md section 5 (the reference harness's published table).
+    const Published published[] = {
+        {"sliding_window", 256, 0.596637, 0.742171}, {"sliding_window", 512, 0.655518, 0.774107},
+        {"sliding_window", 1024, 0.754149, 0.833734}, {"streaming_llm", 256, 0.736691, 0.859419},
+        {"streaming_llm", 512, 0.786153, 0.883480},  {"streaming_llm", 1024, 0.866203, 0.927572},
+    };
+    for (const Published& p : published) {
+        const Row& row = find_row(all_policies(), p.label, p.budget);
+        INFO(std::string(p.label) << " @" << p.budget);
+        CHECK(row.retained_mass == p.mass);
+        CHECK(row.recall == p.recall);
+    }
+}
+
+TEST_CASE("every policy makes 4096 - budget eviction calls") {
+    for (const Row& row : all_policies()) {
+        INFO(row.label << " @" << row.budget);
+        CHECK(row.eviction_calls == 4096 - row.budget);
+    }
+}
+
+TEST_CASE("published findings on the attention-reading policies") {
+    const auto& rows = all_policies();
+    auto mass = [&](const char* p, int b) { return find_row(rows, p, b).retained_mass; };
+    auto recall = [&](const char* p, int b) { return find_row(rows, p, b).recall; };
+    const char* names[] = {"sliding_window", "streaming_llm", "h2o", "scissorhands", "tova", "snapkv", "pyramidkv"};
+    auto leader = [&](auto metric, int b) {
+        std::string best;
+        double best_value = -1;
+        for (const char* n : names)
+            if (metric(n, b) > best_value) {
+                best_value = metric(n, b);
+                best = n;
+            }
+        return best;
+    };
+    // At 256 the metrics agree: SnapKV leads both (tied with PyramidKV, identical on one layer).
+    CHECK(leader(mass, 256) == "snapkv");
+    CHECK(leader(recall, 256) == "snapkv");
+    // At 512 TOVA leads mass and H2O leads recall; at 1024 SnapKV leads mass and H2O ties Scissorhands on recall.
+    CHECK(leader(mass, 512) == "tova");
+    CHECK(leader(recall, 512) == "h2o");
+    CHECK(leader(mass, 1024) == "snapkv");
+    CHECK(recall("h2o", 1024) == recall("scissorhands", 1024));
+    CHECK(recall("h2o", 1024) >= recall("snapkv", 1024));
+    // A recent window of 32 inside a 64-wide local band makes H2O trail StreamingLLM.
+    for (int b : kBudgets) CHECK(mass("h2o", b) < mass("streaming_llm", b));
+    // H2O and Scissorhands stay within 0.01: heavy hitters persist a whole 512-step epoch.
+    for (int b : kBudgets) CHECK(std::abs(mass("h2o", b) - mass("scissorhands", b)) < 0.01);
+    // One layer: PyramidKV's share is the whole budget, so it is SnapKV.
+    for (int b : kBudgets) {
+        CHECK(mass("pyramidkv", b) == mass("snapkv", b));
+        CHECK(recall("pyramidkv", b) == recall("snapkv", b));
+    }
+}
+
+TEST_CASE("H2O with a recent window as wide as the local band beats StreamingLLM on both metrics") {
+    const auto rows = policybook_rows({entry("h2o", {{"recent_window", 64}}), entry("streaming_llm")}, kBudgets);
+    for (int b : kBudgets) {
+        INFO("budget " << b);
+        CHECK(find_row(rows, "h2o(recent_window=64)", b).retained_mass > find_row(rows, "streaming_llm", b).retained_mass);
+        CHECK(find_row(rows, "h2o(recent_window=64)", b).recall > find_row(rows, "streaming_llm", b).recall);
+    }
+}
+
+TEST_CASE("SnapKV: the observation window does not matter on this trace, pooling is the whole difference from TOVA") {
+    const auto rows = policybook_rows({entry("snapkv", {{"obs_window", 1}}), entry("snapkv", {{"obs_window", 4}}),
+                                       entry("snapkv"), entry("snapkv", {{"obs_window", 64}}),
+                                       entry("snapkv", {{"pool_kernel", 1}}), entry("tova")},
+                                      kBudgets);
+    for (int b : kBudgets) {
+        INFO("budget " << b);
+        const Row& base = find_row(rows, "snapkv", b);
+        for (const char* label : {"snapkv(obs_window=1)", "snapkv(obs_window=4)", "snapkv(obs_window=64)"}) {
+            CHECK(find_row(rows, label, b).retained_mass == base.retained_mass);
+            CHECK(find_row(rows, label, b).recall == base.recall);
+        }
+        CHECK(find_row(rows, "snapkv(pool_kernel=1)", b).retained_mass == find_row(rows, "tova", b).retained_mass);
+        CHECK(find_row(rows, "snapkv(pool_kernel=1)", b).recall == find_row(rows, "tova", b).recall);
+    }
+    // Pooling helps at 256 and 1024 and hurts at 512 (retained mass).
+    CHECK(find_row(rows, "snapkv", 256).retained_mass > find_row(rows, "tova", 256).retained_mass);
+    CHECK(find_row(rows, "snapkv", 512).retained_mass < find_row(rows, "tova", 512).retained_mass);
+    CHECK(find_row(rows, "snapkv", 1024).retained_mass > find_row(rows, "tova", 1024).retained_mass);
+}
+
+TEST_CASE("bookkeeping bytes per slot: a 4-byte position plus each policy's own state") {
+    // The reference's C port reports 4, 4, 9, 13, 13 and 81: it also keeps a one-byte selection
+    // flag per slot, which kvsim replaces by a list of the (usually one) chosen slots.
+    const auto& rows = all_policies();
+    CHECK(find_row(rows, "sliding_window", 512).bytes_per_slot == 4);
+    CHECK(find_row(rows, "streaming_llm", 512).bytes_per_slot == 4);
+    CHECK(find_row(rows, "scissorhands", 512).bytes_per_slot == 8);  // int32 votes
+    CHECK(find_row(rows, "h2o", 512).bytes_per_slot == 12);          // f64 accumulated attention
+    CHECK(find_row(rows, "tova", 512).bytes_per_slot == 12);         // f64 last attention
+    // SnapKV: a 16-step f32 window, its f64 sum and the f64 pooled score: 4+64+8+8.
+    CHECK(find_row(rows, "snapkv", 512).bytes_per_slot == 84);
+}
+
+TEST_CASE("pyramid budget: the reference's worked example and its mean") {
+    CHECK(pyramid_budget(512, 0, 32, 4) == 819);
+    CHECK(pyramid_budget(512, 31, 32, 4) == 204);
+    CHECK(pyramid_budget(512, 0, 1, 4) == 512);
+    int64_t total = 0;
+    for (int layer = 0; layer < 32; ++layer) total += pyramid_budget(512, layer, 32, 4);
+    CHECK(total <= 512 * 32);
+    CHECK(total > 512 * 32 - 32);  // floors lose less than one token per layer
+}

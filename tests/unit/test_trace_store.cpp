@@ -1,0 +1,187 @@
+// The HDF5 trace store: round trips, the reader's checks, and replay from a file.
+#include <doctest/doctest.h>
+#include <hdf5.h>
+
+#include <Eigen/Core>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "helpers.h"
+#include "sim/trace_store.h"
+#include "src/errors.h"
+
+using namespace kvsim;
+using namespace kvsim::test;
+
+namespace {
+
+std::string input_error(const std::string& path) {
+    try {
+        TraceReader reader(path);
+    } catch (const InputError& e) {
+        return e.what();
+    }
+    return "";
+}
+
+TraceMetadata qkv_metadata() {
+    TraceMetadata m;
+    m.kind = TraceKind::qkv;
+    m.model_name = "test";
+    m.num_layers = 2;
+    m.num_query_heads = 4;
+    m.num_kv_heads = 2;
+    m.head_dim = 8;
+    m.source_kind = "model";
+    m.source_model_file = "m.gguf";
+    m.source_model_sha256 = std::string(64, 'a');
+    return m;
+}
+
+QkvLayer random_layer(int64_t tokens, const TraceMetadata& m, unsigned seed) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal(0.0f, 3.0f);
+    QkvLayer layer;
+    layer.tokens = tokens;
+    for (int64_t i = 0; i < tokens * m.num_query_heads * m.head_dim; ++i) layer.q.push_back(normal(rng));
+    for (int64_t i = 0; i < tokens * m.num_kv_heads * m.head_dim; ++i) layer.k.push_back(normal(rng));
+    for (int64_t i = 0; i < tokens * m.num_kv_heads * m.head_dim; ++i) layer.v.push_back(normal(rng));
+    return layer;
+}
+
+}  // namespace
+
+TEST_CASE("a policybook trace written to HDF5 reads back bit for bit, and replays to the same results") {
+    const std::string path = temp_dir() + "/decode-4096.h5";
+    write_policybook_trace(PolicybookTraceSpec{}, path);
+    TraceReader reader(path);
+    CHECK(reader.metadata().kind == TraceKind::attention);
+    CHECK(reader.metadata().source_generator == "policybook/decode-4096");
+    CHECK(reader.metadata().source_seed == 7);
+    REQUIRE(reader.sequences().size() == 1);
+    CHECK(reader.sequences()[0].length == 4096);
+
+    // Read back in uneven blocks: the hash must still be the reference's.
+    Fnv1a32 hash;
+    std::vector<float> rows;
+    for (int64_t first = 1; first < 4096;) {
+        const int64_t end = std::min<int64_t>(4096, first + 1 + first % 300);
+        reader.read_attention_rows(0, 0, 0, first, end, rows);
+        hash.add(rows);
+        first = end;
+    }
+    CHECK(hash.value() == 0xBAEC2A10u);
+
+    const std::vector<PolicyEntry> policies = {entry("streaming_llm"), entry("h2o"), entry("snapkv")};
+    auto from_file = open_attention_trace(path, 0);
+    const auto file_rows = replay_rows(*from_file, policies, {256, 1024});
+    const auto memory_rows = policybook_rows(policies, {256, 1024});
+    REQUIRE(file_rows.size() == memory_rows.size());
+    for (std::size_t i = 0; i < file_rows.size(); ++i) {
+        CHECK(file_rows[i].retained_mass == memory_rows[i].retained_mass);
+        CHECK(file_rows[i].recall == memory_rows[i].recall);
+    }
+    CHECK(find_row(file_rows, "streaming_llm", 256).retained_mass == 0.736691);
+}
+
+TEST_CASE("qkv layers round trip in float32 exactly and in float16 as correctly rounded halves") {
+    const std::string path = temp_dir() + "/qkv.h5";
+    const TraceMetadata m = qkv_metadata();
+    const QkvLayer l0 = random_layer(300, m, 1), l1 = random_layer(300, m, 2);
+    {
+        TraceWriter writer(path, m);
+        const int s = writer.add_sequence("story", 300);
+        writer.write_qkv(s, 0, l0, TensorDtype::float32);
+        writer.write_qkv(s, 1, l1, TensorDtype::float16);
+        std::vector<int32_t> tokens(300);
+        for (int i = 0; i < 300; ++i) tokens[i] = i * 7;
+        writer.write_tokens(s, tokens);
+        writer.commit();
+    }
+    TraceReader reader(path);
+    CHECK(reader.metadata().num_kv_heads == 2);
+    CHECK(reader.metadata().source_model_sha256 == std::string(64, 'a'));
+    const QkvLayer r0 = reader.read_qkv(0, 0), r1 = reader.read_qkv(0, 1);
+    CHECK(r0.q == l0.q);
+    CHECK(r0.k == l0.k);
+    CHECK(r0.v == l0.v);
+    REQUIRE(r1.k.size() == l1.k.size());
+    int mismatches = 0;
+    for (std::size_t i = 0; i < l1.k.size(); ++i)
+        mismatches += r1.k[i] != static_cast<float>(Eigen::half(l1.k[i]));
+    CHECK(mismatches == 0);
+    CHECK(r1.q[5] != l1.q[5]);  // float16 really lost precision
+    CHECK(reader.read_tokens(0)[299] == 299 * 7);
+    CHECK(input_error(path).empty());
+}
+
+TEST_CASE("the reader rejects missing, foreign, truncated and wrong-version files with the file named") {
+    const std::string dir = temp_dir();
+    CHECK(input_error(dir + "/nope.h5").find("nope.h5: no such file") != std::string::npos);
+
+    const std::string text = dir + "/text.h5";
+    std::ofstream(text) << "not hdf5\n";
+    CHECK(input_error(text).find("not an HDF5 file") != std::string::npos);
+
+    // A valid HDF5 file that is not a kvsim trace.
+    const std::string foreign = dir + "/foreign.h5";
+    H5Fclose(H5Fcreate(foreign.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT));
+    CHECK(input_error(foreign).find("not a kvsim trace") != std::string::npos);
+
+    // Truncated: cut a real trace in half.
+    const std::string good = dir + "/good.h5", cut = dir + "/cut.h5";
+    {
+        TraceWriter writer(good, qkv_metadata());
+        writer.add_sequence("s", 64);
+        writer.write_qkv(0, 0, random_layer(64, qkv_metadata(), 3), TensorDtype::float32);
+        writer.write_qkv(0, 1, random_layer(64, qkv_metadata(), 4), TensorDtype::float32);
+        writer.commit();
+    }
+    std::filesystem::copy_file(good, cut, std::filesystem::copy_options::overwrite_existing);
+    std::filesystem::resize_file(cut, std::filesystem::file_size(good) / 2);
+    const std::string truncated = input_error(cut);
+    CHECK(truncated.find("cut.h5") != std::string::npos);
+    CHECK(!truncated.empty());
+
+    // Wrong schema version.
+    const std::string v2 = dir + "/v2.h5";
+    std::filesystem::copy_file(good, v2, std::filesystem::copy_options::overwrite_existing);
+    {
+        hid_t f = H5Fopen(v2.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+        hid_t a = H5Aopen(f, "format_version", H5P_DEFAULT);
+        const int64_t two = 2;
+        H5Awrite(a, H5T_NATIVE_INT64, &two);
+        H5Aclose(a);
+        H5Fclose(f);
+    }
+    CHECK(input_error(v2).find("'format_version' is 2") != std::string::npos);
+
+    // A dataset with the wrong shape is named.
+    const std::string bad_shape = dir + "/shape.h5";
+    std::filesystem::copy_file(good, bad_shape, std::filesystem::copy_options::overwrite_existing);
+    {
+        hid_t f = H5Fopen(bad_shape.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+        hid_t a = H5Aopen(f, "num_kv_heads", H5P_DEFAULT);
+        const int64_t four = 4;
+        H5Awrite(a, H5T_NATIVE_INT64, &four);
+        H5Aclose(a);
+        H5Fclose(f);
+    }
+    const std::string shape_error = input_error(bad_shape);
+    CHECK(shape_error.find("/sequences/000000/qkv/layer_000/k") != std::string::npos);
+    CHECK(shape_error.find("expected [64, 4, 8]") != std::string::npos);
+}
+
+TEST_CASE("a trace writer that is not committed leaves no file behind") {
+    const std::string path = temp_dir() + "/abandoned.h5";
+    std::filesystem::remove(path);
+    {
+        TraceWriter writer(path, qkv_metadata());
+        writer.add_sequence("s", 10);
+    }
+    CHECK(!std::filesystem::exists(path));
+    for (const auto& f : std::filesystem::directory_iterator(temp_dir()))
+        CHECK(f.path().filename().string().find("abandoned.h5.tmp") == std::string::npos);
+}
