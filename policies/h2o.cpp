@@ -7,7 +7,7 @@ namespace {
 
 class H2O : public ScoredEviction<double> {
 public:
-    H2O(int budget, int recent_window) : ScoredEviction(budget + 1, recent_window) { accumulated_.push_back(0.0); }
+    H2O(int capacity, int recent_window) : ScoredEviction(capacity, recent_window) { accumulated_.push_back(0.0); }
 
 protected:
     void observe(std::span<const float> attn) override {
@@ -28,7 +28,7 @@ PolicyDescriptor h2o_descriptor() {
     return {"h2o", "Zhang et al. 2023, H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs (NeurIPS)",
             {{"recent_window", 32, true, 0, "most recent tokens never evicted"}},
             [](const ParamValues& p, const PolicyContext& ctx) -> std::unique_ptr<Policy> {
-                return std::make_unique<H2O>(ctx.budget, param_int(p, "recent_window"));
+                return std::make_unique<H2O>(ctx.capacity, param_int(p, "recent_window"));
             },
             check_recent_window_fits};
 }

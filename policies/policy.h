@@ -63,6 +63,7 @@ struct ParamSpec {
 // What a policy may know about where it runs, besides its own parameters.
 struct PolicyContext {
     int budget = 0;      // the harness budget, in tokens
+    int capacity = 1;    // the most positions the harness hands it at once (budget + 1, more with a prefill)
     int layer = 0;       // this stream's layer in the trace
     int num_layers = 1;  // layers in the trace
 };

@@ -19,8 +19,8 @@ namespace {
 
 class PyramidKV : public SnapKV {
 public:
-    PyramidKV(int budget, int layer_share, int recent_window, int obs_window, int pool_kernel)
-        : SnapKV(std::max(layer_share, budget) + 1, recent_window, obs_window, pool_kernel),
+    PyramidKV(int capacity, int layer_share, int recent_window, int obs_window, int pool_kernel)
+        : SnapKV(std::max(layer_share + 1, capacity), recent_window, obs_window, pool_kernel),
           layer_share_(layer_share) {}
 
 protected:
@@ -43,7 +43,7 @@ PolicyDescriptor pyramidkv_descriptor() {
                 const int share = pyramid_budget(ctx.budget, ctx.layer, ctx.num_layers, param_int(p, "pyramid_ratio"));
                 // A layer never keeps less than its recent window plus one evictable token.
                 const int layer_share = std::max(share, recent_window + 1);
-                return std::make_unique<PyramidKV>(ctx.budget, layer_share, recent_window,
+                return std::make_unique<PyramidKV>(ctx.capacity, layer_share, recent_window,
                                                    param_int(p, "obs_window"), param_int(p, "pool_kernel"));
             },
             check_recent_window_fits};

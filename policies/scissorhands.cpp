@@ -8,7 +8,7 @@ namespace {
 
 class Scissorhands : public ScoredEviction<int32_t> {
 public:
-    Scissorhands(int budget, int recent_window) : ScoredEviction(budget + 1, recent_window) { votes_.push_back(0); }
+    Scissorhands(int capacity, int recent_window) : ScoredEviction(capacity, recent_window) { votes_.push_back(0); }
 
 protected:
     void observe(std::span<const float> attn) override {
@@ -31,7 +31,7 @@ PolicyDescriptor scissorhands_descriptor() {
     return {"scissorhands", "Liu et al. 2023, Scissorhands: Persistence of Importance for KV Cache Compression (NeurIPS)",
             {{"recent_window", 32, true, 0, "most recent tokens never evicted"}},
             [](const ParamValues& p, const PolicyContext& ctx) -> std::unique_ptr<Policy> {
-                return std::make_unique<Scissorhands>(ctx.budget, param_int(p, "recent_window"));
+                return std::make_unique<Scissorhands>(ctx.capacity, param_int(p, "recent_window"));
             },
             check_recent_window_fits};
 }

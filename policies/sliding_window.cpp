@@ -6,7 +6,7 @@ namespace {
 
 class SlidingWindow : public Policy {
 public:
-    explicit SlidingWindow(int budget) : ring_(budget + 1) { ring_.push(0); }
+    explicit SlidingWindow(int capacity) : ring_(capacity) { ring_.push(0); }
 
     void on_decode_step(int32_t pos, std::span<const float>) override { ring_.push(pos); }
 
@@ -25,7 +25,7 @@ private:
 PolicyDescriptor sliding_window_descriptor() {
     return {"sliding_window", "Beltagy et al. 2020, Longformer (local attention window)", {},
             [](const ParamValues&, const PolicyContext& ctx) -> std::unique_ptr<Policy> {
-                return std::make_unique<SlidingWindow>(ctx.budget);
+                return std::make_unique<SlidingWindow>(ctx.capacity);
             },
             nullptr};
 }

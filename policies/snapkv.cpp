@@ -57,7 +57,7 @@ PolicyDescriptor snapkv_descriptor() {
              {"obs_window", 16, true, 1, "steps of attention summed into the score"},
              {"pool_kernel", 7, true, 1, "width of the max-pooling over neighbouring cached tokens", true}},
             [](const ParamValues& p, const PolicyContext& ctx) -> std::unique_ptr<Policy> {
-                return std::make_unique<SnapKV>(ctx.budget + 1, param_int(p, "recent_window"),
+                return std::make_unique<SnapKV>(ctx.capacity, param_int(p, "recent_window"),
                                                 param_int(p, "obs_window"), param_int(p, "pool_kernel"));
             },
             check_recent_window_fits};

@@ -7,8 +7,8 @@ namespace {
 
 class StreamingLlm : public Policy {
 public:
-    StreamingLlm(int budget, int sinks)
-        : sinks_(sinks), sinks_held_(sinks > 0 ? 1 : 0), recent_(budget - sinks + 1) {
+    StreamingLlm(int capacity, int sinks)
+        : sinks_(sinks), sinks_held_(sinks > 0 ? 1 : 0), recent_(capacity - sinks) {
         if (sinks == 0) recent_.push(0);
     }
 
@@ -39,7 +39,7 @@ PolicyDescriptor streaming_llm_descriptor() {
     return {"streaming_llm", "Xiao et al. 2024, Efficient Streaming Language Models with Attention Sinks (ICLR)",
             {{"sinks", 4, true, 0, "initial tokens kept forever"}},
             [](const ParamValues& p, const PolicyContext& ctx) -> std::unique_ptr<Policy> {
-                return std::make_unique<StreamingLlm>(ctx.budget, param_int(p, "sinks"));
+                return std::make_unique<StreamingLlm>(ctx.capacity, param_int(p, "sinks"));
             },
             [](const ParamValues& p, int budget) -> std::string {
                 if (param_int(p, "sinks") >= budget)

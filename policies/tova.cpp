@@ -7,7 +7,7 @@ namespace {
 
 class Tova : public ScoredEviction<double> {
 public:
-    explicit Tova(int budget) : ScoredEviction(budget + 1, /*recent_window=*/0) { last_attention_.push_back(kUnobserved); }
+    explicit Tova(int capacity) : ScoredEviction(capacity, /*recent_window=*/0) { last_attention_.push_back(kUnobserved); }
 
 protected:
     void observe(std::span<const float> attn) override {
@@ -29,7 +29,7 @@ private:
 PolicyDescriptor tova_descriptor() {
     return {"tova", "Oren et al. 2024, Transformers are Multi-State RNNs (TOVA)", {},
             [](const ParamValues&, const PolicyContext& ctx) -> std::unique_ptr<Policy> {
-                return std::make_unique<Tova>(ctx.budget);
+                return std::make_unique<Tova>(ctx.capacity);
             },
             nullptr};
 }

@@ -1,8 +1,11 @@
 #include "sim/attention_source.h"
 
+#include <tbb/parallel_for.h>
+
 #include <algorithm>
 #include <stdexcept>
 
+#include "sim/qkv_attention.h"
 #include "src/errors.h"
 
 namespace kvsim {
@@ -22,17 +25,20 @@ public:
     const AttentionShape& shape() const override { return shape_; }
     std::string description() const override { return "policybook/" + spec_.name + " (generated in-process)"; }
 
-    void read_rows(int sequence, int layer, int head, int64_t first_step, int64_t end_step,
-                   std::vector<float>& out) override {
-        // The generator is a single sequential stream: rows must be asked for in order.
-        if (sequence != 0 || layer != 0 || head != 0 || first_step != generator_.next_step())
+    void read_block(int sequence, int layer, int64_t first_step, int64_t end_step, AttentionBlock& block) override {
+        // The generator is a single sequential stream: blocks must be asked for in order.
+        if (sequence != 0 || layer != 0 || first_step != generator_.next_step())
             throw std::logic_error("policybook rows must be read in order");
-        out.resize(attention_row_offset(end_step) - attention_row_offset(first_step));
-        float* row = out.data();
+        block.first_step = first_step;
+        block.end_step = end_step;
+        block.rows.resize(1);
+        block.rows[0].resize(attention_row_offset(end_step) - attention_row_offset(first_step));
+        float* row = block.rows[0].data();
         for (int64_t t = first_step; t < end_step; ++t) {
             generator_.next_row({row, static_cast<std::size_t>(t)});
             row += t;
         }
+        block.self_weight.clear();  // derived from the rows, only where a view needs it
     }
 
 private:
@@ -41,41 +47,59 @@ private:
     AttentionShape shape_;
 };
 
-class TraceFileSource : public AttentionSource {
+class AttentionFileSource : public AttentionSource {
 public:
-    TraceFileSource(const std::string& path, int64_t max_steps) : reader_(path) {
-        const TraceMetadata& m = reader_.metadata();
-        if (m.kind != TraceKind::attention)
-            throw InputError(path + ": a " + std::string(to_string(m.kind)) +
-                             " trace; this replay reads attention traces (root attribute 'kind')");
+    AttentionFileSource(std::unique_ptr<TraceReader> reader, int64_t max_steps) : reader_(std::move(reader)) {
+        const TraceMetadata& m = reader_->metadata();
         shape_.num_layers = static_cast<int>(m.num_layers);
-        shape_.num_heads = static_cast<int>(m.num_query_heads);
-        for (const SequenceInfo& s : reader_.sequences()) {
+        shape_.num_query_heads = static_cast<int>(m.num_query_heads);
+        shape_.num_kv_heads = static_cast<int>(m.num_kv_heads);
+        for (const SequenceInfo& s : reader_->sequences()) {
             shape_.sequence_names.push_back(s.name);
             shape_.sequence_lengths.push_back(s.length);
             shape_.last_steps.push_back(last_step(s.length, max_steps));
         }
     }
     const AttentionShape& shape() const override { return shape_; }
-    std::string description() const override { return reader_.path(); }
-    void read_rows(int sequence, int layer, int head, int64_t first_step, int64_t end_step,
-                   std::vector<float>& out) override {
-        reader_.read_attention_rows(sequence, layer, head, first_step, end_step, out);
+    std::string description() const override { return reader_->path(); }
+    void read_block(int sequence, int layer, int64_t first_step, int64_t end_step, AttentionBlock& block) override {
+        block.first_step = first_step;
+        block.end_step = end_step;
+        block.rows.resize(shape_.num_query_heads);
+        for (int head = 0; head < shape_.num_query_heads; ++head)
+            reader_->read_attention_rows(sequence, layer, head, first_step, end_step, block.rows[head]);
+        block.self_weight.clear();
     }
 
 private:
-    TraceReader reader_;
+    std::unique_ptr<TraceReader> reader_;
     AttentionShape shape_;
 };
 
 }  // namespace
 
+void self_weight_from_row_sums(AttentionBlock& block) {
+    const std::size_t heads = block.rows.size();
+    const int64_t rows = block.end_step - block.first_step;
+    block.self_weight.assign(heads, std::vector<float>(rows));
+    tbb::parallel_for(int64_t{0}, static_cast<int64_t>(heads) * rows, [&](int64_t job) {
+        const int head = static_cast<int>(job / rows);
+        const int64_t i = job % rows, t = block.first_step + i;
+        const float* row = block.row(head, t);
+        double sum = 0.0;
+        for (int64_t j = 0; j < t; ++j) sum += row[j];
+        block.self_weight[head][i] = static_cast<float>(std::max(0.0, 1.0 - sum));
+    });
+}
+
 std::unique_ptr<AttentionSource> make_policybook_source(const PolicybookTraceSpec& spec, int64_t max_steps) {
     return std::make_unique<PolicybookSource>(spec, max_steps);
 }
 
-std::unique_ptr<AttentionSource> open_attention_trace(const std::string& path, int64_t max_steps) {
-    return std::make_unique<TraceFileSource>(path, max_steps);
+std::unique_ptr<AttentionSource> open_trace_source(const std::string& path, int64_t max_steps) {
+    auto reader = std::make_unique<TraceReader>(path);
+    if (reader->metadata().kind == TraceKind::qkv) return make_qkv_source(std::move(reader), max_steps);
+    return std::make_unique<AttentionFileSource>(std::move(reader), max_steps);
 }
 
 void write_policybook_trace(const PolicybookTraceSpec& spec, const std::string& path) {

@@ -1,4 +1,6 @@
-// Where replayed attention rows come from: a trace file, or a synthetic generator run in-process.
+// Where replayed attention rows come from: an attention trace file, attention computed from a
+// Q/K/V trace, or a synthetic generator run in-process. Every source hands out blocks of steps
+// for all query heads of one layer at a time, so memory stays bounded by one layer's block.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -12,10 +14,27 @@ namespace kvsim {
 
 struct AttentionShape {
     int num_layers = 1;
-    int num_heads = 1;  // query heads: attention is per query head
+    int num_query_heads = 1;
+    int num_kv_heads = 1;  // query head h reads KV head h / (num_query_heads / num_kv_heads)
     std::vector<std::string> sequence_names;
     std::vector<int64_t> sequence_lengths;
     std::vector<int64_t> last_steps;  // per sequence: the last decode step replayed
+
+    int group_size() const { return num_query_heads / num_kv_heads; }
+};
+
+// Decode steps [first_step, end_step) of one layer, every query head.
+struct AttentionBlock {
+    int64_t first_step = 0, end_step = 0;
+    // rows[h]: step t's full-softmax weights on positions 0..t-1, packed row after row.
+    std::vector<std::vector<float>> rows;
+    // self_weight[h][i]: the weight of step first_step + i on its own position. Empty when the
+    // source records rows only; self_weight_from_row_sums() then derives it where a view needs it.
+    std::vector<std::vector<float>> self_weight;
+
+    const float* row(int head, int64_t t) const {
+        return rows[head].data() + (attention_row_offset(t) - attention_row_offset(first_step));
+    }
 };
 
 class AttentionSource {
@@ -23,18 +42,27 @@ public:
     virtual ~AttentionSource() = default;
     virtual const AttentionShape& shape() const = 0;
     virtual std::string description() const = 0;
-    // Decode steps [first_step, end_step) of one (sequence, layer, head), packed row after row.
-    // Steps are read in increasing order within a (sequence, layer, head).
-    virtual void read_rows(int sequence, int layer, int head, int64_t first_step, int64_t end_step,
-                           std::vector<float>& out) = 0;
+    // Fills block for steps [first_step, end_step) of one (sequence, layer). Within a
+    // (sequence, layer), blocks are asked for in increasing order.
+    virtual void read_block(int sequence, int layer, int64_t first_step, int64_t end_step, AttentionBlock& block) = 0;
+    // Packed weights per query head a block may hold (memory bound), given the caller's wish.
+    virtual int64_t block_floats(int64_t wanted) const { return wanted; }
+};
+
+enum class AttentionView {
+    raw,          // the full-cache softmax restricted to kept positions (the reference harness)
+    renormalized  // the softmax over kept positions only: what the model computes after eviction
 };
 
 // max_steps > 0 truncates every sequence to its first max_steps decode steps (an exact prefix).
 std::unique_ptr<AttentionSource> make_policybook_source(const PolicybookTraceSpec& spec, int64_t max_steps);
-// An attention-kind trace file; throws InputError for anything else.
-std::unique_ptr<AttentionSource> open_attention_trace(const std::string& path, int64_t max_steps);
+// A trace file of either kind: attention rows are read, or computed from Q and K.
+std::unique_ptr<AttentionSource> open_trace_source(const std::string& path, int64_t max_steps);
 
 // Writes a policybook trace to an HDF5 file (atomically).
 void write_policybook_trace(const PolicybookTraceSpec& spec, const std::string& path);
+
+// Sets self_weight to 1 - (row sum), for sources that record rows only (in parallel).
+void self_weight_from_row_sums(AttentionBlock& block);
 
 }  // namespace kvsim

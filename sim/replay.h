@@ -1,7 +1,9 @@
 // Lockstep replay: one pass over a trace drives every (policy, parameters, budget) combination
-// side by side. Each block of steps is read once and its heavy hitters computed once; then every
-// (head, combination) pair advances through the block in parallel. Each pair owns its state and
-// results are summed in a fixed order, so they do not depend on the number of threads.
+// side by side. Each block of steps of a layer is read (or computed from Q and K) once, and its
+// shared per-step work (each query head's heavy hitters, each KV head's combined row) is done
+// once; then every (KV head, combination) pair advances through the block in parallel. Each pair
+// owns its state and results are summed in a fixed order, so they do not depend on the number of
+// threads.
 #pragma once
 #include <functional>
 #include <string>
@@ -16,18 +18,23 @@ namespace kvsim {
 struct ReplayCombo {
     const PolicyDescriptor* policy = nullptr;
     ParamValues params;
-    int budget = 0;
-    std::string label;  // e.g. "h2o(recent_window=64)"
+    int budget = 0;                  // tokens per (layer, KV head)
+    std::vector<int> layer_budgets;  // per layer, when a profile sets them; overrides budget
+    std::string budget_label;        // table column: "256", or the profile's name
+    std::string label;               // table row, e.g. "h2o(recent_window=64)"
+
+    int budget_for(int layer) const { return layer_budgets.empty() ? budget : layer_budgets.at(layer); }
 };
 
 struct ReplayOptions {
     int heavy_hitter_k = 32;
-    int64_t block_floats = 1 << 21;  // attention weights read per block, all heads of a layer together
+    HarnessOptions harness;
+    int64_t block_floats = 1 << 22;  // attention weights per block, all query heads of a layer together
     std::function<void(double done_fraction)> progress;  // called between blocks, from the calling thread
 };
 
 struct ComboResult {
-    StreamMetrics total;                 // over every sequence, layer and head
+    StreamMetrics total;                  // over every sequence, layer and head
     std::vector<StreamMetrics> by_layer;  // over every sequence and head of one layer
     std::size_t policy_bytes_per_slot = 0;
 };

@@ -1,5 +1,6 @@
 #include "sim/sweep.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <set>
@@ -29,6 +30,13 @@ std::string policy_label(const PolicyDescriptor& policy, const std::map<std::str
 
 std::vector<ReplayCombo> expand_sweep(const std::vector<PolicyEntry>& policies, const std::vector<GridAxis>& grid,
                                       const std::vector<int>& budgets) {
+    std::vector<BudgetColumn> columns;
+    for (int b : budgets) columns.push_back({std::to_string(b), b, {}, "budgets"});
+    return expand_sweep(policies, grid, columns);
+}
+
+std::vector<ReplayCombo> expand_sweep(const std::vector<PolicyEntry>& policies, const std::vector<GridAxis>& grid,
+                                      const std::vector<BudgetColumn>& budgets) {
     for (const GridAxis& axis : grid) {
         bool used = false;
         for (const PolicyEntry& entry : policies) used |= entry.name == axis.policy;
@@ -57,12 +65,18 @@ std::vector<ReplayCombo> expand_sweep(const std::vector<PolicyEntry>& policies, 
             const ParamValues values = resolve_params(*policy, given, axes.empty() ? entry.where : where);
             const std::string label = policy_label(*policy, given);
             if (!labels.insert(label).second) throw InputError(entry.where + ": " + label + " is listed twice");
-            for (int budget : budgets) {
+            for (const BudgetColumn& column : budgets) {
+                // A profile must suit its smallest layer budget.
+                const int tightest = column.layer_budgets.empty()
+                                         ? column.budget
+                                         : *std::min_element(column.layer_budgets.begin(), column.layer_budgets.end());
                 if (policy->check_budget) {
-                    const std::string problem = policy->check_budget(values, budget);
-                    if (!problem.empty()) throw InputError(entry.where + ": " + label + ": " + problem);
+                    const std::string problem = policy->check_budget(values, tightest);
+                    if (!problem.empty())
+                        throw InputError(entry.where + ": " + label + ": " + problem +
+                                         (column.layer_budgets.empty() ? "" : " (profile " + column.label + ")"));
                 }
-                combos.push_back({policy, values, budget, label});
+                combos.push_back({policy, values, column.budget, column.layer_budgets, column.label, label});
             }
             std::size_t a = axes.size();
             while (a > 0 && ++index[a - 1] == axes[a - 1]->values.size()) index[--a] = 0;

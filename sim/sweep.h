@@ -13,6 +13,9 @@ namespace kvsim {
 // the last one fastest), then budgets. Throws InputError for an unknown policy or parameter,
 // a grid axis naming no listed policy, a duplicate row, or a parameter that does not fit a budget.
 std::vector<ReplayCombo> expand_sweep(const std::vector<PolicyEntry>& policies, const std::vector<GridAxis>& grid,
+                                      const std::vector<BudgetColumn>& budgets);
+// Scalar budgets only.
+std::vector<ReplayCombo> expand_sweep(const std::vector<PolicyEntry>& policies, const std::vector<GridAxis>& grid,
                                       const std::vector<int>& budgets);
 
 // "h2o" or "h2o(recent_window=64)": the name plus the parameters the user set away from their defaults.

@@ -80,6 +80,23 @@ public:
         fail(item, key, "expected a name, or a one-key map from a name to its parameters");
     }
 
+    // A per-layer budget profile: a non-empty list of budgets >= 1.
+    BudgetColumn layer_profile(const YAML::Node& list, const std::string& key, std::string label) const {
+        BudgetColumn column;
+        column.label = std::move(label);
+        column.where = where(list, key);
+        if (!list.IsSequence() || list.size() == 0) fail(list, key, "expected a non-empty list of per-layer budgets");
+        int64_t total = 0;
+        for (std::size_t i = 0; i < list.size(); ++i) {
+            const std::string item = key + "[" + std::to_string(i) + "]";
+            column.layer_budgets.push_back(static_cast<int>(integer(list[i], item, 1)));
+            if (column.layer_budgets.back() > 100000000) fail(list[i], item, "budget too large");
+            total += column.layer_budgets.back();
+        }
+        column.budget = static_cast<int>((total + static_cast<int64_t>(list.size()) / 2) / list.size());
+        return column;
+    }
+
     std::string file_;
 };
 
@@ -104,7 +121,8 @@ ExperimentConfig load_config(const std::string& path) {
         throw InputError(path + ":" + std::to_string(e.mark.line + 1) + ": YAML syntax error: " + e.msg);
     }
     if (!root.IsMap()) throw InputError(path + ": expected a map of keys (trace, budgets, policies, ...)");
-    p.only_keys(root, "", {"trace", "budgets", "policies", "metrics", "grid", "output"});
+    p.only_keys(root, "", {"trace", "budgets", "layer_budgets", "policies", "metrics", "grid", "output",
+                           "attention_view", "group_reduce", "prefill_tokens"});
 
     ExperimentConfig config;
     config.file = path;
@@ -123,23 +141,53 @@ ExperimentConfig load_config(const std::string& path) {
         } else {
             if (!trace["synthetic"]) p.fail(trace, "trace", "missing key 'synthetic' (or 'path')");
             config.trace.synthetic = p.string(trace["synthetic"], "trace.synthetic");
-            if (config.trace.synthetic != "policybook")
+            if (config.trace.synthetic != "policybook" && config.trace.synthetic != "qkv")
                 p.fail(trace["synthetic"], "trace.synthetic", "unknown generator '" + config.trace.synthetic +
-                                                                  "' (known: policybook)");
-            config.trace.name = trace["name"] ? p.string(trace["name"], "trace.name") : "decode-4096";
+                                                                  "' (known: policybook, qkv)");
+            const char* default_name = config.trace.synthetic == "qkv" ? "llama-1b-4096" : "decode-4096";
+            config.trace.name = trace["name"] ? p.string(trace["name"], "trace.name") : default_name;
         }
         if (trace["max_steps"]) config.trace.max_steps = p.integer(trace["max_steps"], "trace.max_steps", 1);
     }
 
     const YAML::Node budgets = root["budgets"];
-    if (!budgets) throw InputError(path + ": missing key 'budgets'");
-    if (!budgets.IsSequence()) p.fail(budgets, "budgets", "expected a list of integers, e.g. [256, 512, 1024]");
-    if (budgets.size() == 0) p.fail(budgets, "budgets", "empty list");
-    for (std::size_t i = 0; i < budgets.size(); ++i) {
-        const std::string key = "budgets[" + std::to_string(i) + "]";
-        config.budgets.push_back(static_cast<int>(p.integer(budgets[i], key, 1)));
-        if (config.budgets.back() > 100000000) p.fail(budgets[i], key, "budget too large");
+    if (!budgets && !root["layer_budgets"]) throw InputError(path + ": missing key 'budgets'");
+    if (budgets) {
+        if (!budgets.IsSequence()) p.fail(budgets, "budgets", "expected a list of integers, e.g. [256, 512, 1024]");
+        if (budgets.size() == 0) p.fail(budgets, "budgets", "empty list");
+        for (std::size_t i = 0; i < budgets.size(); ++i) {
+            const std::string key = "budgets[" + std::to_string(i) + "]";
+            config.budgets.push_back(static_cast<int>(p.integer(budgets[i], key, 1)));
+            if (config.budgets.back() > 100000000) p.fail(budgets[i], key, "budget too large");
+        }
     }
+    // layer_budgets: a list (one profile), a profile file, or a list of profile files.
+    if (const YAML::Node layers = root["layer_budgets"]) {
+        if (layers.IsSequence() && layers.size() > 0 && layers[0].IsScalar() &&
+            !std::isalpha(static_cast<unsigned char>(layers[0].Scalar()[0]))) {
+            config.layer_budget_profiles.push_back(p.layer_profile(layers, "layer_budgets", "per-layer"));
+        } else if (layers.IsScalar()) {
+            config.layer_budget_profiles.push_back(load_budget_profile(resolve_against(path, layers.Scalar())));
+        } else if (layers.IsSequence()) {
+            for (std::size_t i = 0; i < layers.size(); ++i)
+                config.layer_budget_profiles.push_back(load_budget_profile(
+                    resolve_against(path, p.string(layers[i], "layer_budgets[" + std::to_string(i) + "]"))));
+        } else {
+            p.fail(layers, "layer_budgets", "expected a list of per-layer budgets or profile files");
+        }
+    }
+    if (const YAML::Node view = root["attention_view"]) {
+        config.attention_view = p.string(view, "attention_view");
+        if (config.attention_view != "raw" && config.attention_view != "renormalized")
+            p.fail(view, "attention_view", "expected raw or renormalized, got '" + config.attention_view + "'");
+    }
+    if (const YAML::Node reduce = root["group_reduce"]) {
+        config.group_reduce = p.string(reduce, "group_reduce");
+        if (config.group_reduce != "mean" && config.group_reduce != "max" && config.group_reduce != "sum")
+            p.fail(reduce, "group_reduce", "expected mean, max or sum, got '" + config.group_reduce + "'");
+    }
+    if (const YAML::Node prefill = root["prefill_tokens"])
+        config.prefill_tokens = static_cast<int>(p.integer(prefill, "prefill_tokens", 0));
 
     const YAML::Node policies = root["policies"];
     if (!policies) throw InputError(path + ": missing key 'policies'");
@@ -214,6 +262,29 @@ ExperimentConfig load_config(const std::string& path) {
         if (output["per_layer"]) config.per_layer = p.boolean(output["per_layer"], "output.per_layer");
     }
     return config;
+}
+
+BudgetColumn load_budget_profile(const std::string& path) {
+    ConfigParser p(path);
+    if (!std::filesystem::exists(path)) throw InputError(path + ": no such file");
+    YAML::Node root;
+    try {
+        root = YAML::LoadFile(path);
+    } catch (const YAML::Exception& e) {
+        throw InputError(path + ": cannot read as YAML: " + e.msg);
+    }
+    if (!root.IsMap()) throw InputError(path + ": expected a map with key 'layer_budgets'");
+    p.only_keys(root, "", {"name", "layer_budgets", "source", "method", "fitted_on"});
+    if (!root["layer_budgets"]) throw InputError(path + ": missing key 'layer_budgets'");
+    return p.layer_profile(root["layer_budgets"], "layer_budgets",
+                           root["name"] ? p.string(root["name"], "name") : std::filesystem::path(path).stem().string());
+}
+
+std::vector<BudgetColumn> budget_columns(const ExperimentConfig& config) {
+    std::vector<BudgetColumn> columns;
+    for (int b : config.budgets) columns.push_back({std::to_string(b), b, {}, config.file + ": budgets"});
+    columns.insert(columns.end(), config.layer_budget_profiles.begin(), config.layer_budget_profiles.end());
+    return columns;
 }
 
 std::vector<int> parse_budget_list(const std::string& text, const std::string& where) {

@@ -25,8 +25,8 @@ struct GridAxis {
 
 struct TraceRef {
     std::string path;       // a trace file, resolved against the config file's folder; or
-    std::string synthetic;  // a generator ("policybook") and
-    std::string name;       // its trace name ("decode-4096")
+    std::string synthetic;  // a generator ("policybook" or "qkv") and
+    std::string name;       // its trace name ("decode-4096", "llama-1b-4096")
     int64_t max_steps = 0;  // 0: every step
     std::string where;
 };
@@ -37,10 +37,22 @@ inline const std::vector<std::string>& known_metrics() {
     return metrics;
 }
 
+// A budget column: one budget for every layer, or a per-layer profile.
+struct BudgetColumn {
+    std::string label;               // "256", or the profile's name
+    int budget = 0;                  // tokens per (layer, KV head); for a profile, the mean
+    std::vector<int> layer_budgets;  // empty for a scalar budget
+    std::string where;
+};
+
 struct ExperimentConfig {
     std::string file;
     TraceRef trace;
     std::vector<int> budgets;
+    std::vector<BudgetColumn> layer_budget_profiles;  // from layer_budgets:
+    std::string attention_view;  // "raw", "renormalized", or "" for the trace kind's default
+    std::string group_reduce = "mean";
+    int prefill_tokens = 0;
     std::vector<PolicyEntry> policies;
     std::vector<std::string> metrics = {"retained_mass", "heavy_hitter_recall"};  // tables printed
     int heavy_hitter_k = 32;
@@ -51,6 +63,12 @@ struct ExperimentConfig {
 };
 
 ExperimentConfig load_config(const std::string& path);
+
+// Every budget column of a config: its scalar budgets, then its per-layer profiles.
+std::vector<BudgetColumn> budget_columns(const ExperimentConfig& config);
+
+// Reads a per-layer budget profile file (YAML with `layer_budgets: [..]`, optional `name:`).
+BudgetColumn load_budget_profile(const std::string& path);
 
 // "--budgets 64,128,256"
 std::vector<int> parse_budget_list(const std::string& text, const std::string& where);

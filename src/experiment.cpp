@@ -3,7 +3,9 @@
 #include <chrono>
 #include <filesystem>
 
+#include "sim/qkv_attention.h"
 #include "sim/replay.h"
+#include "sim/synthetic_qkv.h"
 #include "sim/sweep.h"
 #include "src/atomic_file.h"
 #include "src/errors.h"
@@ -12,9 +14,43 @@
 namespace kvsim {
 
 std::unique_ptr<AttentionSource> open_source(const TraceRef& trace) {
-    if (!trace.synthetic.empty())
+    if (trace.synthetic == "policybook")
         return make_policybook_source(policybook_trace(trace.name, trace.where + ".name"), trace.max_steps);
-    return open_attention_trace(trace.path, trace.max_steps);
+    if (trace.synthetic == "qkv")
+        return make_synthetic_qkv_source(synthetic_qkv_trace(trace.name, trace.where + ".name"), trace.max_steps);
+    return open_trace_source(trace.path, trace.max_steps);
+}
+
+HarnessOptions harness_options(const ExperimentConfig& config, const AttentionSource& source) {
+    HarnessOptions options;
+    // Attention traces default to the reference harness's raw view; Q/K/V traces to what the
+    // model really computes after eviction.
+    const bool qkv = dynamic_cast<const QkvSource*>(&source) != nullptr;
+    const std::string view = config.attention_view.empty() ? (qkv ? "renormalized" : "raw") : config.attention_view;
+    options.view = view == "raw" ? AttentionView::raw : AttentionView::renormalized;
+    options.reduce = config.group_reduce == "max"   ? GroupReduce::max
+                     : config.group_reduce == "sum" ? GroupReduce::sum
+                                                    : GroupReduce::mean;
+    options.prefill_tokens = config.prefill_tokens;
+    return options;
+}
+
+// Checks the config against the trace's shape: profiles need one budget per layer.
+void check_against_trace(const ExperimentConfig& config, const AttentionSource& source) {
+    const AttentionShape& shape = source.shape();
+    for (const BudgetColumn& column : config.layer_budget_profiles)
+        if (static_cast<int>(column.layer_budgets.size()) != shape.num_layers)
+            throw InputError(column.where + ": " + std::to_string(column.layer_budgets.size()) +
+                             " per-layer budgets, but trace " + source.description() + " has " +
+                             std::to_string(shape.num_layers) + " layers");
+    if (shape.group_size() > 64)
+        throw InputError(source.description() + ": " + std::to_string(shape.group_size()) +
+                         " query heads per KV head; kvsim handles at most 64");
+    for (std::size_t s = 0; s < shape.sequence_lengths.size(); ++s)
+        if (config.prefill_tokens >= shape.sequence_lengths[s])
+            throw InputError(config.file + ": prefill_tokens = " + std::to_string(config.prefill_tokens) +
+                             " leaves no decode step in sequence " + shape.sequence_names[s] + " (" +
+                             std::to_string(shape.sequence_lengths[s]) + " tokens)");
 }
 
 ExperimentResult run_experiment(const ExperimentConfig& config, const std::vector<GridAxis>& extra_axes,
@@ -26,11 +62,13 @@ ExperimentResult run_experiment(const ExperimentConfig& config, const std::vecto
         if (!replaced) grid.push_back(axis);
     }
     grid.insert(grid.end(), extra_axes.begin(), extra_axes.end());
-    const std::vector<ReplayCombo> combos = expand_sweep(config.policies, grid, config.budgets);
+    const std::vector<ReplayCombo> combos = expand_sweep(config.policies, grid, budget_columns(config));
 
     std::unique_ptr<AttentionSource> source = open_source(config.trace);
+    check_against_trace(config, *source);
     ReplayOptions options;
     options.heavy_hitter_k = config.heavy_hitter_k;
+    options.harness = harness_options(config, *source);
     ProgressBar bar(show_progress);
     options.progress = [&bar](double fraction) { bar.update(fraction); };
 
@@ -47,6 +85,8 @@ ExperimentResult run_experiment(const ExperimentConfig& config, const std::vecto
         rec.label = c.label;
         rec.params = c.params;
         rec.budget = c.budget;
+        rec.budget_label = c.budget_label;
+        rec.layer_budgets = c.layer_budgets;
         rec.layer = layer;
         rec.steps = m.steps;
         rec.retained_mass = m.steps ? m.retained_mass / m.steps : 0.0;

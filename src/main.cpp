@@ -9,6 +9,7 @@
 
 #include "kvsim_version.h"
 #include "sim/attention_source.h"
+#include "sim/synthetic_qkv.h"
 #include "sim/trace_store.h"
 #include "src/config.h"
 #include "src/errors.h"
@@ -107,9 +108,16 @@ int trace_info(const std::string& path) {
     return 0;
 }
 
-int trace_synth(const std::string& generator, const std::string& name, const std::string& out) {
-    if (generator != "policybook") throw InputError("trace synth: unknown generator '" + generator + "' (known: policybook)");
-    write_policybook_trace(policybook_trace(name, "--name"), out);
+int trace_synth(const std::string& generator, const std::string& name, const std::string& dtype,
+                const std::string& out) {
+    if (generator == "policybook") {
+        write_policybook_trace(policybook_trace(name.empty() ? "decode-4096" : name, "--name"), out);
+    } else if (generator == "qkv") {
+        write_synthetic_qkv_trace(synthetic_qkv_trace(name.empty() ? "llama-1b-4096" : name, "--name"), out,
+                                  dtype == "float32" ? TensorDtype::float32 : TensorDtype::float16);
+    } else {
+        throw InputError("trace synth: unknown generator '" + generator + "' (known: policybook, qkv)");
+    }
     std::printf("wrote %s\n", out.c_str());
     return 0;
 }
@@ -131,10 +139,12 @@ int main(int argc, char** argv) {
 
     CLI::App* trace = app.add_subcommand("trace", "make and inspect trace files");
     trace->require_subcommand(1);
-    std::string synth_generator, synth_name = "decode-4096", synth_out, info_path;
+    std::string synth_generator, synth_name, synth_dtype = "float16", synth_out, info_path;
     CLI::App* synth = trace->add_subcommand("synth", "write a synthetic trace");
-    synth->add_option("generator", synth_generator, "generator: policybook")->required();
-    synth->add_option("--name", synth_name, "trace name (policybook: decode-4096)");
+    synth->add_option("generator", synth_generator, "generator: policybook or qkv")->required();
+    synth->add_option("--name", synth_name, "trace name (policybook: decode-4096; qkv: llama-1b-4096, tiny-256)");
+    synth->add_option("--dtype", synth_dtype, "qkv tensors: float16 (default) or float32")
+        ->check(CLI::IsMember({"float16", "float32"}));
     synth->add_option("-o,--output", synth_out, "output file (.h5)")->required();
     CLI::App* info = trace->add_subcommand("info", "print a trace's metadata and size");
     info->add_option("file", info_path, "trace file (.h5)")->required();
@@ -157,7 +167,7 @@ int main(int argc, char** argv) {
     try {
         if (*run) return run_replay(run_flags, false);
         if (*sweep) return run_replay(sweep_flags, true);
-        if (*synth) return trace_synth(synth_generator, synth_name, synth_out);
+        if (*synth) return trace_synth(synth_generator, synth_name, synth_dtype, synth_out);
         if (*info) return trace_info(info_path);
         if (*policies) {
             for (const PolicyDescriptor& p : policy_registry()) {

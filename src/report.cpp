@@ -4,7 +4,6 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
-#include <set>
 
 #include "sim/sweep.h"
 
@@ -75,16 +74,15 @@ std::string params_text(const ParamValues& params) {
 
 std::string format_table(const std::vector<ResultRecord>& records, const std::vector<std::string>& metrics,
                          const std::string& title) {
-    std::vector<std::string> rows;
-    std::set<int> budget_set;
-    std::map<std::pair<std::string, int>, const ResultRecord*> cell;
+    std::vector<std::string> rows, columns;
+    std::map<std::pair<std::string, std::string>, const ResultRecord*> cell;
     for (const ResultRecord& r : records) {
         if (r.layer >= 0) continue;
         if (std::find(rows.begin(), rows.end(), r.label) == rows.end()) rows.push_back(r.label);
-        budget_set.insert(r.budget);
-        cell[{r.label, r.budget}] = &r;
+        if (std::find(columns.begin(), columns.end(), r.budget_label) == columns.end())
+            columns.push_back(r.budget_label);
+        cell[{r.label, r.budget_label}] = &r;
     }
-    const std::vector<int> budgets(budget_set.begin(), budget_set.end());
     std::size_t label_width = 6;
     for (const auto& row : rows) label_width = std::max(label_width, row.size());
 
@@ -93,16 +91,16 @@ std::string format_table(const std::vector<ResultRecord>& records, const std::ve
         out += "\n" + std::string(metric_title(metric)) + "\n";
         std::string header = "  " + std::string("policy") + std::string(label_width - 6, ' ');
         std::vector<std::size_t> widths;
-        for (int b : budgets) {
-            const std::string name = "B=" + std::to_string(b);
+        for (const std::string& column : columns) {
+            const std::string name = "B=" + column;
             widths.push_back(std::max<std::size_t>(name.size(), 8));
             header += "  " + std::string(widths.back() - name.size(), ' ') + name;
         }
         out += header + "\n  " + std::string(header.size() - 2, '-') + "\n";
         for (const auto& row : rows) {
             std::string line = "  " + row + std::string(label_width - row.size(), ' ');
-            for (std::size_t i = 0; i < budgets.size(); ++i) {
-                const auto it = cell.find({row, budgets[i]});
+            for (std::size_t i = 0; i < columns.size(); ++i) {
+                const auto it = cell.find({row, columns[i]});
                 const std::string value = it == cell.end() ? "-" : metric_cell(*it->second, metric);
                 line += "  " + std::string(widths[i] > value.size() ? widths[i] - value.size() : 0, ' ') + value;
             }
@@ -113,11 +111,11 @@ std::string format_table(const std::vector<ResultRecord>& records, const std::ve
 }
 
 std::string format_csv(const std::vector<ResultRecord>& records) {
-    std::string out = "policy,label,params,budget,layer,steps,retained_mass,heavy_hitter_recall,eviction_calls,"
+    std::string out = "policy,label,params,budget,budget_label,layer,steps,retained_mass,heavy_hitter_recall,eviction_calls,"
                       "policy_bytes_per_slot\n";
     for (const ResultRecord& r : records) {
         out += csv_field(r.policy) + "," + csv_field(r.label) + "," + csv_field(params_text(r.params)) + "," +
-               std::to_string(r.budget) + "," + (r.layer < 0 ? std::string("all") : std::to_string(r.layer)) + "," +
+               std::to_string(r.budget) + "," + csv_field(r.budget_label) + "," + (r.layer < 0 ? std::string("all") : std::to_string(r.layer)) + "," +
                std::to_string(r.steps) + "," + json_number(r.retained_mass) + "," +
                json_number(r.heavy_hitter_recall) + "," + std::to_string(r.eviction_calls) + "," +
                std::to_string(r.policy_bytes_per_slot) + "\n";
@@ -135,6 +133,12 @@ std::string format_json(const std::vector<ResultRecord>& records, const std::str
         params += "}";
         out += "  {\"policy\": " + json_string(r.policy) + ", \"label\": " + json_string(r.label) +
                ", \"params\": " + params + ", \"budget\": " + std::to_string(r.budget);
+        if (!r.layer_budgets.empty()) {
+            out += ", \"budget_profile\": " + json_string(r.budget_label) + ", \"layer_budgets\": [";
+            for (std::size_t l = 0; l < r.layer_budgets.size(); ++l)
+                out += (l ? ", " : "") + std::to_string(r.layer_budgets[l]);
+            out += "]";
+        }
         if (r.layer >= 0) out += ", \"layer\": " + std::to_string(r.layer);
         out += ", \"trace\": " + json_string(trace) + ", \"steps\": " + std::to_string(r.steps) +
                ", \"retained_mass\": " + json_number(r.retained_mass) +

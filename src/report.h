@@ -12,7 +12,9 @@ struct ResultRecord {
     std::string policy;  // registry name
     std::string label;   // table row: name plus the parameters the user set
     ParamValues params;  // every parameter, defaults included
-    int budget = 0;
+    int budget = 0;                  // tokens per (layer, KV head); a profile's mean
+    std::string budget_label;        // table column: "256" or a profile's name
+    std::vector<int> layer_budgets;  // a profile's per-layer budgets
     int layer = -1;      // -1: over all layers
     int64_t steps = 0;
     double retained_mass = 0;
@@ -24,7 +26,7 @@ struct ResultRecord {
 // round6 as the reference harness defines it: floor(x * 1e6 + 0.5) / 1e6.
 double round6(double x);
 
-// One table per metric; rows in first-seen order, budgets ascending. Whole-trace records only.
+// One table per metric; rows and columns in first-seen order. Whole-trace records only.
 std::string format_table(const std::vector<ResultRecord>& records, const std::vector<std::string>& metrics,
                          const std::string& title);
 std::string format_csv(const std::vector<ResultRecord>& records);

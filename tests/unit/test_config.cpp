@@ -23,7 +23,7 @@ std::string config_error(const std::string& text) {
     const std::string path = write_config("case", text);
     try {
         const ExperimentConfig c = load_config(path);
-        expand_sweep(c.policies, c.grid, c.budgets);
+        expand_sweep(c.policies, c.grid, budget_columns(c));
     } catch (const InputError& e) {
         return e.what();
     }
@@ -74,7 +74,8 @@ TEST_CASE("config mistakes name the file, the line and the key") {
     CHECK(config_error(kGood) == "");
     const std::string file = temp_dir() + "/case.yaml";
     CHECK(config_error("budgets: [64]\npolicies: [h2o]\n") == file + ": missing key 'trace'");
-    CHECK(config_error(kGood + "colour: blue\n") == file + ":4: colour: unknown key (known: budgets, grid, metrics, output, policies, trace)");
+    CHECK(config_error(kGood + "colour: blue\n") == file + ":4: colour: unknown key (known: attention_view, budgets, grid, group_reduce, layer_budgets, metrics, output, "
+                                                   "policies, prefill_tokens, trace)");
     CHECK(config_error("trace: {synthetic: policybook}\nbudgets: []\npolicies: [h2o]\n") == file + ":2: budgets: empty list");
     CHECK(config_error("trace: {synthetic: policybook}\nbudgets: [64, 0]\npolicies: [h2o]\n") ==
           file + ":2: budgets[1]: must be >= 1, got 0");
@@ -95,12 +96,35 @@ TEST_CASE("config mistakes name the file, the line and the key") {
     CHECK(config_error("trace: {synthetic: policybook}\nbudgets: [64]\npolicies: [h2o, h2o]\n").find("h2o is listed twice") !=
           std::string::npos);
     CHECK(config_error("trace: {synthetic: imagined}\nbudgets: [64]\npolicies: [h2o]\n") ==
-          file + ":1: trace.synthetic: unknown generator 'imagined' (known: policybook)");
+          file + ":1: trace.synthetic: unknown generator 'imagined' (known: policybook, qkv)");
     CHECK(config_error(kGood + "metrics: [perplexity]\n").find("metrics[0]: unknown metric 'perplexity'") != std::string::npos);
     CHECK(config_error(kGood + "grid: {tova.recent_window: [1, 2]}\n").find("policy 'tova' is not among") !=
           std::string::npos);
     CHECK(config_error("trace: {synthetic: policybook\nbudgets: [64]\n").find(file + ":") == 0);  // YAML syntax
     CHECK(config_error("- just\n- a list\n") == file + ": expected a map of keys (trace, budgets, policies, ...)");
+}
+
+TEST_CASE("replay options: view, group reduction, prefill and per-layer budgets") {
+    const std::string file = temp_dir() + "/case.yaml";
+    CHECK(config_error(kGood + "attention_view: cooked\n") ==
+          file + ":4: attention_view: expected raw or renormalized, got 'cooked'");
+    CHECK(config_error(kGood + "group_reduce: median\n") == file + ":4: group_reduce: expected mean, max or sum, got 'median'");
+    CHECK(config_error(kGood + "prefill_tokens: -3\n") == file + ":4: prefill_tokens: must be >= 0, got -3");
+    CHECK(config_error(kGood + "layer_budgets: [64, 0]\n") == file + ":4: layer_budgets[1]: must be >= 1, got 0");
+    CHECK(config_error(kGood + "layer_budgets: missing-profile.yaml\n") ==
+          temp_dir() + "/missing-profile.yaml: no such file");
+    const std::string profile = write_config("pyramid", "name: pyramid-64\nlayer_budgets: [96, 64, 32]\n");
+    const ExperimentConfig c = load_config(write_config("with-profile", kGood + "layer_budgets: pyramid.yaml\n"));
+    REQUIRE(c.layer_budget_profiles.size() == 1);
+    CHECK(c.layer_budget_profiles[0].label == "pyramid-64");
+    CHECK(c.layer_budget_profiles[0].budget == 64);
+    CHECK(c.layer_budget_profiles[0].layer_budgets == std::vector<int>{96, 64, 32});
+    const auto columns = budget_columns(c);
+    REQUIRE(columns.size() == 2);
+    CHECK(columns[0].label == "64");
+    // H2O's window of 32 must fit the tightest layer of a profile.
+    CHECK(config_error(kGood + "layer_budgets: [96, 64, 32]\n").find("recent_window = 32 must be less than the budget 32 (profile per-layer)") !=
+          std::string::npos);
 }
 
 TEST_CASE("a missing config file is named") {

@@ -26,10 +26,19 @@ public:
 };
 
 std::string run_until_error(std::unique_ptr<Policy> policy, int budget) {
-    Harness harness(std::move(policy), budget, 64, "rogue(x=1)", " (sequence s, layer 0, head 0)");
+    Harness harness(std::move(policy), budget, 64, HarnessOptions{}, "rogue(x=1)", " (sequence s, layer 0, head 0)");
     std::vector<float> row(64, 1.0f / 64);
+    const float* rows[1] = {row.data()};
+    const std::span<const int32_t> heavy[1] = {};
     try {
-        for (int t = 1; t < 64; ++t) harness.step(t, {row.data(), static_cast<std::size_t>(t)}, {});
+        for (int t = 1; t < 64; ++t) {
+            GroupStep step;
+            step.t = t;
+            step.rows = rows;
+            step.heavy = heavy;
+            step.combined = row.data();
+            harness.step(step);
+        }
     } catch (const PolicyError& e) {
         return e.what();
     }

@@ -75,7 +75,7 @@ TEST_CASE("a policybook trace written to HDF5 reads back bit for bit, and replay
     CHECK(hash.value() == 0xBAEC2A10u);
 
     const std::vector<PolicyEntry> policies = {entry("streaming_llm"), entry("h2o"), entry("snapkv")};
-    auto from_file = open_attention_trace(path, 0);
+    auto from_file = open_trace_source(path, 0);
     const auto file_rows = replay_rows(*from_file, policies, {256, 1024});
     const auto memory_rows = policybook_rows(policies, {256, 1024});
     REQUIRE(file_rows.size() == memory_rows.size());

@@ -1,0 +1,103 @@
+#include "sim/qkv_attention.h"
+
+#include <tbb/parallel_for.h>
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <cmath>
+
+namespace kvsim {
+
+using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using StridedRows = Eigen::Map<const RowMatrix, 0, Eigen::OuterStride<>>;
+
+void attention_from_qkv(const QkvLayer& layer, const QkvShape& shape, int64_t first_step, int64_t end_step,
+                        AttentionBlock& block) {
+    const int hq = shape.num_query_heads, hkv = shape.num_kv_heads, d = shape.head_dim;
+    const int group = hq / hkv;
+    const int64_t rows = end_step - first_step;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    block.first_step = first_step;
+    block.end_step = end_step;
+    block.rows.resize(hq);
+    block.self_weight.resize(hq);
+
+    tbb::parallel_for(0, hq, [&](int h) {
+        const int g = h / group;
+        // Q rows of this head for the block's steps, K rows of its KV head for positions 0..end-1:
+        // both are strided views into [token][head][d].
+        const StridedRows q(layer.q.data() + first_step * hq * d + static_cast<int64_t>(h) * d, rows, d,
+                            Eigen::OuterStride<>(static_cast<int64_t>(hq) * d));
+        const StridedRows k(layer.k.data() + static_cast<int64_t>(g) * d, end_step, d,
+                            Eigen::OuterStride<>(static_cast<int64_t>(hkv) * d));
+        thread_local RowMatrix scores;
+        scores.resize(rows, end_step);
+        scores.noalias() = (q * scale) * k.transpose();
+
+        std::vector<float>& packed = block.rows[h];
+        packed.resize(attention_row_offset(end_step) - attention_row_offset(first_step));
+        block.self_weight[h].resize(rows);
+        float* out = packed.data();
+        for (int64_t i = 0; i < rows; ++i) {
+            const int64_t t = first_step + i;
+            auto row = scores.row(i).head(t + 1).array();  // causal: positions 0..t
+            const float peak = row.maxCoeff();
+            row = (row - peak).exp();
+            const float inv_total = 1.0f / row.sum();
+            Eigen::Map<Eigen::ArrayXf>(out, t) = row.head(t) * inv_total;
+            block.self_weight[h][i] = row(t) * inv_total;
+            out += t;
+        }
+    });
+}
+
+double attention_flops(const QkvShape& shape, int64_t first_step, int64_t end_step) {
+    return 2.0 * shape.num_query_heads * static_cast<double>(end_step - first_step) * end_step * shape.head_dim;
+}
+
+const QkvLayer& QkvSource::layer_data(int sequence, int layer) {
+    if (sequence != loaded_sequence_ || layer != loaded_layer_) {
+        loaded_ = QkvLayer{};  // release the previous layer before loading the next
+        loaded_ = load_layer(sequence, layer);
+        loaded_sequence_ = sequence;
+        loaded_layer_ = layer;
+    }
+    return loaded_;
+}
+
+void QkvSource::read_block(int sequence, int layer, int64_t first_step, int64_t end_step, AttentionBlock& block) {
+    attention_from_qkv(layer_data(sequence, layer), qkv_, first_step, end_step, block);
+}
+
+namespace {
+
+class QkvFileSource : public QkvSource {
+public:
+    QkvFileSource(std::unique_ptr<TraceReader> reader, int64_t max_steps) : reader_(std::move(reader)) {
+        const TraceMetadata& m = reader_->metadata();
+        shape_.num_layers = static_cast<int>(m.num_layers);
+        shape_.num_query_heads = static_cast<int>(m.num_query_heads);
+        shape_.num_kv_heads = static_cast<int>(m.num_kv_heads);
+        qkv_ = {shape_.num_query_heads, shape_.num_kv_heads, static_cast<int>(m.head_dim)};
+        for (const SequenceInfo& s : reader_->sequences()) {
+            shape_.sequence_names.push_back(s.name);
+            shape_.sequence_lengths.push_back(s.length);
+            shape_.last_steps.push_back(max_steps > 0 ? std::min(s.length - 1, max_steps) : s.length - 1);
+        }
+    }
+    std::string description() const override { return reader_->path(); }
+
+protected:
+    QkvLayer load_layer(int sequence, int layer) override { return reader_->read_qkv(sequence, layer); }
+
+private:
+    std::unique_ptr<TraceReader> reader_;
+};
+
+}  // namespace
+
+std::unique_ptr<AttentionSource> make_qkv_source(std::unique_ptr<TraceReader> reader, int64_t max_steps) {
+    return std::make_unique<QkvFileSource>(std::move(reader), max_steps);
+}
+
+}  // namespace kvsim

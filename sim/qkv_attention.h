@@ -1,0 +1,50 @@
+// Attention recomputed from recorded Q and K (after RoPE): causal, scaled by 1/sqrt(head_dim),
+// once per step for every query head, and shared by every policy of a run. One layer's Q/K/V
+// is held at a time, so memory is bounded by one layer whatever the layer count.
+#pragma once
+#include <memory>
+
+#include "sim/attention_source.h"
+#include "sim/trace_store.h"
+
+namespace kvsim {
+
+struct QkvShape {
+    int num_query_heads = 1;
+    int num_kv_heads = 1;
+    int head_dim = 1;
+};
+
+// Rows of steps [first_step, end_step) of every query head, from one layer's Q and K: row t is
+// the softmax of q_t . k_j / sqrt(d) over j = 0..t, positions 0..t-1 packed, t's own weight in
+// self_weight. Heads run in parallel; each uses matrix products over the block.
+void attention_from_qkv(const QkvLayer& layer, const QkvShape& shape, int64_t first_step, int64_t end_step,
+                        AttentionBlock& block);
+
+// Floating-point operations attention_from_qkv spends on a block (the score products).
+double attention_flops(const QkvShape& shape, int64_t first_step, int64_t end_step);
+
+// A source that yields one layer's Q/K/V at a time.
+class QkvSource : public AttentionSource {
+public:
+    const AttentionShape& shape() const override { return shape_; }
+    void read_block(int sequence, int layer, int64_t first_step, int64_t end_step, AttentionBlock& block) override;
+    // A block of scores costs (rows x positions) floats per head; keep it near what's asked.
+    int64_t block_floats(int64_t wanted) const override { return wanted; }
+    const QkvShape& qkv_shape() const { return qkv_; }
+    // Q/K/V of one (sequence, layer): what eval-free replays and output metrics read.
+    const QkvLayer& layer_data(int sequence, int layer);
+
+protected:
+    virtual QkvLayer load_layer(int sequence, int layer) = 0;
+    AttentionShape shape_;
+    QkvShape qkv_;
+
+private:
+    int loaded_sequence_ = -1, loaded_layer_ = -1;
+    QkvLayer loaded_;
+};
+
+std::unique_ptr<AttentionSource> make_qkv_source(std::unique_ptr<TraceReader> reader, int64_t max_steps);
+
+}  // namespace kvsim

@@ -1,0 +1,168 @@
+// Attention recomputed from Q/K traces, grouped-query replay, the two views, prefill and
+// per-layer budgets.
+#include <doctest/doctest.h>
+
+#include <cmath>
+
+#include "helpers.h"
+#include "sim/qkv_attention.h"
+#include "sim/synthetic_qkv.h"
+#include "src/config.h"
+#include "src/errors.h"
+#include "src/experiment.h"
+
+using namespace kvsim;
+using namespace kvsim::test;
+
+namespace {
+
+SyntheticQkvSpec tiny() { return synthetic_qkv_trace("tiny-256", "test"); }
+
+// Records what the harness shows a policy; evicts nothing itself (wrapped in H2O's behaviour is
+// not needed: tests use budgets above the sequence length).
+struct Spy : Policy {
+    std::vector<std::vector<float>>* seen;
+    explicit Spy(std::vector<std::vector<float>>* s) : seen(s) {}
+    void on_decode_step(int32_t, std::span<const float> attn) override { seen->emplace_back(attn.begin(), attn.end()); }
+    void evict(int, std::vector<int32_t>&) override {}
+    std::size_t bytes_per_slot() const override { return 0; }
+};
+
+}  // namespace
+
+TEST_CASE("attention from Q and K matches a direct double-precision softmax") {
+    const SyntheticQkvSpec spec = tiny();
+    const QkvLayer layer = generate_synthetic_qkv_layer(spec, 1);
+    const QkvShape shape{spec.num_query_heads, spec.num_kv_heads, spec.head_dim};
+    AttentionBlock block;
+    attention_from_qkv(layer, shape, 100, 140, block);
+    const int d = spec.head_dim, hq = spec.num_query_heads, hkv = spec.num_kv_heads;
+    double worst = 0;
+    for (int h = 0; h < hq; ++h) {
+        const int g = h / (hq / hkv);
+        for (int64_t t = 100; t < 140; ++t) {
+            std::vector<double> logits(t + 1);
+            double peak = -1e300;
+            for (int64_t j = 0; j <= t; ++j) {
+                double dot = 0;
+                for (int i = 0; i < d; ++i)
+                    dot += double(layer.q[(t * hq + h) * d + i]) * layer.k[(j * hkv + g) * d + i];
+                logits[j] = dot / std::sqrt(double(d));
+                peak = std::max(peak, logits[j]);
+            }
+            double total = 0;
+            for (double& l : logits) total += (l = std::exp(l - peak));
+            const float* row = block.row(h, t);
+            for (int64_t j = 0; j < t; ++j) worst = std::max(worst, std::abs(row[j] - logits[j] / total));
+            worst = std::max(worst, std::abs(block.self_weight[h][t - 100] - logits[t] / total));
+        }
+    }
+    CHECK(worst < 2e-6);
+}
+
+TEST_CASE("a synthetic Q/K/V trace replays the same from memory and from its HDF5 file") {
+    const SyntheticQkvSpec spec = tiny();
+    const std::string path = temp_dir() + "/tiny-qkv.h5";
+    write_synthetic_qkv_trace(spec, path, TensorDtype::float32);
+    const std::vector<PolicyEntry> policies = {entry("streaming_llm"), entry("h2o", {{"recent_window", 8}}),
+                                               entry("tova"), entry("pyramidkv", {{"recent_window", 8}})};
+    auto memory = make_synthetic_qkv_source(spec, 0);
+    auto file = open_trace_source(path, 0);
+    const auto a = replay_rows(*memory, policies, {32, 64});
+    const auto b = replay_rows(*file, policies, {32, 64});
+    REQUIRE(a.size() == b.size());
+    for (std::size_t i = 0; i < a.size(); ++i) {
+        CHECK(a[i].retained_mass == b[i].retained_mass);
+        CHECK(a[i].recall == b[i].recall);
+    }
+    // The synthetic trace has heavy hitters to find: H2O, which keeps them, recalls more than a window.
+    CHECK(find_row(a, "h2o(recent_window=8)", 32).recall > find_row(a, "streaming_llm", 32).recall);
+    // Three layers: PyramidKV gives layers different shares, so it differs from SnapKV-like budgets.
+    CHECK(find_row(a, "streaming_llm", 32).eviction_calls == 2 * 3 * (255 - 32 + 1));  // KV heads x layers
+}
+
+TEST_CASE("the renormalized view divides each head's row by what it keeps, then combines the group") {
+    // Two query heads over one KV head, four steps, no eviction (budget above the length).
+    std::vector<std::vector<float>> seen;
+    HarnessOptions options;
+    options.view = AttentionView::renormalized;
+    options.reduce = GroupReduce::mean;
+    Harness harness(std::make_unique<Spy>(&seen), 100, 8, options, "spy", "");
+    const float a[3] = {0.2f, 0.1f, 0.3f}, b[3] = {0.5f, 0.25f, 0.05f};
+    const float* rows[2] = {a, b};
+    const float self[2] = {0.4f, 0.2f};
+    const std::span<const int32_t> heavy[2] = {};
+    GroupStep step;
+    step.t = 3;
+    step.rows = rows;
+    step.self_weight = self;
+    step.heavy = heavy;
+    // Hold positions 0..2 by feeding steps 1 and 2 first.
+    for (int32_t t = 1; t <= 3; ++t) {
+        step.t = t;
+        harness.step(step);
+    }
+    REQUIRE(seen.size() == 3);
+    // Step 3 holds 0, 1, 2: head a keeps 0.6 of 1.0 -> divide by 0.6 + 0.4; head b by 0.8 + 0.2.
+    CHECK(seen[2][0] == doctest::Approx((0.2 / 1.0 + 0.5 / 1.0) / 2));
+    // Step 1 holds only position 0: head a renormalises by 0.2 + 0.4, head b by 0.5 + 0.2.
+    CHECK(seen[0][0] == doctest::Approx((0.2 / 0.6 + 0.5 / 0.7) / 2));
+}
+
+TEST_CASE("views, reduction and a full-size cache") {
+    const SyntheticQkvSpec spec = tiny();
+    auto run = [&](const std::string& view, const std::string& reduce, int budget, int prefill = 0) {
+        ExperimentConfig config;
+        config.trace.synthetic = "qkv";
+        config.trace.name = "tiny-256";
+        config.budgets = {budget};
+        config.policies = {entry("sliding_window"), entry("h2o", {{"recent_window", 4}}), entry("snapkv", {{"recent_window", 4}})};
+        config.attention_view = view;
+        config.group_reduce = reduce;
+        config.prefill_tokens = prefill;
+        return run_experiment(config, {}, false).records;
+    };
+    // A cache as long as the sequence forgets nothing, whatever the policy.
+    for (const ResultRecord& r : run("renormalized", "mean", 256)) {
+        CHECK(r.retained_mass == doctest::Approx(1.0).epsilon(1e-5));
+        CHECK(r.heavy_hitter_recall == 1.0);
+        CHECK(r.eviction_calls == 0);
+    }
+    const auto raw = run("raw", "mean", 24), renorm = run("renormalized", "mean", 24), by_max = run("raw", "max", 24);
+    // The attention-free policy does not care how attention is shown; H2O does.
+    CHECK(raw[0].retained_mass == renorm[0].retained_mass);
+    CHECK(raw[1].retained_mass != renorm[1].retained_mass);
+    CHECK(raw[1].retained_mass != by_max[1].retained_mass);
+    // Prefill: the prompt enters whole, is compressed once, and only decode steps are measured.
+    const auto prefilled = run("raw", "mean", 24, 100);
+    // Per (layer, KV head): one compression after the prompt, then one per decode step 100..255.
+    CHECK(prefilled[0].eviction_calls == 3 * 2 * (1 + (255 - 100 + 1)));
+    CHECK(prefilled[0].steps == 3 * 4 * (255 - 100 + 1));
+}
+
+TEST_CASE("per-layer budgets: a flat profile equals the scalar budget; a wrong length is named") {
+    ExperimentConfig config;
+    config.file = "cfg.yaml";
+    config.trace.synthetic = "qkv";
+    config.trace.name = "tiny-256";
+    config.budgets = {40};
+    config.layer_budget_profiles = {{"flat", 40, {40, 40, 40}, "cfg.yaml: layer_budgets"},
+                                    {"pyramid", 40, {60, 40, 20}, "cfg.yaml: layer_budgets"}};
+    config.policies = {entry("h2o", {{"recent_window", 8}})};
+    config.per_layer = true;
+    const auto records = run_experiment(config, {}, false).records;
+    const ResultRecord *scalar = nullptr, *flat = nullptr;
+    for (const ResultRecord& r : records)
+        if (r.layer < 0 && r.budget_label == "40") scalar = &r;
+        else if (r.layer < 0 && r.budget_label == "flat") flat = &r;
+    REQUIRE(scalar);
+    REQUIRE(flat);
+    CHECK(scalar->retained_mass == flat->retained_mass);
+    int per_layer_records = 0;
+    for (const ResultRecord& r : records) per_layer_records += r.layer >= 0;
+    CHECK(per_layer_records == 3 * 3);  // three columns x three layers
+
+    config.layer_budget_profiles = {{"short", 40, {40, 40}, "cfg.yaml: layer_budgets"}};
+    CHECK_THROWS_WITH_AS(run_experiment(config, {}, false),
+                         doctest::Contains("cfg.yaml: layer_budgets: 2 per-layer budgets, but trace"), InputError);
+}
