@@ -128,10 +128,11 @@ ExperimentConfig load_config(const std::string& path) {
     config.file = path;
 
     // trace: a path, or {synthetic: policybook, name: decode-4096, max_steps: N}
+    // trace: a path, or {synthetic: ...}. kvsim eval runs a model instead and needs none.
     const YAML::Node trace = root["trace"];
-    if (!trace) throw InputError(path + ": missing key 'trace'");
     config.trace.where = p.where(trace, "trace");
-    if (trace.IsScalar()) {
+    if (!trace) {
+    } else if (trace.IsScalar()) {
         config.trace.path = resolve_against(path, trace.Scalar());
     } else {
         p.only_keys(trace, "trace", {"synthetic", "name", "max_steps", "path"});

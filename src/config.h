@@ -33,7 +33,7 @@ struct TraceRef {
 
 inline const std::vector<std::string>& known_metrics() {
     static const std::vector<std::string> metrics = {"retained_mass", "heavy_hitter_recall", "eviction_calls",
-                                                     "policy_bytes_per_slot"};
+                                                     "policy_bytes_per_slot", "ppl", "delta_ppl"};
     return metrics;
 }
 

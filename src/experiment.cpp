@@ -53,15 +53,25 @@ void check_against_trace(const ExperimentConfig& config, const AttentionSource& 
                              std::to_string(shape.sequence_lengths[s]) + " tokens)");
 }
 
-ExperimentResult run_experiment(const ExperimentConfig& config, const std::vector<GridAxis>& extra_axes,
-                                bool show_progress) {
+std::vector<GridAxis> merge_grid(const std::vector<GridAxis>& config_grid, const std::vector<GridAxis>& extra_axes) {
     std::vector<GridAxis> grid;
-    for (const GridAxis& axis : config.grid) {
+    for (const GridAxis& axis : config_grid) {
         bool replaced = false;
         for (const GridAxis& extra : extra_axes) replaced |= extra.policy == axis.policy && extra.param == axis.param;
         if (!replaced) grid.push_back(axis);
     }
     grid.insert(grid.end(), extra_axes.begin(), extra_axes.end());
+    return grid;
+}
+
+ExperimentResult run_experiment(const ExperimentConfig& config, const std::vector<GridAxis>& extra_axes,
+                                bool show_progress) {
+    if (config.trace.path.empty() && config.trace.synthetic.empty())
+        throw InputError(config.file + ": missing key 'trace' (kvsim run replays a trace)");
+    for (const std::string& metric : config.metrics)
+        if (metric == "ppl" || metric == "delta_ppl")
+            throw InputError(config.file + ": metrics: " + metric + " needs the model in the loop: use kvsim eval");
+    const std::vector<GridAxis> grid = merge_grid(config.grid, extra_axes);
     const std::vector<ReplayCombo> combos = expand_sweep(config.policies, grid, budget_columns(config));
 
     std::unique_ptr<AttentionSource> source = open_source(config.trace);
@@ -98,7 +108,7 @@ ExperimentResult run_experiment(const ExperimentConfig& config, const std::vecto
     };
     for (std::size_t i = 0; i < combos.size(); ++i) {
         record(combos[i], results[i], results[i].total, -1);
-        out.policy_steps += results[i].total.steps;
+        out.policy_steps += results[i].total.steps / source->shape().group_size();  // one per KV head
     }
     if (config.per_layer)
         for (std::size_t i = 0; i < combos.size(); ++i)

@@ -12,9 +12,12 @@ namespace kvsim {
 struct ExperimentResult {
     std::string trace;  // what was replayed
     std::vector<ResultRecord> records;
-    int64_t policy_steps = 0;  // decode steps replayed, summed over every combination and stream
+    int64_t policy_steps = 0;  // decode steps replayed, summed over every combination and KV-head stream
     double seconds = 0;        // wall time of the replay
 };
+
+// The config's grid with --set axes added; an axis for the same parameter replaces the config's.
+std::vector<GridAxis> merge_grid(const std::vector<GridAxis>& config_grid, const std::vector<GridAxis>& extra_axes);
 
 // Opens the config's trace (generated in-process for a synthetic one).
 std::unique_ptr<AttentionSource> open_source(const TraceRef& trace);

@@ -3,6 +3,8 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
+#include <regex>
 #include <cstdio>
 #include <iostream>
 #include <memory>
@@ -13,6 +15,9 @@
 #include "sim/trace_store.h"
 #include "src/config.h"
 #include "src/errors.h"
+#include "src/atomic_file.h"
+#include "src/capture.h"
+#include "src/eval.h"
 #include "src/experiment.h"
 
 namespace {
@@ -69,6 +74,95 @@ int run_replay(const ReplayFlags& flags, bool sweep) {
         std::fprintf(stderr, "\nkvsim: %lld policy-steps in %.3f s (%.0f per second); results in %s/\n",
                      static_cast<long long>(result.policy_steps), result.seconds,
                      result.policy_steps / std::max(result.seconds, 1e-9), out_dir.c_str());
+    return 0;
+}
+
+int write_replay_outputs(const std::vector<ResultRecord>& records, const std::string& trace, const std::string& format,
+                         const std::string& out_dir, const std::vector<std::string>& metrics, const std::string& title) {
+    ExperimentResult result;
+    result.trace = trace;
+    result.records = records;
+    write_outputs(result, out_dir);
+    if (format == "table")
+        std::cout << format_table(records, metrics, title);
+    else if (format == "csv")
+        std::cout << format_csv(records);
+    else
+        std::cout << format_json(records, trace);
+    std::cout.flush();
+    return 0;
+}
+
+struct ModelFlags {
+    std::string model, text, split_on, out;
+    int max_tokens = 0, context = 0;
+};
+
+void add_model_flags(CLI::App* cmd, ModelFlags& flags) {
+    cmd->add_option("--model", flags.model, "GGUF model file (llama architecture)")->required();
+    cmd->add_option("--text", flags.text, "text file the model reads")->required();
+    cmd->add_option("--split-on", flags.split_on, "separator between sequences, e.g. '<|endoftext|>'");
+    cmd->add_option("--max-tokens", flags.max_tokens, "tokens per sequence, BOS included (default: the context)")
+        ->check(CLI::Range(2, 1 << 30));
+    cmd->add_option("--context", flags.context, "the model's trained context, when the GGUF header overstates it")
+        ->check(CLI::Range(2, 1 << 30));
+}
+
+int run_capture(const ModelFlags& flags, const std::string& dtype) {
+    CaptureOptions options;
+    options.model_path = flags.model;
+    options.text_path = flags.text;
+    options.split_on = flags.split_on;
+    options.max_tokens = flags.max_tokens;
+    options.context = flags.context;
+    options.dtype = dtype == "float16" ? TensorDtype::float16 : TensorDtype::float32;
+    options.output_path = flags.out;
+    const CaptureSummary summary = capture_trace(options);
+    std::printf("wrote %s: %d sequences, %ld tokens\n", flags.out.c_str(), summary.sequences, summary.tokens);
+    return 0;
+}
+
+int run_eval_command(const ReplayFlags& flags, const ModelFlags& model_flags) {
+    ExperimentConfig config = load_config(flags.config);
+    std::vector<GridAxis> axes;
+    if (!flags.budgets.empty()) config.budgets = parse_budget_list(flags.budgets, "--budgets");
+    for (const std::string& set : flags.sets) axes.push_back(parse_grid_flag(set, "--set"));
+    std::unique_ptr<tbb::global_control> threads;
+    if (flags.threads > 0)
+        threads = std::make_unique<tbb::global_control>(tbb::global_control::max_allowed_parallelism, flags.threads);
+    EvalOptions options;
+    options.model_path = model_flags.model;
+    options.text_path = model_flags.text;
+    options.split_on = model_flags.split_on;
+    options.max_tokens = model_flags.max_tokens;
+    options.context = model_flags.context;
+    options.show_progress = !flags.quiet;
+    const EvalResult result = run_eval(config, axes, options);
+
+    std::vector<std::string> metrics = {"ppl", "delta_ppl"};
+    for (const std::string& m : config.metrics)
+        if (std::find(metrics.begin(), metrics.end(), m) == metrics.end()) metrics.push_back(m);
+    const std::string format = flags.format.empty() ? config.output_format : flags.format;
+    const std::string out_dir = flags.out.empty() ? config.output_dir : flags.out;
+    char title[512];
+    std::snprintf(title, sizeof title, "kvsim eval %s  |  %s, %ld predicted tokens per configuration, full cache PPL %.4f",
+                  flags.config.c_str(), result.description.c_str(), result.tokens, result.full_ppl);
+    write_replay_outputs(result.records, result.description, format, out_dir, metrics, title);
+    char summary[512];
+    std::snprintf(summary, sizeof summary,
+                  "{\n  \"full_ppl\": %.17g,\n  \"predicted_tokens\": %ld,\n  \"configurations\": %zu,\n"
+                  "  \"spearman_retained_mass_vs_delta_ppl\": %.17g,\n  \"spearman_heavy_hitter_recall_vs_delta_ppl\": %.17g\n}\n",
+                  result.full_ppl, result.tokens, result.records.size() - 1, result.spearman_retained_mass,
+                  result.spearman_heavy_hitter_recall);
+    write_file_atomically(out_dir + "/correlation.json", std::string(summary).find("nan") == std::string::npos
+                                                             ? summary
+                                                             : std::regex_replace(summary, std::regex("-?nan"), "null"));
+    if (format == "table")
+        std::printf("\nSpearman rank correlation with the perplexity rise, across %zu configurations:\n"
+                    "  retained_mass        %+.3f\n  heavy_hitter_recall  %+.3f\n"
+                    "  (-1: the proxy orders configurations exactly as the model's own perplexity does)\n",
+                    result.records.size() - 1, result.spearman_retained_mass, result.spearman_heavy_hitter_recall);
+    if (!flags.quiet) std::fprintf(stderr, "\nkvsim: %.1f s; results in %s/\n", result.seconds, out_dir.c_str());
     return 0;
 }
 
@@ -151,6 +245,21 @@ int main(int argc, char** argv) {
 
     CLI::App* policies = app.add_subcommand("policies", "list the policies and their parameters");
 
+    ModelFlags capture_flags, eval_model_flags;
+    std::string capture_dtype = "float32";
+    CLI::App* capture = app.add_subcommand("capture", "record a GGUF model's Q/K/V over a text into a trace");
+    add_model_flags(capture, capture_flags);
+    capture->add_option("-o,--output", capture_flags.out, "output trace (.h5)")->required();
+    capture->add_option("--dtype", capture_dtype, "stored precision: float32 (default) or float16")
+        ->check(CLI::IsMember({"float16", "float32"}));
+
+    ReplayFlags eval_flags;
+    CLI::App* eval = app.add_subcommand("eval", "perplexity with each policy controlling the model's own cache");
+    add_replay_flags(eval, eval_flags);
+    add_model_flags(eval, eval_model_flags);
+    eval->add_option("--budgets", eval_flags.budgets, "budgets replacing the config's, e.g. 32,64,128");
+    eval->add_option("--set", eval_flags.sets, "a grid axis, e.g. h2o.recent_window=8,16 (repeatable)");
+
     try {
         app.parse(argc, argv);
     } catch (const CLI::CallForHelp& e) {
@@ -167,6 +276,8 @@ int main(int argc, char** argv) {
     try {
         if (*run) return run_replay(run_flags, false);
         if (*sweep) return run_replay(sweep_flags, true);
+        if (*capture) return run_capture(capture_flags, capture_dtype);
+        if (*eval) return run_eval_command(eval_flags, eval_model_flags);
         if (*synth) return trace_synth(synth_generator, synth_name, synth_dtype, synth_out);
         if (*info) return trace_info(info_path);
         if (*policies) {

@@ -19,6 +19,10 @@ std::string metric_cell(const ResultRecord& r, const std::string& metric) {
         std::snprintf(text, sizeof text, "%.6f", round6(r.retained_mass));
     else if (metric == "heavy_hitter_recall")
         std::snprintf(text, sizeof text, "%.6f", round6(r.heavy_hitter_recall));
+    else if (metric == "ppl")
+        std::snprintf(text, sizeof text, "%.4f", r.ppl);
+    else if (metric == "delta_ppl")
+        std::snprintf(text, sizeof text, "%+.4f", r.delta_ppl);
     else if (metric == "eviction_calls")
         std::snprintf(text, sizeof text, "%lld", static_cast<long long>(r.eviction_calls));
     else
@@ -30,6 +34,8 @@ const char* metric_title(const std::string& metric) {
     if (metric == "retained_mass") return "retained attention mass (mean over steps, before eviction)";
     if (metric == "heavy_hitter_recall") return "heavy-hitter recall (top-k positions of each step kept)";
     if (metric == "eviction_calls") return "eviction calls";
+    if (metric == "ppl") return "perplexity with the policy controlling the model's cache";
+    if (metric == "delta_ppl") return "perplexity rise over the full cache";
     return "policy bookkeeping bytes per cached token";
 }
 
@@ -79,7 +85,8 @@ std::string format_table(const std::vector<ResultRecord>& records, const std::ve
     for (const ResultRecord& r : records) {
         if (r.layer >= 0) continue;
         if (std::find(rows.begin(), rows.end(), r.label) == rows.end()) rows.push_back(r.label);
-        if (std::find(columns.begin(), columns.end(), r.budget_label) == columns.end())
+        if (r.budget_label != kEveryBudget &&
+            std::find(columns.begin(), columns.end(), r.budget_label) == columns.end())
             columns.push_back(r.budget_label);
         cell[{r.label, r.budget_label}] = &r;
     }
@@ -100,7 +107,8 @@ std::string format_table(const std::vector<ResultRecord>& records, const std::ve
         for (const auto& row : rows) {
             std::string line = "  " + row + std::string(label_width - row.size(), ' ');
             for (std::size_t i = 0; i < columns.size(); ++i) {
-                const auto it = cell.find({row, columns[i]});
+                auto it = cell.find({row, columns[i]});
+                if (it == cell.end()) it = cell.find({row, kEveryBudget});  // a baseline fills its row
                 const std::string value = it == cell.end() ? "-" : metric_cell(*it->second, metric);
                 line += "  " + std::string(widths[i] > value.size() ? widths[i] - value.size() : 0, ' ') + value;
             }
@@ -112,13 +120,14 @@ std::string format_table(const std::vector<ResultRecord>& records, const std::ve
 
 std::string format_csv(const std::vector<ResultRecord>& records) {
     std::string out = "policy,label,params,budget,budget_label,layer,steps,retained_mass,heavy_hitter_recall,eviction_calls,"
-                      "policy_bytes_per_slot\n";
+                      "policy_bytes_per_slot,ppl,delta_ppl\n";
     for (const ResultRecord& r : records) {
         out += csv_field(r.policy) + "," + csv_field(r.label) + "," + csv_field(params_text(r.params)) + "," +
                std::to_string(r.budget) + "," + csv_field(r.budget_label) + "," + (r.layer < 0 ? std::string("all") : std::to_string(r.layer)) + "," +
                std::to_string(r.steps) + "," + json_number(r.retained_mass) + "," +
                json_number(r.heavy_hitter_recall) + "," + std::to_string(r.eviction_calls) + "," +
-               std::to_string(r.policy_bytes_per_slot) + "\n";
+               std::to_string(r.policy_bytes_per_slot) + "," + (std::isnan(r.ppl) ? "" : json_number(r.ppl)) + "," +
+               (std::isnan(r.delta_ppl) ? "" : json_number(r.delta_ppl)) + "\n";
     }
     return out;
 }
@@ -144,7 +153,9 @@ std::string format_json(const std::vector<ResultRecord>& records, const std::str
                ", \"retained_mass\": " + json_number(r.retained_mass) +
                ", \"heavy_hitter_recall\": " + json_number(r.heavy_hitter_recall) +
                ", \"eviction_calls\": " + std::to_string(r.eviction_calls) +
-               ", \"policy_bytes_per_slot\": " + std::to_string(r.policy_bytes_per_slot) + "}";
+               ", \"policy_bytes_per_slot\": " + std::to_string(r.policy_bytes_per_slot);
+        if (!std::isnan(r.ppl)) out += ", \"ppl\": " + json_number(r.ppl) + ", \"delta_ppl\": " + json_number(r.delta_ppl);
+        out += "}";
         out += (i + 1 < records.size() ? ",\n" : "\n");
     }
     return out + "]\n";

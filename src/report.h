@@ -1,5 +1,6 @@
 // Results as a paper-style table (policy rows, budget columns), CSV and JSON records.
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -21,7 +22,12 @@ struct ResultRecord {
     double heavy_hitter_recall = 0;
     int64_t eviction_calls = 0;
     std::size_t policy_bytes_per_slot = 0;
+    double ppl = NAN;        // kvsim eval: perplexity with the policy in the loop
+    double delta_ppl = NAN;  // kvsim eval: ppl minus the full cache's
 };
+
+// The budget label of a baseline that holds at every budget (the full cache).
+inline constexpr const char* kEveryBudget = "full";
 
 // round6 as the reference harness defines it: floor(x * 1e6 + 0.5) / 1e6.
 double round6(double x);

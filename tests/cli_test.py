@@ -161,6 +161,97 @@ class Cli(unittest.TestCase):
         self.assertEqual(kvsim("--version").returncode, 0)
 
 
+SHARED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared")
+MODEL = os.path.join(SHARED, "models", "stories260K", "stories260K.gguf")
+STORIES = os.path.join(SHARED, "text", "tinystories_sample.txt")
+
+
+@unittest.skipUnless(os.path.exists(MODEL), "../shared/models/stories260K is not present")
+class ModelCli(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.dir = self.tmp.name
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    def write(self, name, data, mode="w"):
+        path = os.path.join(self.dir, name)
+        with open(path, mode) as f:
+            f.write(data)
+        return path
+
+    def test_capture_records_provenance_and_replays(self):
+        trace = os.path.join(self.dir, "t.h5")
+        result = kvsim("capture", "--model", MODEL, "--text", STORIES, "--split-on", "<|endoftext|>",
+                       "--context", "512", "--dtype", "float16", "-o", trace)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("5 sequences", result.stdout)
+        info = kvsim("trace", "info", trace).stdout
+        self.assertIn("270cba1bd5109f42d03350f60406024560464db173c0e387d91f0426d3bd256d", info)
+        self.assertIn("5 layers, 8 query heads, 4 KV heads, head size 8", info)
+        config = self.write("c.yaml", "trace: t.h5\nbudgets: [32]\npolicies: [sliding_window, tova]\n"
+                                      "output: {per_layer: true}\n")
+        run = kvsim("run", config, "--format", "json", "--out", os.path.join(self.dir, "o"), "-q")
+        self.assertEqual(run.returncode, 0, run.stderr)
+        records = json.loads(run.stdout)
+        self.assertEqual(len(records), 2 + 2 * 5)  # overall + per layer
+        self.assertEqual({r.get("layer") for r in records if "layer" in r}, {0, 1, 2, 3, 4})
+
+    def test_eval_reports_ppl_delta_and_correlation(self):
+        config = self.write("e.yaml", "budgets: [16, 48]\npolicies: [sliding_window, streaming_llm, tova]\n")
+        out = os.path.join(self.dir, "o")
+        result = kvsim("eval", config, "--model", MODEL, "--text", STORIES, "--split-on", "<|endoftext|>",
+                       "--context", "512", "--max-tokens", "160", "--format", "json", "--out", out, "-q")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        records = json.loads(result.stdout)
+        self.assertEqual(records[0]["policy"], "full")
+        self.assertEqual(records[0]["delta_ppl"], 0)
+        self.assertGreater(records[0]["ppl"], 2.5)
+        self.assertLess(records[0]["ppl"], 5.0)
+        self.assertEqual(len(records), 1 + 3 * 2)
+        for r in records[1:]:
+            self.assertAlmostEqual(r["delta_ppl"], r["ppl"] - records[0]["ppl"], places=9)
+        # A smaller cache never helps the attention-free policies here.
+        by = {(r["label"], r["budget"]): r for r in records[1:]}
+        self.assertGreater(by[("sliding_window", 16)]["ppl"], by[("sliding_window", 48)]["ppl"])
+        self.assertGreater(by[("sliding_window", 16)]["ppl"], records[0]["ppl"])
+        correlation = json.loads(read(os.path.join(out, "correlation.json")))
+        self.assertEqual(correlation["configurations"], 6)
+        self.assertLess(correlation["spearman_retained_mass_vs_delta_ppl"], 0)
+
+    def test_bad_model_and_text_inputs(self):
+        out = os.path.join(self.dir, "out")
+        cut = self.write("cut.gguf", open(MODEL, "rb").read()[:5000], "wb")
+        config = self.write("e.yaml", "budgets: [16]\npolicies: [tova]\n")
+        result = kvsim("capture", "--model", cut, "--text", STORIES, "-o", os.path.join(self.dir, "x.h5"))
+        self.assertEqual(result.returncode, 2, result.stderr)
+        self.assertIn("cut.gguf", result.stderr)
+        self.assertEqual(len(result.stderr.strip().splitlines()), 1)
+        self.assertFalse(os.path.exists(os.path.join(self.dir, "x.h5")))
+        foreign = self.write("foreign.gguf", "this is not a model\n")
+        result = kvsim("eval", config, "--model", foreign, "--text", STORIES, "--out", out)
+        self.assertEqual(result.returncode, 2)
+        self.assertIn("foreign.gguf", result.stderr)
+        empty = self.write("empty.txt", "  \n<|endoftext|>\n")
+        result = kvsim("eval", config, "--model", MODEL, "--text", empty, "--split-on", "<|endoftext|>", "--out", out)
+        self.assertEqual(result.returncode, 2)
+        self.assertIn("empty.txt: empty text", result.stderr)
+        self.assertFalse(os.path.exists(out))
+        # Longer than the context: a warning naming the file, then the run goes on at the limit.
+        result = kvsim("capture", "--model", MODEL, "--text", STORIES, "--split-on", "<|endoftext|>",
+                       "--context", "64", "-o", os.path.join(self.dir, "short.h5"))
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("warning: " + STORIES, result.stderr)
+        self.assertIn("stopping at 64", result.stderr)
+        # A run metric that needs the model.
+        replay = self.write("r.yaml", "trace: {synthetic: policybook, max_steps: 100}\nbudgets: [16]\n"
+                                      "policies: [tova]\nmetrics: [ppl]\n")
+        result = kvsim("run", replay, "--out", out)
+        self.assertEqual(result.returncode, 2)
+        self.assertIn("ppl needs the model in the loop", result.stderr)
+
+
 if __name__ == "__main__":
     KVSIM = os.path.abspath(sys.argv.pop(1))
     unittest.main(verbosity=2)

@@ -6,6 +6,7 @@
 #include "helpers.h"
 #include "src/config.h"
 #include "src/errors.h"
+#include "src/experiment.h"
 
 using namespace kvsim;
 using namespace kvsim::test;
@@ -73,7 +74,10 @@ TEST_CASE("a trace path is resolved against the config file's folder") {
 TEST_CASE("config mistakes name the file, the line and the key") {
     CHECK(config_error(kGood) == "");
     const std::string file = temp_dir() + "/case.yaml";
-    CHECK(config_error("budgets: [64]\npolicies: [h2o]\n") == file + ": missing key 'trace'");
+    // A config without a trace is fine for kvsim eval (it runs a model), not for kvsim run.
+    CHECK(config_error("budgets: [64]\npolicies: [h2o]\n") == "");
+    CHECK_THROWS_WITH_AS(run_experiment(load_config(file), {}, false),
+                         (file + ": missing key 'trace' (kvsim run replays a trace)").c_str(), InputError);
     CHECK(config_error(kGood + "colour: blue\n") == file + ":4: colour: unknown key (known: attention_view, budgets, grid, group_reduce, layer_budgets, metrics, output, "
                                                    "policies, prefill_tokens, trace)");
     CHECK(config_error("trace: {synthetic: policybook}\nbudgets: []\npolicies: [h2o]\n") == file + ":2: budgets: empty list");

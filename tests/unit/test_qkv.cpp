@@ -9,6 +9,7 @@
 #include "sim/synthetic_qkv.h"
 #include "src/config.h"
 #include "src/errors.h"
+#include "src/eval.h"
 #include "src/experiment.h"
 
 using namespace kvsim;
@@ -165,4 +166,12 @@ TEST_CASE("per-layer budgets: a flat profile equals the scalar budget; a wrong l
     config.layer_budget_profiles = {{"short", 40, {40, 40}, "cfg.yaml: layer_budgets"}};
     CHECK_THROWS_WITH_AS(run_experiment(config, {}, false),
                          doctest::Contains("cfg.yaml: layer_budgets: 2 per-layer budgets, but trace"), InputError);
+}
+
+TEST_CASE("Spearman rank correlation, ties by average rank") {
+    CHECK(spearman({1, 2, 3, 4}, {10, 20, 30, 40}) == doctest::Approx(1.0));
+    CHECK(spearman({1, 2, 3, 4}, {4, 3, 2, 1}) == doctest::Approx(-1.0));
+    // x ranks 1, 2.5, 2.5, 4; y ranks 1, 2, 3, 4: r = 4.5 / sqrt(4.5 * 5).
+    CHECK(spearman({1, 2, 2, 3}, {1, 2, 3, 4}) == doctest::Approx(4.5 / std::sqrt(4.5 * 5.0)));
+    CHECK(std::isnan(spearman({1, 1, 1}, {1, 2, 3})));
 }

@@ -1,0 +1,78 @@
+#include "src/capture.h"
+
+#include <cstring>
+#include <filesystem>
+
+#include "src/model/llama.h"
+#include "src/model/tokenizer.h"
+#include "src/model_text.h"
+#include "src/sha256.h"
+
+namespace kvsim {
+namespace {
+
+// Copies each layer's Q, K and V of every position into [token][head][d] buffers.
+class QkvRecorder : public model::ForwardHooks {
+public:
+    QkvRecorder(const model::LlamaConfig& config, int tokens) : config_(config), layers_(config.n_layers) {
+        for (QkvLayer& layer : layers_) {
+            layer.tokens = tokens;
+            layer.q.resize(static_cast<std::size_t>(tokens) * config.q_dim());
+            layer.k.resize(static_cast<std::size_t>(tokens) * config.kv_dim());
+            layer.v.resize(static_cast<std::size_t>(tokens) * config.kv_dim());
+        }
+    }
+    void after_qkv(int layer, int pos, float* q, float* k, float* v) override {
+        QkvLayer& out = layers_[layer];
+        std::memcpy(out.q.data() + static_cast<std::size_t>(pos) * config_.q_dim(), q, config_.q_dim() * sizeof(float));
+        std::memcpy(out.k.data() + static_cast<std::size_t>(pos) * config_.kv_dim(), k, config_.kv_dim() * sizeof(float));
+        std::memcpy(out.v.data() + static_cast<std::size_t>(pos) * config_.kv_dim(), v, config_.kv_dim() * sizeof(float));
+    }
+    const QkvLayer& layer(int l) const { return layers_[l]; }
+
+private:
+    const model::LlamaConfig& config_;
+    std::vector<QkvLayer> layers_;
+};
+
+}  // namespace
+
+CaptureSummary capture_trace(const CaptureOptions& options) {
+    model::LlamaModel llama = model::LlamaModel::load(options.model_path, options.context);
+    const model::Tokenizer tokenizer = model::Tokenizer::load(options.model_path);
+    const int limit = usable_context(llama, options.context, options.max_tokens);
+    const TokenizedText text = tokenize_text(tokenizer, options.text_path, options.split_on, limit);
+    const model::LlamaConfig& c = llama.config();
+
+    TraceMetadata m;
+    m.kind = TraceKind::qkv;
+    m.model_name = std::filesystem::path(options.model_path).stem().string();
+    m.num_layers = c.n_layers;
+    m.num_query_heads = c.n_heads;
+    m.num_kv_heads = c.n_kv_heads;
+    m.head_dim = c.head_dim;
+    m.source_kind = "model";
+    m.source_model_file = std::filesystem::path(options.model_path).filename().string();
+    m.source_model_sha256 = sha256_file(options.model_path);
+    m.source_text_sha256 = text.text_sha256;
+    TraceWriter writer(options.output_path, m);
+
+    CaptureSummary summary;
+    const std::string stem = std::filesystem::path(options.text_path).stem().string();
+    for (std::size_t i = 0; i < text.sequences.size(); ++i) {
+        const std::vector<int>& tokens = text.sequences[i];
+        QkvRecorder recorder(c, static_cast<int>(tokens.size()));
+        llama.reset();
+        llama.forward_batch(tokens, 0, &recorder);
+        const int sequence = writer.add_sequence(stem + "-" + std::to_string(i), static_cast<int64_t>(tokens.size()));
+        for (int layer = 0; layer < c.n_layers; ++layer)
+            writer.write_qkv(sequence, layer, recorder.layer(layer), options.dtype);
+        writer.write_tokens(sequence, std::vector<int32_t>(tokens.begin(), tokens.end()));
+        ++summary.sequences;
+        summary.tokens += static_cast<long>(tokens.size());
+    }
+    writer.commit();
+    return summary;
+}
+
+}  // namespace kvsim

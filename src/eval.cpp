@@ -1,0 +1,267 @@
+#include "src/eval.h"
+
+#include <tbb/enumerable_thread_specific.h>
+#include <tbb/parallel_for.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <numeric>
+#include <thread>
+
+#include "sim/heavy_hitters.h"
+#include "sim/harness.h"
+#include "sim/replay.h"
+#include "sim/sweep.h"
+#include "src/errors.h"
+#include "src/experiment.h"
+#include "src/model/llama.h"
+#include "src/model/tokenizer.h"
+#include "src/model_text.h"
+#include "src/progress.h"
+
+namespace kvsim {
+namespace {
+
+// One policy per (layer, KV head) controlling the model's cache. At each step it is shown the
+// attention the model computes (from the current query and the cached keys), exactly as a replay
+// harness would be, and the model attends only to what the harness holds.
+class PolicyInTheLoop : public model::ForwardHooks {
+public:
+    PolicyInTheLoop(const model::LlamaModel& llama, const ReplayCombo& combo, const HarnessOptions& options,
+                    int heavy_hitter_k, int length)
+        : llama_(llama), config_(llama.config()), heavy_k_(heavy_hitter_k),
+          group_(config_.n_heads / config_.n_kv_heads), query_(config_.n_layers), key_(config_.n_layers) {
+        for (int layer = 0; layer < config_.n_layers; ++layer) {
+            query_[layer].resize(config_.q_dim());
+            key_[layer].resize(config_.kv_dim());
+            const int budget = combo.budget_for(layer);
+            const PolicyContext ctx{budget, std::max(budget, options.prefill_tokens) + 1, layer, config_.n_layers};
+            for (int kv = 0; kv < config_.n_kv_heads; ++kv)
+                harnesses_.emplace_back(combo.policy->make(combo.params, ctx), budget, length, options, combo.label,
+                                        " (layer " + std::to_string(layer) + ", KV head " + std::to_string(kv) + ")");
+        }
+        rows_.resize(group_);
+        self_.resize(group_);
+        heavy_.resize(group_);
+        raw_view_ = options.view == AttentionView::raw;
+        reduce_ = options.reduce;
+    }
+
+    // This step's query and key: the key of the current position is not in the cache yet.
+    void after_qkv(int layer, int, float* q, float* k, float*) override {
+        std::copy(q, q + config_.q_dim(), query_[layer].begin());
+        std::copy(k, k + config_.kv_dim(), key_[layer].begin());
+    }
+
+    const uint8_t* attention_mask(int layer, int kv, int pos) override {
+        if (pos == 0) return nullptr;  // position 0 alone: nothing to decide yet
+        Harness& harness = harnesses_[layer * config_.n_kv_heads + kv];
+        // The model attends to what the cache holds before this step's eviction, plus itself.
+        mask_.assign(pos + 1, 0);
+        for (int32_t p : harness.kept()) mask_[p] = 1;
+        mask_[pos] = 1;
+
+        // The full-cache attention of each query head of the group: what the proxies measure.
+        const int d = config_.head_dim;
+        const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+        std::vector<const float*> row_ptrs(group_);
+        std::vector<std::span<const int32_t>> heavy_spans(group_);
+        for (int h = 0; h < group_; ++h) {
+            const float* q = query_[layer].data() + static_cast<std::size_t>(kv * group_ + h) * d;
+            std::vector<float>& row = rows_[h];
+            row.resize(pos + 1);
+            float peak = -INFINITY;
+            for (int p = 0; p <= pos; ++p) {
+                const float* k = p < pos ? llama_.cached_key(layer, kv, p) : key_[layer].data() + kv * d;
+                float dot = 0;
+                for (int i = 0; i < d; ++i) dot += q[i] * k[i];
+                row[p] = dot * scale;
+                peak = std::max(peak, row[p]);
+            }
+            double total = 0;
+            for (float& w : row) total += (w = std::exp(w - peak));
+            for (float& w : row) w = static_cast<float>(w / total);
+            self_[h] = row[pos];
+            heavy_[h].clear();
+            top_k_positions({row.data(), static_cast<std::size_t>(pos)}, heavy_k_, heavy_[h]);
+            row_ptrs[h] = row.data();
+            heavy_spans[h] = heavy_[h];
+        }
+        if (raw_view_) {
+            combined_.assign(row_ptrs[0], row_ptrs[0] + pos);
+            for (int h = 1; h < group_; ++h)
+                for (int p = 0; p < pos; ++p)
+                    combined_[p] = reduce_ == GroupReduce::max ? std::max(combined_[p], row_ptrs[h][p])
+                                                               : combined_[p] + row_ptrs[h][p];
+            if (reduce_ == GroupReduce::mean)
+                for (float& w : combined_) w /= static_cast<float>(group_);
+        }
+        GroupStep step;
+        step.t = pos;
+        step.rows = row_ptrs;
+        step.self_weight = self_;
+        step.own_weight = self_;
+        step.heavy = heavy_spans;
+        step.combined = raw_view_ ? combined_.data() : nullptr;
+        harness.step(step);
+        return mask_.data();
+    }
+
+    StreamMetrics metrics() const {
+        StreamMetrics total;
+        for (const Harness& h : harnesses_) total.add(h.metrics());
+        return total;
+    }
+    std::size_t bytes_per_slot() const { return harnesses_.front().policy().bytes_per_slot(); }
+
+private:
+    const model::LlamaModel& llama_;
+    const model::LlamaConfig& config_;
+    int heavy_k_;
+    int group_;
+    bool raw_view_ = false;
+    GroupReduce reduce_ = GroupReduce::mean;
+    std::vector<std::vector<float>> query_;  // per layer: this step's Q, all heads
+    std::vector<std::vector<float>> key_;    // per layer: this step's K, all KV heads
+    std::vector<Harness> harnesses_;         // [layer][kv head]
+    std::vector<std::vector<float>> rows_;
+    std::vector<float> self_, combined_;
+    std::vector<std::vector<int32_t>> heavy_;
+    std::vector<uint8_t> mask_;
+};
+
+std::vector<double> average_ranks(const std::vector<double>& v) {
+    std::vector<std::size_t> order(v.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return v[a] < v[b]; });
+    std::vector<double> ranks(v.size());
+    for (std::size_t i = 0; i < order.size();) {
+        std::size_t j = i;
+        while (j + 1 < order.size() && v[order[j + 1]] == v[order[i]]) ++j;
+        for (std::size_t k = i; k <= j; ++k) ranks[order[k]] = (i + j) / 2.0 + 1;
+        i = j + 1;
+    }
+    return ranks;
+}
+
+}  // namespace
+
+double spearman(const std::vector<double>& x, const std::vector<double>& y) {
+    const std::vector<double> rx = average_ranks(x), ry = average_ranks(y);
+    const double n = static_cast<double>(x.size());
+    const double mx = std::accumulate(rx.begin(), rx.end(), 0.0) / n, my = std::accumulate(ry.begin(), ry.end(), 0.0) / n;
+    double sxy = 0, sxx = 0, syy = 0;
+    for (std::size_t i = 0; i < x.size(); ++i) {
+        sxy += (rx[i] - mx) * (ry[i] - my);
+        sxx += (rx[i] - mx) * (rx[i] - mx);
+        syy += (ry[i] - my) * (ry[i] - my);
+    }
+    return (sxx == 0 || syy == 0) ? NAN : sxy / std::sqrt(sxx * syy);
+}
+
+EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>& extra_axes, const EvalOptions& options) {
+    std::vector<GridAxis> grid = merge_grid(config.grid, extra_axes);
+    const std::vector<ReplayCombo> combos = expand_sweep(config.policies, grid, budget_columns(config));
+
+    const model::LlamaModel loaded = model::LlamaModel::load(options.model_path, options.context);
+    const model::Tokenizer tokenizer = model::Tokenizer::load(options.model_path);
+    const model::LlamaConfig& mc = loaded.config();
+    const int limit = usable_context(loaded, options.context, options.max_tokens);
+    const TokenizedText text = tokenize_text(tokenizer, options.text_path, options.split_on, limit);
+    for (const BudgetColumn& column : config.layer_budget_profiles)
+        if (static_cast<int>(column.layer_budgets.size()) != mc.n_layers)
+            throw InputError(column.where + ": " + std::to_string(column.layer_budgets.size()) +
+                             " per-layer budgets, but model " + options.model_path + " has " +
+                             std::to_string(mc.n_layers) + " layers");
+
+    HarnessOptions harness;
+    // In the loop the policy is shown what the model computes: renormalized unless asked otherwise.
+    harness.view = config.attention_view == "raw" ? AttentionView::raw : AttentionView::renormalized;
+    harness.reduce = config.group_reduce == "max"   ? GroupReduce::max
+                     : config.group_reduce == "sum" ? GroupReduce::sum
+                                                    : GroupReduce::mean;
+    harness.prefill_tokens = config.prefill_tokens;
+
+    EvalResult result;
+    result.description = std::filesystem::path(options.model_path).filename().string() + " on " +
+                         std::filesystem::path(options.text_path).filename().string();
+    for (const auto& seq : text.sequences) result.tokens += static_cast<long>(seq.size()) - 1;
+
+    // Configuration 0 is the full cache; each worker thread runs whole configurations on its own
+    // copy of the model, so results do not depend on the thread count.
+    struct Outcome {
+        double nll = 0;
+        StreamMetrics metrics;
+        std::size_t bytes_per_slot = 0;
+    };
+    std::vector<Outcome> outcomes(combos.size() + 1);
+    tbb::enumerable_thread_specific<model::LlamaModel> models(loaded);
+    ProgressBar bar(options.show_progress);
+    std::atomic<int> done{0};
+    const auto main_thread = std::this_thread::get_id();
+    const auto start = std::chrono::steady_clock::now();
+    tbb::parallel_for(std::size_t{0}, outcomes.size(), std::size_t{1}, [&](std::size_t i) {
+        model::LlamaModel& llama = models.local();
+        Outcome& out = outcomes[i];
+        for (const auto& tokens : text.sequences) {
+            if (i == 0) {
+                out.nll += llama.sequence_nll(tokens, nullptr, 1);
+            } else {
+                PolicyInTheLoop hooks(llama, combos[i - 1], harness, config.heavy_hitter_k,
+                                      static_cast<int>(tokens.size()));
+                out.nll += llama.sequence_nll(tokens, &hooks, 1);
+                out.metrics.add(hooks.metrics());
+                out.bytes_per_slot = hooks.bytes_per_slot();
+            }
+        }
+        ++done;
+        if (std::this_thread::get_id() == main_thread) bar.update(static_cast<double>(done) / outcomes.size());
+    }, tbb::simple_partitioner());
+    bar.finish();
+    result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+
+    result.full_ppl = std::exp(outcomes[0].nll / result.tokens);
+    ResultRecord full;
+    full.policy = "full";
+    full.label = "full";
+    full.budget_label = "full";
+    full.budget = limit;
+    full.ppl = result.full_ppl;
+    full.delta_ppl = 0;
+    full.retained_mass = 1.0;
+    full.heavy_hitter_recall = 1.0;
+    result.records.push_back(full);
+
+    std::vector<double> mass, recall, delta;
+    for (std::size_t i = 0; i < combos.size(); ++i) {
+        const Outcome& out = outcomes[i + 1];
+        ResultRecord r;
+        r.policy = combos[i].policy->name;
+        r.label = combos[i].label;
+        r.params = combos[i].params;
+        r.budget = combos[i].budget;
+        r.budget_label = combos[i].budget_label;
+        r.layer_budgets = combos[i].layer_budgets;
+        r.steps = out.metrics.steps;
+        r.retained_mass = out.metrics.steps ? out.metrics.retained_mass / out.metrics.steps : 0;
+        r.heavy_hitter_recall = out.metrics.heavy_hitter_possible
+                                    ? static_cast<double>(out.metrics.heavy_hitter_hits) / out.metrics.heavy_hitter_possible
+                                    : 0;
+        r.eviction_calls = out.metrics.eviction_calls;
+        r.policy_bytes_per_slot = out.bytes_per_slot;
+        r.ppl = std::exp(out.nll / result.tokens);
+        r.delta_ppl = r.ppl - result.full_ppl;
+        mass.push_back(r.retained_mass);
+        recall.push_back(r.heavy_hitter_recall);
+        delta.push_back(r.delta_ppl);
+        result.records.push_back(r);
+    }
+    result.spearman_retained_mass = spearman(mass, delta);
+    result.spearman_heavy_hitter_recall = spearman(recall, delta);
+    return result;
+}
+
+}  // namespace kvsim

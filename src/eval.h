@@ -1,0 +1,39 @@
+// `kvsim eval`: the truth behind the proxies. The model reads text teacher-forced with each
+// (policy, budget) of a config controlling its own KV cache: an evicted position is masked out of
+// attention at every later step, per layer and KV head. Perplexity, its rise over the full cache,
+// and the proxy metrics of the same run come out side by side, with the Spearman rank correlation
+// between each proxy and the rise in perplexity across configurations.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "src/config.h"
+#include "src/report.h"
+
+namespace kvsim {
+
+struct EvalOptions {
+    std::string model_path;
+    std::string text_path;
+    std::string split_on;
+    int max_tokens = 0;
+    int context = 0;
+    bool show_progress = true;
+};
+
+struct EvalResult {
+    std::string description;           // model and text
+    std::vector<ResultRecord> records;  // the full cache first (policy "full"), then every combination
+    double full_ppl = 0;
+    long tokens = 0;                         // predicted tokens per configuration
+    double spearman_retained_mass = 0;      // rank correlation with delta_ppl across configurations
+    double spearman_heavy_hitter_recall = 0;
+    double seconds = 0;
+};
+
+EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>& extra_axes, const EvalOptions& options);
+
+// Spearman's rank correlation (average ranks for ties); NaN when either side is constant.
+double spearman(const std::vector<double>& x, const std::vector<double>& y);
+
+}  // namespace kvsim

@@ -1,0 +1,437 @@
+#include "src/model/llama.h"
+
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+
+#include "src/errors.h"
+#include "src/model/gguf.h"
+
+namespace kvsim::model {
+
+using RowMatrix = LlamaModel::RowMatrix;
+
+namespace {
+
+// Products smaller than this many multiply-adds stay on the calling thread: below it, handing
+// work to the second core costs more than it saves.
+constexpr int64_t kParallelMinMacs = int64_t{1} << 18;
+
+// Y[n][out] (+)= X[n][in] · Wᵀ for W stored [out][in] (row-major, as in the GGUF file). Large
+// products are split over blocks of W's rows (output features), one Eigen product per block,
+// so both cores stream disjoint parts of the weights.
+template <bool kAccumulate>
+void linear_impl(const Eigen::Ref<const RowMatrix>& x, const RowMatrix& w, Eigen::Ref<RowMatrix> y) {
+    const auto product = [&](Eigen::Index first_row, Eigen::Index rows) {
+        if constexpr (kAccumulate) {
+            y.middleCols(first_row, rows).noalias() += x * w.middleRows(first_row, rows).transpose();
+        } else {
+            y.middleCols(first_row, rows).noalias() = x * w.middleRows(first_row, rows).transpose();
+        }
+    };
+    const int64_t macs = int64_t{x.rows()} * w.rows() * w.cols();
+    if (macs < kParallelMinMacs) {
+        product(0, w.rows());
+        return;
+    }
+    // A matrix-vector product splits finely (blocks of 64 rows balance the two cores); a matrix
+    // product into ~8 blocks at most, since each block's product re-packs x.
+    const Eigen::Index row_grain = x.rows() == 1 ? 64 : std::max<Eigen::Index>(64, w.rows() / 8);
+    tbb::parallel_for(tbb::blocked_range<Eigen::Index>(0, w.rows(), row_grain),
+                      [&](const tbb::blocked_range<Eigen::Index>& rows) { product(rows.begin(), rows.size()); });
+}
+
+void linear(const Eigen::Ref<const RowMatrix>& x, const RowMatrix& w, Eigen::Ref<RowMatrix> y) {
+    linear_impl<false>(x, w, y);
+}
+void linear_add(const Eigen::Ref<const RowMatrix>& x, const RowMatrix& w, Eigen::Ref<RowMatrix> y) {
+    linear_impl<true>(x, w, y);
+}
+
+// RMSNorm (Zhang & Sennrich 2019), one row per token: out = x / sqrt(mean(x²) + eps) ⊙ weight.
+void rms_norm(const Eigen::Ref<const RowMatrix>& x, const Eigen::VectorXf& weight, float eps, Eigen::Ref<RowMatrix> out) {
+    for (Eigen::Index i = 0; i < x.rows(); ++i) {
+        const float inv_rms = 1.0f / std::sqrt(x.row(i).squaredNorm() / static_cast<float>(x.cols()) + eps);
+        out.row(i) = (x.row(i) * inv_rms).cwiseProduct(weight.transpose());
+    }
+}
+
+// RoPE (Su et al. 2021) on adjacent pairs (2i, 2i+1) within each head, as in Meta's Llama code and
+// llama.cpp's "normal" rope mode; the GGUF converters permute Hugging Face Q/K weights into it.
+void apply_rope(Eigen::Ref<RowMatrix> x, int head_dim, int start_pos, const RowMatrix& cos, const RowMatrix& sin) {
+    const int pairs_per_head = head_dim / 2;
+    for (Eigen::Index i = 0; i < x.rows(); ++i) {
+        float* row = x.row(i).data();
+        const float* c = cos.row(start_pos + i).data();
+        const float* s = sin.row(start_pos + i).data();
+        for (Eigen::Index head_start = 0; head_start < x.cols(); head_start += head_dim) {
+            for (int pair = 0; pair < pairs_per_head; ++pair) {
+                float& a = row[head_start + 2 * pair];
+                float& b = row[head_start + 2 * pair + 1];
+                const float a0 = a, b0 = b;
+                a = a0 * c[pair] - b0 * s[pair];
+                b = a0 * s[pair] + b0 * c[pair];
+            }
+        }
+    }
+}
+
+// In place over one row of scores: exp(score - max) / sum over kept positions; masked positions
+// (score -inf) get exactly 0. A row with no kept position becomes all zeros.
+template <class Row>
+void softmax_in_place(Row&& row, const uint8_t* kept) {
+    float max_score = -std::numeric_limits<float>::infinity();
+    for (Eigen::Index t = 0; t < row.size(); ++t) {
+        if (kept && !kept[t]) continue;
+        max_score = std::max(max_score, row[t]);
+    }
+    if (max_score == -std::numeric_limits<float>::infinity()) {
+        row.setZero();
+        return;
+    }
+    row.array() = (row.array() - max_score).exp();
+    if (kept) {
+        for (Eigen::Index t = 0; t < row.size(); ++t) {
+            if (!kept[t]) row[t] = 0.0f;
+        }
+    }
+    row /= row.sum();
+}
+
+int checked_int(const GgufFile& file, const std::string& key, int64_t value, int64_t minimum) {
+    if (value < minimum || value > std::numeric_limits<int>::max()) {
+        throw InputError(file.path() + ": metadata key '" + key + "': value " + std::to_string(value) +
+                         " is out of range");
+    }
+    return static_cast<int>(value);
+}
+
+int required_int(const GgufFile& file, const std::string& key) {
+    return checked_int(file, key, file.get_int(key), 1);
+}
+
+// A weight matrix [rows][cols]; GGUF stores it with ne = [cols, rows] (ne0 = row length).
+RowMatrix load_matrix(const GgufFile& file, const std::string& name, int rows, int cols) {
+    const GgufTensorInfo& info = file.tensor(name);
+    if (info.shape != std::vector<uint64_t>{static_cast<uint64_t>(cols), static_cast<uint64_t>(rows)}) {
+        std::string shape;
+        for (const auto dim : info.shape) shape += (shape.empty() ? "" : ", ") + std::to_string(dim);
+        throw InputError(file.path() + ": tensor '" + name + "': shape [" + shape + "], expected [" +
+                         std::to_string(cols) + ", " + std::to_string(rows) + "]");
+    }
+    const std::vector<float> values = file.read_tensor(name);
+    return Eigen::Map<const RowMatrix>(values.data(), rows, cols);
+}
+
+Eigen::VectorXf load_vector(const GgufFile& file, const std::string& name, int size) {
+    const GgufTensorInfo& info = file.tensor(name);
+    if (info.shape != std::vector<uint64_t>{static_cast<uint64_t>(size)}) {
+        throw InputError(file.path() + ": tensor '" + name + "': expected a vector of " + std::to_string(size) +
+                         " elements");
+    }
+    const std::vector<float> values = file.read_tensor(name);
+    return Eigen::Map<const Eigen::VectorXf>(values.data(), size);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// LlamaConfig
+
+int64_t LlamaConfig::parameter_count(bool tied_output) const {
+    const int64_t per_layer = int64_t{2} * dim                      // two RMSNorm gains
+                              + int64_t{dim} * (q_dim() + 2 * kv_dim())  // Wq, Wk, Wv
+                              + int64_t{q_dim()} * dim                // Wo
+                              + int64_t{3} * dim * hidden_dim;        // gate, up, down
+    const int64_t embedding = int64_t{vocab_size} * dim;
+    return embedding + n_layers * per_layer + dim + (tied_output ? 0 : embedding);
+}
+
+int64_t LlamaConfig::matmul_flops_per_token() const {
+    const int64_t per_layer = int64_t{dim} * (q_dim() + 2 * kv_dim()) + int64_t{q_dim()} * dim +
+                              int64_t{3} * dim * hidden_dim;
+    return 2 * (n_layers * per_layer + int64_t{vocab_size} * dim);
+}
+
+LlamaConfig LlamaConfig::from_gguf(const GgufFile& file) {
+    const std::string architecture = file.get_string("general.architecture");
+    if (architecture != "llama") {
+        throw InputError(file.path() + ": metadata key 'general.architecture': unsupported architecture '" +
+                         architecture + "' (only 'llama')");
+    }
+    LlamaConfig config;
+    config.dim = required_int(file, "llama.embedding_length");
+    config.hidden_dim = required_int(file, "llama.feed_forward_length");
+    config.n_layers = required_int(file, "llama.block_count");
+    config.n_heads = required_int(file, "llama.attention.head_count");
+    config.n_kv_heads = checked_int(file, "llama.attention.head_count_kv",
+                                    file.get_int("llama.attention.head_count_kv", config.n_heads), 1);
+    config.head_dim = checked_int(file, "llama.attention.key_length",
+                                  file.get_int("llama.attention.key_length", config.dim / config.n_heads), 2);
+    config.context_length = required_int(file, "llama.context_length");
+    config.rope_theta = static_cast<float>(file.get_double("llama.rope.freq_base", 10000.0));
+    config.norm_eps = static_cast<float>(file.get_double("llama.attention.layer_norm_rms_epsilon"));
+
+    const auto fail = [&](const std::string& key, const std::string& why) {
+        throw InputError(file.path() + ": metadata key '" + key + "': " + why);
+    };
+    if (config.n_heads % config.n_kv_heads != 0)
+        fail("llama.attention.head_count_kv", "head_count " + std::to_string(config.n_heads) +
+                                                  " is not a multiple of head_count_kv " +
+                                                  std::to_string(config.n_kv_heads));
+    if (config.head_dim % 2 != 0) fail("llama.attention.key_length", "head size must be even for RoPE");
+    if (file.get_int("llama.attention.value_length", config.head_dim) != config.head_dim)
+        fail("llama.attention.value_length", "differs from key_length (not supported)");
+    if (file.get_int("llama.rope.dimension_count", config.head_dim) != config.head_dim)
+        fail("llama.rope.dimension_count", "partial rotary embedding is not supported (must equal the head size)");
+    if (file.find("llama.rope.scaling.type") && file.get_string("llama.rope.scaling.type") != "none")
+        fail("llama.rope.scaling.type", "RoPE scaling '" + file.get_string("llama.rope.scaling.type") +
+                                            "' is not supported");
+    if (!(config.norm_eps > 0.0f)) fail("llama.attention.layer_norm_rms_epsilon", "must be positive");
+    if (!(config.rope_theta > 0.0f)) fail("llama.rope.freq_base", "must be positive");
+
+    // The vocabulary size is the embedding's row count (llama.vocab_size is optional in GGUF).
+    const GgufTensorInfo& embedding = file.tensor("token_embd.weight");
+    if (embedding.shape.size() != 2 || embedding.shape[1] > static_cast<uint64_t>(std::numeric_limits<int>::max()))
+        throw InputError(file.path() + ": tensor 'token_embd.weight': expected a matrix [dim, vocab]");
+    config.vocab_size = static_cast<int>(embedding.shape[1]);
+    return config;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Loading
+
+LlamaModel LlamaModel::load(const std::string& path, int max_context) {
+    const GgufFile file = GgufFile::open(path);
+    LlamaModel model;
+    model.config_ = LlamaConfig::from_gguf(file);
+    const LlamaConfig& c = model.config_;
+    if (file.find("rope_freqs.weight"))
+        throw InputError(path + ": tensor 'rope_freqs.weight': RoPE frequency factors are not supported");
+
+    model.token_embedding_ = load_matrix(file, "token_embd.weight", c.vocab_size, c.dim);
+    for (int l = 0; l < c.n_layers; ++l) {
+        const std::string prefix = "blk." + std::to_string(l) + ".";
+        Layer layer;
+        layer.attn_norm = load_vector(file, prefix + "attn_norm.weight", c.dim);
+        layer.wq = load_matrix(file, prefix + "attn_q.weight", c.q_dim(), c.dim);
+        layer.wk = load_matrix(file, prefix + "attn_k.weight", c.kv_dim(), c.dim);
+        layer.wv = load_matrix(file, prefix + "attn_v.weight", c.kv_dim(), c.dim);
+        layer.wo = load_matrix(file, prefix + "attn_output.weight", c.dim, c.q_dim());
+        layer.ffn_norm = load_vector(file, prefix + "ffn_norm.weight", c.dim);
+        layer.w_gate = load_matrix(file, prefix + "ffn_gate.weight", c.hidden_dim, c.dim);
+        layer.w_up = load_matrix(file, prefix + "ffn_up.weight", c.hidden_dim, c.dim);
+        layer.w_down = load_matrix(file, prefix + "ffn_down.weight", c.dim, c.hidden_dim);
+        model.layers_.push_back(std::move(layer));
+    }
+    model.output_norm_ = load_vector(file, "output_norm.weight", c.dim);
+    model.tied_output_ = file.find_tensor("output.weight") == nullptr;
+    if (!model.tied_output_) model.output_ = load_matrix(file, "output.weight", c.vocab_size, c.dim);
+
+    model.max_positions_ = (max_context > 0 && max_context < c.context_length) ? max_context : c.context_length;
+
+    // Rotation angle of pair i at position p: p / theta^(2i / head_dim), computed in double.
+    const int pairs = c.head_dim / 2;
+    model.rope_cos_.resize(model.max_positions_, pairs);
+    model.rope_sin_.resize(model.max_positions_, pairs);
+    for (int pos = 0; pos < model.max_positions_; ++pos) {
+        for (int i = 0; i < pairs; ++i) {
+            const double frequency = 1.0 / std::pow(static_cast<double>(c.rope_theta), 2.0 * i / c.head_dim);
+            const double angle = pos * frequency;
+            model.rope_cos_(pos, i) = static_cast<float>(std::cos(angle));
+            model.rope_sin_(pos, i) = static_cast<float>(std::sin(angle));
+        }
+    }
+
+    const size_t cache_floats = size_t{static_cast<size_t>(c.n_layers)} * c.n_kv_heads * model.max_positions_ * c.head_dim;
+    model.key_cache_.assign(cache_floats, 0.0f);
+    model.value_cache_.assign(cache_floats, 0.0f);
+    model.scores_.resize(c.n_heads);
+    return model;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward pass
+
+void LlamaModel::reset() { next_pos_ = 0; }
+
+size_t LlamaModel::cache_offset(int layer, int kv_head, int pos) const {
+    return ((static_cast<size_t>(layer) * config_.n_kv_heads + kv_head) * max_positions_ + pos) * config_.head_dim;
+}
+
+const float* LlamaModel::cached_key(int layer, int kv_head, int pos) const {
+    if (layer < 0 || layer >= config_.n_layers || kv_head < 0 || kv_head >= config_.n_kv_heads || pos < 0 ||
+        pos >= next_pos_)
+        throw std::out_of_range("LlamaModel::cached_key: no such layer, KV head or cached position");
+    return key_cache_.data() + cache_offset(layer, kv_head, pos);
+}
+
+const float* LlamaModel::cached_value(int layer, int kv_head, int pos) const {
+    if (layer < 0 || layer >= config_.n_layers || kv_head < 0 || kv_head >= config_.n_kv_heads || pos < 0 ||
+        pos >= next_pos_)
+        throw std::out_of_range("LlamaModel::cached_value: no such layer, KV head or cached position");
+    return value_cache_.data() + cache_offset(layer, kv_head, pos);
+}
+
+void LlamaModel::ensure_chunk_capacity(int n_tokens) {
+    if (n_tokens <= chunk_capacity_) return;
+    const LlamaConfig& c = config_;
+    chunk_capacity_ = n_tokens;
+    x_.resize(n_tokens, c.dim);
+    xb_.resize(n_tokens, c.dim);
+    q_.resize(n_tokens, c.q_dim());
+    k_.resize(n_tokens, c.kv_dim());
+    v_.resize(n_tokens, c.kv_dim());
+    attn_out_.resize(n_tokens, c.q_dim());
+    gate_.resize(n_tokens, c.hidden_dim);
+    up_.resize(n_tokens, c.hidden_dim);
+    logits_.resize(n_tokens, c.vocab_size);
+    for (auto& scores : scores_) scores.resize(n_tokens, max_positions_);
+}
+
+const float* LlamaModel::forward(int token, int pos, ForwardHooks* hooks) {
+    return forward_batch(std::span<const int>(&token, 1), pos, hooks);
+}
+
+const float* LlamaModel::forward_batch(std::span<const int> tokens, int start_pos, ForwardHooks* hooks) {
+    const LlamaConfig& c = config_;
+    const int n = static_cast<int>(tokens.size());
+    if (n == 0) throw std::invalid_argument("LlamaModel::forward_batch: no tokens");
+    if (start_pos < 0 || start_pos > next_pos_) {
+        throw std::out_of_range("LlamaModel::forward: position " + std::to_string(start_pos) +
+                                " skips uncached positions (next is " + std::to_string(next_pos_) + ")");
+    }
+    if (start_pos + n > max_positions_) {
+        throw std::out_of_range("LlamaModel::forward: position " + std::to_string(start_pos + n - 1) +
+                                " is past the KV cache (" + std::to_string(max_positions_) + " positions)");
+    }
+    for (const int token : tokens) {
+        if (token < 0 || token >= c.vocab_size)
+            throw std::out_of_range("LlamaModel::forward: token id " + std::to_string(token) + " is not in the vocabulary");
+    }
+    ensure_chunk_capacity(n);
+    next_pos_ = start_pos;  // a rewind drops the positions after start_pos
+
+    auto x = x_.topRows(n);    // residual stream, one row per token
+    auto xb = xb_.topRows(n);  // normalised input / block output
+    auto q = q_.topRows(n), k = k_.topRows(n), v = v_.topRows(n);
+    auto gate = gate_.topRows(n), up = up_.topRows(n);
+    for (int i = 0; i < n; ++i) x.row(i) = token_embedding_.row(tokens[i]);
+
+    for (int l = 0; l < c.n_layers; ++l) {
+        const Layer& layer = layers_[l];
+
+        // Attention block: x += Wo · attention(rope(Wq·xb), rope(Wk·xb), Wv·xb), xb = rmsnorm(x).
+        rms_norm(x, layer.attn_norm, c.norm_eps, xb);
+        linear(xb, layer.wq, q);
+        linear(xb, layer.wk, k);
+        linear(xb, layer.wv, v);
+        apply_rope(q, c.head_dim, start_pos, rope_cos_, rope_sin_);
+        apply_rope(k, c.head_dim, start_pos, rope_cos_, rope_sin_);
+        attention(l, n, start_pos, hooks);  // writes attn_out_
+        linear_add(attn_out_.topRows(n), layer.wo, x);
+
+        // SwiGLU feed-forward block: x += W_down · (silu(W_gate·xb) ⊙ W_up·xb), xb = rmsnorm(x).
+        rms_norm(x, layer.ffn_norm, c.norm_eps, xb);
+        linear(xb, layer.w_gate, gate);
+        linear(xb, layer.w_up, up);
+        gate.array() = gate.array() / (1.0f + (-gate.array()).exp()) * up.array();  // silu(g) = g·sigmoid(g)
+        linear_add(gate, layer.w_down, x);
+    }
+
+    rms_norm(x, output_norm_, c.norm_eps, xb);
+    linear(xb, classifier(), logits_.topRows(n));
+    next_pos_ = start_pos + n;
+    return logits_.data();
+}
+
+// Grouped-query attention (Ainslie et al. 2023) for the chunk's rows of q_/k_/v_ at this layer:
+// query head h reads KV head h / (n_heads / n_kv_heads). Stores K/V in the cache, writes attn_out_.
+void LlamaModel::attention(int layer, int n, int start_pos, ForwardHooks* hooks) {
+    const LlamaConfig& c = config_;
+    const int head_dim = c.head_dim;
+    const int heads_per_kv_head = c.n_heads / c.n_kv_heads;
+    const int end = start_pos + n;  // the chunk's last token sees positions 0..end-1
+
+    // Token by token, in position order: hooks see (and may change) q/k/v, the cache stores k/v,
+    // then the hooks' masks for this position are copied (their pointers live only until the next call).
+    has_mask_.assign(static_cast<size_t>(c.n_kv_heads) * n, 0);
+    if (hooks) masks_.resize(static_cast<size_t>(c.n_kv_heads) * n * end);
+    for (int i = 0; i < n; ++i) {
+        const int pos = start_pos + i;
+        if (hooks) hooks->after_qkv(layer, pos, q_.row(i).data(), k_.row(i).data(), v_.row(i).data());
+        for (int g = 0; g < c.n_kv_heads; ++g) {
+            std::memcpy(key_cache_.data() + cache_offset(layer, g, pos), k_.row(i).data() + g * head_dim,
+                        sizeof(float) * head_dim);
+            std::memcpy(value_cache_.data() + cache_offset(layer, g, pos), v_.row(i).data() + g * head_dim,
+                        sizeof(float) * head_dim);
+        }
+        if (!hooks) continue;
+        for (int g = 0; g < c.n_kv_heads; ++g) {
+            if (const uint8_t* mask = hooks->attention_mask(layer, g, pos)) {
+                const size_t row = static_cast<size_t>(g) * n + i;
+                std::memcpy(masks_.data() + row * end, mask, static_cast<size_t>(pos) + 1);
+                has_mask_[row] = 1;
+            }
+        }
+    }
+
+    // Per query head: scores = q·Kᵀ/√head_dim, causal and hook masks, softmax, output = weights·V.
+    const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+    const auto attend_head = [&](int h) {
+        const int g = h / heads_per_kv_head;
+        const Eigen::Map<const RowMatrix> keys(key_cache_.data() + cache_offset(layer, g, 0), end, head_dim);
+        const Eigen::Map<const RowMatrix> values(value_cache_.data() + cache_offset(layer, g, 0), end, head_dim);
+        auto scores = scores_[h].topLeftCorner(n, end);
+        scores.noalias() = (q_.block(0, h * head_dim, n, head_dim) * keys.transpose()) * scale;
+        for (int i = 0; i < n; ++i) {
+            const int visible = start_pos + i + 1;  // causal: positions 0..pos
+            const size_t mask_row = static_cast<size_t>(g) * n + i;
+            const uint8_t* kept = has_mask_[mask_row] ? masks_.data() + mask_row * end : nullptr;
+            softmax_in_place(scores.row(i).head(visible), kept);
+            scores.row(i).tail(end - visible).setZero();
+        }
+        attn_out_.block(0, h * head_dim, n, head_dim).noalias() = scores * values;
+    };
+    const int64_t macs = int64_t{2} * n * end * head_dim * c.n_heads;
+    if (macs < kParallelMinMacs) {
+        for (int h = 0; h < c.n_heads; ++h) attend_head(h);
+    } else {
+        tbb::parallel_for(0, c.n_heads, attend_head);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Teacher-forced likelihood
+
+double LlamaModel::sequence_nll(const std::vector<int>& tokens, ForwardHooks* hooks, int chunk_size) {
+    if (chunk_size < 1) throw std::invalid_argument("LlamaModel::sequence_nll: chunk_size must be at least 1");
+    for (const int token : tokens) {
+        if (token < 0 || token >= config_.vocab_size)
+            throw std::out_of_range("LlamaModel::sequence_nll: token id " + std::to_string(token) +
+                                    " is not in the vocabulary");
+    }
+    reset();
+    double total_nll = 0.0;
+    const int predicted = static_cast<int>(tokens.size()) - 1;  // the last token is never input
+    for (int start = 0; start < predicted; start += chunk_size) {
+        const int n = std::min(chunk_size, predicted - start);
+        const float* logits = forward_batch(std::span<const int>(tokens).subspan(start, n), start, hooks);
+        for (int i = 0; i < n; ++i) {
+            const float* row = logits + static_cast<size_t>(i) * config_.vocab_size;
+            // -log softmax(row)[target] = logsumexp(row) - row[target], in double.
+            const double max_logit = *std::max_element(row, row + config_.vocab_size);
+            double sum = 0.0;
+            for (int t = 0; t < config_.vocab_size; ++t) sum += std::exp(static_cast<double>(row[t]) - max_logit);
+            total_nll += max_logit + std::log(sum) - row[tokens[start + i + 1]];
+        }
+    }
+    return total_nll;
+}
+
+}  // namespace kvsim::model

@@ -1,0 +1,137 @@
+// A readable fp32 CPU forward pass for Llama-architecture GGUF models, in the spirit of
+// llama2.c's run.c (Karpathy): RMSNorm, rotary position embedding (RoPE), grouped-query
+// attention over the model's own KV cache, SwiGLU feed-forward, tied or separate classifier.
+// Matrix products use Eigen; a chunk of tokens is processed with matrix-matrix products.
+//
+// References: Touvron et al. 2023, "Llama 2" (architecture); Zhang & Sennrich 2019 (RMSNorm);
+// Su et al. 2021, "RoFormer" (RoPE); Ainslie et al. 2023, "GQA"; Shazeer 2020 (SwiGLU).
+#pragma once
+
+#include <Eigen/Core>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace kvsim::model {
+
+class GgufFile;
+
+struct LlamaConfig {
+    int dim = 0;             // residual stream width (llama.embedding_length)
+    int hidden_dim = 0;      // SwiGLU width (llama.feed_forward_length)
+    int n_layers = 0;        // llama.block_count
+    int n_heads = 0;         // query heads (llama.attention.head_count)
+    int n_kv_heads = 0;      // key/value heads (llama.attention.head_count_kv; GQA when < n_heads)
+    int head_dim = 0;        // llama.attention.key_length, else dim / n_heads
+    int vocab_size = 0;      // rows of token_embd.weight
+    int context_length = 0;  // llama.context_length
+    float rope_theta = 10000.0f;  // llama.rope.freq_base
+    float norm_eps = 1e-5f;       // llama.attention.layer_norm_rms_epsilon
+
+    int q_dim() const { return n_heads * head_dim; }
+    int kv_dim() const { return n_kv_heads * head_dim; }
+    // Weights in the model, counting the classifier once more when it is not tied.
+    int64_t parameter_count(bool tied_output) const;
+    // Multiply-adds x2 of the weight matrix products for one token (classifier included),
+    // excluding attention over the cache.
+    int64_t matmul_flops_per_token() const;
+
+    // Reads and checks the llama.* metadata; throws InputError naming the file and key.
+    static LlamaConfig from_gguf(const GgufFile& file);
+};
+
+// Lets a caller observe and control the model's own KV cache. Hooks are called on the thread
+// that called forward()/forward_batch(), one call at a time.
+struct ForwardHooks {
+    virtual ~ForwardHooks() = default;
+    // Called once per layer per token, after RoPE, before the K/V rows are stored in the cache.
+    // q: [n_heads*head_dim], k, v: [n_kv_heads*head_dim], head after head. q, k and v may be
+    // modified in place (e.g. quantised): what is left is what attention uses and the cache stores.
+    virtual void after_qkv(int layer, int pos, float* q, float* k, float* v) {
+        (void)layer, (void)pos, (void)q, (void)k, (void)v;
+    }
+    // Positions that this layer's KV head may attend to at this step: nullptr = all 0..pos; else a
+    // mask of length pos+1 (1 = kept), read before the next hook call. Masked positions are left out
+    // of the softmax (renormalised over kept ones); if none is kept the head's output is zero.
+    virtual const uint8_t* attention_mask(int layer, int kv_head, int pos) {
+        (void)layer, (void)kv_head, (void)pos;
+        return nullptr;
+    }
+};
+
+// Not thread-safe: one sequence at a time per model object. Large matrix products and attention
+// heads run on TBB's worker threads (limit them with tbb::global_control).
+class LlamaModel {
+  public:
+    using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+    // Loads weights (dequantised to fp32) and allocates a KV cache for the GGUF's context_length,
+    // or for max_context positions when 0 < max_context < context_length. Throws InputError.
+    static LlamaModel load(const std::string& path, int max_context = 0);
+
+    const LlamaConfig& config() const { return config_; }
+    int max_positions() const { return max_positions_; }  // positions the KV cache holds
+    bool tied_output() const { return tied_output_; }
+
+    // Runs one token at position pos through the model, using and extending its KV cache; returns
+    // the logits (vocab_size floats, valid until the next call). Positions 0..pos-1 must already be
+    // in the cache (pos <= the next free position); running an earlier pos again rewinds to it.
+    const float* forward(int token, int pos, ForwardHooks* hooks = nullptr);
+
+    // Runs tokens at positions start_pos, start_pos+1, ... as one chunk (matrix-matrix products);
+    // returns logits [tokens.size()][vocab_size], row-major, valid until the next call. The result
+    // equals calling forward() token by token. Hook calls for a layer come in the same order as
+    // with forward() (per position: after_qkv, then attention_mask for each KV head), but layer by
+    // layer: layer 0 for every token of the chunk, then layer 1, and so on.
+    const float* forward_batch(std::span<const int> tokens, int start_pos, ForwardHooks* hooks = nullptr);
+
+    void reset();  // clears the KV cache for a new sequence
+
+    // Teacher-forced summed negative log-likelihood (nats) of tokens[1..] given their prefixes,
+    // tokens[0] being BOS; log-softmax in double. Resets the cache first and runs chunks of
+    // chunk_size tokens through forward_batch (chunk_size 1: strictly token by token).
+    double sequence_nll(const std::vector<int>& tokens, ForwardHooks* hooks = nullptr, int chunk_size = 128);
+
+    // The cached key / value (head_dim floats) of a layer, KV head and position already run.
+    const float* cached_key(int layer, int kv_head, int pos) const;
+    const float* cached_value(int layer, int kv_head, int pos) const;
+
+  private:
+    struct Layer {
+        Eigen::VectorXf attn_norm, ffn_norm;  // RMSNorm gains [dim]
+        RowMatrix wq, wk, wv, wo;             // [q_dim][dim], [kv_dim][dim] x2, [dim][q_dim]
+        RowMatrix w_gate, w_up, w_down;       // [hidden][dim] x2, [dim][hidden]
+    };
+
+    LlamaModel() = default;
+    const RowMatrix& classifier() const { return tied_output_ ? token_embedding_ : output_; }
+    void ensure_chunk_capacity(int n_tokens);
+    void attention(int layer, int n_tokens, int start_pos, ForwardHooks* hooks);
+    size_t cache_offset(int layer, int kv_head, int pos) const;
+
+    LlamaConfig config_;
+    int max_positions_ = 0;
+    int next_pos_ = 0;  // first position not yet in the cache
+    bool tied_output_ = false;
+
+    RowMatrix token_embedding_;  // [vocab][dim]
+    std::vector<Layer> layers_;
+    Eigen::VectorXf output_norm_;
+    RowMatrix output_;  // [vocab][dim]; empty when tied to token_embedding_
+
+    // RoPE rotation of pair i at position p: rope_cos_(p, i), rope_sin_(p, i).
+    RowMatrix rope_cos_, rope_sin_;
+
+    // KV cache: [layer][kv_head][position][head_dim], so one head's keys are one contiguous matrix.
+    std::vector<float> key_cache_, value_cache_;
+
+    // Activations for a chunk of tokens, one row per token (capacity grows with the chunk size).
+    int chunk_capacity_ = 0;
+    RowMatrix x_, xb_, q_, k_, v_, attn_out_, gate_, up_, logits_;
+    std::vector<RowMatrix> scores_;          // per query head: [chunk][positions]
+    std::vector<uint8_t> masks_;             // per KV head and chunk row: [positions], copied from hooks
+    std::vector<uint8_t> has_mask_;          // per KV head and chunk row: 0 = attend to all
+};
+
+}  // namespace kvsim::model

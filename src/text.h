@@ -1,0 +1,16 @@
+// Text a model reads: one file, optionally split into sequences on a separator.
+#pragma once
+#include <string>
+#include <vector>
+
+namespace kvsim {
+
+struct TextSequences {
+    std::vector<std::string> texts;  // stripped of surrounding whitespace; empty pieces dropped
+    std::string sha256;              // of the whole file
+};
+
+// Throws InputError naming the file when it is missing, unreadable or holds no text.
+TextSequences read_text_sequences(const std::string& path, const std::string& split_on);
+
+}  // namespace kvsim
