@@ -2,7 +2,7 @@
 // heads, head size 128, 4096 tokens), all seven policies at budgets 256, 512 and 1024.
 // Reports the attention recomputation's GFLOP/s against this machine's measured fp32 FMA peak,
 // the whole replay's policy-steps per second, and peak memory (which must not grow with layers).
-//   build/bench/bench_qkv_replay [layers]
+//   build/bench/bench_qkv_replay [layers] [block floats]
 #include <sys/resource.h>
 #include <tbb/info.h>
 
@@ -37,7 +37,9 @@ int main(int argc, char** argv) {
     const QkvLayer layer = generate_synthetic_qkv_layer(spec, 0);
     const double generate_seconds = seconds_since(start);
     AttentionBlock block;
-    const int64_t block_floats = ReplayOptions{}.block_floats / spec.num_query_heads;
+    auto source = make_synthetic_qkv_source(spec, 0);
+    const int64_t block_floats =
+        source->block_floats(argc > 2 ? std::atoll(argv[2]) : ReplayOptions{}.block_floats) / spec.num_query_heads;
     double flops = 0;
     start = Clock::now();
     for (int64_t first = 1; first < spec.tokens;) {
@@ -57,7 +59,6 @@ int main(int argc, char** argv) {
     for (const char* name : {"sliding_window", "streaming_llm", "h2o", "scissorhands", "tova", "snapkv", "pyramidkv"})
         policies.push_back({name, {}, "bench"});
     const auto combos = expand_sweep(policies, {}, {256, 512, 1024});
-    auto source = make_synthetic_qkv_source(spec, 0);
     start = Clock::now();
     replay(*source, combos, ReplayOptions{});
     const double replay_seconds = seconds_since(start);

@@ -55,6 +55,12 @@ double attention_flops(const QkvShape& shape, int64_t first_step, int64_t end_st
     return 2.0 * shape.num_query_heads * static_cast<double>(end_step - first_step) * end_step * shape.head_dim;
 }
 
+int64_t QkvSource::block_floats(int64_t wanted) const {
+    int64_t longest = 0;
+    for (int64_t length : shape_.sequence_lengths) longest = std::max(longest, length);
+    return std::max(wanted, int64_t{64} * longest * shape_.num_query_heads);
+}
+
 const QkvLayer& QkvSource::layer_data(int sequence, int layer) {
     if (sequence != loaded_sequence_ || layer != loaded_layer_) {
         loaded_ = QkvLayer{};  // release the previous layer before loading the next

@@ -29,8 +29,8 @@ class QkvSource : public AttentionSource {
 public:
     const AttentionShape& shape() const override { return shape_; }
     void read_block(int sequence, int layer, int64_t first_step, int64_t end_step, AttentionBlock& block) override;
-    // A block of scores costs (rows x positions) floats per head; keep it near what's asked.
-    int64_t block_floats(int64_t wanted) const override { return wanted; }
+    // Blocks of at least 64 steps: fewer rows leave the score products too thin to run near peak.
+    int64_t block_floats(int64_t wanted) const override;
     const QkvShape& qkv_shape() const { return qkv_; }
     // Q/K/V of one (sequence, layer): what eval-free replays and output metrics read.
     const QkvLayer& layer_data(int sequence, int layer);
