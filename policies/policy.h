@@ -17,6 +17,20 @@ namespace kvsim {
 // A policy holds an ascending list of positions (it starts holding position 0, as the harness's
 // cache does). At step `pos` it sees the attention on the positions it holds, then admits `pos`;
 // when the cache is over budget it chooses victims.
+// How precisely a cached position's key or value is held. Eviction decides which positions stay;
+// tiers decide how coarsely, and compose with any eviction policy (policies/quantized.h).
+enum class Tier : uint8_t { fp16 = 0, int8 = 1, int4 = 2 };
+
+// The quantisation behind the int8 and int4 tiers of a policy (sim/quantize.h does the numerics).
+struct TierFormat {
+    int key_group = 128;          // KIVI keys: tokens sharing a per-channel scale
+    int value_group = 128;        // channels sharing a per-token scale
+    bool per_token_keys = false;  // keys per token like values (for token-level tiering)
+    bool int4_from_int8 = false;  // int4 tokens are requantised from their int8 form (they sank there)
+    int int8_key_group = 0, int8_value_group = 0;  // 0: the same groups as int4
+    bool operator==(const TierFormat&) const = default;
+};
+
 class Policy {
 public:
     virtual ~Policy() = default;
@@ -30,6 +44,19 @@ public:
 
     // Bookkeeping bytes this policy keeps per cached position (its position index included).
     virtual std::size_t bytes_per_slot() const = 0;
+
+    // --- Precision: only policies that quantise override these. ---
+
+    // After step t's eviction: the tier of each held position's key and value (indexed by
+    // position; entries of positions not held are ignored). The default keeps everything at fp16.
+    virtual void assign_tiers(int32_t t, std::span<const int32_t> held, std::span<uint8_t> key_tier,
+                              std::span<uint8_t> value_tier) {
+        (void)t, (void)held, (void)key_tier, (void)value_tier;
+    }
+    // The quantisation the tiers refer to; nullptr for a policy that keeps everything at fp16.
+    virtual const TierFormat* tier_format() const { return nullptr; }
+    // Whether evict() runs every step, not only over budget: a policy that sizes itself.
+    virtual bool sizes_itself() const { return false; }
 };
 
 // Removes the entries at `slots` (ascending indices) from `column`, keeping the order of the
@@ -76,7 +103,25 @@ struct PolicyDescriptor {
     // Parameters that must fit inside the budget (a recent window narrower than it, say):
     // returns an empty string when fine, else what is wrong.
     std::function<std::string(const ParamValues&, int budget)> check_budget;
+    // A policy that never evicts (full, int8, int4): budgets do not apply, one row fills them all.
+    bool keeps_everything = false;
 };
+
+// The quantisation composed with an eviction policy: {evict: h2o, quantize: {bits: 4, older_than: 128}}.
+struct QuantizeRule {
+    int bits = 8;           // 8 or 4
+    int older_than = 0;     // tokens younger than this many steps stay fp16 (a recent fp16 window)
+    int key_group = 128;    // KIVI keys: tokens per per-channel scale (a token's key stays fp16 until its group is complete)
+    int value_group = 128;  // channels per per-token value scale
+};
+
+// Parses a quantize map (bits, older_than, key_group, value_group); group sizes default to 128
+// for 8 bits and 64 for 4 bits. Throws InputError prefixed by `where`.
+QuantizeRule resolve_quantize(const std::map<std::string, double>& given, const std::string& where);
+std::string quantize_label(const QuantizeRule& rule);  // "int4(older_than=128)"
+
+// Wraps an eviction policy so that what it keeps is held at the rule's precision.
+std::unique_ptr<Policy> make_quantized(std::unique_ptr<Policy> inner, const QuantizeRule& rule);
 
 const std::vector<PolicyDescriptor>& policy_registry();
 const PolicyDescriptor* find_policy(std::string_view name);

@@ -14,11 +14,15 @@ PolicyDescriptor scissorhands_descriptor();
 PolicyDescriptor tova_descriptor();
 PolicyDescriptor snapkv_descriptor();
 PolicyDescriptor pyramidkv_descriptor();
+PolicyDescriptor full_descriptor();
+PolicyDescriptor int8_descriptor();
+PolicyDescriptor int4_descriptor();
 
 const std::vector<PolicyDescriptor>& policy_registry() {
     static const std::vector<PolicyDescriptor> registry = {
         sliding_window_descriptor(), streaming_llm_descriptor(), h2o_descriptor(),   scissorhands_descriptor(),
-        tova_descriptor(),           snapkv_descriptor(),        pyramidkv_descriptor(),
+        tova_descriptor(),           snapkv_descriptor(),        pyramidkv_descriptor(),       full_descriptor(),
+        int8_descriptor(),           int4_descriptor(),
     };
     return registry;
 }

@@ -1,6 +1,7 @@
 #include "sim/harness.h"
 
 #include <algorithm>
+#include <cmath>
 #include <stdexcept>
 
 #include "src/errors.h"
@@ -11,9 +12,63 @@ Harness::Harness(std::unique_ptr<Policy> policy, int budget, int64_t sequence_le
                  std::string label, std::string where)
     : policy_(std::move(policy)), budget_(budget), options_(options), label_(std::move(label)),
       where_(std::move(where)), is_kept_(sequence_length, 0) {
-    kept_.reserve(std::max(budget, options.prefill_tokens) + 1);
+    tiered_ = policy_->tier_format() != nullptr;
+    if (tiered_) {
+        key_tier_.assign(sequence_length, 0);
+        value_tier_.assign(sequence_length, 0);
+    }
+    kept_.reserve(std::min<int64_t>(std::max(budget, options.prefill_tokens), sequence_length) + 1);
     kept_.push_back(0);
     is_kept_[0] = 1;
+    if (tiered_) policy_->assign_tiers(0, kept_, key_tier_, value_tier_);  // position 0 as step 0 left it
+}
+
+void Harness::set_values(const CacheValues& values) {
+    values_ = values;
+    if (!tiered_) {  // an untiered policy reads every position at fp16
+        key_tier_.assign(is_kept_.size(), 0);
+        value_tier_.assign(is_kept_.size(), 0);
+    }
+    for (int tier = 0; tier < 3; ++tier) {
+        key_bytes_[tier] = key_bytes(static_cast<Tier>(tier), values.head_dim, policy_->tier_format());
+        value_bytes_[tier] = value_bytes(static_cast<Tier>(tier), values.head_dim, policy_->tier_format());
+    }
+}
+
+// Output error and memory of the cache as the model reads it at this step: what the policy held
+// after the last eviction, plus the current token at fp16.
+void Harness::measure_values(const GroupStep& s) {
+    const int32_t t = s.t;
+    const int d = values_.head_dim;
+    if (values_.memory) {
+        double bytes = key_bytes_[0] + value_bytes_[0];  // the current token
+        for (int32_t p : kept_) bytes += key_bytes_[key_tier_[p]] + value_bytes_[value_tier_[p]];
+        bytes += static_cast<double>(policy_->bytes_per_slot()) * (kept_.size() + 1);
+        metrics_.cache_bytes += bytes;
+        metrics_.fp16_bytes += 4.0 * d * (t + 1);
+        metrics_.context_tokens += t + 1;
+    }
+    if (values_.output_error) {
+        attended_.assign(kept_.begin(), kept_.end());
+        attended_.push_back(t);
+        key_tier_[t] = value_tier_[t] = 0;
+        output_.resize(d);
+        for (std::size_t h = 0; h < s.queries.size(); ++h) {
+            cached_attention_output(s.queries[h], attended_, key_tier_, value_tier_, *values_.arrays, values_.kv_head,
+                                    values_.num_kv_heads, d, scratch_, output_.data());
+            const float* full = s.full_output[h];
+            double diff = 0, norm_full = 0, norm_out = 0, dot = 0;
+            for (int i = 0; i < d; ++i) {
+                diff += double(output_[i] - full[i]) * (output_[i] - full[i]);
+                norm_full += double(full[i]) * full[i];
+                norm_out += double(output_[i]) * output_[i];
+                dot += double(output_[i]) * full[i];
+            }
+            metrics_.output_rel_error += norm_full > 0 ? std::sqrt(diff / norm_full) : std::sqrt(diff);
+            metrics_.output_cosine += (norm_full > 0 && norm_out > 0) ? dot / std::sqrt(norm_full * norm_out) : 1.0;
+            ++metrics_.output_steps;
+        }
+    }
 }
 
 void Harness::fail(int32_t t, const std::string& what) const {
@@ -44,6 +99,7 @@ void Harness::step(const GroupStep& s) {
             metrics_.heavy_hitter_possible += static_cast<int64_t>(s.heavy[h].size());
         }
         metrics_.steps += static_cast<int64_t>(group);
+        if (values_.output_error || values_.memory) measure_values(s);
     }
 
     // What the policy sees, index-aligned with kept_.
@@ -85,18 +141,24 @@ void Harness::step(const GroupStep& s) {
     is_kept_[t] = 1;
 
     // During a prefill the cache grows freely; after its last token it is compressed once.
-    if (t + 1 < options_.prefill_tokens) return;
-    if (kept_.size() > static_cast<std::size_t>(budget_)) evict(t);
+    if (t + 1 >= options_.prefill_tokens &&
+        (kept_.size() > static_cast<std::size_t>(budget_) || policy_->sizes_itself()))
+        evict(t);
+    if (tiered_) {
+        key_tier_[t] = value_tier_[t] = 0;
+        policy_->assign_tiers(t, kept_, key_tier_, value_tier_);
+    }
 }
 
 void Harness::evict(int32_t t) {
-    ++metrics_.eviction_calls;
     victims_.clear();
     try {
         policy_->evict(budget_, victims_);
     } catch (const std::logic_error& e) {
         fail(t, e.what());
     }
+    // A self-sizing policy is asked every step; a call counts when it evicted something.
+    if (!victims_.empty() || kept_.size() > static_cast<std::size_t>(budget_)) ++metrics_.eviction_calls;
     victim_slots_.clear();
     for (int32_t v : victims_) {
         if (v < 0 || v > t || !is_kept_[v]) fail(t, "evicted position " + std::to_string(v) + " which it does not hold");

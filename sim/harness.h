@@ -10,6 +10,7 @@
 
 #include "policies/policy.h"
 #include "sim/attention_source.h"
+#include "sim/precision.h"
 
 namespace kvsim {
 
@@ -19,6 +20,16 @@ struct StreamMetrics {
     int64_t heavy_hitter_hits = 0;
     int64_t heavy_hitter_possible = 0;
     int64_t eviction_calls = 0;  // per KV head stream
+    // Output error (Q/K/V traces): per (query head, decode step), the cached attention output
+    // against the full cache's at full precision.
+    double output_rel_error = 0.0;  // summed relative L2 error
+    double output_cosine = 0.0;     // summed cosine similarity
+    int64_t output_steps = 0;
+    // Memory (Q/K/V traces): per (KV head, decode step), bytes the cache holds while attending,
+    // what a full fp16 cache would hold, and the tokens of context.
+    double cache_bytes = 0.0;
+    double fp16_bytes = 0.0;
+    int64_t context_tokens = 0;
 
     void add(const StreamMetrics& o) {
         retained_mass += o.retained_mass;
@@ -26,6 +37,12 @@ struct StreamMetrics {
         heavy_hitter_hits += o.heavy_hitter_hits;
         heavy_hitter_possible += o.heavy_hitter_possible;
         eviction_calls += o.eviction_calls;
+        output_rel_error += o.output_rel_error;
+        output_cosine += o.output_cosine;
+        output_steps += o.output_steps;
+        cache_bytes += o.cache_bytes;
+        fp16_bytes += o.fp16_bytes;
+        context_tokens += o.context_tokens;
     }
 };
 
@@ -47,6 +64,17 @@ struct GroupStep {
     std::span<const float> own_weight;   // the token's weight on itself where the source records it
     std::span<const std::span<const int32_t>> heavy;
     const float* combined = nullptr;  // raw view: the reduced row
+    // Output error: each query head's query at t and the full cache's output (head_dim each).
+    std::span<const float* const> queries;
+    std::span<const float* const> full_output;
+};
+
+// Where a harness finds the values its cache holds (Q/K/V traces only).
+struct CacheValues {
+    const TierArrays* arrays = nullptr;  // the tiers of the policy's format (fp16 only for none)
+    int kv_head = 0, num_kv_heads = 1, head_dim = 0;
+    bool output_error = false;  // compute the output-error metric
+    bool memory = false;        // compute the memory metric
 };
 
 class Harness {
@@ -56,6 +84,8 @@ public:
             std::string label, std::string where);
 
     void step(const GroupStep& s);
+    // Enables the value-level metrics; `values` must outlive the steps that use it.
+    void set_values(const CacheValues& values);
 
     const StreamMetrics& metrics() const { return metrics_; }
     const Policy& policy() const { return *policy_; }
@@ -77,6 +107,15 @@ private:
     std::vector<int32_t> victims_;
     std::vector<std::size_t> victim_slots_;  // victims' indices in kept_
     StreamMetrics metrics_;
+    // Precision: each position's key and value tier (Tier as uint8_t), and the metrics' inputs.
+    std::vector<uint8_t> key_tier_, value_tier_;
+    bool tiered_ = false;
+    CacheValues values_;
+    double key_bytes_[3] = {}, value_bytes_[3] = {};
+    std::vector<int32_t> attended_;  // kept_ plus the current token
+    std::vector<float> output_, scratch_;
+
+    void measure_values(const GroupStep& s);
 };
 
 }  // namespace kvsim

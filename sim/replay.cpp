@@ -5,6 +5,9 @@
 #include <algorithm>
 
 #include "sim/heavy_hitters.h"
+#include "sim/precision.h"
+#include "sim/qkv_attention.h"
+#include "src/errors.h"
 
 namespace kvsim {
 namespace {
@@ -45,6 +48,17 @@ std::vector<ComboResult> replay(AttentionSource& source, const std::vector<Repla
     std::vector<int32_t> heavy;        // [query head][row][k]
     std::vector<int32_t> heavy_count;  // [query head][row]
     std::vector<std::vector<float>> combined(kv_heads);  // raw view with groups: reduced rows per KV head
+    std::vector<float> full_output;                      // [query head][row][d]: the full cache's output
+    std::vector<int32_t> every_position;                 // 0, 1, 2, ...: the full cache's positions
+    std::vector<uint8_t> all_fp16;
+
+    // Value-level metrics need the values: only a Q/K/V source has them.
+    QkvSource* qkv = dynamic_cast<QkvSource*>(&source);
+    const bool values_needed = options.output_error || options.memory;
+    if (values_needed && !qkv)
+        throw InputError(source.description() +
+                         ": output error and memory metrics need a Q/K/V trace (this one records attention only)");
+    const int head_dim = qkv ? qkv->qkv_shape().head_dim : 0;
 
     for (std::size_t s = 0; s < shape.sequence_lengths.size(); ++s) {
         const int64_t length = shape.sequence_lengths[s];
@@ -55,13 +69,41 @@ std::vector<ComboResult> replay(AttentionSource& source, const std::vector<Repla
             harnesses.reserve(kv_heads * num_combos);
             for (int kv = 0; kv < kv_heads; ++kv)
                 for (const ReplayCombo& c : combos) {
-                    const int budget = c.budget_for(layer);
-                    const PolicyContext ctx{budget, std::max(budget, prefill) + 1, layer, shape.num_layers};
+                    const int budget = c.budget_for(layer, length);
+                    const int capacity = static_cast<int>(std::min<int64_t>(std::max(budget, prefill), length)) + 1;
+                    const PolicyContext ctx{budget, capacity, layer, shape.num_layers};
                     const std::string where = " (sequence " + shape.sequence_names[s] + ", layer " +
                                               std::to_string(layer) + ", KV head " + std::to_string(kv) + ")";
-                    harnesses.emplace_back(c.policy->make(c.params, ctx), budget, length, options.harness, c.label,
-                                           where);
+                    harnesses.emplace_back(c.make(ctx), budget, length, options.harness, c.label, where);
                 }
+
+            // The tiers each distinct precision format serves for this layer, built once and shared.
+            std::vector<std::unique_ptr<TierArrays>> tier_arrays;
+            const QkvLayer* layer_values = nullptr;
+            const TierArrays* fp16_arrays = nullptr;
+            if (values_needed) {
+                layer_values = &qkv->layer_data(static_cast<int>(s), layer);
+                auto arrays_for = [&](const TierFormat* format) -> const TierArrays* {
+                    for (const auto& a : tier_arrays)
+                        if ((format == nullptr) == (a->k[1] == nullptr) && (!format || a->format == *format))
+                            return a.get();
+                    auto arrays = std::make_unique<TierArrays>();
+                    arrays->k[0] = layer_values->k.data();
+                    arrays->v[0] = layer_values->v.data();
+                    if (format) {
+                        arrays->format = *format;
+                        build_tier_arrays(*layer_values, kv_heads, head_dim, *arrays);
+                    }
+                    tier_arrays.push_back(std::move(arrays));
+                    return tier_arrays.back().get();
+                };
+                fp16_arrays = arrays_for(nullptr);
+                for (std::size_t job = 0; job < harnesses.size(); ++job) {
+                    const TierArrays* arrays = arrays_for(harnesses[job].policy().tier_format());
+                    harnesses[job].set_values({arrays, static_cast<int>(job / num_combos), kv_heads, head_dim,
+                                               options.output_error, options.memory});
+                }
+            }
 
             const int64_t block_floats = std::max<int64_t>(1, source.block_floats(options.block_floats) / query_heads);
             for (int64_t first = 1; first <= last;) {
@@ -84,6 +126,25 @@ std::vector<ComboResult> replay(AttentionSource& source, const std::vector<Repla
                     std::copy(top.begin(), top.end(), heavy.begin() + job * k);
                     heavy_count[job] = static_cast<int32_t>(top.size());
                 });
+                if (options.output_error) {
+                    // The full cache's output at full precision, once per (query head, step), by the
+                    // same arithmetic as a policy's cached output: the full cache errs by exactly 0.
+                    full_output.resize(static_cast<std::size_t>(query_heads) * rows * head_dim);
+                    if (every_position.size() < static_cast<std::size_t>(length)) {
+                        every_position.resize(length);
+                        for (int64_t p = 0; p < length; ++p) every_position[p] = static_cast<int32_t>(p);
+                        all_fp16.assign(length, 0);
+                    }
+                    tbb::parallel_for(int64_t{0}, query_heads * rows, [&](int64_t job) {
+                        const int head = static_cast<int>(job / rows);
+                        const int64_t t = first + job % rows;
+                        thread_local std::vector<float> scratch;
+                        cached_attention_output(layer_values->q.data() + (t * query_heads + head) * head_dim,
+                                                {every_position.data(), static_cast<std::size_t>(t + 1)}, all_fp16,
+                                                all_fp16, *fp16_arrays, head / group, kv_heads, head_dim, scratch,
+                                                full_output.data() + job * head_dim);
+                    });
+                }
                 if (raw_view && group > 1) {
                     const std::size_t packed = block.rows[0].size();
                     for (auto& c : combined) c.resize(packed);
@@ -101,6 +162,8 @@ std::vector<ComboResult> replay(AttentionSource& source, const std::vector<Repla
                     const float* rows_of_group[64];
                     std::span<const int32_t> heavy_of_group[64];
                     float self_of_group[64];
+                    const float* queries_of_group[64];
+                    const float* full_of_group[64];
                     for (int64_t i = 0; i < rows; ++i) {
                         const int64_t t = first + i;
                         for (int h = 0; h < group; ++h) {
@@ -118,6 +181,15 @@ std::vector<ComboResult> replay(AttentionSource& source, const std::vector<Repla
                             const std::span<const float> self(self_of_group, static_cast<std::size_t>(group));
                             if (!raw_view) step.self_weight = self;
                             if (recorded_self) step.own_weight = self;
+                        }
+                        if (options.output_error) {
+                            for (int h = 0; h < group; ++h) {
+                                const int head = kv * group + h;
+                                queries_of_group[h] = layer_values->q.data() + (t * query_heads + head) * head_dim;
+                                full_of_group[h] = full_output.data() + (head * rows + i) * head_dim;
+                            }
+                            step.queries = {queries_of_group, static_cast<std::size_t>(group)};
+                            step.full_output = {full_of_group, static_cast<std::size_t>(group)};
                         }
                         if (raw_view)
                             step.combined = group > 1 ? combined[kv].data() + attention_row_offset(t) -

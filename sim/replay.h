@@ -6,6 +6,7 @@
 // threads.
 #pragma once
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -22,14 +23,26 @@ struct ReplayCombo {
     std::vector<int> layer_budgets;  // per layer, when a profile sets them; overrides budget
     std::string budget_label;        // table column: "256", or the profile's name
     std::string label;               // table row, e.g. "h2o(recent_window=64)"
+    std::optional<QuantizeRule> quantize;  // {evict: ..., quantize: ...}: what is kept, held coarser
 
-    int budget_for(int layer) const { return layer_budgets.empty() ? budget : layer_budgets.at(layer); }
+    // Tokens a (layer, KV head) may hold; a policy that keeps everything holds the whole sequence.
+    int budget_for(int layer, int64_t sequence_length) const {
+        if (policy->keeps_everything) return static_cast<int>(sequence_length);
+        return layer_budgets.empty() ? budget : layer_budgets.at(layer);
+    }
+    // The policy instance for one (layer, KV head) stream, composed with its quantisation rule.
+    std::unique_ptr<Policy> make(const PolicyContext& ctx) const {
+        std::unique_ptr<Policy> p = policy->make(params, ctx);
+        return quantize ? make_quantized(std::move(p), *quantize) : std::move(p);
+    }
 };
 
 struct ReplayOptions {
     int heavy_hitter_k = 32;
     HarnessOptions harness;
     int64_t block_floats = 1 << 22;  // attention weights per block, all query heads of a layer together
+    bool output_error = false;       // Q/K/V traces: the cached attention output against the full cache's
+    bool memory = false;             // Q/K/V traces: bytes held per token and the compression ratio
     std::function<void(double done_fraction)> progress;  // called between blocks, from the calling thread
 };
 

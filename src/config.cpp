@@ -196,8 +196,25 @@ ExperimentConfig load_config(const std::string& path) {
         p.fail(policies, "policies", "expected a non-empty list of policies");
     for (std::size_t i = 0; i < policies.size(); ++i) {
         const std::string key = "policies[" + std::to_string(i) + "]";
-        auto [name, params] = p.named_item(policies[i], key);
+        // {evict: h2o, quantize: {bits: 4, older_than: 128}}: an eviction policy and a quantisation.
+        YAML::Node item = policies[i];
+        YAML::Node quantize;
+        const bool composed = item.IsMap() && item["evict"];
+        if (composed) {
+            p.only_keys(item, key, {"evict", "quantize"});
+            quantize = item["quantize"];
+            if (!quantize) p.fail(item, key, "'evict' needs a 'quantize' map beside it (or list the policy alone)");
+            if (!quantize.IsMap()) p.fail(quantize, key + ".quantize", "expected a map, e.g. {bits: 4, older_than: 128}");
+            item = item["evict"];
+        }
+        auto [name, params] = p.named_item(item, key);
         PolicyEntry entry;
+        if (composed) {
+            entry.quantized = true;
+            for (const auto& kv : quantize)
+                entry.quantize[p.string(kv.first, key + ".quantize")] =
+                    p.number(kv.second, key + ".quantize." + kv.first.as<std::string>());
+        }
         entry.name = name;
         entry.where = p.where(policies[i], key + "." + name);
         if (params && !params.IsNull()) {

@@ -12,7 +12,9 @@ namespace kvsim {
 struct PolicyEntry {
     std::string name;
     std::map<std::string, double> params;
-    std::string where;  // "FILE:LINE: policies[2]" for error messages
+    std::string where;                       // "FILE:LINE: policies[2]" for error messages
+    bool quantized = false;                  // {evict: NAME, quantize: {...}}
+    std::map<std::string, double> quantize;  // bits, older_than, key_group, value_group
 };
 
 // One sweep axis: a policy parameter and the values it takes.
@@ -33,7 +35,9 @@ struct TraceRef {
 
 inline const std::vector<std::string>& known_metrics() {
     static const std::vector<std::string> metrics = {"retained_mass", "heavy_hitter_recall", "eviction_calls",
-                                                     "policy_bytes_per_slot", "ppl", "delta_ppl"};
+                                                     "policy_bytes_per_slot", "ppl", "delta_ppl",
+                                                     "output_rel_error", "output_cosine", "bytes_per_token",
+                                                     "compression_ratio"};
     return metrics;
 }
 

@@ -37,10 +37,11 @@ public:
         for (int layer = 0; layer < config_.n_layers; ++layer) {
             query_[layer].resize(config_.q_dim());
             key_[layer].resize(config_.kv_dim());
-            const int budget = combo.budget_for(layer);
-            const PolicyContext ctx{budget, std::max(budget, options.prefill_tokens) + 1, layer, config_.n_layers};
+            const int budget = combo.budget_for(layer, length);
+            const int capacity = std::min(std::max(budget, options.prefill_tokens), length) + 1;
+            const PolicyContext ctx{budget, capacity, layer, config_.n_layers};
             for (int kv = 0; kv < config_.n_kv_heads; ++kv)
-                harnesses_.emplace_back(combo.policy->make(combo.params, ctx), budget, length, options, combo.label,
+                harnesses_.emplace_back(combo.make(ctx), budget, length, options, combo.label,
                                         " (layer " + std::to_string(layer) + ", KV head " + std::to_string(kv) + ")");
         }
         rows_.resize(group_);

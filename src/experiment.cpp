@@ -35,6 +35,21 @@ HarnessOptions harness_options(const ExperimentConfig& config, const AttentionSo
     return options;
 }
 
+// Quantisation groups must fit the trace's head size.
+void check_precision(const std::vector<ReplayCombo>& combos, const AttentionSource& source) {
+    const auto* qkv = dynamic_cast<const QkvSource*>(&source);
+    if (!qkv) return;
+    const int head_dim = qkv->qkv_shape().head_dim;
+    for (const ReplayCombo& c : combos) {
+        const std::unique_ptr<Policy> probe = c.make(PolicyContext{std::max(c.budget, 1), std::max(c.budget, 1) + 1, 0, 1});
+        if (const TierFormat* f = probe->tier_format())
+            if (f->value_group < head_dim && head_dim % f->value_group != 0)
+                throw InputError(c.label + ": value_group " + std::to_string(f->value_group) +
+                                 " does not divide the head size " + std::to_string(head_dim) + " of " +
+                                 source.description());
+    }
+}
+
 // Checks the config against the trace's shape: profiles need one budget per layer.
 void check_against_trace(const ExperimentConfig& config, const AttentionSource& source) {
     const AttentionShape& shape = source.shape();
@@ -79,6 +94,11 @@ ExperimentResult run_experiment(const ExperimentConfig& config, const std::vecto
     ReplayOptions options;
     options.heavy_hitter_k = config.heavy_hitter_k;
     options.harness = harness_options(config, *source);
+    for (const std::string& m : config.metrics) {
+        options.output_error |= m == "output_rel_error" || m == "output_cosine";
+        options.memory |= m == "bytes_per_token" || m == "compression_ratio";
+    }
+    check_precision(combos, *source);
     ProgressBar bar(show_progress);
     options.progress = [&bar](double fraction) { bar.update(fraction); };
 
@@ -104,6 +124,14 @@ ExperimentResult run_experiment(const ExperimentConfig& config, const std::vecto
             m.heavy_hitter_possible ? static_cast<double>(m.heavy_hitter_hits) / m.heavy_hitter_possible : 0.0;
         rec.eviction_calls = m.eviction_calls;
         rec.policy_bytes_per_slot = r.policy_bytes_per_slot;
+        if (m.output_steps) {
+            rec.output_rel_error = m.output_rel_error / m.output_steps;
+            rec.output_cosine = m.output_cosine / m.output_steps;
+        }
+        if (m.context_tokens) {
+            rec.bytes_per_token = m.cache_bytes / m.context_tokens;
+            rec.compression_ratio = m.fp16_bytes / m.cache_bytes;
+        }
         out.records.push_back(rec);
     };
     for (std::size_t i = 0; i < combos.size(); ++i) {

@@ -19,7 +19,14 @@ std::string metric_cell(const ResultRecord& r, const std::string& metric) {
         std::snprintf(text, sizeof text, "%.6f", round6(r.retained_mass));
     else if (metric == "heavy_hitter_recall")
         std::snprintf(text, sizeof text, "%.6f", round6(r.heavy_hitter_recall));
-    else if (metric == "ppl")
+    else if (metric == "output_rel_error" || metric == "output_cosine" || metric == "bytes_per_token" ||
+             metric == "compression_ratio") {
+        const double v = metric == "output_rel_error" ? r.output_rel_error
+                         : metric == "output_cosine"  ? r.output_cosine
+                         : metric == "bytes_per_token" ? r.bytes_per_token
+                                                       : r.compression_ratio;
+        std::snprintf(text, sizeof text, metric == "bytes_per_token" ? "%.1f" : metric == "compression_ratio" ? "%.3f" : "%.6f", v);
+    } else if (metric == "ppl")
         std::snprintf(text, sizeof text, "%.4f", r.ppl);
     else if (metric == "delta_ppl")
         std::snprintf(text, sizeof text, "%+.4f", r.delta_ppl);
@@ -34,6 +41,10 @@ const char* metric_title(const std::string& metric) {
     if (metric == "retained_mass") return "retained attention mass (mean over steps, before eviction)";
     if (metric == "heavy_hitter_recall") return "heavy-hitter recall (top-k positions of each step kept)";
     if (metric == "eviction_calls") return "eviction calls";
+    if (metric == "output_rel_error") return "attention output: relative L2 error against the full fp cache (mean over heads and steps)";
+    if (metric == "output_cosine") return "attention output: cosine similarity with the full fp cache";
+    if (metric == "bytes_per_token") return "bytes held per token of context per (layer, KV head): K, V, scales, bookkeeping";
+    if (metric == "compression_ratio") return "compression ratio against a full fp16 cache";
     if (metric == "ppl") return "perplexity with the policy controlling the model's cache";
     if (metric == "delta_ppl") return "perplexity rise over the full cache";
     return "policy bookkeeping bytes per cached token";
@@ -62,6 +73,8 @@ std::string json_number(double x) {
     std::snprintf(text, sizeof text, "%.17g", x);
     return text;
 }
+
+std::string optional_number(double x) { return std::isnan(x) ? std::string() : json_number(x); }
 
 std::string csv_field(const std::string& s) {
     if (s.find_first_of(",\"\n") == std::string::npos) return s;
@@ -120,13 +133,15 @@ std::string format_table(const std::vector<ResultRecord>& records, const std::ve
 
 std::string format_csv(const std::vector<ResultRecord>& records) {
     std::string out = "policy,label,params,budget,budget_label,layer,steps,retained_mass,heavy_hitter_recall,eviction_calls,"
-                      "policy_bytes_per_slot,ppl,delta_ppl\n";
+                      "policy_bytes_per_slot,output_rel_error,output_cosine,bytes_per_token,compression_ratio,ppl,delta_ppl\n";
     for (const ResultRecord& r : records) {
         out += csv_field(r.policy) + "," + csv_field(r.label) + "," + csv_field(params_text(r.params)) + "," +
                std::to_string(r.budget) + "," + csv_field(r.budget_label) + "," + (r.layer < 0 ? std::string("all") : std::to_string(r.layer)) + "," +
                std::to_string(r.steps) + "," + json_number(r.retained_mass) + "," +
                json_number(r.heavy_hitter_recall) + "," + std::to_string(r.eviction_calls) + "," +
-               std::to_string(r.policy_bytes_per_slot) + "," + (std::isnan(r.ppl) ? "" : json_number(r.ppl)) + "," +
+               std::to_string(r.policy_bytes_per_slot) + "," + optional_number(r.output_rel_error) + "," +
+               optional_number(r.output_cosine) + "," + optional_number(r.bytes_per_token) + "," +
+               optional_number(r.compression_ratio) + "," + (std::isnan(r.ppl) ? "" : json_number(r.ppl)) + "," +
                (std::isnan(r.delta_ppl) ? "" : json_number(r.delta_ppl)) + "\n";
     }
     return out;
@@ -154,6 +169,12 @@ std::string format_json(const std::vector<ResultRecord>& records, const std::str
                ", \"heavy_hitter_recall\": " + json_number(r.heavy_hitter_recall) +
                ", \"eviction_calls\": " + std::to_string(r.eviction_calls) +
                ", \"policy_bytes_per_slot\": " + std::to_string(r.policy_bytes_per_slot);
+        if (!std::isnan(r.output_rel_error))
+            out += ", \"output_rel_error\": " + json_number(r.output_rel_error) +
+                   ", \"output_cosine\": " + json_number(r.output_cosine);
+        if (!std::isnan(r.bytes_per_token))
+            out += ", \"bytes_per_token\": " + json_number(r.bytes_per_token) +
+                   ", \"compression_ratio\": " + json_number(r.compression_ratio);
         if (!std::isnan(r.ppl)) out += ", \"ppl\": " + json_number(r.ppl) + ", \"delta_ppl\": " + json_number(r.delta_ppl);
         out += "}";
         out += (i + 1 < records.size() ? ",\n" : "\n");

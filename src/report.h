@@ -22,6 +22,10 @@ struct ResultRecord {
     double heavy_hitter_recall = 0;
     int64_t eviction_calls = 0;
     std::size_t policy_bytes_per_slot = 0;
+    double output_rel_error = NAN;   // Q/K/V traces: mean relative L2 error of the attention output
+    double output_cosine = NAN;      // ... and its mean cosine similarity with the full cache's
+    double bytes_per_token = NAN;    // bytes held per token of context per (layer, KV head), K and V
+    double compression_ratio = NAN;  // a full fp16 cache's bytes over these
     double ppl = NAN;        // kvsim eval: perplexity with the policy in the loop
     double delta_ppl = NAN;  // kvsim eval: ppl minus the full cache's
 };

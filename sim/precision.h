@@ -1,0 +1,38 @@
+// What a cache's precision costs and what it does to attention: the dequantised K and V each tier
+// serves (computed once per layer and shared by every policy with the same format), the bytes a
+// tiered cache holds, and the attention output of the cache a policy actually holds.
+#pragma once
+#include <array>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "policies/policy.h"
+#include "sim/trace_store.h"
+
+namespace kvsim {
+
+// K and V as the fp16, int8 and int4 tiers of one format hold them, [token][kv_head][d] each.
+// The fp16 tier is the trace's own values: a full cache has zero output error by construction.
+struct TierArrays {
+    TierFormat format;
+    std::array<const float*, 3> k{}, v{};
+    std::vector<float> storage_k8, storage_v8, storage_k4, storage_v4;
+};
+
+// Builds the int8 and int4 tiers of `layer` for `format` (fp16 points into `layer` itself).
+void build_tier_arrays(const QkvLayer& layer, int num_kv_heads, int head_dim, TierArrays& arrays);
+
+// Bytes one cached token's key (or value) takes per KV head at a tier, scales included
+// (amortised over their groups): the closed forms of sim/quantize.h.
+double key_bytes(Tier tier, int head_dim, const TierFormat* format);
+double value_bytes(Tier tier, int head_dim, const TierFormat* format);
+
+// The attention output of one query head over the cached positions `held` (ascending, the current
+// token included), with each position's key and value read from its tier: softmax of
+// q.k / sqrt(d) over held only (renormalised), weighted sum of v. out has head_dim floats.
+void cached_attention_output(const float* q, std::span<const int32_t> held, std::span<const uint8_t> key_tier,
+                             std::span<const uint8_t> value_tier, const TierArrays& arrays, int kv_head,
+                             int num_kv_heads, int head_dim, std::vector<float>& scratch, float* out);
+
+}  // namespace kvsim

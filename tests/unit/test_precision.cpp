@@ -1,0 +1,126 @@
+// Quantised and tiered caches in the replay: output error, memory arithmetic, composition.
+#include <doctest/doctest.h>
+
+#include <fstream>
+
+#include "helpers.h"
+#include "src/config.h"
+#include "src/errors.h"
+#include "src/experiment.h"
+
+using namespace kvsim;
+using namespace kvsim::test;
+
+namespace {
+
+ExperimentConfig tiny_config(std::vector<PolicyEntry> policies, std::vector<int> budgets = {48}) {
+    ExperimentConfig config;
+    config.file = "cfg.yaml";
+    config.trace.synthetic = "qkv";
+    config.trace.name = "tiny-256";
+    config.budgets = std::move(budgets);
+    config.policies = std::move(policies);
+    config.metrics = {"retained_mass", "output_rel_error", "output_cosine", "bytes_per_token", "compression_ratio"};
+    return config;
+}
+
+const ResultRecord& record(const std::vector<ResultRecord>& records, const std::string& label) {
+    for (const ResultRecord& r : records)
+        if (r.label == label && r.layer < 0) return r;
+    throw std::runtime_error("no record " + label);
+}
+
+PolicyEntry composed(const std::string& evict, std::map<std::string, double> params,
+                     std::map<std::string, double> quantize) {
+    PolicyEntry e = entry(evict, std::move(params));
+    e.quantized = true;
+    e.quantize = std::move(quantize);
+    return e;
+}
+
+}  // namespace
+
+TEST_CASE("full has zero output error and ratio 1; int8 errs far less than int4") {
+    const auto records = run_experiment(tiny_config({entry("full"), entry("int8"), entry("int4")}), {}, false).records;
+    const ResultRecord& full = record(records, "full");
+    CHECK(full.output_rel_error == 0.0);
+    CHECK(full.output_cosine == doctest::Approx(1.0).epsilon(1e-12));
+    CHECK(full.compression_ratio == 1.0);
+    CHECK(full.bytes_per_token == 4.0 * 16);  // K and V at fp16, head size 16, no bookkeeping
+    CHECK(full.budget_label == kEveryBudget);
+    const ResultRecord &int8 = record(records, "int8"), &int4 = record(records, "int4");
+    CHECK(int8.output_rel_error > 0);
+    CHECK(int8.output_rel_error < 0.02);
+    CHECK(int4.output_rel_error > 5 * int8.output_rel_error);
+    CHECK(int8.retained_mass == doctest::Approx(1.0).epsilon(1e-5));  // nothing evicted
+}
+
+TEST_CASE("memory arithmetic: int8 with one-token key groups, closed form") {
+    // Head size 16: keys 16 bytes + a 2-byte scale per channel per token (32); values 16 bytes +
+    // one 2-byte scale for the whole head. Every key group is complete at once, so every token is
+    // held at int8 except the current one, which the model reads at fp16 as it arrives.
+    const auto records = run_experiment(tiny_config({entry("int8", {{"key_group", 1}, {"value_group", 16}})}), {}, false).records;
+    const ResultRecord& r = record(records, "int8(key_group=1,value_group=16)");
+    // Over steps t = 1..255 the cache holds t int8 tokens and one fp16 token: bytes per token of
+    // context = sum(66 t + 64) / sum(t + 1).
+    double bytes = 0, tokens = 0;
+    for (int t = 1; t <= 255; ++t) {
+        bytes += 66.0 * t + 64.0;
+        tokens += t + 1;
+    }
+    CHECK(r.bytes_per_token == doctest::Approx(bytes / tokens).epsilon(1e-12));
+    CHECK(r.compression_ratio == doctest::Approx(64.0 * tokens / bytes).epsilon(1e-12));
+}
+
+TEST_CASE("composition: eviction decides what stays, quantisation how coarsely") {
+    const auto records =
+        run_experiment(tiny_config({entry("h2o", {{"recent_window", 8}}),
+                                    composed("h2o", {{"recent_window", 8}}, {{"bits", 4}, {"older_than", 32}})}),
+                       {}, false)
+            .records;
+    const ResultRecord& plain = record(records, "h2o(recent_window=8)");
+    const ResultRecord& quant = record(records, "h2o(recent_window=8)+int4(older_than=32)");
+    CHECK(quant.retained_mass == plain.retained_mass);  // the same tokens kept
+    CHECK(quant.heavy_hitter_recall == plain.heavy_hitter_recall);
+    CHECK(quant.bytes_per_token < plain.bytes_per_token);
+    CHECK(quant.output_rel_error > plain.output_rel_error);
+}
+
+TEST_CASE("precision mistakes are input errors naming the key") {
+    auto error_of = [](const ExperimentConfig& config) -> std::string {
+        try {
+            run_experiment(config, {}, false);
+        } catch (const InputError& e) {
+            return e.what();
+        }
+        return "";
+    };
+    CHECK(error_of(tiny_config({composed("h2o", {{"recent_window", 8}}, {{"bits", 3}})})) ==
+          "test: h2o.quantize.bits: must be 4 or 8, got 3");
+    CHECK(error_of(tiny_config({composed("h2o", {{"recent_window", 8}}, {{"key_group", 0}})})) ==
+          "test: h2o.quantize.key_group: must be >= 1, got 0");
+    CHECK(error_of(tiny_config({entry("int4", {{"value_group", 6}})})).find(
+              "int4(value_group=6): value_group 6 does not divide the head size 16") == 0);
+    ExperimentConfig attention_only = tiny_config({entry("int8")});
+    attention_only.trace = {};
+    attention_only.trace.synthetic = "policybook";
+    attention_only.trace.name = "decode-4096";
+    attention_only.trace.max_steps = 100;
+    CHECK(error_of(attention_only).find("need a Q/K/V trace") != std::string::npos);
+}
+
+TEST_CASE("a composed policy in YAML") {
+    const std::string path = temp_dir() + "/composed.yaml";
+    std::ofstream(path) << "trace: {synthetic: qkv, name: tiny-256}\nbudgets: [48]\npolicies:\n"
+                           "  - {evict: h2o, quantize: {bits: 4, older_than: 128}}\n"
+                           "  - {evict: {h2o: {recent_window: 8}}, quantize: {bits: 8}}\n"
+                           "  - {evict: tova, quantize: {bits: 4, colour: 2}}\n";
+    try {
+        load_config(path);
+        const ExperimentConfig c = load_config(path);
+        expand_sweep(c.policies, c.grid, budget_columns(c));
+        FAIL("expected an InputError");
+    } catch (const InputError& e) {
+        CHECK(std::string(e.what()) == path + ":6: policies[2].tova.quantize: unknown key 'colour' (known: bits, older_than, key_group, value_group)");
+    }
+}
