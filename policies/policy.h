@@ -57,6 +57,9 @@ public:
     virtual const TierFormat* tier_format() const { return nullptr; }
     // Whether evict() runs every step, not only over budget: a policy that sizes itself.
     virtual bool sizes_itself() const { return false; }
+    // A streaming head's decayed linear state, which stands for the tokens it let go; nullptr for
+    // every other policy. The harness feeds it each token's key and value and reads its output.
+    virtual class StreamingHeadState* linear_state() { return nullptr; }
 };
 
 // Removes the entries at `slots` (ascending indices) from `column`, keeping the order of the
@@ -84,7 +87,8 @@ struct ParamSpec {
     bool integer;
     double min_value;
     std::string help;
-    bool odd = false;  // pooling kernels must be odd to have a centre
+    bool odd = false;   // pooling kernels must be odd to have a centre
+    bool file = false;  // a path (relative to the config file), not a number
 };
 
 // What a policy may know about where it runs, besides its own parameters.
@@ -93,6 +97,10 @@ struct PolicyContext {
     int capacity = 1;    // the most positions the harness hands it at once (budget + 1, more with a prefill)
     int layer = 0;       // this stream's layer in the trace
     int num_layers = 1;  // layers in the trace
+    int kv_head = 0;     // this stream's KV head
+    int num_kv_heads = 1;
+    int head_dim = 0;    // 0 where the trace has no values
+    const std::map<std::string, std::string>* files = nullptr;  // file parameters (paths), by name
 };
 
 struct PolicyDescriptor {
@@ -130,6 +138,10 @@ std::string known_policy_names();  // "sliding_window, streaming_llm, ..." for e
 // Fills in defaults and checks names, integrality, ranges; throws InputError prefixed by `where`.
 ParamValues resolve_params(const PolicyDescriptor& policy, const std::map<std::string, double>& given,
                            const std::string& where);
+
+// File parameters must be declared as such; throws InputError prefixed by `where`.
+void check_file_params(const PolicyDescriptor& policy, const std::map<std::string, std::string>& files,
+                       const std::string& where);
 
 // A recent window must leave room to evict: shared by the windowed policies.
 std::string check_recent_window_fits(const ParamValues& params, int budget);

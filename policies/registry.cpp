@@ -17,12 +17,13 @@ PolicyDescriptor pyramidkv_descriptor();
 PolicyDescriptor full_descriptor();
 PolicyDescriptor int8_descriptor();
 PolicyDescriptor int4_descriptor();
+PolicyDescriptor streaming_attention_descriptor();
 
 const std::vector<PolicyDescriptor>& policy_registry() {
     static const std::vector<PolicyDescriptor> registry = {
         sliding_window_descriptor(), streaming_llm_descriptor(), h2o_descriptor(),   scissorhands_descriptor(),
         tova_descriptor(),           snapkv_descriptor(),        pyramidkv_descriptor(),       full_descriptor(),
-        int8_descriptor(),           int4_descriptor(),
+        int8_descriptor(),           int4_descriptor(),          streaming_attention_descriptor(),
     };
     return registry;
 }
@@ -52,6 +53,8 @@ ParamValues resolve_params(const PolicyDescriptor& policy, const std::map<std::s
     for (const auto& [name, value] : given) {
         const ParamSpec* spec = nullptr;
         for (const auto& s : policy.params)
+            if (s.name == name && s.file) throw InputError(where + "." + name + ": expected a file path, got a number");
+        for (const auto& s : policy.params)
             if (s.name == name) spec = &s;
         if (!spec) {
             std::string known;
@@ -71,6 +74,17 @@ ParamValues resolve_params(const PolicyDescriptor& policy, const std::map<std::s
         values[name] = value;
     }
     return values;
+}
+
+void check_file_params(const PolicyDescriptor& policy, const std::map<std::string, std::string>& files,
+                       const std::string& where) {
+    for (const auto& [name, path] : files) {
+        const ParamSpec* spec = nullptr;
+        for (const auto& s : policy.params)
+            if (s.name == name) spec = &s;
+        if (!spec) throw InputError(where + ": unknown parameter '" + name + "' for policy " + policy.name);
+        if (!spec->file) throw InputError(where + "." + name + ": expected a number, got '" + path + "'");
+    }
 }
 
 std::string check_recent_window_fits(const ParamValues& params, int budget) {

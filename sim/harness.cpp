@@ -4,6 +4,7 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "sim/streaming_heads.h"
 #include "src/errors.h"
 
 namespace kvsim {
@@ -40,9 +41,19 @@ void Harness::set_values(const CacheValues& values) {
 void Harness::measure_values(const GroupStep& s) {
     const int32_t t = s.t;
     const int d = values_.head_dim;
+    StreamingHeadState* state = policy_->linear_state();
+    if (state) {
+        // The state takes every token up to this one; it folds what leaves its window itself.
+        const std::size_t stride = static_cast<std::size_t>(values_.num_kv_heads) * d;
+        for (; state_next_ <= t; ++state_next_) {
+            const std::size_t at = state_next_ * stride + static_cast<std::size_t>(values_.kv_head) * d;
+            state->admit(state_next_, values_.arrays->k[0] + at, values_.arrays->v[0] + at);
+        }
+    }
     if (values_.memory) {
         double bytes = key_bytes_[0] + value_bytes_[0];  // the current token
         for (int32_t p : kept_) bytes += key_bytes_[key_tier_[p]] + value_bytes_[value_tier_[p]];
+        if (state) bytes = state->bytes();  // its exact tokens at fp16 and the linear state
         bytes += static_cast<double>(policy_->bytes_per_slot()) * (kept_.size() + 1);
         metrics_.cache_bytes += bytes;
         metrics_.fp16_bytes += 4.0 * d * (t + 1);
@@ -54,8 +65,11 @@ void Harness::measure_values(const GroupStep& s) {
         key_tier_[t] = value_tier_[t] = 0;
         output_.resize(d);
         for (std::size_t h = 0; h < s.queries.size(); ++h) {
-            cached_attention_output(s.queries[h], attended_, key_tier_, value_tier_, *values_.arrays, values_.kv_head,
-                                    values_.num_kv_heads, d, scratch_, output_.data());
+            if (state)
+                state->output(s.queries[h], output_.data());
+            else
+                cached_attention_output(s.queries[h], attended_, key_tier_, value_tier_, *values_.arrays,
+                                        values_.kv_head, values_.num_kv_heads, d, scratch_, output_.data());
             const float* full = s.full_output[h];
             double diff = 0, norm_full = 0, norm_out = 0, dot = 0;
             for (int i = 0; i < d; ++i) {

@@ -71,7 +71,7 @@ std::vector<ComboResult> replay(AttentionSource& source, const std::vector<Repla
                 for (const ReplayCombo& c : combos) {
                     const int budget = c.budget_for(layer, length);
                     const int capacity = static_cast<int>(std::min<int64_t>(std::max(budget, prefill), length)) + 1;
-                    const PolicyContext ctx{budget, capacity, layer, shape.num_layers};
+                    const PolicyContext ctx{budget, capacity, layer, shape.num_layers, kv, kv_heads, head_dim};
                     const std::string where = " (sequence " + shape.sequence_names[s] + ", layer " +
                                               std::to_string(layer) + ", KV head " + std::to_string(kv) + ")";
                     harnesses.emplace_back(c.make(ctx), budget, length, options.harness, c.label, where);

@@ -6,6 +6,7 @@
 // threads.
 #pragma once
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -24,6 +25,7 @@ struct ReplayCombo {
     std::string budget_label;        // table column: "256", or the profile's name
     std::string label;               // table row, e.g. "h2o(recent_window=64)"
     std::optional<QuantizeRule> quantize;  // {evict: ..., quantize: ...}: what is kept, held coarser
+    std::map<std::string, std::string> files;  // file parameters
 
     // Tokens a (layer, KV head) may hold; a policy that keeps everything holds the whole sequence.
     int budget_for(int layer, int64_t sequence_length) const {
@@ -31,7 +33,8 @@ struct ReplayCombo {
         return layer_budgets.empty() ? budget : layer_budgets.at(layer);
     }
     // The policy instance for one (layer, KV head) stream, composed with its quantisation rule.
-    std::unique_ptr<Policy> make(const PolicyContext& ctx) const {
+    std::unique_ptr<Policy> make(PolicyContext ctx) const {
+        ctx.files = &files;
         std::unique_ptr<Policy> p = policy->make(params, ctx);
         return quantize ? make_quantized(std::move(p), *quantize) : std::move(p);
     }

@@ -64,13 +64,14 @@ std::vector<ReplayCombo> expand_sweep(const std::vector<PolicyEntry>& policies, 
                 where = axes[a]->where;
             }
             const ParamValues values = resolve_params(*policy, given, axes.empty() ? entry.where : where);
+            check_file_params(*policy, entry.files, entry.where);
             std::optional<QuantizeRule> quantize;
             if (entry.quantized) quantize = resolve_quantize(entry.quantize, entry.where + ".quantize");
             const std::string label =
                 policy_label(*policy, given) + (quantize ? "+" + quantize_label(*quantize) : std::string());
             if (!labels.insert(label).second) throw InputError(entry.where + ": " + label + " is listed twice");
             if (policy->keeps_everything) {  // budgets do not apply: one row that fills every column
-                combos.push_back({policy, values, 0, {}, kEveryBudget, label, quantize});
+                combos.push_back({policy, values, 0, {}, kEveryBudget, label, quantize, entry.files});
             } else for (const BudgetColumn& column : budgets) {
                 // A profile must suit its smallest layer budget.
                 const int tightest = column.layer_budgets.empty()
@@ -82,7 +83,8 @@ std::vector<ReplayCombo> expand_sweep(const std::vector<PolicyEntry>& policies, 
                         throw InputError(entry.where + ": " + label + ": " + problem +
                                          (column.layer_budgets.empty() ? "" : " (profile " + column.label + ")"));
                 }
-                combos.push_back({policy, values, column.budget, column.layer_budgets, column.label, label, quantize});
+                combos.push_back(
+                    {policy, values, column.budget, column.layer_budgets, column.label, label, quantize, entry.files});
             }
             std::size_t a = axes.size();
             while (a > 0 && ++index[a - 1] == axes[a - 1]->values.size()) index[--a] = 0;

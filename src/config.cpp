@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <set>
 
+#include "policies/policy.h"
 #include "src/errors.h"
 
 namespace kvsim {
@@ -105,6 +106,13 @@ std::string resolve_against(const std::string& config_path, const std::string& r
     const std::filesystem::path p(relative);
     if (p.is_absolute()) return p.string();
     return (std::filesystem::path(config_path).parent_path() / p).lexically_normal().string();
+}
+
+bool is_file_param(const std::string& policy, const std::string& param) {
+    if (const PolicyDescriptor* d = find_policy(policy))
+        for (const ParamSpec& spec : d->params)
+            if (spec.name == param) return spec.file;
+    return false;
 }
 
 }  // namespace
@@ -221,7 +229,11 @@ ExperimentConfig load_config(const std::string& path) {
             if (!params.IsMap()) p.fail(params, key + "." + name, "expected a map of parameters");
             for (const auto& kv : params) {
                 const std::string param = p.string(kv.first, key + "." + name);
-                entry.params[param] = p.number(kv.second, key + "." + name + "." + param);
+                // A policy's file parameter is a path beside the config; everything else is a number.
+                if (is_file_param(name, param))
+                    entry.files[param] = resolve_against(path, p.string(kv.second, key + "." + name + "." + param));
+                else
+                    entry.params[param] = p.number(kv.second, key + "." + name + "." + param);
             }
         }
         config.policies.push_back(entry);

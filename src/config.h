@@ -13,6 +13,7 @@ struct PolicyEntry {
     std::string name;
     std::map<std::string, double> params;
     std::string where;                       // "FILE:LINE: policies[2]" for error messages
+    std::map<std::string, std::string> files;  // file parameters: name -> path
     bool quantized = false;                  // {evict: NAME, quantize: {...}}
     std::map<std::string, double> quantize;  // bits, older_than, key_group, value_group
 };

@@ -39,9 +39,10 @@ public:
             key_[layer].resize(config_.kv_dim());
             const int budget = combo.budget_for(layer, length);
             const int capacity = std::min(std::max(budget, options.prefill_tokens), length) + 1;
-            const PolicyContext ctx{budget, capacity, layer, config_.n_layers};
             for (int kv = 0; kv < config_.n_kv_heads; ++kv)
-                harnesses_.emplace_back(combo.make(ctx), budget, length, options, combo.label,
+                harnesses_.emplace_back(
+                    combo.make({budget, capacity, layer, config_.n_layers, kv, config_.n_kv_heads, config_.head_dim}),
+                    budget, length, options, combo.label,
                                         " (layer " + std::to_string(layer) + ", KV head " + std::to_string(kv) + ")");
         }
         rows_.resize(group_);

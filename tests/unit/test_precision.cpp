@@ -124,3 +124,31 @@ TEST_CASE("a composed policy in YAML") {
         CHECK(std::string(e.what()) == path + ":6: policies[2].tova.quantize: unknown key 'colour' (known: bits, older_than, key_group, value_group)");
     }
 }
+
+TEST_CASE("streaming heads in the replay: exact when nothing folds, retrieval heads from a pattern file") {
+    // A window longer than the sequence folds nothing: the output is exact softmax attention.
+    auto wide = run_experiment(tiny_config({entry("streaming_attention", {{"recent", 300}})}), {}, false).records;
+    CHECK(record(wide, "streaming_attention(recent=300)").output_rel_error < 1e-5);
+    // A narrow window folds; a decay of 0 forgets the folded tokens entirely, so the output is that
+    // of the exact tokens alone, like StreamingLLM's (4 sinks + 28 recent = a 32-token window).
+    auto narrow = run_experiment(tiny_config({entry("streaming_attention", {{"recent", 28}, {"lambda", 0}}),
+                                              entry("streaming_llm")},
+                                             {32}),
+                                 {}, false)
+                      .records;
+    const ResultRecord& streaming = record(narrow, "streaming_attention(recent=28,lambda=0)");
+    CHECK(streaming.output_rel_error > 0.01);
+    CHECK(streaming.compression_ratio > 2.0);
+
+    // A pattern file: layer 0 keeps both KV heads for retrieval, layers 1 and 2 stream.
+    const std::string pattern = temp_dir() + "/full_attention_heads.tsv";
+    std::ofstream(pattern) << "1\t1\n0\t0\n0\t0\n";
+    PolicyEntry patterned = entry("streaming_attention", {{"recent", 28}});
+    patterned.files["pattern"] = pattern;
+    const auto mixed = run_experiment(tiny_config({patterned}), {}, false).records;
+    CHECK(record(mixed, "streaming_attention(recent=28)").compression_ratio <
+          record(narrow, "streaming_attention(recent=28,lambda=0)").compression_ratio);
+    std::ofstream(pattern) << "1\t1\n0\t0\n";
+    CHECK_THROWS_WITH_AS(run_experiment(tiny_config({patterned}), {}, false),
+                         (pattern + ": 2 rows, but the trace has 3 layers").c_str(), InputError);
+}
