@@ -59,7 +59,7 @@ public:
     virtual bool sizes_itself() const { return false; }
     // A streaming head's decayed linear state, which stands for the tokens it let go; nullptr for
     // every other policy. The harness feeds it each token's key and value and reads its output.
-    virtual class StreamingHeadState* linear_state() { return nullptr; }
+    virtual class StreamingHeadState* linear_state() const { return nullptr; }
 };
 
 // Removes the entries at `slots` (ascending indices) from `column`, keeping the order of the

@@ -38,7 +38,7 @@ public:
     }
     bool sizes_itself() const override { return streaming_; }
     std::size_t bytes_per_slot() const override { return sizeof(int32_t); }
-    StreamingHeadState* linear_state() override { return state_.get(); }
+    StreamingHeadState* linear_state() const override { return state_.get(); }
 
 private:
     bool streaming_;

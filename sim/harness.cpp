@@ -64,12 +64,14 @@ void Harness::measure_values(const GroupStep& s) {
         attended_.push_back(t);
         key_tier_[t] = value_tier_[t] = 0;
         output_.resize(d);
+        last_outputs_.resize(s.queries.size() * d);
         for (std::size_t h = 0; h < s.queries.size(); ++h) {
             if (state)
                 state->output(s.queries[h], output_.data());
             else
                 cached_attention_output(s.queries[h], attended_, key_tier_, value_tier_, *values_.arrays,
                                         values_.kv_head, values_.num_kv_heads, d, scratch_, output_.data());
+            std::copy(output_.begin(), output_.end(), last_outputs_.begin() + h * d);
             const float* full = s.full_output[h];
             double diff = 0, norm_full = 0, norm_out = 0, dot = 0;
             for (int i = 0; i < d; ++i) {

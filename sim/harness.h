@@ -90,6 +90,9 @@ public:
     const StreamMetrics& metrics() const { return metrics_; }
     const Policy& policy() const { return *policy_; }
     const std::vector<int32_t>& kept() const { return kept_; }
+    // The attention outputs (query heads of the group x head_dim) of the cache this harness held
+    // at its last measured step, when the output-error metric is on.
+    std::span<const float> last_outputs() const { return last_outputs_; }
 
 private:
     [[noreturn]] void fail(int32_t t, const std::string& what) const;
@@ -113,7 +116,7 @@ private:
     CacheValues values_;
     double key_bytes_[3] = {}, value_bytes_[3] = {};
     std::vector<int32_t> attended_;  // kept_ plus the current token
-    std::vector<float> output_, scratch_;
+    std::vector<float> output_, scratch_, last_outputs_;
     int64_t state_next_ = 0;  // the next position a streaming head's linear state takes
 
     void measure_values(const GroupStep& s);

@@ -37,6 +37,67 @@ void build_tier_arrays(const QkvLayer& layer, int num_kv_heads, int head_dim, Ti
     arrays.v[2] = arrays.storage_v4.data();
 }
 
+IncrementalTiers::IncrementalTiers(const TierFormat* format, int64_t tokens, int num_kv_heads, int head_dim)
+    : tiered_(format != nullptr), tokens_(tokens), kv_heads_(num_kv_heads), head_dim_(head_dim),
+      k_(tokens * num_kv_heads * head_dim), v_(k_.size()) {
+    arrays_.k[0] = k_.data();
+    arrays_.v[0] = v_.data();
+    if (!tiered_) return;
+    arrays_.format = *format;
+    for (auto* storage : {&arrays_.storage_k8, &arrays_.storage_v8, &arrays_.storage_k4, &arrays_.storage_v4})
+        storage->assign(k_.size(), 0.0f);
+    arrays_.k[1] = arrays_.storage_k8.data();
+    arrays_.v[1] = arrays_.storage_v8.data();
+    arrays_.k[2] = arrays_.storage_k4.data();
+    arrays_.v[2] = arrays_.storage_v4.data();
+}
+
+// Values (and per-token keys) of token t: each head's channel groups share a scale.
+void IncrementalTiers::quantize_values(int64_t t, const float* v_in, float* v_out, const float* k_in, float* k_out,
+                                       int bits) {
+    const QuantSpec spec = spec_for(arrays_.format, bits);
+    const int group = std::min(spec.value_group, head_dim_);
+    const int64_t row = t * kv_heads_ * head_dim_;
+    for (int g = 0; g < kv_heads_; ++g)
+        for (int c = 0; c < head_dim_; c += group) {
+            const int64_t at = row + static_cast<int64_t>(g) * head_dim_ + c;
+            roundtrip_group(v_in + at, v_out + at, group, 1, bits);
+            if (spec.per_token_keys) roundtrip_group(k_in + at, k_out + at, group, 1, bits);
+        }
+}
+
+// A complete KIVI key group: each channel's scale spans the group's tokens.
+void IncrementalTiers::quantize_key_group(int64_t first, int64_t count, const float* k_in, float* k_out, int bits) {
+    const int64_t stride = static_cast<int64_t>(kv_heads_) * head_dim_;
+    for (int g = 0; g < kv_heads_; ++g)
+        for (int c = 0; c < head_dim_; ++c) {
+            const int64_t at = first * stride + static_cast<int64_t>(g) * head_dim_ + c;
+            roundtrip_group(k_in + at, k_out + at, count, stride, bits);
+        }
+}
+
+void IncrementalTiers::add_token(int64_t t, const float* k, const float* v) {
+    const std::size_t width = static_cast<std::size_t>(kv_heads_) * head_dim_;
+    std::copy(k, k + width, k_.begin() + t * width);
+    std::copy(v, v + width, v_.begin() + t * width);
+    if (!tiered_) return;
+    const TierFormat& f = arrays_.format;
+    float *k8 = arrays_.storage_k8.data(), *v8 = arrays_.storage_v8.data();
+    float *k4 = arrays_.storage_k4.data(), *v4 = arrays_.storage_v4.data();
+    // int4 comes from the original values, or from the int8 form a token sank from.
+    const float* k4_from = f.int4_from_int8 ? k8 : k_.data();
+    const float* v4_from = f.int4_from_int8 ? v8 : v_.data();
+    quantize_values(t, v_.data(), v8, k_.data(), k8, 8);
+    quantize_values(t, v4_from, v4, k4_from, k4, 4);
+    if (!f.per_token_keys) {
+        for (int bits : {8, 4}) {
+            const int group = spec_for(f, bits).key_group;
+            if ((t + 1) % group == 0)
+                quantize_key_group(t + 1 - group, group, bits == 8 ? k_.data() : k4_from, bits == 8 ? k8 : k4, bits);
+        }
+    }
+}
+
 double key_bytes(Tier tier, int head_dim, const TierFormat* format) {
     if (tier == Tier::fp16 || !format) return 2.0 * head_dim;
     const int bits = tier == Tier::int8 ? 8 : 4;

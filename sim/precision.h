@@ -20,6 +20,25 @@ struct TierArrays {
     std::vector<float> storage_k8, storage_v8, storage_k4, storage_v4;
 };
 
+// The same tiers built token by token, for a model running live (kvsim eval): a value is
+// quantised as its token arrives, a KIVI key group when its last token arrives.
+class IncrementalTiers {
+public:
+    IncrementalTiers(const TierFormat* format, int64_t tokens, int num_kv_heads, int head_dim);
+    // Token t's keys and values for every KV head (num_kv_heads * head_dim floats each).
+    void add_token(int64_t t, const float* k, const float* v);
+    const TierArrays& arrays() const { return arrays_; }
+
+private:
+    void quantize_values(int64_t t, const float* v_in, float* v_out, const float* k_in, float* k_out, int bits);
+    void quantize_key_group(int64_t first, int64_t count, const float* k_in, float* k_out, int bits);
+    bool tiered_;
+    int64_t tokens_;
+    int kv_heads_, head_dim_;
+    std::vector<float> k_, v_;
+    TierArrays arrays_;
+};
+
 // Builds the int8 and int4 tiers of `layer` for `format` (fp16 points into `layer` itself).
 void build_tier_arrays(const QkvLayer& layer, int num_kv_heads, int head_dim, TierArrays& arrays);
 

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "sim/heavy_hitters.h"
+#include "sim/precision.h"
 #include "sim/harness.h"
 #include "sim/replay.h"
 #include "sim/sweep.h"
@@ -27,7 +28,9 @@ namespace {
 
 // One policy per (layer, KV head) controlling the model's cache. At each step it is shown the
 // attention the model computes (from the current query and the cached keys), exactly as a replay
-// harness would be, and the model attends only to what the harness holds.
+// harness would be. An eviction policy's kept positions become the model's attention mask; a
+// policy that changes values (quantised tiers, a streaming head's linear state) has its cache
+// simulated here, and its attention output replaces the model's own.
 class PolicyInTheLoop : public model::ForwardHooks {
 public:
     PolicyInTheLoop(const model::LlamaModel& llama, const ReplayCombo& combo, const HarnessOptions& options,
@@ -43,7 +46,18 @@ public:
                 harnesses_.emplace_back(
                     combo.make({budget, capacity, layer, config_.n_layers, kv, config_.n_kv_heads, config_.head_dim}),
                     budget, length, options, combo.label,
-                                        " (layer " + std::to_string(layer) + ", KV head " + std::to_string(kv) + ")");
+                    " (layer " + std::to_string(layer) + ", KV head " + std::to_string(kv) + ")");
+        }
+        const Policy& probe = harnesses_.front().policy();
+        simulated_ = probe.tier_format() != nullptr || probe.linear_state() != nullptr;
+        // Every (layer, KV head) measures its memory; simulated caches also their output error
+        // against the model's own full-cache attention at the same step.
+        for (int layer = 0; layer < config_.n_layers; ++layer) {
+            tiers_.emplace_back(std::make_unique<IncrementalTiers>(probe.tier_format(), length, config_.n_kv_heads,
+                                                                   config_.head_dim));
+            for (int kv = 0; kv < config_.n_kv_heads; ++kv)
+                harnesses_[layer * config_.n_kv_heads + kv].set_values(
+                    {&tiers_[layer]->arrays(), kv, config_.n_kv_heads, config_.head_dim, simulated_, true});
         }
         rows_.resize(group_);
         self_.resize(group_);
@@ -53,24 +67,51 @@ public:
     }
 
     // This step's query and key: the key of the current position is not in the cache yet.
-    void after_qkv(int layer, int, float* q, float* k, float*) override {
+    void after_qkv(int layer, int pos, float* q, float* k, float* v) override {
         std::copy(q, q + config_.q_dim(), query_[layer].begin());
         std::copy(k, k + config_.kv_dim(), key_[layer].begin());
+        tiers_[layer]->add_token(pos, k, v);
     }
 
     const uint8_t* attention_mask(int layer, int kv, int pos) override {
-        if (pos == 0) return nullptr;  // position 0 alone: nothing to decide yet
+        if (pos == 0 || simulated_) return nullptr;  // simulated caches answer in attention_output
         Harness& harness = harnesses_[layer * config_.n_kv_heads + kv];
         // The model attends to what the cache holds before this step's eviction, plus itself.
         mask_.assign(pos + 1, 0);
         for (int32_t p : harness.kept()) mask_[p] = 1;
         mask_[pos] = 1;
+        harness.step(group_step(layer, kv, pos, nullptr));
+        return mask_.data();
+    }
 
-        // The full-cache attention of each query head of the group: what the proxies measure.
+    bool attention_output(int layer, int kv, int pos, const float*, float* out) override {
+        if (!simulated_ || pos == 0) return false;
+        // `out` holds the model's full-cache attention: the reference of the output-error metric.
+        const int width = group_ * config_.head_dim;
+        full_output_.assign(out, out + width);
+        Harness& harness = harnesses_[layer * config_.n_kv_heads + kv];
+        harness.step(group_step(layer, kv, pos, full_output_.data()));
+        const std::span<const float> simulated = harness.last_outputs();
+        std::copy(simulated.begin(), simulated.end(), out);
+        return true;
+    }
+
+    StreamMetrics metrics() const {
+        StreamMetrics total;
+        for (const Harness& h : harnesses_) total.add(h.metrics());
+        return total;
+    }
+    std::size_t bytes_per_slot() const { return harnesses_.front().policy().bytes_per_slot(); }
+
+private:
+    // The full-cache attention of each query head of the group: what the proxies measure.
+    GroupStep group_step(int layer, int kv, int pos, const float* full_output) {
         const int d = config_.head_dim;
         const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-        std::vector<const float*> row_ptrs(group_);
-        std::vector<std::span<const int32_t>> heavy_spans(group_);
+        row_ptrs_.resize(group_);
+        heavy_spans_.resize(group_);
+        query_ptrs_.resize(group_);
+        full_ptrs_.resize(group_);
         for (int h = 0; h < group_; ++h) {
             const float* q = query_[layer].data() + static_cast<std::size_t>(kv * group_ + h) * d;
             std::vector<float>& row = rows_[h];
@@ -89,49 +130,49 @@ public:
             self_[h] = row[pos];
             heavy_[h].clear();
             top_k_positions({row.data(), static_cast<std::size_t>(pos)}, heavy_k_, heavy_[h]);
-            row_ptrs[h] = row.data();
-            heavy_spans[h] = heavy_[h];
+            row_ptrs_[h] = row.data();
+            heavy_spans_[h] = heavy_[h];
+            query_ptrs_[h] = q;
+            if (full_output) full_ptrs_[h] = full_output + static_cast<std::size_t>(h) * d;
         }
         if (raw_view_) {
-            combined_.assign(row_ptrs[0], row_ptrs[0] + pos);
+            combined_.assign(row_ptrs_[0], row_ptrs_[0] + pos);
             for (int h = 1; h < group_; ++h)
                 for (int p = 0; p < pos; ++p)
-                    combined_[p] = reduce_ == GroupReduce::max ? std::max(combined_[p], row_ptrs[h][p])
-                                                               : combined_[p] + row_ptrs[h][p];
+                    combined_[p] = reduce_ == GroupReduce::max ? std::max(combined_[p], row_ptrs_[h][p])
+                                                               : combined_[p] + row_ptrs_[h][p];
             if (reduce_ == GroupReduce::mean)
                 for (float& w : combined_) w /= static_cast<float>(group_);
         }
         GroupStep step;
         step.t = pos;
-        step.rows = row_ptrs;
+        step.rows = row_ptrs_;
         step.self_weight = self_;
         step.own_weight = self_;
-        step.heavy = heavy_spans;
+        step.heavy = heavy_spans_;
         step.combined = raw_view_ ? combined_.data() : nullptr;
-        harness.step(step);
-        return mask_.data();
+        if (full_output) {
+            step.queries = query_ptrs_;
+            step.full_output = full_ptrs_;
+        }
+        return step;
     }
 
-    StreamMetrics metrics() const {
-        StreamMetrics total;
-        for (const Harness& h : harnesses_) total.add(h.metrics());
-        return total;
-    }
-    std::size_t bytes_per_slot() const { return harnesses_.front().policy().bytes_per_slot(); }
-
-private:
     const model::LlamaModel& llama_;
     const model::LlamaConfig& config_;
     int heavy_k_;
     int group_;
-    bool raw_view_ = false;
+    bool raw_view_ = false, simulated_ = false;
     GroupReduce reduce_ = GroupReduce::mean;
     std::vector<std::vector<float>> query_;  // per layer: this step's Q, all heads
     std::vector<std::vector<float>> key_;    // per layer: this step's K, all KV heads
+    std::vector<std::unique_ptr<IncrementalTiers>> tiers_;  // per layer: K/V as each tier holds them
     std::vector<Harness> harnesses_;         // [layer][kv head]
     std::vector<std::vector<float>> rows_;
-    std::vector<float> self_, combined_;
+    std::vector<float> self_, combined_, full_output_;
     std::vector<std::vector<int32_t>> heavy_;
+    std::vector<const float*> row_ptrs_, query_ptrs_, full_ptrs_;
+    std::vector<std::span<const int32_t>> heavy_spans_;
     std::vector<uint8_t> mask_;
 };
 
@@ -235,6 +276,10 @@ EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>&
     full.delta_ppl = 0;
     full.retained_mass = 1.0;
     full.heavy_hitter_recall = 1.0;
+    full.output_rel_error = 0.0;  // the reference itself
+    full.output_cosine = 1.0;
+    full.bytes_per_token = 4.0 * mc.head_dim;  // K and V at fp16, no bookkeeping
+    full.compression_ratio = 1.0;
     result.records.push_back(full);
 
     std::vector<double> mass, recall, delta;
@@ -254,6 +299,14 @@ EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>&
                                     : 0;
         r.eviction_calls = out.metrics.eviction_calls;
         r.policy_bytes_per_slot = out.bytes_per_slot;
+        if (out.metrics.output_steps) {
+            r.output_rel_error = out.metrics.output_rel_error / out.metrics.output_steps;
+            r.output_cosine = out.metrics.output_cosine / out.metrics.output_steps;
+        }
+        if (out.metrics.context_tokens) {
+            r.bytes_per_token = out.metrics.cache_bytes / out.metrics.context_tokens;
+            r.compression_ratio = out.metrics.fp16_bytes / out.metrics.cache_bytes;
+        }
         r.ppl = std::exp(out.nll / result.tokens);
         r.delta_ppl = r.ppl - result.full_ppl;
         mass.push_back(r.retained_mass);

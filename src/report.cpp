@@ -15,6 +15,16 @@ namespace {
 
 std::string metric_cell(const ResultRecord& r, const std::string& metric) {
     char text[48];
+    const double value = metric == "retained_mass"         ? r.retained_mass
+                         : metric == "heavy_hitter_recall" ? r.heavy_hitter_recall
+                         : metric == "output_rel_error"    ? r.output_rel_error
+                         : metric == "output_cosine"       ? r.output_cosine
+                         : metric == "bytes_per_token"     ? r.bytes_per_token
+                         : metric == "compression_ratio"   ? r.compression_ratio
+                         : metric == "ppl"                 ? r.ppl
+                         : metric == "delta_ppl"           ? r.delta_ppl
+                                                           : 0.0;
+    if (std::isnan(value)) return "-";  // not measured for this row (e.g. no values in the trace)
     if (metric == "retained_mass")
         std::snprintf(text, sizeof text, "%.6f", round6(r.retained_mass));
     else if (metric == "heavy_hitter_recall")

@@ -220,6 +220,31 @@ class ModelCli(unittest.TestCase):
         self.assertEqual(correlation["configurations"], 6)
         self.assertLess(correlation["spearman_retained_mass_vs_delta_ppl"], 0)
 
+    def test_eval_quantised_and_streaming_caches_in_the_loop(self):
+        config = self.write("q.yaml", "budgets: [48]\npolicies:\n  - int8\n  - int4\n"
+                                      "  - {streaming_attention: {recent: 44, lambda: 0.9}}\n"
+                                      "  - {evict: sliding_window, quantize: {bits: 4, older_than: 16}}\n"
+                                      "  - sliding_window\n")
+        result = kvsim("eval", config, "--model", MODEL, "--text", STORIES, "--split-on", "<|endoftext|>",
+                       "--context", "512", "--max-tokens", "200", "--format", "json",
+                       "--out", os.path.join(self.dir, "o"), "-q")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        by = {r["label"]: r for r in json.loads(result.stdout)}
+        full = by["full"]
+        # INT8 in the loop costs next to nothing; INT4 costs more; both really change the model.
+        self.assertLess(abs(by["int8"]["delta_ppl"]), 0.02)
+        self.assertGreater(by["int4"]["delta_ppl"], abs(by["int8"]["delta_ppl"]))
+        self.assertNotEqual(by["int8"]["ppl"], full["ppl"])
+        self.assertLess(by["int8"]["output_rel_error"], by["int4"]["output_rel_error"])
+        self.assertEqual(full["compression_ratio"], 1.0)
+        self.assertGreater(by["int4"]["compression_ratio"], by["int8"]["compression_ratio"])
+        self.assertGreater(by["int8"]["compression_ratio"], 1.0)
+        # Quantising what the sliding window keeps saves memory and costs perplexity.
+        composed = by["sliding_window+int4(older_than=16)"]
+        self.assertGreater(composed["compression_ratio"], by["sliding_window"]["compression_ratio"])
+        self.assertGreater(composed["ppl"], by["sliding_window"]["ppl"])
+        self.assertGreater(by["streaming_attention(recent=44,lambda=0.9)"]["delta_ppl"], 0)
+
     def test_bad_model_and_text_inputs(self):
         out = os.path.join(self.dir, "out")
         cut = self.write("cut.gguf", open(MODEL, "rb").read()[:5000], "wb")

@@ -404,6 +404,12 @@ void LlamaModel::attention(int layer, int n, int start_pos, ForwardHooks* hooks)
     } else {
         tbb::parallel_for(0, c.n_heads, attend_head);
     }
+    if (!hooks) return;
+    const int group_width = heads_per_kv_head * head_dim;
+    for (int i = 0; i < n; ++i)
+        for (int g = 0; g < c.n_kv_heads; ++g)
+            hooks->attention_output(layer, g, start_pos + i, q_.row(i).data() + g * group_width,
+                                    attn_out_.row(i).data() + g * group_width);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -58,6 +58,14 @@ struct ForwardHooks {
         (void)layer, (void)kv_head, (void)pos;
         return nullptr;
     }
+    // Called after the model's own attention for each position and KV head: q holds the group's
+    // query heads (heads_per_kv_head * head_dim floats) and out their attention outputs. A hook
+    // that simulates a cache the model cannot hold (quantised keys and values, a streaming head's
+    // linear state) writes its own outputs into out and returns true.
+    virtual bool attention_output(int layer, int kv_head, int pos, const float* q, float* out) {
+        (void)layer, (void)kv_head, (void)pos, (void)q, (void)out;
+        return false;
+    }
 };
 
 // Not thread-safe: one sequence at a time per model object. Large matrix products and attention
