@@ -18,12 +18,14 @@ PolicyDescriptor full_descriptor();
 PolicyDescriptor int8_descriptor();
 PolicyDescriptor int4_descriptor();
 PolicyDescriptor streaming_attention_descriptor();
+PolicyDescriptor stratigraphic_descriptor();
 
 const std::vector<PolicyDescriptor>& policy_registry() {
     static const std::vector<PolicyDescriptor> registry = {
         sliding_window_descriptor(), streaming_llm_descriptor(), h2o_descriptor(),   scissorhands_descriptor(),
         tova_descriptor(),           snapkv_descriptor(),        pyramidkv_descriptor(),       full_descriptor(),
         int8_descriptor(),           int4_descriptor(),          streaming_attention_descriptor(),
+        stratigraphic_descriptor(),
     };
     return registry;
 }

@@ -70,6 +70,13 @@ std::vector<ComboResult> replay(AttentionSource& source, const std::vector<Repla
             for (int kv = 0; kv < kv_heads; ++kv)
                 for (const ReplayCombo& c : combos) {
                     const int budget = c.budget_for(layer, length);
+                    if (c.compression > 0 && c.policy->check_budget) {
+                        const std::string problem = c.policy->check_budget(c.params, budget);
+                        if (!problem.empty())
+                            throw InputError(c.label + " at budget " + c.budget_label + ": sequence " +
+                                             shape.sequence_names[s] + " (" + std::to_string(length) +
+                                             " tokens) gets " + std::to_string(budget) + " tokens, and " + problem);
+                    }
                     const int capacity = static_cast<int>(std::min<int64_t>(std::max(budget, prefill), length)) + 1;
                     const PolicyContext ctx{budget, capacity, layer, shape.num_layers, kv, kv_heads, head_dim};
                     const std::string where = " (sequence " + shape.sequence_names[s] + ", layer " +

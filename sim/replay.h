@@ -14,6 +14,7 @@
 #include "policies/policy.h"
 #include "sim/attention_source.h"
 #include "sim/harness.h"
+#include "src/config.h"
 
 namespace kvsim {
 
@@ -22,6 +23,7 @@ struct ReplayCombo {
     ParamValues params;
     int budget = 0;                  // tokens per (layer, KV head)
     std::vector<int> layer_budgets;  // per layer, when a profile sets them; overrides budget
+    double compression = 0;          // > 0: the budget is sized per sequence to this compression ratio
     std::string budget_label;        // table column: "256", or the profile's name
     std::string label;               // table row, e.g. "h2o(recent_window=64)"
     std::optional<QuantizeRule> quantize;  // {evict: ..., quantize: ...}: what is kept, held coarser
@@ -30,6 +32,7 @@ struct ReplayCombo {
     // Tokens a (layer, KV head) may hold; a policy that keeps everything holds the whole sequence.
     int budget_for(int layer, int64_t sequence_length) const {
         if (policy->keeps_everything) return static_cast<int>(sequence_length);
+        if (compression > 0) return budget_for_compression(compression, sequence_length);
         return layer_budgets.empty() ? budget : layer_budgets.at(layer);
     }
     // The policy instance for one (layer, KV head) stream, composed with its quantisation rule.

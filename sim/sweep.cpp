@@ -71,20 +71,21 @@ std::vector<ReplayCombo> expand_sweep(const std::vector<PolicyEntry>& policies, 
                 policy_label(*policy, given) + (quantize ? "+" + quantize_label(*quantize) : std::string());
             if (!labels.insert(label).second) throw InputError(entry.where + ": " + label + " is listed twice");
             if (policy->keeps_everything) {  // budgets do not apply: one row that fills every column
-                combos.push_back({policy, values, 0, {}, kEveryBudget, label, quantize, entry.files});
+                combos.push_back({policy, values, 0, {}, 0, kEveryBudget, label, quantize, entry.files});
             } else for (const BudgetColumn& column : budgets) {
                 // A profile must suit its smallest layer budget.
                 const int tightest = column.layer_budgets.empty()
                                          ? column.budget
                                          : *std::min_element(column.layer_budgets.begin(), column.layer_budgets.end());
-                if (policy->check_budget) {
+                // A ratio budget is only known per sequence; the harness reports one that does not fit.
+                if (policy->check_budget && column.compression == 0) {
                     const std::string problem = policy->check_budget(values, tightest);
                     if (!problem.empty())
                         throw InputError(entry.where + ": " + label + ": " + problem +
                                          (column.layer_budgets.empty() ? "" : " (profile " + column.label + ")"));
                 }
-                combos.push_back(
-                    {policy, values, column.budget, column.layer_budgets, column.label, label, quantize, entry.files});
+                combos.push_back({policy, values, column.budget, column.layer_budgets, column.compression,
+                                  column.label, label, quantize, entry.files});
             }
             std::size_t a = axes.size();
             while (a > 0 && ++index[a - 1] == axes[a - 1]->values.size()) index[--a] = 0;

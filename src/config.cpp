@@ -2,7 +2,9 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <charconv>
+#include <cstdio>
 #include <cmath>
 #include <filesystem>
 #include <set>
@@ -166,6 +168,16 @@ ExperimentConfig load_config(const std::string& path) {
         if (budgets.size() == 0) p.fail(budgets, "budgets", "empty list");
         for (std::size_t i = 0; i < budgets.size(); ++i) {
             const std::string key = "budgets[" + std::to_string(i) + "]";
+            // "2x": a budget per sequence that holds the cache at that compression ratio on average.
+            const std::string text = budgets[i].IsScalar() ? budgets[i].Scalar() : std::string();
+            if (text.size() > 1 && text.back() == 'x') {
+                double ratio = 0;
+                const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size() - 1, ratio);
+                if (ec != std::errc() || end != text.data() + text.size() - 1 || !(ratio >= 1) || ratio > 1e6)
+                    p.fail(budgets[i], key, "expected a token count or a compression ratio >= 1 like 2x, got '" + text + "'");
+                config.compression_budgets.push_back(ratio);
+                continue;
+            }
             config.budgets.push_back(static_cast<int>(p.integer(budgets[i], key, 1)));
             if (config.budgets.back() > 100000000) p.fail(budgets[i], key, "budget too large");
         }
@@ -282,7 +294,12 @@ ExperimentConfig load_config(const std::string& path) {
 
     config.output_dir = "results/" + std::filesystem::path(path).stem().string();
     if (const YAML::Node output = root["output"]) {
-        p.only_keys(output, "output", {"dir", "format", "per_layer"});
+        p.only_keys(output, "output", {"dir", "format", "per_layer", "layout"});
+        if (output["layout"]) {
+            config.output_layout = p.string(output["layout"], "output.layout");
+            if (config.output_layout != "matrix" && config.output_layout != "comparison")
+                p.fail(output["layout"], "output.layout", "expected matrix or comparison");
+        }
         if (output["dir"]) config.output_dir = p.string(output["dir"], "output.dir");
         if (output["format"]) {
             config.output_format = p.string(output["format"], "output.format");
@@ -310,9 +327,31 @@ BudgetColumn load_budget_profile(const std::string& path) {
                            root["name"] ? p.string(root["name"], "name") : std::filesystem::path(path).stem().string());
 }
 
+int budget_for_compression(double ratio, int64_t sequence_length) {
+    // held(B) = sum over steps t = 1..T-1 of min(t, B) + 1 falls as B shrinks: bisect for the
+    // largest B whose ratio sum(t + 1) / held(B) still reaches the target.
+    const int64_t T = sequence_length;
+    auto held = [T](int64_t b) {
+        const int64_t m = std::min(b, T - 1);
+        return m * (m + 1) / 2 + (T - 1 - m) * b + (T - 1);  // sum of min(t, b) plus one per step
+    };
+    const double full = static_cast<double>(T - 1) * T / 2.0 + (T - 1);
+    int64_t lo = 1, hi = std::max<int64_t>(1, T);
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (full / held(mid) >= ratio) lo = mid; else hi = mid - 1;
+    }
+    return static_cast<int>(lo);
+}
+
 std::vector<BudgetColumn> budget_columns(const ExperimentConfig& config) {
     std::vector<BudgetColumn> columns;
     for (int b : config.budgets) columns.push_back({std::to_string(b), b, {}, config.file + ": budgets"});
+    for (double ratio : config.compression_budgets) {
+        char label[32];
+        std::snprintf(label, sizeof label, "%gx", ratio);
+        columns.push_back({label, 1, {}, config.file + ": budgets", ratio});
+    }
     columns.insert(columns.end(), config.layer_budget_profiles.begin(), config.layer_budget_profiles.end());
     return columns;
 }

@@ -48,12 +48,18 @@ struct BudgetColumn {
     int budget = 0;                  // tokens per (layer, KV head); for a profile, the mean
     std::vector<int> layer_budgets;  // empty for a scalar budget
     std::string where;
+    double compression = 0;  // > 0: each sequence's budget gives this compression ratio in tokens
 };
+
+// The budget whose cache, over a pure decode of `sequence_length` tokens, holds on average
+// `ratio` times fewer tokens than the full cache (the current token counted as held).
+int budget_for_compression(double ratio, int64_t sequence_length);
 
 struct ExperimentConfig {
     std::string file;
     TraceRef trace;
     std::vector<int> budgets;
+    std::vector<double> compression_budgets;          // budgets: ["2x"]: sized per sequence to that ratio
     std::vector<BudgetColumn> layer_budget_profiles;  // from layer_budgets:
     std::string attention_view;  // "raw", "renormalized", or "" for the trace kind's default
     std::string group_reduce = "mean";
@@ -64,6 +70,7 @@ struct ExperimentConfig {
     std::vector<GridAxis> grid;
     std::string output_dir;  // relative to the current directory; default results/<config name>
     std::string output_format = "table";
+    std::string output_layout = "matrix";  // matrix: policy rows x budget columns; comparison: by memory
     bool per_layer = false;
 };
 

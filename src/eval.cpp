@@ -207,7 +207,9 @@ double spearman(const std::vector<double>& x, const std::vector<double>& y) {
 
 EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>& extra_axes, const EvalOptions& options) {
     std::vector<GridAxis> grid = merge_grid(config.grid, extra_axes);
-    const std::vector<ReplayCombo> combos = expand_sweep(config.policies, grid, budget_columns(config));
+    // The full cache is the baseline row of every eval; a `full` entry in the config is that row.
+    std::vector<ReplayCombo> combos = expand_sweep(config.policies, grid, budget_columns(config));
+    std::erase_if(combos, [](const ReplayCombo& c) { return c.policy->name == "full" && !c.quantize; });
 
     const model::LlamaModel loaded = model::LlamaModel::load(options.model_path, options.context);
     const model::Tokenizer tokenizer = model::Tokenizer::load(options.model_path);

@@ -42,8 +42,10 @@ void check_precision(const std::vector<ReplayCombo>& combos, const AttentionSour
     const int head_dim = qkv->qkv_shape().head_dim;
     const AttentionShape& shape = source.shape();
     for (const ReplayCombo& c : combos) {
-        const std::unique_ptr<Policy> probe = c.make(PolicyContext{std::max(c.budget, 1), std::max(c.budget, 1) + 1, 0,
-                                                                   shape.num_layers, 0, shape.num_kv_heads, head_dim});
+        // A probe instance, only to read its format: a budget every policy accepts.
+        const int budget = std::max(c.budget, 4096);
+        const std::unique_ptr<Policy> probe =
+            c.make(PolicyContext{budget, budget + 1, 0, shape.num_layers, 0, shape.num_kv_heads, head_dim});
         if (const TierFormat* f = probe->tier_format())
             if (f->value_group < head_dim && head_dim % f->value_group != 0)
                 throw InputError(c.label + ": value_group " + std::to_string(f->value_group) +

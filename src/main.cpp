@@ -29,6 +29,7 @@ struct ReplayFlags {
     std::string format;
     std::string out;
     std::string budgets;
+    std::string layout;
     std::vector<std::string> sets;
     int threads = 0;
     bool quiet = false;
@@ -38,6 +39,8 @@ void add_replay_flags(CLI::App* cmd, ReplayFlags& flags) {
     cmd->add_option("config", flags.config, "experiment config (YAML)")->required();
     cmd->add_option("--format", flags.format, "what to print: table (default), csv or json")
         ->check(CLI::IsMember({"table", "csv", "json"}));
+    cmd->add_option("--layout", flags.layout, "table layout: matrix (policies x budgets) or comparison (by memory)")
+        ->check(CLI::IsMember({"matrix", "comparison"}));
     cmd->add_option("--out", flags.out, "folder for results.csv and results.json (default: the config's output.dir)");
     cmd->add_option("--threads", flags.threads, "worker threads (default: all cores); results do not depend on it")
         ->check(CLI::Range(1, 1024));
@@ -63,7 +66,9 @@ int run_replay(const ReplayFlags& flags, bool sweep) {
 
     if (format == "table") {
         std::string title = "kvsim " + std::string(sweep ? "sweep " : "run ") + flags.config + "  |  trace " + result.trace;
-        std::cout << format_table(result.records, config.metrics, title);
+        const std::string layout = flags.layout.empty() ? config.output_layout : flags.layout;
+        std::cout << (layout == "comparison" ? format_comparison(result.records, config.metrics, title)
+                                             : format_table(result.records, config.metrics, title));
     } else if (format == "csv") {
         std::cout << format_csv(result.records);
     } else {
@@ -78,13 +83,15 @@ int run_replay(const ReplayFlags& flags, bool sweep) {
 }
 
 int write_replay_outputs(const std::vector<ResultRecord>& records, const std::string& trace, const std::string& format,
-                         const std::string& out_dir, const std::vector<std::string>& metrics, const std::string& title) {
+                         const std::string& out_dir, const std::vector<std::string>& metrics, const std::string& title,
+                         const std::string& layout) {
     ExperimentResult result;
     result.trace = trace;
     result.records = records;
     write_outputs(result, out_dir);
     if (format == "table")
-        std::cout << format_table(records, metrics, title);
+        std::cout << (layout == "comparison" ? format_comparison(records, metrics, title)
+                                             : format_table(records, metrics, title));
     else if (format == "csv")
         std::cout << format_csv(records);
     else
@@ -147,7 +154,8 @@ int run_eval_command(const ReplayFlags& flags, const ModelFlags& model_flags) {
     char title[512];
     std::snprintf(title, sizeof title, "kvsim eval %s  |  %s, %ld predicted tokens per configuration, full cache PPL %.4f",
                   flags.config.c_str(), result.description.c_str(), result.tokens, result.full_ppl);
-    write_replay_outputs(result.records, result.description, format, out_dir, metrics, title);
+    const std::string layout = flags.layout.empty() ? config.output_layout : flags.layout;
+    write_replay_outputs(result.records, result.description, format, out_dir, metrics, title, layout);
     char summary[512];
     std::snprintf(summary, sizeof summary,
                   "{\n  \"full_ppl\": %.17g,\n  \"predicted_tokens\": %ld,\n  \"configurations\": %zu,\n"

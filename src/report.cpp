@@ -113,6 +113,7 @@ std::string format_table(const std::vector<ResultRecord>& records, const std::ve
             columns.push_back(r.budget_label);
         cell[{r.label, r.budget_label}] = &r;
     }
+    if (columns.empty()) columns.push_back(kEveryBudget);  // only policies that keep everything
     std::size_t label_width = 6;
     for (const auto& row : rows) label_width = std::max(label_width, row.size());
 
@@ -137,6 +138,42 @@ std::string format_table(const std::vector<ResultRecord>& records, const std::ve
             }
             out += line + "\n";
         }
+    }
+    return out;
+}
+
+std::string format_comparison(const std::vector<ResultRecord>& records, const std::vector<std::string>& metrics,
+                              const std::string& title) {
+    std::vector<const ResultRecord*> rows;
+    for (const ResultRecord& r : records)
+        if (r.layer < 0) rows.push_back(&r);
+    std::stable_sort(rows.begin(), rows.end(), [](const ResultRecord* a, const ResultRecord* b) {
+        const double x = std::isnan(a->bytes_per_token) ? 1e300 : a->bytes_per_token;
+        const double y = std::isnan(b->bytes_per_token) ? 1e300 : b->bytes_per_token;
+        return x < y;
+    });
+    auto name = [](const ResultRecord* r) {
+        return r->budget_label == kEveryBudget ? r->label : r->label + " @ " + r->budget_label;
+    };
+    std::size_t width = 13;
+    for (const ResultRecord* r : rows) width = std::max(width, name(r).size());
+    std::string out = title.empty() ? "" : title + "\n";
+    out += "\nconfigurations by memory held (bytes per token of context per layer and KV head)\n";
+    std::string header = "  configuration" + std::string(width - 13, ' ');
+    std::vector<std::size_t> widths;
+    for (const std::string& m : metrics) {
+        widths.push_back(std::max<std::size_t>(m.size(), 9));
+        header += "  " + std::string(widths.back() - m.size(), ' ') + m;
+    }
+    out += header + "\n  " + std::string(header.size() - 2, '-') + "\n";
+    for (const ResultRecord* r : rows) {
+        const std::string label = name(r);
+        std::string line = "  " + label + std::string(width - label.size(), ' ');
+        for (std::size_t i = 0; i < metrics.size(); ++i) {
+            const std::string value = metric_cell(*r, metrics[i]);
+            line += "  " + std::string(widths[i] > value.size() ? widths[i] - value.size() : 0, ' ') + value;
+        }
+        out += line + "\n";
     }
     return out;
 }

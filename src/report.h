@@ -39,6 +39,10 @@ double round6(double x);
 // One table per metric; rows and columns in first-seen order. Whole-trace records only.
 std::string format_table(const std::vector<ResultRecord>& records, const std::vector<std::string>& metrics,
                          const std::string& title);
+// One row per configuration (policy at a budget), one column per metric, rows ordered by the
+// bytes their caches hold per token: configurations compared at equal memory, not equal tokens.
+std::string format_comparison(const std::vector<ResultRecord>& records, const std::vector<std::string>& metrics,
+                              const std::string& title);
 std::string format_csv(const std::vector<ResultRecord>& records);
 std::string format_json(const std::vector<ResultRecord>& records, const std::string& trace);
 

@@ -152,3 +152,33 @@ TEST_CASE("streaming heads in the replay: exact when nothing folds, retrieval he
     CHECK_THROWS_WITH_AS(run_experiment(tiny_config({patterned}), {}, false),
                          (pattern + ": 2 rows, but the trace has 3 layers").c_str(), InputError);
 }
+
+TEST_CASE("ratio budgets: each sequence's budget holds the cache at that compression in tokens") {
+    // T = 1000: a budget of B holds sum(min(t, B) + 1) tokens over steps 1..999.
+    auto ratio = [](int64_t T, int64_t B) {
+        double full = 0, held = 0;
+        for (int64_t t = 1; t < T; ++t) {
+            full += t + 1;
+            held += std::min(t, B) + 1;
+        }
+        return full / held;
+    };
+    for (double target : {1.0, 1.5, 2.0, 4.0, 10.0}) {
+        const int b = budget_for_compression(target, 1000);
+        INFO("target " << target << " budget " << b);
+        CHECK(ratio(1000, b) >= target);
+        if (target > 1.0) CHECK(ratio(1000, b + 1) < target);  // the largest budget that reaches it
+    }
+    CHECK(budget_for_compression(1.0, 1000) == 1000);
+    CHECK(budget_for_compression(1e6, 1000) == 1);
+    // In a config: "2x" is a column of its own.
+    const std::string path = temp_dir() + "/ratio.yaml";
+    std::ofstream(path) << "trace: {synthetic: qkv, name: tiny-256}\nbudgets: [64, 2x]\npolicies: [sliding_window]\n";
+    const ExperimentConfig c = load_config(path);
+    CHECK(c.compression_budgets == std::vector<double>{2.0});
+    const auto records = run_experiment(c, {}, false).records;
+    REQUIRE(records.size() == 2);
+    CHECK(records[1].budget_label == "2x");
+    std::ofstream(path) << "trace: {synthetic: qkv, name: tiny-256}\nbudgets: [0.5x]\npolicies: [sliding_window]\n";
+    CHECK_THROWS_WITH_AS(load_config(path), (path + ":2: budgets[0]: expected a token count or a compression ratio >= 1 like 2x, got '0.5x'").c_str(), InputError);
+}
