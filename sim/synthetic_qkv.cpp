@@ -104,7 +104,18 @@ SyntheticQkvSpec synthetic_qkv_trace(const std::string& name, const std::string&
         spec.rope_theta = 10000.0f;
         return spec;
     }
-    throw InputError(where + ": unknown synthetic qkv trace '" + name + "' (known: llama-1b-4096, tiny-256)");
+    if (name == "small-1024") {  // benchmarks that replay values as well as attention
+        spec.name = name;
+        spec.num_layers = 4;
+        spec.num_query_heads = 8;
+        spec.num_kv_heads = 2;
+        spec.head_dim = 64;
+        spec.tokens = 1024;
+        spec.heavy_hitters = 16;
+        spec.rope_theta = 10000.0f;
+        return spec;
+    }
+    throw InputError(where + ": unknown synthetic qkv trace '" + name + "' (known: llama-1b-4096, small-1024, tiny-256)");
 }
 
 QkvLayer generate_synthetic_qkv_layer(const SyntheticQkvSpec& spec, int layer) {

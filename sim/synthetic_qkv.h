@@ -26,7 +26,7 @@ struct SyntheticQkvSpec {
     float rope_theta = 500000.0f;
 };
 
-// Looks up a named shape ("llama-1b-4096", "tiny-256"); throws InputError naming `where`.
+// Looks up a named shape ("llama-1b-4096", "small-1024", "tiny-256"); throws InputError naming `where`.
 SyntheticQkvSpec synthetic_qkv_trace(const std::string& name, const std::string& where);
 
 QkvLayer generate_synthetic_qkv_layer(const SyntheticQkvSpec& spec, int layer);
