@@ -2,6 +2,12 @@
 // A published study on Llama-3.2-1B: +0.04 PPL at 2.2x compression. Per (layer, KV head), tokens
 // ranked by cumulative attention fill zones sized as shares of the tokens seen; sinks, the recent
 // window and anchors stay FP16; deeper layers get more FP16; a token only ever sinks.
+//
+// A consequence worth knowing: with cumulative attention as importance, a token leaving the recent
+// window has had fewer steps to gather attention than older tokens, ranks below them, and sinks at
+// once; the FP16 slots then go to old tokens that sank long ago and can never rise. So the FP16
+// tier holds little beyond sinks, recent tokens and anchors, and the cache is smaller than the
+// shares suggest. This follows the specification; the tests check the bounds sinking guarantees.
 #include <algorithm>
 #include <cmath>
 #include <sstream>

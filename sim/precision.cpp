@@ -1,5 +1,6 @@
 #include "sim/precision.h"
 
+#include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
 
@@ -18,6 +19,18 @@ QuantSpec spec_for(const TierFormat& f, int bits) {
 }
 
 }  // namespace
+
+float fixed_order_dot(const float* a, const float* b, int n) {
+    // Sixteen lanes summed in a fixed order: vectorisable, and independent of alignment.
+    float lanes[16] = {};
+    int i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int l = 0; l < 16; ++l) lanes[l] += a[i + l] * b[i + l];
+    float total = 0;
+    for (; i < n; ++i) total += a[i] * b[i];
+    for (int l = 0; l < 16; ++l) total += lanes[l];
+    return total;
+}
 
 void build_tier_arrays(const QkvLayer& layer, int num_kv_heads, int head_dim, TierArrays& arrays) {
     const TierFormat& f = arrays.format;
@@ -116,26 +129,25 @@ double value_bytes(Tier tier, int head_dim, const TierFormat* format) {
 
 void cached_attention_output(const float* q, std::span<const int32_t> held, std::span<const uint8_t> key_tier,
                              std::span<const uint8_t> value_tier, const TierArrays& arrays, int kv_head,
-                             int num_kv_heads, int head_dim, std::vector<float>& scratch, float* out) {
-    const std::size_t n = held.size();
+                             int num_kv_heads, int head_dim, Eigen::ArrayXf& scratch, float* out) {
+    const Eigen::Index n = static_cast<Eigen::Index>(held.size());
     scratch.resize(n);
     const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-    float peak = -INFINITY;
-    for (std::size_t j = 0; j < n; ++j) {
+    for (Eigen::Index j = 0; j < n; ++j) {
         const int32_t p = held[j];
         const float* k = arrays.k[key_tier[p]] + (static_cast<int64_t>(p) * num_kv_heads + kv_head) * head_dim;
-        float dot = 0;
-        for (int i = 0; i < head_dim; ++i) dot += q[i] * k[i];
-        scratch[j] = dot * scale;
-        peak = std::max(peak, scratch[j]);
+        scratch[j] = fixed_order_dot(q, k, head_dim) * scale;
     }
+    // Elementwise, on Eigen's aligned storage: the same values whatever the caller or thread.
+    scratch = (scratch - scratch.maxCoeff()).exp();
     double total = 0;
-    for (float& s : scratch) total += (s = std::exp(s - peak));
+    for (Eigen::Index j = 0; j < n; ++j) total += scratch[j];
+    const float inv_total = static_cast<float>(1.0 / total);
     std::fill(out, out + head_dim, 0.0f);
-    for (std::size_t j = 0; j < n; ++j) {
+    for (Eigen::Index j = 0; j < n; ++j) {
         const int32_t p = held[j];
         const float* v = arrays.v[value_tier[p]] + (static_cast<int64_t>(p) * num_kv_heads + kv_head) * head_dim;
-        const float w = static_cast<float>(scratch[j] / total);
+        const float w = scratch[j] * inv_total;
         for (int i = 0; i < head_dim; ++i) out[i] += w * v[i];
     }
 }

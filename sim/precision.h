@@ -2,6 +2,7 @@
 // serves (computed once per layer and shared by every policy with the same format), the bytes a
 // tiered cache holds, and the attention output of the cache a policy actually holds.
 #pragma once
+#include <Eigen/Core>
 #include <array>
 #include <cstdint>
 #include <span>
@@ -52,6 +53,9 @@ double value_bytes(Tier tier, int head_dim, const TierFormat* format);
 // q.k / sqrt(d) over held only (renormalised), weighted sum of v. out has head_dim floats.
 void cached_attention_output(const float* q, std::span<const int32_t> held, std::span<const uint8_t> key_tier,
                              std::span<const uint8_t> value_tier, const TierArrays& arrays, int kv_head,
-                             int num_kv_heads, int head_dim, std::vector<float>& scratch, float* out);
+                             int num_kv_heads, int head_dim, Eigen::ArrayXf& scratch, float* out);
+
+// A dot product whose summation order depends only on n (not on alignment or the caller).
+float fixed_order_dot(const float* a, const float* b, int n);
 
 }  // namespace kvsim

@@ -145,7 +145,7 @@ std::vector<ComboResult> replay(AttentionSource& source, const std::vector<Repla
                     tbb::parallel_for(int64_t{0}, query_heads * rows, [&](int64_t job) {
                         const int head = static_cast<int>(job / rows);
                         const int64_t t = first + job % rows;
-                        thread_local std::vector<float> scratch;
+                        thread_local Eigen::ArrayXf scratch;
                         cached_attention_output(layer_values->q.data() + (t * query_heads + head) * head_dim,
                                                 {every_position.data(), static_cast<std::size_t>(t + 1)}, all_fp16,
                                                 all_fp16, *fp16_arrays, head / group, kv_heads, head_dim, scratch,
