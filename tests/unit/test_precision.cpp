@@ -1,6 +1,8 @@
 // Quantised and tiered caches in the replay: output error, memory arithmetic, composition.
 #include <doctest/doctest.h>
 
+#include <tbb/global_control.h>
+
 #include <fstream>
 
 #include "helpers.h"
@@ -181,4 +183,18 @@ TEST_CASE("ratio budgets: each sequence's budget holds the cache at that compres
     CHECK(records[1].budget_label == "2x");
     std::ofstream(path) << "trace: {synthetic: qkv, name: tiny-256}\nbudgets: [0.5x]\npolicies: [sliding_window]\n";
     CHECK_THROWS_WITH_AS(load_config(path), (path + ":2: budgets[0]: expected a token count or a compression ratio >= 1 like 2x, got '0.5x'").c_str(), InputError);
+}
+
+TEST_CASE("value-level metrics do not depend on the number of threads") {
+    ExperimentConfig config = tiny_config({entry("int4"), entry("stratigraphic"), entry("streaming_attention", {{"recent", 20}}),
+                                           composed("tova", {}, {{"bits", 8}, {"older_than", 16}}), entry("snapkv", {{"recent_window", 8}})});
+    auto run = [&](int threads) {
+        tbb::global_control limit(tbb::global_control::max_allowed_parallelism, threads);
+        std::vector<double> values;
+        for (const ResultRecord& r : run_experiment(config, {}, false).records)
+            for (double v : {r.output_rel_error, r.output_cosine, r.bytes_per_token, r.retained_mass}) values.push_back(v);
+        return values;
+    };
+    CHECK(run(1) == run(2));
+    CHECK(run(1) == run(3));
 }
