@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstdio>
 #include <set>
 
@@ -71,6 +72,10 @@ std::vector<ReplayCombo> expand_sweep(const std::vector<PolicyEntry>& policies, 
                 policy_label(*policy, given) + (quantize ? "+" + quantize_label(*quantize) : std::string());
             if (!labels.insert(label).second) throw InputError(entry.where + ": " + label + " is listed twice");
             if (policy->keeps_everything) {  // budgets do not apply: one row that fills every column
+                if (policy->check_budget) {
+                    const std::string problem = policy->check_budget(values, std::numeric_limits<int>::max());
+                    if (!problem.empty()) throw InputError(entry.where + ": " + label + ": " + problem);
+                }
                 combos.push_back({policy, values, 0, {}, 0, kEveryBudget, label, quantize, entry.files});
             } else for (const BudgetColumn& column : budgets) {
                 // A profile must suit its smallest layer budget.

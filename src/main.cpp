@@ -291,8 +291,12 @@ int main(int argc, char** argv) {
         if (*policies) {
             for (const PolicyDescriptor& p : policy_registry()) {
                 std::printf("%-15s %s\n", p.name.c_str(), p.paper.c_str());
-                for (const ParamSpec& s : p.params)
-                    std::printf("  %-14s default %-6g %s\n", s.name.c_str(), s.default_value, s.help.c_str());
+                for (const ParamSpec& s : p.params) {
+                    if (s.file)
+                        std::printf("  %-17s (a file)       %s\n", s.name.c_str(), s.help.c_str());
+                    else
+                        std::printf("  %-17s default %-6g %s\n", s.name.c_str(), s.default_value, s.help.c_str());
+                }
             }
             return 0;
         }

@@ -147,6 +147,25 @@ class Cli(unittest.TestCase):
         self.assert_input_error(kvsim("run", config, "--out", out), "cut.h5")
         self.assertFalse(os.path.exists(out))
 
+    def test_bad_precision_inputs(self):
+        out = os.path.join(self.dir, "out")
+        base = "trace: {synthetic: qkv, name: tiny-256}\nbudgets: [48]\npolicies:\n"
+        bits = self.write("bits.yaml", base + "  - {evict: h2o, quantize: {bits: 3}}\n")
+        self.assert_input_error(kvsim("run", bits, "--out", out), "bits.yaml:4: policies[0].h2o.quantize.bits: must be 4 or 8, got 3")
+        group = self.write("group.yaml", base + "  - {int4: {value_group: 6}}\n")
+        self.assert_input_error(kvsim("run", group, "--out", out), "value_group 6 does not divide the head size 16")
+        zero = self.write("zero.yaml", base + "  - {int8: {key_group: 0}}\n")
+        self.assert_input_error(kvsim("run", zero, "--out", out), "policies[0].int8.key_group: must be >= 1, got 0")
+        shares = self.write("shares.yaml", base + "  - {stratigraphic: {int8_share: 0.5, int4_share: 0.4}}\n")
+        self.assert_input_error(kvsim("run", shares, "--out", out), "shares sum to 1.2 > 1")
+        self.write("heads.tsv", "1\t0\n0\t0\n")
+        pattern = self.write("pattern.yaml", base + "  - {streaming_attention: {pattern: heads.tsv}}\n")
+        self.assert_input_error(kvsim("run", pattern, "--out", out), "heads.tsv: 2 rows, but the trace has 3 layers")
+        values = self.write("values.yaml", "trace: {synthetic: policybook, max_steps: 100}\nbudgets: [48]\n"
+                                           "policies: [int8]\nmetrics: [output_rel_error]\n")
+        self.assert_input_error(kvsim("run", values, "--out", out), "need a Q/K/V trace")
+        self.assertFalse(os.path.exists(out))
+
     def test_bad_flags(self):
         config = self.write("small.yaml", SMALL)
         self.assertEqual(kvsim("run", config, "--format", "xml").returncode, 2)
