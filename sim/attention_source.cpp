@@ -11,16 +11,12 @@
 namespace kvsim {
 namespace {
 
-int64_t last_step(int64_t length, int64_t max_steps) {
-    return max_steps > 0 ? std::min(length - 1, max_steps) : length - 1;
-}
-
 class PolicybookSource : public AttentionSource {
 public:
     PolicybookSource(const PolicybookTraceSpec& spec, int64_t max_steps) : spec_(spec), generator_(spec) {
         shape_.sequence_names = {spec.name};
         shape_.sequence_lengths = {spec.sequence_length};
-        shape_.last_steps = {last_step(spec.sequence_length, max_steps)};
+        shape_.last_steps = {last_replayed_step(spec.sequence_length, max_steps)};
     }
     const AttentionShape& shape() const override { return shape_; }
     std::string description() const override { return "policybook/" + spec_.name + " (generated in-process)"; }
@@ -49,17 +45,8 @@ private:
 
 class AttentionFileSource : public AttentionSource {
 public:
-    AttentionFileSource(std::unique_ptr<TraceReader> reader, int64_t max_steps) : reader_(std::move(reader)) {
-        const TraceMetadata& m = reader_->metadata();
-        shape_.num_layers = static_cast<int>(m.num_layers);
-        shape_.num_query_heads = static_cast<int>(m.num_query_heads);
-        shape_.num_kv_heads = static_cast<int>(m.num_kv_heads);
-        for (const SequenceInfo& s : reader_->sequences()) {
-            shape_.sequence_names.push_back(s.name);
-            shape_.sequence_lengths.push_back(s.length);
-            shape_.last_steps.push_back(last_step(s.length, max_steps));
-        }
-    }
+    AttentionFileSource(std::unique_ptr<TraceReader> reader, int64_t max_steps)
+        : reader_(std::move(reader)), shape_(trace_shape(*reader_, max_steps)) {}
     const AttentionShape& shape() const override { return shape_; }
     std::string description() const override { return reader_->path(); }
     void read_block(int sequence, int layer, int64_t first_step, int64_t end_step, AttentionBlock& block) override {
@@ -77,6 +64,24 @@ private:
 };
 
 }  // namespace
+
+int64_t last_replayed_step(int64_t length, int64_t max_steps) {
+    return max_steps > 0 ? std::min(length - 1, max_steps) : length - 1;
+}
+
+AttentionShape trace_shape(const TraceReader& reader, int64_t max_steps) {
+    const TraceMetadata& m = reader.metadata();
+    AttentionShape shape;
+    shape.num_layers = static_cast<int>(m.num_layers);
+    shape.num_query_heads = static_cast<int>(m.num_query_heads);
+    shape.num_kv_heads = static_cast<int>(m.num_kv_heads);
+    for (const SequenceInfo& s : reader.sequences()) {
+        shape.sequence_names.push_back(s.name);
+        shape.sequence_lengths.push_back(s.length);
+        shape.last_steps.push_back(last_replayed_step(s.length, max_steps));
+    }
+    return shape;
+}
 
 void self_weight_from_row_sums(AttentionBlock& block) {
     const std::size_t heads = block.rows.size();

@@ -23,6 +23,13 @@ struct AttentionShape {
     int group_size() const { return num_query_heads / num_kv_heads; }
 };
 
+// The last decode step replayed of a sequence of `length` tokens: every step, or the first
+// max_steps (> 0) of them, an exact prefix.
+int64_t last_replayed_step(int64_t length, int64_t max_steps);
+
+// The shape of a trace file as a replay sees it.
+AttentionShape trace_shape(const TraceReader& reader, int64_t max_steps);
+
 // Decode steps [first_step, end_step) of one layer, every query head.
 struct AttentionBlock {
     int64_t first_step = 0, end_step = 0;

@@ -80,16 +80,8 @@ namespace {
 class QkvFileSource : public QkvSource {
 public:
     QkvFileSource(std::unique_ptr<TraceReader> reader, int64_t max_steps) : reader_(std::move(reader)) {
-        const TraceMetadata& m = reader_->metadata();
-        shape_.num_layers = static_cast<int>(m.num_layers);
-        shape_.num_query_heads = static_cast<int>(m.num_query_heads);
-        shape_.num_kv_heads = static_cast<int>(m.num_kv_heads);
-        qkv_ = {shape_.num_query_heads, shape_.num_kv_heads, static_cast<int>(m.head_dim)};
-        for (const SequenceInfo& s : reader_->sequences()) {
-            shape_.sequence_names.push_back(s.name);
-            shape_.sequence_lengths.push_back(s.length);
-            shape_.last_steps.push_back(max_steps > 0 ? std::min(s.length - 1, max_steps) : s.length - 1);
-        }
+        shape_ = trace_shape(*reader_, max_steps);
+        qkv_ = {shape_.num_query_heads, shape_.num_kv_heads, static_cast<int>(reader_->metadata().head_dim)};
     }
     std::string description() const override { return reader_->path(); }
 

@@ -76,7 +76,7 @@ public:
         shape_.num_kv_heads = spec.num_kv_heads;
         shape_.sequence_names = {spec.name};
         shape_.sequence_lengths = {spec.tokens};
-        shape_.last_steps = {max_steps > 0 ? std::min(spec.tokens - 1, max_steps) : spec.tokens - 1};
+        shape_.last_steps = {last_replayed_step(spec.tokens, max_steps)};
         qkv_ = {spec.num_query_heads, spec.num_kv_heads, spec.head_dim};
     }
     std::string description() const override { return "synthetic-qkv/" + spec_.name + " (generated in-process)"; }
@@ -91,30 +91,14 @@ private:
 }  // namespace
 
 SyntheticQkvSpec synthetic_qkv_trace(const std::string& name, const std::string& where) {
-    SyntheticQkvSpec spec;
-    if (name == "llama-1b-4096") return spec;
-    if (name == "tiny-256") {
-        spec.name = name;
-        spec.num_layers = 3;
-        spec.num_query_heads = 4;
-        spec.num_kv_heads = 2;
-        spec.head_dim = 16;
-        spec.tokens = 256;
-        spec.heavy_hitters = 8;
-        spec.rope_theta = 10000.0f;
-        return spec;
-    }
-    if (name == "small-1024") {  // benchmarks that replay values as well as attention
-        spec.name = name;
-        spec.num_layers = 4;
-        spec.num_query_heads = 8;
-        spec.num_kv_heads = 2;
-        spec.head_dim = 64;
-        spec.tokens = 1024;
-        spec.heavy_hitters = 16;
-        spec.rope_theta = 10000.0f;
-        return spec;
-    }
+    // name, layers, query heads, KV heads, head size, tokens, seed, sinks, heavy hitters, RoPE theta
+    static const SyntheticQkvSpec shapes[] = {
+        {"llama-1b-4096", 16, 32, 8, 128, 4096, 1, 4, 32, 500000.0f},  // Llama-3.2-1B's shape
+        {"small-1024", 4, 8, 2, 64, 1024, 1, 4, 16, 10000.0f},         // value-level benchmarks
+        {"tiny-256", 3, 4, 2, 16, 256, 1, 4, 8, 10000.0f},             // tests
+    };
+    for (const SyntheticQkvSpec& spec : shapes)
+        if (spec.name == name) return spec;
     throw InputError(where + ": unknown synthetic qkv trace '" + name + "' (known: llama-1b-4096, small-1024, tiny-256)");
 }
 

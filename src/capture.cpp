@@ -38,27 +38,27 @@ private:
 }  // namespace
 
 CaptureSummary capture_trace(const CaptureOptions& options) {
-    model::LlamaModel llama = model::LlamaModel::load(options.model_path, options.context);
-    const model::Tokenizer tokenizer = model::Tokenizer::load(options.model_path);
-    const int limit = usable_context(llama, options.context, options.max_tokens);
-    const TokenizedText text = tokenize_text(tokenizer, options.text_path, options.split_on, limit);
+    LoadedInput loaded = load_model_input(options.input);
+    model::LlamaModel& llama = loaded.model;
+    const TokenizedText& text = loaded.text;
+    const std::string& model_path = options.input.model_path;
     const model::LlamaConfig& c = llama.config();
 
     TraceMetadata m;
     m.kind = TraceKind::qkv;
-    m.model_name = std::filesystem::path(options.model_path).stem().string();
+    m.model_name = std::filesystem::path(model_path).stem().string();
     m.num_layers = c.n_layers;
     m.num_query_heads = c.n_heads;
     m.num_kv_heads = c.n_kv_heads;
     m.head_dim = c.head_dim;
     m.source_kind = "model";
-    m.source_model_file = std::filesystem::path(options.model_path).filename().string();
-    m.source_model_sha256 = sha256_file(options.model_path);
+    m.source_model_file = std::filesystem::path(model_path).filename().string();
+    m.source_model_sha256 = sha256_file(model_path);
     m.source_text_sha256 = text.text_sha256;
     TraceWriter writer(options.output_path, m);
 
     CaptureSummary summary;
-    const std::string stem = std::filesystem::path(options.text_path).stem().string();
+    const std::string stem = std::filesystem::path(options.input.text_path).stem().string();
     for (std::size_t i = 0; i < text.sequences.size(); ++i) {
         const std::vector<int>& tokens = text.sequences[i];
         QkvRecorder recorder(c, static_cast<int>(tokens.size()));

@@ -4,15 +4,12 @@
 #include <string>
 
 #include "sim/trace_store.h"
+#include "src/model_text.h"
 
 namespace kvsim {
 
 struct CaptureOptions {
-    std::string model_path;
-    std::string text_path;
-    std::string split_on;  // "" = the whole file is one sequence
-    int max_tokens = 0;    // per sequence, BOS included; 0 = the model's context
-    int context = 0;       // the model's trained context, when the GGUF header overstates it
+    ModelInput input;
     TensorDtype dtype = TensorDtype::float32;
     std::string output_path;
 };

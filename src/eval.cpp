@@ -211,15 +211,15 @@ EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>&
     std::vector<ReplayCombo> combos = expand_sweep(config.policies, grid, budget_columns(config));
     std::erase_if(combos, [](const ReplayCombo& c) { return c.policy->name == "full" && !c.quantize; });
 
-    const model::LlamaModel loaded = model::LlamaModel::load(options.model_path, options.context);
-    const model::Tokenizer tokenizer = model::Tokenizer::load(options.model_path);
+    const LoadedInput input = load_model_input(options.input);
+    const model::LlamaModel& loaded = input.model;
+    const TokenizedText& text = input.text;
+    const int limit = input.context_limit;
     const model::LlamaConfig& mc = loaded.config();
-    const int limit = usable_context(loaded, options.context, options.max_tokens);
-    const TokenizedText text = tokenize_text(tokenizer, options.text_path, options.split_on, limit);
     for (const BudgetColumn& column : config.layer_budget_profiles)
         if (static_cast<int>(column.layer_budgets.size()) != mc.n_layers)
             throw InputError(column.where + ": " + std::to_string(column.layer_budgets.size()) +
-                             " per-layer budgets, but model " + options.model_path + " has " +
+                             " per-layer budgets, but model " + options.input.model_path + " has " +
                              std::to_string(mc.n_layers) + " layers");
 
     HarnessOptions harness;
@@ -231,8 +231,8 @@ EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>&
     harness.prefill_tokens = config.prefill_tokens;
 
     EvalResult result;
-    result.description = std::filesystem::path(options.model_path).filename().string() + " on " +
-                         std::filesystem::path(options.text_path).filename().string();
+    result.description = std::filesystem::path(options.input.model_path).filename().string() + " on " +
+                         std::filesystem::path(options.input.text_path).filename().string();
     for (const auto& seq : text.sequences) result.tokens += static_cast<long>(seq.size()) - 1;
 
     // Configuration 0 is the full cache; each worker thread runs whole configurations on its own

@@ -8,16 +8,13 @@
 #include <vector>
 
 #include "src/config.h"
+#include "src/model_text.h"
 #include "src/report.h"
 
 namespace kvsim {
 
 struct EvalOptions {
-    std::string model_path;
-    std::string text_path;
-    std::string split_on;
-    int max_tokens = 0;
-    int context = 0;
+    ModelInput input;
     bool show_progress = true;
 };
 

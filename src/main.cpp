@@ -100,14 +100,9 @@ int write_replay_outputs(const std::vector<ResultRecord>& records, const std::st
     return 0;
 }
 
-struct ModelFlags {
-    std::string model, text, split_on, out;
-    int max_tokens = 0, context = 0;
-};
-
-void add_model_flags(CLI::App* cmd, ModelFlags& flags) {
-    cmd->add_option("--model", flags.model, "GGUF model file (llama architecture)")->required();
-    cmd->add_option("--text", flags.text, "text file the model reads")->required();
+void add_model_flags(CLI::App* cmd, ModelInput& flags) {
+    cmd->add_option("--model", flags.model_path, "GGUF model file (llama architecture)")->required();
+    cmd->add_option("--text", flags.text_path, "text file the model reads")->required();
     cmd->add_option("--split-on", flags.split_on, "separator between sequences, e.g. '<|endoftext|>'");
     cmd->add_option("--max-tokens", flags.max_tokens, "tokens per sequence, BOS included (default: the context)")
         ->check(CLI::Range(2, 1 << 30));
@@ -115,21 +110,17 @@ void add_model_flags(CLI::App* cmd, ModelFlags& flags) {
         ->check(CLI::Range(2, 1 << 30));
 }
 
-int run_capture(const ModelFlags& flags, const std::string& dtype) {
+int run_capture(const ModelInput& input, const std::string& dtype, const std::string& out) {
     CaptureOptions options;
-    options.model_path = flags.model;
-    options.text_path = flags.text;
-    options.split_on = flags.split_on;
-    options.max_tokens = flags.max_tokens;
-    options.context = flags.context;
+    options.input = input;
     options.dtype = dtype == "float16" ? TensorDtype::float16 : TensorDtype::float32;
-    options.output_path = flags.out;
+    options.output_path = out;
     const CaptureSummary summary = capture_trace(options);
-    std::printf("wrote %s: %d sequences, %ld tokens\n", flags.out.c_str(), summary.sequences, summary.tokens);
+    std::printf("wrote %s: %d sequences, %ld tokens\n", out.c_str(), summary.sequences, summary.tokens);
     return 0;
 }
 
-int run_eval_command(const ReplayFlags& flags, const ModelFlags& model_flags) {
+int run_eval_command(const ReplayFlags& flags, const ModelInput& input) {
     ExperimentConfig config = load_config(flags.config);
     std::vector<GridAxis> axes;
     if (!flags.budgets.empty()) config.budgets = parse_budget_list(flags.budgets, "--budgets");
@@ -138,11 +129,7 @@ int run_eval_command(const ReplayFlags& flags, const ModelFlags& model_flags) {
     if (flags.threads > 0)
         threads = std::make_unique<tbb::global_control>(tbb::global_control::max_allowed_parallelism, flags.threads);
     EvalOptions options;
-    options.model_path = model_flags.model;
-    options.text_path = model_flags.text;
-    options.split_on = model_flags.split_on;
-    options.max_tokens = model_flags.max_tokens;
-    options.context = model_flags.context;
+    options.input = input;
     options.show_progress = !flags.quiet;
     const EvalResult result = run_eval(config, axes, options);
 
@@ -253,18 +240,18 @@ int main(int argc, char** argv) {
 
     CLI::App* policies = app.add_subcommand("policies", "list the policies and their parameters");
 
-    ModelFlags capture_flags, eval_model_flags;
-    std::string capture_dtype = "float32";
+    ModelInput capture_input, eval_input;
+    std::string capture_dtype = "float32", capture_out;
     CLI::App* capture = app.add_subcommand("capture", "record a GGUF model's Q/K/V over a text into a trace");
-    add_model_flags(capture, capture_flags);
-    capture->add_option("-o,--output", capture_flags.out, "output trace (.h5)")->required();
+    add_model_flags(capture, capture_input);
+    capture->add_option("-o,--output", capture_out, "output trace (.h5)")->required();
     capture->add_option("--dtype", capture_dtype, "stored precision: float32 (default) or float16")
         ->check(CLI::IsMember({"float16", "float32"}));
 
     ReplayFlags eval_flags;
     CLI::App* eval = app.add_subcommand("eval", "perplexity with each policy controlling the model's own cache");
     add_replay_flags(eval, eval_flags);
-    add_model_flags(eval, eval_model_flags);
+    add_model_flags(eval, eval_input);
     eval->add_option("--budgets", eval_flags.budgets, "budgets replacing the config's, e.g. 32,64,128");
     eval->add_option("--set", eval_flags.sets, "a grid axis, e.g. h2o.recent_window=8,16 (repeatable)");
 
@@ -284,8 +271,8 @@ int main(int argc, char** argv) {
     try {
         if (*run) return run_replay(run_flags, false);
         if (*sweep) return run_replay(sweep_flags, true);
-        if (*capture) return run_capture(capture_flags, capture_dtype);
-        if (*eval) return run_eval_command(eval_flags, eval_model_flags);
+        if (*capture) return run_capture(capture_input, capture_dtype, capture_out);
+        if (*eval) return run_eval_command(eval_flags, eval_input);
         if (*synth) return trace_synth(synth_generator, synth_name, synth_dtype, synth_out);
         if (*info) return trace_info(info_path);
         if (*policies) {

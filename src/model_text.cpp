@@ -27,6 +27,14 @@ TokenizedText tokenize_text(const model::Tokenizer& tokenizer, const std::string
     return out;
 }
 
+LoadedInput load_model_input(const ModelInput& input) {
+    model::LlamaModel llama = model::LlamaModel::load(input.model_path, input.context);
+    const model::Tokenizer tokenizer = model::Tokenizer::load(input.model_path);
+    const int limit = usable_context(llama, input.context, input.max_tokens);
+    TokenizedText text = tokenize_text(tokenizer, input.text_path, input.split_on, limit);
+    return LoadedInput{std::move(llama), std::move(text), limit};
+}
+
 int usable_context(const model::LlamaModel& model, int context_override, int max_tokens) {
     int limit = model.max_positions();
     if (context_override > 0) limit = std::min(limit, context_override);

@@ -22,4 +22,22 @@ TokenizedText tokenize_text(const model::Tokenizer& tokenizer, const std::string
 // The positions a model may use: its GGUF context, or less when the user says so.
 int usable_context(const model::LlamaModel& model, int context_override, int max_tokens);
 
+// A GGUF model and the text it reads, as `kvsim capture` and `kvsim eval` take them.
+struct ModelInput {
+    std::string model_path;
+    std::string text_path;
+    std::string split_on;  // "" = the whole file is one sequence
+    int max_tokens = 0;    // per sequence, BOS included; 0 = the model's context
+    int context = 0;       // the model's trained context, when the GGUF header overstates it
+};
+
+struct LoadedInput {
+    model::LlamaModel model;
+    TokenizedText text;
+    int context_limit = 0;  // tokens per sequence the model may use
+};
+
+// Loads the model, its tokenizer and the tokenised text; throws InputError naming the file.
+LoadedInput load_model_input(const ModelInput& input);
+
 }  // namespace kvsim

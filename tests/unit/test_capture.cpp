@@ -18,10 +18,7 @@ TEST_CASE("data/tinystories-stories260K.h5 is reproduced by kvsim capture") {
         return;
     }
     CaptureOptions options;
-    options.model_path = model;
-    options.text_path = text;
-    options.split_on = "<|endoftext|>";
-    options.context = 512;
+    options.input = {model, text, "<|endoftext|>", 0, 512};
     options.output_path = test::temp_dir() + "/recaptured.h5";
     capture_trace(options);
 
