@@ -222,6 +222,12 @@ EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>&
                              " per-layer budgets, but model " + options.input.model_path + " has " +
                              std::to_string(mc.n_layers) + " layers");
 
+    for (std::size_t i = 0; i < text.sequences.size(); ++i)
+        if (config.prefill_tokens >= static_cast<int>(text.sequences[i].size()))
+            throw InputError(config.file + ": prefill_tokens = " + std::to_string(config.prefill_tokens) +
+                             " leaves no decode step in sequence " + std::to_string(i) + " of " +
+                             options.input.text_path + " (" + std::to_string(text.sequences[i].size()) + " tokens)");
+
     HarnessOptions harness;
     // In the loop the policy is shown what the model computes: renormalized unless asked otherwise.
     harness.view = config.attention_view == "raw" ? AttentionView::raw : AttentionView::renormalized;
