@@ -98,11 +98,19 @@ void Harness::step(const GroupStep& s) {
     const bool measured = t >= options_.prefill_tokens;
 
     // Retained mass per query head: the full-cache weight on kept positions, before eviction.
+    // The renormalized view needs the same weights again, so they are gathered once, head by head.
+    const bool renormalized = options_.view == AttentionView::renormalized;
     retained_.resize(group);
+    if (renormalized) gathered_.resize(group * held);
     for (std::size_t h = 0; h < group; ++h) {
         const float* row = s.rows[h];
         double retained = 0.0;
-        for (std::size_t j = 0; j < held; ++j) retained += row[kept_[j]];
+        if (renormalized) {
+            float* out = gathered_.data() + h * held;
+            for (std::size_t j = 0; j < held; ++j) retained += (out[j] = row[kept_[j]]);
+        } else {
+            for (std::size_t j = 0; j < held; ++j) retained += row[kept_[j]];
+        }
         retained_[h] = retained;
     }
     if (measured) {
@@ -120,7 +128,7 @@ void Harness::step(const GroupStep& s) {
 
     // What the policy sees, index-aligned with kept_.
     attn_.resize(held);
-    if (options_.view == AttentionView::raw) {
+    if (!renormalized) {
         // The full softmax restricted to the positions held, not renormalised.
         for (std::size_t j = 0; j < held; ++j) attn_[j] = s.combined[kept_[j]];
     } else {
@@ -137,15 +145,18 @@ void Harness::step(const GroupStep& s) {
             const double total = retained_[h] + s.self_weight[h];  // kept positions and the token itself
             sc[h] = total > 0 ? static_cast<float>(1.0 / total) : 0.0f;
         }
-        for (std::size_t j = 0; j < held; ++j) {
-            const int32_t p = kept_[j];
-            float v = s.rows[0][p] * sc[0];
-            for (std::size_t h = 1; h < group; ++h) {
-                const float w = s.rows[h][p] * sc[h];
-                v = options_.reduce == GroupReduce::max ? std::max(v, w) : v + w;
-            }
-            attn_[j] = options_.reduce == GroupReduce::mean ? v / static_cast<float>(group) : v;
+        float* attn = attn_.data();
+        const float* first = gathered_.data();
+        for (std::size_t j = 0; j < held; ++j) attn[j] = first[j] * sc[0];
+        for (std::size_t h = 1; h < group; ++h) {
+            const float* w = gathered_.data() + h * held;
+            if (options_.reduce == GroupReduce::max)
+                for (std::size_t j = 0; j < held; ++j) attn[j] = std::max(attn[j], w[j] * sc[h]);
+            else
+                for (std::size_t j = 0; j < held; ++j) attn[j] += w[j] * sc[h];
         }
+        if (options_.reduce == GroupReduce::mean)
+            for (std::size_t j = 0; j < held; ++j) attn[j] /= static_cast<float>(group);
     }
 
     try {
