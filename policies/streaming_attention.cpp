@@ -59,14 +59,23 @@ PolicyDescriptor streaming_attention_descriptor() {
          {"lambda", 0.99, false, 0, "per-step decay of the linear state"},
          {"gate_threshold", 0.5, false, 0, "pattern file: a gate above it keeps a retrieval head"},
          {"pattern", 0, false, 0, "DuoAttention full_attention_heads.tsv: one row per layer, a gate per KV head "
-                                  "(default: every head streams)", false, true}},
+                                  "(default: every head streams)", false, true},
+         {"profile", 0, false, 0, "YAML: streaming (0/1 per layer and KV head) and lambda (one, or per head)",
+          false, true}},
         [](const ParamValues& p, const PolicyContext& ctx) -> std::unique_ptr<Policy> {
             StreamingHeadParams params;
             params.sinks = param_int(p, "sinks");
             params.recent = param_int(p, "recent");
             params.lambda = p.at("lambda");
             bool streaming = true;
-            if (ctx.files && ctx.files->count("pattern")) {
+            if (ctx.files && ctx.files->count("profile") && ctx.files->count("pattern"))
+                throw InputError(ctx.files->at("profile") + ": give streaming_attention a profile or a pattern, not both");
+            if (ctx.files && ctx.files->count("profile")) {
+                const StreamingPlan plan =
+                    load_streaming_profile(ctx.files->at("profile"), ctx.num_layers, ctx.num_kv_heads, params.lambda);
+                streaming = plan.is_streaming(ctx.layer, ctx.kv_head);
+                params.lambda = plan.lambda_of(ctx.layer, ctx.kv_head);
+            } else if (ctx.files && ctx.files->count("pattern")) {
                 // A few hundred bytes, read per (layer, KV head) when a run starts.
                 const StreamingPlan plan = load_duo_attention_pattern(ctx.files->at("pattern"), ctx.num_layers,
                                                                       ctx.num_kv_heads, params.lambda,

@@ -2,6 +2,8 @@
 // The formulas and the decay rule are stated in streaming_heads.h.
 #include "sim/streaming_heads.h"
 
+#include <yaml-cpp/yaml.h>
+
 #include <algorithm>
 #include <charconv>
 #include <filesystem>
@@ -196,6 +198,67 @@ int64_t StreamingPlan::streaming_count() const {
 
 // ---------------------------------------------------------------------------------------------
 // DuoAttention pattern files
+
+StreamingPlan load_streaming_profile(const std::string& path, int num_layers, int num_kv_heads,
+                                     double default_lambda) {
+    if (!std::filesystem::exists(path)) throw InputError(path + ": no such file");
+    YAML::Node root;
+    try {
+        root = YAML::LoadFile(path);
+    } catch (const YAML::Exception& e) {
+        throw InputError(path + ": cannot read as YAML: " + e.msg);
+    }
+    auto fail = [&](const std::string& what) -> void { throw InputError(path + ": " + what); };
+    if (!root.IsMap() || !root["streaming"]) fail("missing key 'streaming' (one row of 0/1 per layer)");
+    const YAML::Node rows = root["streaming"];
+    if (!rows.IsSequence() || static_cast<int>(rows.size()) != num_layers)
+        fail("streaming: " + std::to_string(rows.IsSequence() ? rows.size() : 0) + " rows, but the trace has " +
+             std::to_string(num_layers) + " layers");
+    StreamingPlan plan;
+    plan.num_layers = num_layers;
+    plan.num_kv_heads = num_kv_heads;
+    plan.streaming.assign(static_cast<std::size_t>(num_layers) * num_kv_heads, 0);
+    plan.lambda.assign(plan.streaming.size(), default_lambda);
+    auto number = [&](const YAML::Node& n, const std::string& key) {
+        double v = 0;
+        if (!n.IsScalar() || !YAML::convert<double>::decode(n, v) || !std::isfinite(v))
+            fail(key + ": expected a number");
+        return v;
+    };
+    for (int l = 0; l < num_layers; ++l) {
+        const YAML::Node row = rows[l];
+        if (!row.IsSequence() || static_cast<int>(row.size()) != num_kv_heads)
+            fail("streaming[" + std::to_string(l) + "]: " + std::to_string(row.IsSequence() ? row.size() : 0) +
+                 " entries, but the trace has " + std::to_string(num_kv_heads) + " KV heads");
+        for (int g = 0; g < num_kv_heads; ++g) {
+            const std::string key = "streaming[" + std::to_string(l) + "][" + std::to_string(g) + "]";
+            const double v = number(row[g], key);
+            if (v != 0 && v != 1) fail(key + ": expected 0 or 1");
+            plan.streaming[static_cast<std::size_t>(l) * num_kv_heads + g] = static_cast<uint8_t>(v);
+        }
+    }
+    if (const YAML::Node lambda = root["lambda"]) {
+        auto set = [&](std::size_t i, const YAML::Node& n, const std::string& key) {
+            const double v = number(n, key);
+            if (v < 0 || v > 1) fail(key + ": " + std::to_string(v) + " is outside [0, 1]");
+            plan.lambda[i] = v;
+        };
+        if (lambda.IsScalar()) {
+            for (std::size_t i = 0; i < plan.lambda.size(); ++i) set(i, lambda, "lambda");
+        } else {
+            if (!lambda.IsSequence() || static_cast<int>(lambda.size()) != num_layers)
+                fail("lambda: expected one number, or one row per layer (" + std::to_string(num_layers) + ")");
+            for (int l = 0; l < num_layers; ++l) {
+                if (!lambda[l].IsSequence() || static_cast<int>(lambda[l].size()) != num_kv_heads)
+                    fail("lambda[" + std::to_string(l) + "]: expected " + std::to_string(num_kv_heads) + " values");
+                for (int g = 0; g < num_kv_heads; ++g)
+                    set(static_cast<std::size_t>(l) * num_kv_heads + g, lambda[l][g],
+                        "lambda[" + std::to_string(l) + "][" + std::to_string(g) + "]");
+            }
+        }
+    }
+    return plan;
+}
 
 StreamingPlan load_duo_attention_pattern(const std::string& path, int num_layers, int num_kv_heads,
                                          double default_lambda, double threshold) {

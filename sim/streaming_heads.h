@@ -109,6 +109,14 @@ struct StreamingPlan {
 // otherwise it streams with default_lambda. Blank trailing lines and trailing whitespace are fine.
 // Throws kvsim::InputError, one line naming the file: missing file, a non-numeric cell, or a row
 // or column count that disagrees with the model.
+// A streaming-head profile (YAML, what a search fits and exports):
+//   streaming: [[1, 0, ...], ...]   one row per layer, 1 = the KV head streams, 0 = it retrieves
+//   lambda: 0.95 | [[0.99, ...], ...]  one decay for all, or one per (layer, KV head); default default_lambda
+// Throws kvsim::InputError, one line naming the file and the key, for a shape that disagrees with
+// the model, a value that is not 0/1, or a lambda outside [0, 1].
+StreamingPlan load_streaming_profile(const std::string& path, int num_layers, int num_kv_heads,
+                                     double default_lambda);
+
 StreamingPlan load_duo_attention_pattern(const std::string& path, int num_layers, int num_kv_heads,
                                          double default_lambda, double threshold = 0.5);
 

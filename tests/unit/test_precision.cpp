@@ -198,3 +198,30 @@ TEST_CASE("value-level metrics do not depend on the number of threads") {
     CHECK(run(1) == run(2));
     CHECK(run(1) == run(3));
 }
+
+TEST_CASE("streaming heads from a profile: which heads stream, each head's lambda") {
+    const std::string profile = temp_dir() + "/streaming.yaml";
+    PolicyEntry profiled = entry("streaming_attention", {{"recent", 28}});
+    profiled.files["profile"] = profile;
+    // Every head retrieves: the full cache, exactly.
+    std::ofstream(profile) << "streaming: [[0, 0], [0, 0], [0, 0]]\n";
+    CHECK(record(run_experiment(tiny_config({profiled}), {}, false).records, "streaming_attention(recent=28)")
+              .output_rel_error == 0.0);
+    // Every head streams with lambda 0: the same as the parameter lambda = 0 for all.
+    std::ofstream(profile) << "streaming: [[1, 1], [1, 1], [1, 1]]\nlambda: [[0, 0], [0, 0], [0, 0]]\n";
+    const double from_profile =
+        record(run_experiment(tiny_config({profiled}), {}, false).records, "streaming_attention(recent=28)").output_rel_error;
+    const double from_params = record(run_experiment(tiny_config({entry("streaming_attention", {{"recent", 28}, {"lambda", 0}})}), {}, false).records,
+                                      "streaming_attention(recent=28,lambda=0)")
+                                   .output_rel_error;
+    CHECK(from_profile == from_params);
+    std::ofstream(profile) << "streaming: [[1, 1], [1, 2], [1, 1]]\n";
+    CHECK_THROWS_WITH_AS(run_experiment(tiny_config({profiled}), {}, false),
+                         (profile + ": streaming[1][1]: expected 0 or 1").c_str(), InputError);
+    std::ofstream(profile) << "streaming: [[1, 1], [1, 1], [1, 1]]\nlambda: 1.5\n";
+    CHECK_THROWS_WITH_AS(run_experiment(tiny_config({profiled}), {}, false),
+                         doctest::Contains("lambda: 1.500000 is outside [0, 1]"), InputError);
+    std::ofstream(profile) << "streaming: [[1, 1, 1], [1, 1, 1], [1, 1, 1]]\n";
+    CHECK_THROWS_WITH_AS(run_experiment(tiny_config({profiled}), {}, false),
+                         (profile + ": streaming[0]: 3 entries, but the trace has 2 KV heads").c_str(), InputError);
+}
