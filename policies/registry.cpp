@@ -51,7 +51,8 @@ static std::string format_number(double v) {
 ParamValues resolve_params(const PolicyDescriptor& policy, const std::map<std::string, double>& given,
                            const std::string& where) {
     ParamValues values;
-    for (const auto& spec : policy.params) values[spec.name] = spec.default_value;
+    for (const auto& spec : policy.params)
+        if (!spec.file) values[spec.name] = spec.default_value;  // file parameters travel as paths
     for (const auto& [name, value] : given) {
         const ParamSpec* spec = nullptr;
         for (const auto& s : policy.params)

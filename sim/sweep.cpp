@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <limits>
 #include <cstdio>
 #include <set>
@@ -68,8 +69,12 @@ std::vector<ReplayCombo> expand_sweep(const std::vector<PolicyEntry>& policies, 
             check_file_params(*policy, entry.files, entry.where);
             std::optional<QuantizeRule> quantize;
             if (entry.quantized) quantize = resolve_quantize(entry.quantize, entry.where + ".quantize");
-            const std::string label =
-                policy_label(*policy, given) + (quantize ? "+" + quantize_label(*quantize) : std::string());
+            std::string label = policy_label(*policy, given);
+            for (const auto& [name, path] : entry.files) {  // files name the row too
+                const std::string file = name + "=" + std::filesystem::path(path).filename().string();
+                label = label.back() == ')' ? label.substr(0, label.size() - 1) + "," + file + ")" : label + "(" + file + ")";
+            }
+            if (quantize) label += "+" + quantize_label(*quantize);
             if (!labels.insert(label).second) throw InputError(entry.where + ": " + label + " is listed twice");
             if (policy->keeps_everything) {  // budgets do not apply: one row that fills every column
                 if (policy->check_budget) {

@@ -148,7 +148,7 @@ TEST_CASE("streaming heads in the replay: exact when nothing folds, retrieval he
     PolicyEntry patterned = entry("streaming_attention", {{"recent", 28}});
     patterned.files["pattern"] = pattern;
     const auto mixed = run_experiment(tiny_config({patterned}), {}, false).records;
-    CHECK(record(mixed, "streaming_attention(recent=28)").compression_ratio <
+    CHECK(record(mixed, "streaming_attention(recent=28,pattern=full_attention_heads.tsv)").compression_ratio <
           record(narrow, "streaming_attention(recent=28,lambda=0)").compression_ratio);
     std::ofstream(pattern) << "1\t1\n0\t0\n";
     CHECK_THROWS_WITH_AS(run_experiment(tiny_config({patterned}), {}, false),
@@ -205,12 +205,14 @@ TEST_CASE("streaming heads from a profile: which heads stream, each head's lambd
     profiled.files["profile"] = profile;
     // Every head retrieves: the full cache, exactly.
     std::ofstream(profile) << "streaming: [[0, 0], [0, 0], [0, 0]]\n";
-    CHECK(record(run_experiment(tiny_config({profiled}), {}, false).records, "streaming_attention(recent=28)")
+    CHECK(record(run_experiment(tiny_config({profiled}), {}, false).records,
+                 "streaming_attention(recent=28,profile=streaming.yaml)")
               .output_rel_error == 0.0);
     // Every head streams with lambda 0: the same as the parameter lambda = 0 for all.
     std::ofstream(profile) << "streaming: [[1, 1], [1, 1], [1, 1]]\nlambda: [[0, 0], [0, 0], [0, 0]]\n";
     const double from_profile =
-        record(run_experiment(tiny_config({profiled}), {}, false).records, "streaming_attention(recent=28)").output_rel_error;
+        record(run_experiment(tiny_config({profiled}), {}, false).records,
+                 "streaming_attention(recent=28,profile=streaming.yaml)").output_rel_error;
     const double from_params = record(run_experiment(tiny_config({entry("streaming_attention", {{"recent", 28}, {"lambda", 0}})}), {}, false).records,
                                       "streaming_attention(recent=28,lambda=0)")
                                    .output_rel_error;
