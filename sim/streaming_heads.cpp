@@ -11,6 +11,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "src/config.h"
 #include "src/errors.h"
 
 namespace kvsim {
@@ -201,13 +202,7 @@ int64_t StreamingPlan::streaming_count() const {
 
 StreamingPlan load_streaming_profile(const std::string& path, int num_layers, int num_kv_heads,
                                      double default_lambda) {
-    if (!std::filesystem::exists(path)) throw InputError(path + ": no such file");
-    YAML::Node root;
-    try {
-        root = YAML::LoadFile(path);
-    } catch (const YAML::Exception& e) {
-        throw InputError(path + ": cannot read as YAML: " + e.msg);
-    }
+    const YAML::Node root = load_yaml_file(path);
     auto fail = [&](const std::string& what) -> void { throw InputError(path + ": " + what); };
     if (!root.IsMap() || !root["streaming"]) fail("missing key 'streaming' (one row of 0/1 per layer)");
     const YAML::Node rows = root["streaming"];

@@ -119,17 +119,22 @@ bool is_file_param(const std::string& policy, const std::string& param) {
 
 }  // namespace
 
-ExperimentConfig load_config(const std::string& path) {
-    ConfigParser p(path);
+YAML::Node load_yaml_file(const std::string& path) {
     if (!std::filesystem::exists(path)) throw InputError(path + ": no such file");
-    YAML::Node root;
     try {
-        root = YAML::LoadFile(path);
+        return YAML::LoadFile(path);
     } catch (const YAML::BadFile&) {
         throw InputError(path + ": cannot read");
     } catch (const YAML::ParserException& e) {
         throw InputError(path + ":" + std::to_string(e.mark.line + 1) + ": YAML syntax error: " + e.msg);
+    } catch (const YAML::Exception& e) {
+        throw InputError(path + ": cannot read as YAML: " + e.msg);
     }
+}
+
+ExperimentConfig load_config(const std::string& path) {
+    ConfigParser p(path);
+    const YAML::Node root = load_yaml_file(path);
     if (!root.IsMap()) throw InputError(path + ": expected a map of keys (trace, budgets, policies, ...)");
     p.only_keys(root, "", {"trace", "budgets", "layer_budgets", "policies", "metrics", "grid", "output",
                            "attention_view", "group_reduce", "prefill_tokens"});
@@ -313,13 +318,7 @@ ExperimentConfig load_config(const std::string& path) {
 
 BudgetColumn load_budget_profile(const std::string& path) {
     ConfigParser p(path);
-    if (!std::filesystem::exists(path)) throw InputError(path + ": no such file");
-    YAML::Node root;
-    try {
-        root = YAML::LoadFile(path);
-    } catch (const YAML::Exception& e) {
-        throw InputError(path + ": cannot read as YAML: " + e.msg);
-    }
+    const YAML::Node root = load_yaml_file(path);
     if (!root.IsMap()) throw InputError(path + ": expected a map with key 'layer_budgets'");
     p.only_keys(root, "", {"name", "layer_budgets", "source", "method", "fitted_on"});
     if (!root["layer_budgets"]) throw InputError(path + ": missing key 'layer_budgets'");

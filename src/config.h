@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include <yaml-cpp/yaml.h>
+
 namespace kvsim {
 
 // A policy as the config names it, with the parameters the config gives (defaults come later).
@@ -75,6 +77,9 @@ struct ExperimentConfig {
 };
 
 ExperimentConfig load_config(const std::string& path);
+
+// Reads a YAML file; a missing file or a syntax error is an InputError naming the file (and line).
+YAML::Node load_yaml_file(const std::string& path);
 
 // Every budget column of a config: its scalar budgets, then its per-layer profiles.
 std::vector<BudgetColumn> budget_columns(const ExperimentConfig& config);
