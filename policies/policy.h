@@ -17,6 +17,8 @@ namespace kvsim {
 // A policy holds an ascending list of positions (it starts holding position 0, as the harness's
 // cache does). At step `pos` it sees the attention on the positions it holds, then admits `pos`;
 // when the cache is over budget it chooses victims.
+class StreamingHeadState;  // sim/streaming_heads.h
+
 // How precisely a cached position's key or value is held. Eviction decides which positions stay;
 // tiers decide how coarsely, and compose with any eviction policy (policies/quantized.h).
 enum class Tier : uint8_t { fp16 = 0, int8 = 1, int4 = 2 };
@@ -59,7 +61,7 @@ public:
     virtual bool sizes_itself() const { return false; }
     // A streaming head's decayed linear state, which stands for the tokens it let go; nullptr for
     // every other policy. The harness feeds it each token's key and value and reads its output.
-    virtual class StreamingHeadState* linear_state() const { return nullptr; }
+    virtual StreamingHeadState* linear_state() const { return nullptr; }
 };
 
 // Removes the entries at `slots` (ascending indices) from `column`, keeping the order of the
