@@ -10,7 +10,6 @@
 //     FFN 2048, vocab 32000, tied classifier; random weights written to /tmp by gguf_writer):
 //     single-token decode and chunked prompt processing (forward_batch), in tokens/s and in
 //     GFLOP/s of the matrix products (weights + attention), and that as a fraction of the peak.
-#include <immintrin.h>
 #include <tbb/global_control.h>
 #include <tbb/info.h>
 
@@ -26,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench/fp32_peak.h"
 #include "src/model/gguf_writer.h"
 #include "src/model/llama.h"
 
@@ -60,74 +60,6 @@ Timing time_runs(int runs, const std::function<void()>& work) {
 }
 
 double median_seconds(int runs, const std::function<void()>& work) { return time_runs(runs, work).median; }
-
-// ---------------------------------------------------------------------------------------------
-// fp32 peak: independent FMA chains that never touch memory. Enough chains to cover the FMA
-// latency on every pipe (Zen 4/5: 4 cycles x 2 pipes; Intel: 4 x 2).
-
-#if defined(__AVX512F__)
-using Vec = __m512;
-constexpr int kLanes = 16;
-constexpr const char* kIsa = "AVX-512 FMA";
-inline Vec vec_set(float x) { return _mm512_set1_ps(x); }
-inline Vec vec_fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline float vec_sum(Vec a) {
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, a);
-    float sum = 0;
-    for (float lane : lanes) sum += lane;
-    return sum;
-}
-#elif defined(__FMA__)
-using Vec = __m256;
-constexpr int kLanes = 8;
-constexpr const char* kIsa = "AVX2 FMA";
-inline Vec vec_set(float x) { return _mm256_set1_ps(x); }
-inline Vec vec_fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline float vec_sum(Vec a) {
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, a);
-    float sum = 0;
-    for (float lane : lanes) sum += lane;
-    return sum;
-}
-#else
-#define KVSIM_NO_FMA_PROBE 1
-#endif
-
-#ifndef KVSIM_NO_FMA_PROBE
-constexpr int kChains = 16;
-
-// Returns the FLOPs done (2 per lane per FMA).
-double fma_loop(int64_t iterations, float* sink) {
-    Vec acc[kChains];
-    for (int k = 0; k < kChains; ++k) acc[k] = vec_set(0.001f * static_cast<float>(k));
-    const Vec scale = vec_set(0.999999f), shift = vec_set(1e-7f);
-    for (int64_t i = 0; i < iterations; ++i) {
-        for (int k = 0; k < kChains; ++k) acc[k] = vec_fma(acc[k], scale, shift);
-    }
-    float sum = 0;
-    for (int k = 0; k < kChains; ++k) sum += vec_sum(acc[k]);
-    *sink = sum;
-    return 2.0 * kLanes * kChains * static_cast<double>(iterations);
-}
-
-double fma_peak_gflops(int threads, int runs) {
-    const int64_t iterations = 20'000'000;
-    std::vector<double> rates;
-    for (int r = 0; r < runs; ++r) {
-        std::vector<float> sinks(static_cast<size_t>(threads) * 16);
-        std::vector<std::thread> workers;
-        const auto start = Clock::now();
-        for (int t = 0; t < threads; ++t)
-            workers.emplace_back([&, t] { fma_loop(iterations, &sinks[static_cast<size_t>(t) * 16]); });
-        for (auto& worker : workers) worker.join();
-        const double elapsed = seconds_since(start);
-        rates.push_back(threads * 2.0 * kLanes * kChains * static_cast<double>(iterations) / elapsed / 1e9);
-    }
-    return median(rates);
-}
-#endif
 
 std::string cpu_model_name() {
     std::ifstream cpuinfo("/proc/cpuinfo");
@@ -253,19 +185,14 @@ int main(int argc, char** argv) {
 
     std::printf("CPU: %s, %d hardware threads; model threads: %d; Eigen SIMD: %s\n", cpu_model_name().c_str(), cores,
                 used_threads, Eigen::SimdInstructionSetsInUse());
-    double peak = 0;
-#ifndef KVSIM_NO_FMA_PROBE
     // The peak is one core's measured rate times the threads used; the all-threads measurement is
     // printed too, since it falls short when something else is running on the machine.
-    const double peak_one = fma_peak_gflops(1, 3);
-    const double measured_all = fma_peak_gflops(used_threads, 3);
-    peak = peak_one * used_threads;
-    std::printf("fp32 peak (%s loop): %.1f GFLOP/s per core -> %.1f GFLOP/s for %d threads "
+    const double peak_one = kvsim::bench::measure_fp32_peak_gflops(1);
+    const double measured_all = kvsim::bench::measure_fp32_peak_gflops(used_threads);
+    const double peak = peak_one * used_threads;
+    std::printf("fp32 peak (vector FMA loop): %.1f GFLOP/s per core -> %.1f GFLOP/s for %d threads "
                 "(measured together now: %.1f)\n",
-                kIsa, peak_one, peak, used_threads, measured_all);
-#else
-    std::printf("fp32 peak: no FMA instruction set compiled in; percentages omitted\n");
-#endif
+                peak_one, peak, used_threads, measured_all);
 
     bench_eigen_products(runs);
 
