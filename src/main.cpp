@@ -4,7 +4,6 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
-#include <regex>
 #include <cstdio>
 #include <iostream>
 #include <memory>
@@ -47,56 +46,55 @@ void add_replay_flags(CLI::App* cmd, ReplayFlags& flags) {
     cmd->add_flag("-q,--quiet", flags.quiet, "no progress bar or timing line");
 }
 
-int run_replay(const ReplayFlags& flags, bool sweep) {
-    ExperimentConfig config = load_config(flags.config);
+// What run, sweep and eval share: the config with the command line's budgets and grid axes, the
+// output choices, and the thread limit (held for the whole command).
+struct CommandSetup {
+    ExperimentConfig config;
     std::vector<GridAxis> axes;
-    if (sweep) {
-        if (!flags.budgets.empty()) config.budgets = parse_budget_list(flags.budgets, "--budgets");
-        for (const std::string& set : flags.sets) axes.push_back(parse_grid_flag(set, "--set"));
-    }
-    const std::string format = flags.format.empty() ? config.output_format : flags.format;
-    const std::string out_dir = flags.out.empty() ? config.output_dir : flags.out;
-
+    std::string format, layout, out_dir;
     std::unique_ptr<tbb::global_control> threads;
+};
+
+CommandSetup set_up(const ReplayFlags& flags) {
+    CommandSetup setup;
+    setup.config = load_config(flags.config);
+    if (!flags.budgets.empty()) setup.config.budgets = parse_budget_list(flags.budgets, "--budgets");
+    for (const std::string& set : flags.sets) setup.axes.push_back(parse_grid_flag(set, "--set"));
+    setup.format = flags.format.empty() ? setup.config.output_format : flags.format;
+    setup.layout = flags.layout.empty() ? setup.config.output_layout : flags.layout;
+    setup.out_dir = flags.out.empty() ? setup.config.output_dir : flags.out;
     if (flags.threads > 0)
-        threads = std::make_unique<tbb::global_control>(tbb::global_control::max_allowed_parallelism, flags.threads);
-
-    const ExperimentResult result = run_experiment(config, axes, !flags.quiet);
-    write_outputs(result, out_dir);
-
-    if (format == "table") {
-        std::string title = "kvsim " + std::string(sweep ? "sweep " : "run ") + flags.config + "  |  trace " + result.trace;
-        const std::string layout = flags.layout.empty() ? config.output_layout : flags.layout;
-        std::cout << (layout == "comparison" ? format_comparison(result.records, config.metrics, title)
-                                             : format_table(result.records, config.metrics, title));
-    } else if (format == "csv") {
-        std::cout << format_csv(result.records);
-    } else {
-        std::cout << format_json(result.records, result.trace);
-    }
-    std::cout.flush();
-    if (!flags.quiet)
-        std::fprintf(stderr, "\nkvsim: %lld policy-steps in %.3f s (%.0f per second); results in %s/\n",
-                     static_cast<long long>(result.policy_steps), result.seconds,
-                     result.policy_steps / std::max(result.seconds, 1e-9), out_dir.c_str());
-    return 0;
+        setup.threads =
+            std::make_unique<tbb::global_control>(tbb::global_control::max_allowed_parallelism, flags.threads);
+    return setup;
 }
 
-int write_replay_outputs(const std::vector<ResultRecord>& records, const std::string& trace, const std::string& format,
-                         const std::string& out_dir, const std::vector<std::string>& metrics, const std::string& title,
-                         const std::string& layout) {
+// Writes results.csv and results.json, then prints the records in the chosen format.
+void emit_results(const std::vector<ResultRecord>& records, const std::string& trace, const CommandSetup& setup,
+                  const std::vector<std::string>& metrics, const std::string& title) {
     ExperimentResult result;
     result.trace = trace;
     result.records = records;
-    write_outputs(result, out_dir);
-    if (format == "table")
-        std::cout << (layout == "comparison" ? format_comparison(records, metrics, title)
-                                             : format_table(records, metrics, title));
-    else if (format == "csv")
+    write_outputs(result, setup.out_dir);
+    if (setup.format == "table")
+        std::cout << (setup.layout == "comparison" ? format_comparison(records, metrics, title)
+                                                   : format_table(records, metrics, title));
+    else if (setup.format == "csv")
         std::cout << format_csv(records);
     else
         std::cout << format_json(records, trace);
     std::cout.flush();
+}
+
+int run_replay(const ReplayFlags& flags, bool sweep) {
+    const CommandSetup setup = set_up(flags);
+    const ExperimentResult result = run_experiment(setup.config, setup.axes, !flags.quiet);
+    emit_results(result.records, result.trace, setup, setup.config.metrics,
+                 "kvsim " + std::string(sweep ? "sweep " : "run ") + flags.config + "  |  trace " + result.trace);
+    if (!flags.quiet)
+        std::fprintf(stderr, "\nkvsim: %lld policy-steps in %.3f s (%.0f per second); results in %s/\n",
+                     static_cast<long long>(result.policy_steps), result.seconds,
+                     result.policy_steps / std::max(result.seconds, 1e-9), setup.out_dir.c_str());
     return 0;
 }
 
@@ -121,43 +119,33 @@ int run_capture(const ModelInput& input, const std::string& dtype, const std::st
 }
 
 int run_eval_command(const ReplayFlags& flags, const ModelInput& input) {
-    ExperimentConfig config = load_config(flags.config);
-    std::vector<GridAxis> axes;
-    if (!flags.budgets.empty()) config.budgets = parse_budget_list(flags.budgets, "--budgets");
-    for (const std::string& set : flags.sets) axes.push_back(parse_grid_flag(set, "--set"));
-    std::unique_ptr<tbb::global_control> threads;
-    if (flags.threads > 0)
-        threads = std::make_unique<tbb::global_control>(tbb::global_control::max_allowed_parallelism, flags.threads);
+    const CommandSetup setup = set_up(flags);
     EvalOptions options;
     options.input = input;
     options.show_progress = !flags.quiet;
-    const EvalResult result = run_eval(config, axes, options);
+    const EvalResult result = run_eval(setup.config, setup.axes, options);
 
     std::vector<std::string> metrics = {"ppl", "delta_ppl"};
-    for (const std::string& m : config.metrics)
+    for (const std::string& m : setup.config.metrics)
         if (std::find(metrics.begin(), metrics.end(), m) == metrics.end()) metrics.push_back(m);
-    const std::string format = flags.format.empty() ? config.output_format : flags.format;
-    const std::string out_dir = flags.out.empty() ? config.output_dir : flags.out;
     char title[512];
     std::snprintf(title, sizeof title, "kvsim eval %s  |  %s, %ld predicted tokens per configuration, full cache PPL %.4f",
                   flags.config.c_str(), result.description.c_str(), result.tokens, result.full_ppl);
-    const std::string layout = flags.layout.empty() ? config.output_layout : flags.layout;
-    write_replay_outputs(result.records, result.description, format, out_dir, metrics, title, layout);
-    char summary[512];
-    std::snprintf(summary, sizeof summary,
-                  "{\n  \"full_ppl\": %.17g,\n  \"predicted_tokens\": %ld,\n  \"configurations\": %zu,\n"
-                  "  \"spearman_retained_mass_vs_delta_ppl\": %.17g,\n  \"spearman_heavy_hitter_recall_vs_delta_ppl\": %.17g\n}\n",
-                  result.full_ppl, result.tokens, result.records.size() - 1, result.spearman_retained_mass,
-                  result.spearman_heavy_hitter_recall);
-    write_file_atomically(out_dir + "/correlation.json", std::string(summary).find("nan") == std::string::npos
-                                                             ? summary
-                                                             : std::regex_replace(summary, std::regex("-?nan"), "null"));
-    if (format == "table")
+    emit_results(result.records, result.description, setup, metrics, title);
+    const std::size_t configurations = result.records.size() - 1;
+    write_file_atomically(setup.out_dir + "/correlation.json",
+                          "{\n  \"full_ppl\": " + json_number(result.full_ppl) +
+                              ",\n  \"predicted_tokens\": " + std::to_string(result.tokens) +
+                              ",\n  \"configurations\": " + std::to_string(configurations) +
+                              ",\n  \"spearman_retained_mass_vs_delta_ppl\": " + json_number(result.spearman_retained_mass) +
+                              ",\n  \"spearman_heavy_hitter_recall_vs_delta_ppl\": " +
+                              json_number(result.spearman_heavy_hitter_recall) + "\n}\n");
+    if (setup.format == "table")
         std::printf("\nSpearman rank correlation with the perplexity rise, across %zu configurations:\n"
                     "  retained_mass        %+.3f\n  heavy_hitter_recall  %+.3f\n"
                     "  (-1: the proxy orders configurations exactly as the model's own perplexity does)\n",
-                    result.records.size() - 1, result.spearman_retained_mass, result.spearman_heavy_hitter_recall);
-    if (!flags.quiet) std::fprintf(stderr, "\nkvsim: %.1f s; results in %s/\n", result.seconds, out_dir.c_str());
+                    configurations, result.spearman_retained_mass, result.spearman_heavy_hitter_recall);
+    if (!flags.quiet) std::fprintf(stderr, "\nkvsim: %.1f s; results in %s/\n", result.seconds, setup.out_dir.c_str());
     return 0;
 }
 

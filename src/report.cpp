@@ -77,12 +77,6 @@ std::string json_string(const std::string& s) {
     return out + "\"";
 }
 
-std::string json_number(double x) {
-    if (!std::isfinite(x)) return "null";
-    char text[32];
-    std::snprintf(text, sizeof text, "%.17g", x);
-    return text;
-}
 
 std::string optional_number(double x) { return std::isnan(x) ? std::string() : json_number(x); }
 
@@ -100,6 +94,13 @@ std::string params_text(const ParamValues& params) {
 }
 
 }  // namespace
+
+std::string json_number(double x) {
+    if (!std::isfinite(x)) return "null";
+    char text[32];
+    std::snprintf(text, sizeof text, "%.17g", x);
+    return text;
+}
 
 std::string format_table(const std::vector<ResultRecord>& records, const std::vector<std::string>& metrics,
                          const std::string& title) {

@@ -44,6 +44,9 @@ std::string format_table(const std::vector<ResultRecord>& records, const std::ve
 std::string format_comparison(const std::vector<ResultRecord>& records, const std::vector<std::string>& metrics,
                               const std::string& title);
 std::string format_csv(const std::vector<ResultRecord>& records);
+// A JSON number, or null where it is not finite.
+std::string json_number(double x);
+
 std::string format_json(const std::vector<ResultRecord>& records, const std::string& trace);
 
 }  // namespace kvsim
