@@ -24,6 +24,19 @@ Harness::Harness(std::unique_ptr<Policy> policy, int budget, int64_t sequence_le
     if (tiered_) policy_->assign_tiers(0, kept_, key_tier_, value_tier_);  // position 0 as step 0 left it
 }
 
+void combine_group_rows(std::span<const float* const> rows, int64_t t, GroupReduce reduce, float* out) {
+    std::copy(rows[0], rows[0] + t, out);
+    for (std::size_t h = 1; h < rows.size(); ++h) {
+        const float* row = rows[h];
+        if (reduce == GroupReduce::max)
+            for (int64_t j = 0; j < t; ++j) out[j] = std::max(out[j], row[j]);
+        else
+            for (int64_t j = 0; j < t; ++j) out[j] += row[j];
+    }
+    if (reduce == GroupReduce::mean)
+        for (int64_t j = 0; j < t; ++j) out[j] /= static_cast<float>(rows.size());
+}
+
 void Harness::set_values(const CacheValues& values) {
     values_ = values;
     if (!tiered_) {  // an untiered policy reads every position at fp16

@@ -49,6 +49,9 @@ struct StreamMetrics {
 // How the attention of a KV head's query heads is combined into the one row its policy sees.
 enum class GroupReduce { mean, max, sum };
 
+// Reduces a group's rows (t weights each) into one row: what a policy sees in the raw view.
+void combine_group_rows(std::span<const float* const> rows, int64_t t, GroupReduce reduce, float* out);
+
 struct HarnessOptions {
     AttentionView view = AttentionView::raw;
     GroupReduce reduce = GroupReduce::mean;

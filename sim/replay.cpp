@@ -12,21 +12,6 @@
 namespace kvsim {
 namespace {
 
-// Reduces the rows of query heads [first_head, first_head + group) into one row of t weights.
-void combine_rows(const AttentionBlock& block, int first_head, int group, GroupReduce reduce, int64_t t, float* out) {
-    const float* first = block.row(first_head, t);
-    std::copy(first, first + t, out);
-    for (int h = 1; h < group; ++h) {
-        const float* row = block.row(first_head + h, t);
-        if (reduce == GroupReduce::max)
-            for (int64_t j = 0; j < t; ++j) out[j] = std::max(out[j], row[j]);
-        else
-            for (int64_t j = 0; j < t; ++j) out[j] += row[j];
-    }
-    if (reduce == GroupReduce::mean)
-        for (int64_t j = 0; j < t; ++j) out[j] /= static_cast<float>(group);
-}
-
 // The replay of one trace: its shape, the combinations, and the buffers of the per-step work
 // that every combination shares (reused from block to block).
 class LockstepReplay {
@@ -171,8 +156,10 @@ private:
             tbb::parallel_for(int64_t{0}, kv_heads_ * rows, [&](int64_t job) {
                 const int kv = static_cast<int>(job / rows);
                 const int64_t t = first + job % rows;
-                combine_rows(block_, kv * group_, group_, options_.harness.reduce, t,
-                             combined_[kv].data() + attention_row_offset(t) - attention_row_offset(first));
+                const float* rows_of_group[64];
+                for (int h = 0; h < group_; ++h) rows_of_group[h] = block_.row(kv * group_ + h, t);
+                combine_group_rows({rows_of_group, static_cast<std::size_t>(group_)}, t, options_.harness.reduce,
+                                   combined_[kv].data() + attention_row_offset(t) - attention_row_offset(first));
             });
         }
     }

@@ -136,13 +136,8 @@ private:
             if (full_output) full_ptrs_[h] = full_output + static_cast<std::size_t>(h) * d;
         }
         if (raw_view_) {
-            combined_.assign(row_ptrs_[0], row_ptrs_[0] + pos);
-            for (int h = 1; h < group_; ++h)
-                for (int p = 0; p < pos; ++p)
-                    combined_[p] = reduce_ == GroupReduce::max ? std::max(combined_[p], row_ptrs_[h][p])
-                                                               : combined_[p] + row_ptrs_[h][p];
-            if (reduce_ == GroupReduce::mean)
-                for (float& w : combined_) w /= static_cast<float>(group_);
+            combined_.resize(pos);
+            combine_group_rows(row_ptrs_, pos, reduce_, combined_.data());
         }
         GroupStep step;
         step.t = pos;
