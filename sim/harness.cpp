@@ -147,13 +147,8 @@ void Harness::step(const GroupStep& s) {
     } else {
         // The softmax over held positions and the current token: each head's raw weights divided
         // by what that head keeps, then combined across the group.
-        float scale[64];
-        std::vector<float> big_scale;
-        float* sc = scale;
-        if (group > 64) {
-            big_scale.resize(group);
-            sc = big_scale.data();
-        }
+        scale_.resize(group);
+        float* sc = scale_.data();
         for (std::size_t h = 0; h < group; ++h) {
             const double total = retained_[h] + s.self_weight[h];  // kept positions and the token itself
             sc[h] = total > 0 ? static_cast<float>(1.0 / total) : 0.0f;

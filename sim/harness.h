@@ -111,6 +111,7 @@ private:
     std::vector<float> attn_;       // this step's weights on kept_, index-aligned
     std::vector<double> retained_;  // per query head of the group, this step
     std::vector<float> gathered_;   // renormalized view: [head][kept slot] weights
+    std::vector<float> scale_;      // renormalized view: per head, 1 / (its kept mass + its own weight)
     std::vector<int32_t> victims_;
     std::vector<std::size_t> victim_slots_;  // victims' indices in kept_
     StreamMetrics metrics_;
