@@ -5,7 +5,7 @@
 
 #include "policies/policy.h"
 #include "sim/quantize.h"
-#include "src/errors.h"
+#include "base/errors.h"
 
 namespace kvsim {
 namespace {

@@ -3,7 +3,7 @@
 #include <sstream>
 
 #include "policies/policy.h"
-#include "src/errors.h"
+#include "base/errors.h"
 
 namespace kvsim {
 

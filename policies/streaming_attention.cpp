@@ -6,7 +6,7 @@
 
 #include "policies/recency.h"
 #include "sim/streaming_heads.h"
-#include "src/errors.h"
+#include "base/errors.h"
 
 namespace kvsim {
 namespace {

@@ -6,7 +6,7 @@
 #include <stdexcept>
 
 #include "sim/qkv_attention.h"
-#include "src/errors.h"
+#include "base/errors.h"
 
 namespace kvsim {
 namespace {

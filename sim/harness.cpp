@@ -5,7 +5,7 @@
 #include <stdexcept>
 
 #include "sim/streaming_heads.h"
-#include "src/errors.h"
+#include "base/errors.h"
 
 namespace kvsim {
 

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "src/errors.h"
+#include "base/errors.h"
 
 namespace kvsim {
 namespace {

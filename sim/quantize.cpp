@@ -8,7 +8,7 @@
 #include <cmath>
 #include <stdexcept>
 
-#include "src/errors.h"
+#include "base/errors.h"
 
 namespace kvsim {
 

@@ -7,7 +7,7 @@
 #include "sim/heavy_hitters.h"
 #include "sim/precision.h"
 #include "sim/qkv_attention.h"
-#include "src/errors.h"
+#include "base/errors.h"
 
 namespace kvsim {
 namespace {

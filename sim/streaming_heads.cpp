@@ -12,7 +12,8 @@
 #include <stdexcept>
 
 #include "src/config.h"
-#include "src/errors.h"
+#include "base/errors.h"
+#include "base/input_file.h"
 
 namespace kvsim {
 
@@ -261,9 +262,7 @@ StreamingPlan load_duo_attention_pattern(const std::string& path, int num_layers
         throw std::invalid_argument("load_duo_attention_pattern: the model needs >= 1 layer and KV head");
     check_lambda(default_lambda);
 
-    std::error_code ec;
-    if (!std::filesystem::exists(path, ec)) throw InputError(path + ": no such file");
-    if (std::filesystem::is_directory(path, ec)) throw InputError(path + ": is a directory, not a pattern file");
+    require_regular_file(path);
     std::ifstream in(path);
     if (!in) throw InputError(path + ": cannot be opened for reading");
 

@@ -7,7 +7,7 @@
 #include <cstdio>
 #include <set>
 
-#include "src/errors.h"
+#include "base/errors.h"
 #include "src/report.h"
 
 namespace kvsim {

@@ -6,7 +6,7 @@
 
 #include "sim/qkv_attention.h"
 #include "sim/rng.h"
-#include "src/errors.h"
+#include "base/errors.h"
 
 namespace kvsim {
 namespace {

@@ -9,8 +9,8 @@
 #include <filesystem>
 
 #include "kvsim_version.h"
-#include "src/atomic_file.h"
-#include "src/errors.h"
+#include "base/atomic_file.h"
+#include "base/errors.h"
 
 namespace kvsim {
 namespace {

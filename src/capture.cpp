@@ -6,7 +6,7 @@
 #include "src/model/llama.h"
 #include "src/model/tokenizer.h"
 #include "src/model_text.h"
-#include "src/sha256.h"
+#include "base/sha256.h"
 
 namespace kvsim {
 namespace {

@@ -10,7 +10,8 @@
 #include <set>
 
 #include "policies/policy.h"
-#include "src/errors.h"
+#include "base/errors.h"
+#include "base/input_file.h"
 
 namespace kvsim {
 namespace {
@@ -40,13 +41,18 @@ public:
         return value;
     }
 
-    int64_t integer(const YAML::Node& node, const std::string& key, int64_t min_value) const {
+    // An integer in [min_value, max_value], checked before it is narrowed to any smaller type.
+    int64_t integer(const YAML::Node& node, const std::string& key, int64_t min_value, int64_t max_value) const {
         const double value = number(node, key);
         if (value != std::floor(value)) fail(node, key, "expected an integer, got " + node.Scalar());
         if (value < static_cast<double>(min_value))
             fail(node, key, "must be >= " + std::to_string(min_value) + ", got " + node.Scalar());
-        if (value > 1e12) fail(node, key, node.Scalar() + " is too large");
+        if (value > static_cast<double>(max_value))
+            fail(node, key, node.Scalar() + " is too large (at most " + std::to_string(max_value) + ")");
         return static_cast<int64_t>(value);
+    }
+    int int32(const YAML::Node& node, const std::string& key, int min_value, int max_value) const {
+        return static_cast<int>(integer(node, key, min_value, max_value));
     }
 
     std::string string(const YAML::Node& node, const std::string& key) const {
@@ -92,8 +98,7 @@ public:
         int64_t total = 0;
         for (std::size_t i = 0; i < list.size(); ++i) {
             const std::string item = key + "[" + std::to_string(i) + "]";
-            column.layer_budgets.push_back(static_cast<int>(integer(list[i], item, 1)));
-            if (column.layer_budgets.back() > 100000000) fail(list[i], item, "budget too large");
+            column.layer_budgets.push_back(int32(list[i], item, 1, kMaxBudgetTokens));
             total += column.layer_budgets.back();
         }
         column.budget = static_cast<int>((total + static_cast<int64_t>(list.size()) / 2) / list.size());
@@ -119,10 +124,37 @@ bool is_file_param(const std::string& policy, const std::string& param) {
 
 }  // namespace
 
+namespace {
+
+// yaml-cpp accepts a key given twice (and silently keeps one) and keys that are lists or maps;
+// a config means one thing only, so both are input errors, reported at the key's line.
+void check_keys(const std::string& path, const YAML::Node& node, int depth) {
+    auto fail = [&](const YAML::Node& at, const std::string& what) {
+        throw InputError(path + ":" + std::to_string(at.Mark().line + 1) + ": " + what);
+    };
+    if (depth > 64) fail(node, "nested more than 64 levels deep");
+    if (node.IsSequence()) {
+        for (const YAML::Node& item : node) check_keys(path, item, depth + 1);
+    } else if (node.IsMap()) {
+        std::set<std::string> seen;
+        for (const auto& item : node) {
+            if (!item.first.IsScalar()) fail(item.first, "a key must be a plain name, not a list or a map");
+            if (!seen.insert(item.first.Scalar()).second) fail(item.first, "duplicate key '" + item.first.Scalar() + "'");
+            check_keys(path, item.second, depth + 1);
+        }
+    }
+}
+
+}  // namespace
+
 YAML::Node load_yaml_file(const std::string& path) {
-    if (!std::filesystem::exists(path)) throw InputError(path + ": no such file");
+    require_regular_file(path);
     try {
-        return YAML::LoadFile(path);
+        YAML::Node root = YAML::LoadFile(path);
+        check_keys(path, root, 0);
+        return root;
+    } catch (const InputError&) {
+        throw;
     } catch (const YAML::BadFile&) {
         throw InputError(path + ": cannot read");
     } catch (const YAML::ParserException& e) {
@@ -163,7 +195,8 @@ ExperimentConfig load_config(const std::string& path) {
             const char* default_name = config.trace.synthetic == "qkv" ? "llama-1b-4096" : "decode-4096";
             config.trace.name = trace["name"] ? p.string(trace["name"], "trace.name") : default_name;
         }
-        if (trace["max_steps"]) config.trace.max_steps = p.integer(trace["max_steps"], "trace.max_steps", 1);
+        if (trace["max_steps"])
+            config.trace.max_steps = p.integer(trace["max_steps"], "trace.max_steps", 1, kMaxSequenceTokens);
     }
 
     const YAML::Node budgets = root["budgets"];
@@ -183,13 +216,14 @@ ExperimentConfig load_config(const std::string& path) {
                 config.compression_budgets.push_back(ratio);
                 continue;
             }
-            config.budgets.push_back(static_cast<int>(p.integer(budgets[i], key, 1)));
-            if (config.budgets.back() > 100000000) p.fail(budgets[i], key, "budget too large");
+            config.budgets.push_back(p.int32(budgets[i], key, 1, kMaxBudgetTokens));
         }
     }
     // layer_budgets: a list (one profile), a profile file, or a list of profile files.
     if (const YAML::Node layers = root["layer_budgets"]) {
-        if (layers.IsSequence() && layers.size() > 0 && layers[0].IsScalar() &&
+        if (layers.IsSequence() && layers.size() == 0)
+            p.fail(layers, "layer_budgets", "empty list (give per-layer budgets or profile files)");
+        if (layers.IsSequence() && layers[0].IsScalar() && !layers[0].Scalar().empty() &&
             !std::isalpha(static_cast<unsigned char>(layers[0].Scalar()[0]))) {
             config.layer_budget_profiles.push_back(p.layer_profile(layers, "layer_budgets", "per-layer"));
         } else if (layers.IsScalar()) {
@@ -213,7 +247,7 @@ ExperimentConfig load_config(const std::string& path) {
             p.fail(reduce, "group_reduce", "expected mean, max or sum, got '" + config.group_reduce + "'");
     }
     if (const YAML::Node prefill = root["prefill_tokens"])
-        config.prefill_tokens = static_cast<int>(p.integer(prefill, "prefill_tokens", 0));
+        config.prefill_tokens = p.int32(prefill, "prefill_tokens", 0, kMaxSequenceTokens);
 
     const YAML::Node policies = root["policies"];
     if (!policies) throw InputError(path + ": missing key 'policies'");
@@ -272,7 +306,7 @@ ExperimentConfig load_config(const std::string& path) {
             if (options && !options.IsNull()) {
                 if (name != "heavy_hitter_recall") p.fail(options, key + "." + name, "takes no options");
                 p.only_keys(options, key + "." + name, {"k"});
-                if (options["k"]) config.heavy_hitter_k = static_cast<int>(p.integer(options["k"], key + ".k", 1));
+                if (options["k"]) config.heavy_hitter_k = p.int32(options["k"], key + ".k", 1, kMaxSequenceTokens);
             }
             config.metrics.push_back(name);
         }
@@ -305,7 +339,10 @@ ExperimentConfig load_config(const std::string& path) {
             if (config.output_layout != "matrix" && config.output_layout != "comparison")
                 p.fail(output["layout"], "output.layout", "expected matrix or comparison");
         }
-        if (output["dir"]) config.output_dir = p.string(output["dir"], "output.dir");
+        if (output["dir"]) {
+            config.output_dir = p.string(output["dir"], "output.dir");
+            if (config.output_dir.empty()) p.fail(output["dir"], "output.dir", "empty folder name");
+        }
         if (output["format"]) {
             config.output_format = p.string(output["format"], "output.format");
             if (config.output_format != "table" && config.output_format != "csv" && config.output_format != "json")
@@ -362,11 +399,13 @@ std::vector<int> parse_budget_list(const std::string& text, const std::string& w
         std::size_t comma = text.find(',', start);
         if (comma == std::string::npos) comma = text.size();
         const std::string item = text.substr(start, comma - start);
-        int value = 0;
+        int64_t value = 0;
         const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), value);
-        if (item.empty() || ec != std::errc() || end != item.data() + item.size() || value < 1)
-            throw InputError(where + ": '" + item + "' is not a budget (an integer >= 1)");
-        budgets.push_back(value);
+        if (item.empty() || ec != std::errc() || end != item.data() + item.size() || value < 1 ||
+            value > kMaxBudgetTokens)
+            throw InputError(where + ": '" + item + "' is not a budget (an integer from 1 to " +
+                             std::to_string(kMaxBudgetTokens) + ")");
+        budgets.push_back(static_cast<int>(value));
         start = comma + 1;
     }
     return budgets;

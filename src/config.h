@@ -36,6 +36,11 @@ struct TraceRef {
     std::string where;
 };
 
+// The largest budget and sequence length a config or flag may name: far beyond any model's
+// context, small enough that budget + 1 and products with head counts cannot overflow an int.
+inline constexpr int kMaxBudgetTokens = 100000000;
+inline constexpr int kMaxSequenceTokens = 1 << 30;
+
 inline const std::vector<std::string>& known_metrics() {
     static const std::vector<std::string> metrics = {"retained_mass", "heavy_hitter_recall", "eviction_calls",
                                                      "policy_bytes_per_slot", "ppl", "delta_ppl",

@@ -16,7 +16,7 @@
 #include "sim/harness.h"
 #include "sim/replay.h"
 #include "sim/sweep.h"
-#include "src/errors.h"
+#include "base/errors.h"
 #include "src/experiment.h"
 #include "src/model/llama.h"
 #include "src/model/tokenizer.h"

@@ -7,8 +7,8 @@
 #include "sim/replay.h"
 #include "sim/synthetic_qkv.h"
 #include "sim/sweep.h"
-#include "src/atomic_file.h"
-#include "src/errors.h"
+#include "base/atomic_file.h"
+#include "base/errors.h"
 #include "src/progress.h"
 
 namespace kvsim {

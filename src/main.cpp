@@ -13,8 +13,9 @@
 #include "sim/synthetic_qkv.h"
 #include "sim/trace_store.h"
 #include "src/config.h"
-#include "src/errors.h"
-#include "src/atomic_file.h"
+#include "base/errors.h"
+#include "base/atomic_file.h"
+#include "base/size_limits.h"
 #include "src/capture.h"
 #include "src/eval.h"
 #include "src/experiment.h"
@@ -40,7 +41,8 @@ void add_replay_flags(CLI::App* cmd, ReplayFlags& flags) {
         ->check(CLI::IsMember({"table", "csv", "json"}));
     cmd->add_option("--layout", flags.layout, "table layout: matrix (policies x budgets) or comparison (by memory)")
         ->check(CLI::IsMember({"matrix", "comparison"}));
-    cmd->add_option("--out", flags.out, "folder for results.csv and results.json (default: the config's output.dir)");
+    cmd->add_option("--out", flags.out, "folder for results.csv and results.json (default: the config's output.dir)")
+;
     cmd->add_option("--threads", flags.threads, "worker threads (default: all cores); results do not depend on it")
         ->check(CLI::Range(1, 1024));
     cmd->add_flag("-q,--quiet", flags.quiet, "no progress bar or timing line");
@@ -199,19 +201,34 @@ int trace_synth(const std::string& generator, const std::string& name, const std
     return 0;
 }
 
+// An empty value given for any option (`--out ''`, `--budgets ''`) is a mistake, never "use the
+// default": CLI11 stores it as an empty string, so look at what was given, command by command.
+void reject_empty_values(const CLI::App& app) {
+    for (const CLI::Option* option : app.get_options()) {
+        for (const std::string& value : option->results())
+            if (value.empty())
+                throw CLI::ValidationError(option->get_name(), "an empty value was given");
+    }
+    for (const CLI::App* sub : app.get_subcommands()) reject_empty_values(*sub);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
     CLI::App app{"kvsim " KVSIM_VERSION ": replay recorded attention through KV-cache policies, side by side"};
     app.set_version_flag("--version", KVSIM_VERSION);
     app.require_subcommand(1);
+    std::string max_memory;
+    app.add_option("--max-memory", max_memory,
+                   "refuse input that implies more memory than this, e.g. 8G (default: 3/4 of this machine's)");
 
     ReplayFlags run_flags, sweep_flags;
     CLI::App* run = app.add_subcommand("run", "replay a trace through a config's policies and budgets");
     add_replay_flags(run, run_flags);
     CLI::App* sweep = app.add_subcommand("sweep", "a run over a grid of budgets and policy parameters");
     add_replay_flags(sweep, sweep_flags);
-    sweep->add_option("--budgets", sweep_flags.budgets, "budgets replacing the config's, e.g. 64,128,256");
+    sweep->add_option("--budgets", sweep_flags.budgets, "budgets replacing the config's, e.g. 64,128,256")
+;
     sweep->add_option("--set", sweep_flags.sets, "a grid axis, e.g. h2o.recent_window=16,32,64 (repeatable)");
 
     CLI::App* trace = app.add_subcommand("trace", "make and inspect trace files");
@@ -240,11 +257,13 @@ int main(int argc, char** argv) {
     CLI::App* eval = app.add_subcommand("eval", "perplexity with each policy controlling the model's own cache");
     add_replay_flags(eval, eval_flags);
     add_model_flags(eval, eval_input);
-    eval->add_option("--budgets", eval_flags.budgets, "budgets replacing the config's, e.g. 32,64,128");
+    eval->add_option("--budgets", eval_flags.budgets, "budgets replacing the config's, e.g. 32,64,128")
+;
     eval->add_option("--set", eval_flags.sets, "a grid axis, e.g. h2o.recent_window=8,16 (repeatable)");
 
     try {
         app.parse(argc, argv);
+        reject_empty_values(app);
     } catch (const CLI::CallForHelp& e) {
         return app.exit(e);
     } catch (const CLI::CallForAllHelp& e) {
@@ -257,6 +276,7 @@ int main(int argc, char** argv) {
     }
 
     try {
+        if (app.count("--max-memory")) set_memory_limit_bytes(parse_byte_size(max_memory, "--max-memory"));
         if (*run) return run_replay(run_flags, false);
         if (*sweep) return run_replay(sweep_flags, true);
         if (*capture) return run_capture(capture_input, capture_dtype, capture_out);

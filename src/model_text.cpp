@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 
-#include "src/errors.h"
+#include "base/errors.h"
 
 namespace kvsim {
 

@@ -4,8 +4,8 @@
 #include <fstream>
 #include <sstream>
 
-#include "src/errors.h"
-#include "src/sha256.h"
+#include "base/errors.h"
+#include "base/sha256.h"
 
 namespace kvsim {
 

@@ -6,7 +6,7 @@
 #include <limits>
 #include <stdexcept>
 
-#include "src/errors.h"
+#include "base/errors.h"
 
 namespace kvsim::model {
 

@@ -9,7 +9,7 @@
 #include <limits>
 #include <stdexcept>
 
-#include "src/errors.h"
+#include "base/errors.h"
 #include "src/model/gguf.h"
 
 namespace kvsim::model {

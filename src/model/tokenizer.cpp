@@ -3,7 +3,7 @@
 #include <cstdio>
 #include <queue>
 
-#include "src/errors.h"
+#include "base/errors.h"
 #include "src/model/gguf.h"
 
 namespace kvsim::model {

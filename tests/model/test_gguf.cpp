@@ -10,7 +10,7 @@
 #include <numbers>
 #include <random>
 
-#include "src/errors.h"
+#include "base/errors.h"
 #include "src/model/gguf.h"
 #include "src/model/gguf_writer.h"
 #include "tests/model/test_util.h"

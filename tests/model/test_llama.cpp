@@ -9,7 +9,7 @@
 #include <sstream>
 #include <vector>
 
-#include "src/errors.h"
+#include "base/errors.h"
 #include "src/model/gguf_writer.h"
 #include "src/model/llama.h"
 #include "src/model/tokenizer.h"

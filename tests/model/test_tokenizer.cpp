@@ -4,7 +4,7 @@
 
 #include <cstdio>
 
-#include "src/errors.h"
+#include "base/errors.h"
 #include "src/model/gguf.h"
 #include "src/model/gguf_writer.h"
 #include "src/model/tokenizer.h"

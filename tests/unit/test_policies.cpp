@@ -4,7 +4,7 @@
 
 #include "helpers.h"
 #include "policies/pyramidkv.h"
-#include "src/errors.h"
+#include "base/errors.h"
 
 using namespace kvsim;
 using namespace kvsim::test;

@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "sim/policybook_trace.h"
-#include "src/errors.h"
+#include "base/errors.h"
 
 using namespace kvsim;
 

@@ -7,7 +7,7 @@
 
 #include "helpers.h"
 #include "src/config.h"
-#include "src/errors.h"
+#include "base/errors.h"
 #include "src/experiment.h"
 
 using namespace kvsim;

@@ -8,7 +8,7 @@
 #include "sim/qkv_attention.h"
 #include "sim/synthetic_qkv.h"
 #include "src/config.h"
-#include "src/errors.h"
+#include "base/errors.h"
 #include "src/eval.h"
 #include "src/experiment.h"
 

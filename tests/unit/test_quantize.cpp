@@ -11,7 +11,7 @@
 #include <string>
 
 #include "sim/quantize.h"
-#include "src/errors.h"
+#include "base/errors.h"
 
 using namespace kvsim;
 

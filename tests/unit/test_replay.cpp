@@ -4,7 +4,7 @@
 
 #include "helpers.h"
 #include "sim/heavy_hitters.h"
-#include "src/errors.h"
+#include "base/errors.h"
 
 using namespace kvsim;
 using namespace kvsim::test;

@@ -2,7 +2,7 @@
 
 #include <filesystem>
 
-#include "src/sha256.h"
+#include "base/sha256.h"
 
 using namespace kvsim;
 

@@ -10,7 +10,7 @@
 
 #include "sim/rng.h"
 #include "sim/streaming_heads.h"
-#include "src/errors.h"
+#include "base/errors.h"
 
 using namespace kvsim;
 

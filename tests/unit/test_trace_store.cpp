@@ -10,7 +10,7 @@
 
 #include "helpers.h"
 #include "sim/trace_store.h"
-#include "src/errors.h"
+#include "base/errors.h"
 
 using namespace kvsim;
 using namespace kvsim::test;

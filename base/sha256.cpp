@@ -1,10 +1,10 @@
-#include "src/sha256.h"
+#include "base/sha256.h"
 
 #include <cstdio>
 #include <cstring>
 #include <vector>
 
-#include "src/errors.h"
+#include "base/errors.h"
 
 namespace kvsim {
 namespace {

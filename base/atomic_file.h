@@ -1,5 +1,8 @@
 // Output files appear whole or not at all: write to a temporary name beside the target, rename
-// when complete. A failed or interrupted run leaves no half-written file under the real name.
+// when complete. A failed or interrupted run leaves no half-written file under the real name:
+// SIGINT and SIGTERM remove the live temporary files before the process ends, and the temporary
+// files that a killed process (SIGKILL, a lost node) left behind are removed by the next write
+// to the same folder.
 #pragma once
 #include <string>
 
@@ -20,10 +23,17 @@ public:
 private:
     std::string path_;
     std::string temp_path_;
+    int cleanup_slot_ = -1;  // this file's entry in the signal handler's list
     bool committed_ = false;
 };
 
 // Writes `contents` to `path` atomically; throws InputError naming the path on failure.
 void write_file_atomically(const std::string& path, const std::string& contents);
+
+// The temporary name AtomicFile uses for `path` in process `pid`: ".<name>.tmp-<pid>" beside it.
+std::string atomic_temp_path(const std::string& path, long pid);
+
+// Removes ".<name>.tmp-<pid>" files in `folder` whose process no longer runs; returns how many.
+int remove_stale_temp_files(const std::string& folder);
 
 }  // namespace kvsim

@@ -1,0 +1,52 @@
+// Fuzzes the YAML loaders (experiment config, per-layer budget profile, streaming-head profile)
+// and the flag parsers. Bad input may only ever be an InputError; anything else escaping (a YAML
+// exception, bad_alloc, a crash, a sanitizer report) is a bug the fuzzer reports.
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+#include "base/errors.h"
+#include "base/size_limits.h"
+#include "sim/streaming_heads.h"
+#include "src/config.h"
+
+namespace {
+
+const std::string& scratch_file() {
+    static const std::string path = "/tmp/kvsim-fuzz-config-" + std::to_string(::getpid()) + ".yaml";
+    return path;
+}
+
+template <class F>
+void expect_only_input_errors(F&& f) {
+    try {
+        f();
+    } catch (const kvsim::InputError&) {
+    }
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+    const std::string text(reinterpret_cast<const char*>(data), size);
+    {
+        FILE* f = std::fopen(scratch_file().c_str(), "wb");
+        if (!f) return 0;
+        std::fwrite(text.data(), 1, text.size(), f);
+        std::fclose(f);
+    }
+    expect_only_input_errors([] {
+        const kvsim::ExperimentConfig config = kvsim::load_config(scratch_file());
+        (void)kvsim::budget_columns(config);
+    });
+    expect_only_input_errors([] { (void)kvsim::load_budget_profile(scratch_file()); });
+    expect_only_input_errors([] { (void)kvsim::load_streaming_profile(scratch_file(), 3, 2, 0.99); });
+    expect_only_input_errors([] { (void)kvsim::load_duo_attention_pattern(scratch_file(), 3, 2, 0.99); });
+    expect_only_input_errors([&] { (void)kvsim::parse_budget_list(text, "--budgets"); });
+    expect_only_input_errors([&] { (void)kvsim::parse_grid_flag(text, "--set"); });
+    expect_only_input_errors([&] { (void)kvsim::parse_byte_size(text, "--max-memory"); });
+    std::remove(scratch_file().c_str());
+    return 0;
+}
