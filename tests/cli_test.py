@@ -4,9 +4,11 @@ Run by meson test as: python3 tests/cli_test.py build/kvsim
 """
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 
 KVSIM = None
@@ -178,6 +180,113 @@ class Cli(unittest.TestCase):
                                       os.path.join(self.dir, "x.h5")), "unknown policybook trace 'decode-1'")
         self.assertFalse(os.path.exists(os.path.join(self.dir, "x.h5")))
         self.assertEqual(kvsim("--version").returncode, 0)
+
+
+class HostileInput(unittest.TestCase):
+    """Input an adversarial user gives: each gets one line naming the file and key, exit 2, and
+    nothing half-written; none crashes, hangs, wraps an integer or is silently ignored."""
+
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.dir = self.tmp.name
+        self.out = os.path.join(self.dir, "out")
+
+    def tearDown(self):
+        self.tmp.cleanup()
+        self.assertFalse(os.path.exists(self.out))  # no results from any failed run
+
+    write = Cli.write
+    assert_input_error = Cli.assert_input_error
+
+    def config(self, name, body, trace="trace: {synthetic: policybook, max_steps: 100}\n"):
+        return self.write(name, trace + body)
+
+    def test_integers_are_range_checked_before_narrowing(self):
+        wrap = self.config("wrap.yaml", "budgets: [4294967297]\npolicies: [h2o]\n")
+        self.assert_input_error(kvsim("run", wrap, "--out", self.out), "wrap.yaml:2: budgets[0]: 4294967297 is too large")
+        prefill = self.config("prefill.yaml", "budgets: [8]\npolicies: [h2o]\nprefill_tokens: 4294967306\n")
+        self.assert_input_error(kvsim("run", prefill, "--out", self.out), "prefill.yaml:4: prefill_tokens: 4294967306 is too large")
+        k = self.config("k.yaml", "budgets: [8]\npolicies: [h2o]\nmetrics: [{heavy_hitter_recall: {k: 4294967296}}]\n")
+        self.assert_input_error(kvsim("run", k, "--out", self.out), "k.yaml:4", "4294967296 is too large")
+        steps = self.write("steps.yaml", "trace: {synthetic: policybook, max_steps: 1e300}\nbudgets: [8]\npolicies: [h2o]\n")
+        self.assert_input_error(kvsim("run", steps, "--out", self.out), "steps.yaml:1: trace.max_steps", "too large")
+        profile = self.config("profile.yaml", "layer_budgets: [8, 9e9]\npolicies: [h2o]\n")
+        self.assert_input_error(kvsim("run", profile, "--out", self.out), "layer_budgets[1]: 9e9 is too large")
+        small = self.config("small.yaml", "budgets: [8]\npolicies: [h2o]\n")
+        for budget in ("2147483647", "4294967297", "-1", "99999999999999999999"):
+            self.assert_input_error(kvsim("sweep", small, "--budgets", budget, "--out", self.out),
+                                    "--budgets: '" + budget + "' is not a budget")
+
+    def test_yaml_keys_are_plain_and_unique(self):
+        for name, text, fragment in [
+            ("complex.yaml", "? [a, b]\n: 1\nbudgets: [8]\npolicies: [h2o]\n", "complex.yaml:1: a key must be a plain name"),
+            ("flow.yaml", "trace: { {x}}\nbudgets: [8]\npolicies: [h2o]\n", "flow.yaml:1: a key must be a plain name"),
+            ("dup.yaml", "budgets: [8]\npolicies: [h2o]\nbudgets: [16]\n", "dup.yaml:3: duplicate key 'budgets'"),
+            ("dup2.yaml", "budgets: [8]\npolicies: [{h2o: {recent_window: 2, recent_window: 4}}]\n", "duplicate key 'recent_window'"),
+        ]:
+            self.assert_input_error(kvsim("run", self.write(name, text), "--out", self.out), fragment)
+
+    def test_paths_that_are_not_regular_files(self):
+        self.assert_input_error(kvsim("run", self.dir, "--out", self.out), self.dir + ": is a directory")
+        fifo = os.path.join(self.dir, "fifo.yaml")
+        os.mkfifo(fifo)
+        result = subprocess.run([KVSIM, "run", fifo, "--out", self.out], capture_output=True, text=True, timeout=30)
+        self.assert_input_error(result, "fifo.yaml: is a FIFO, not a regular file")
+        long_name = os.path.join(self.dir, "x" * 300 + ".yaml")
+        self.assert_input_error(kvsim("run", long_name, "--out", self.out), "File name too long")
+        os.mkdir(os.path.join(self.dir, "profiles"))
+        profile_dir = self.config("pdir.yaml", "layer_budgets: profiles\npolicies: [h2o]\n")
+        self.assert_input_error(kvsim("run", profile_dir, "--out", self.out), "profiles: is a directory")
+        self.write("heads.tsv", "")
+        pattern_dir = self.write("sdir.yaml", "trace: {synthetic: qkv, name: tiny-256}\nbudgets: [48]\n"
+                                              "policies: [{streaming_attention: {pattern: profiles}}]\n")
+        self.assert_input_error(kvsim("run", pattern_dir, "--out", self.out), "profiles: is a directory")
+
+    def test_empty_values_are_refused_not_ignored(self):
+        config = self.config("c.yaml", "budgets: [8]\npolicies: [h2o]\n")
+        result = kvsim("sweep", config, "--budgets", "", "--out", self.out)
+        self.assertEqual(result.returncode, 2, result.stderr)
+        self.assertIn("--budgets: an empty value was given", result.stderr)
+        result = kvsim("run", config, "--out", "")
+        self.assertEqual(result.returncode, 2, result.stderr)
+        self.assertIn("--out: an empty value was given", result.stderr)
+        empty = self.config("empty.yaml", "layer_budgets: []\npolicies: [h2o]\n")
+        self.assert_input_error(kvsim("run", empty, "--out", self.out), "empty.yaml:2: layer_budgets: empty list")
+        no_dir = self.config("nodir.yaml", "budgets: [8]\npolicies: [h2o]\noutput: {dir: ''}\n")
+        self.assert_input_error(kvsim("run", no_dir), "nodir.yaml:4: output.dir: empty folder name")
+        self.assert_input_error(kvsim("--max-memory", "lots", "run", config, "--out", self.out),
+                                "--max-memory: 'lots' is not a size")
+
+    def interrupt_trace_synth(self, signal_number):
+        target = os.path.join(self.dir, "big.h5")
+        process = subprocess.Popen([KVSIM, "trace", "synth", "qkv", "--name", "llama-1b-4096", "-o", target],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        temp = os.path.join(self.dir, ".big.h5.tmp-%d" % process.pid)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(temp) and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.assertTrue(os.path.exists(temp), "the temporary file never appeared")
+        time.sleep(0.3)  # well inside writing: the synthetic trace takes seconds
+        process.send_signal(signal_number)
+        process.wait(timeout=60)
+        self.assertEqual(process.returncode, -signal_number)
+        self.assertEqual(os.listdir(self.dir), [])  # neither the trace nor its temporary file
+
+    def test_interrupted_writes_leave_nothing(self):
+        self.interrupt_trace_synth(signal.SIGINT)
+        self.interrupt_trace_synth(signal.SIGTERM)
+
+    def test_temporary_files_of_dead_processes_are_removed_by_the_next_write(self):
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        stale = self.write(".old.h5.tmp-%d" % dead.pid, "half a trace")
+        live = self.write(".mine.h5.tmp-%d" % os.getpid(), "another process still writing")
+        other = self.write(".notes.tmp-x", "not ours")
+        result = kvsim("trace", "synth", "policybook", "-o", os.path.join(self.dir, "d.h5"))
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertFalse(os.path.exists(stale))
+        self.assertTrue(os.path.exists(live))
+        self.assertTrue(os.path.exists(other))
 
 
 SHARED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared")
