@@ -1,5 +1,7 @@
-// SHA-256 (FIPS 180-4), for the provenance a trace records: the model and text it came from.
+// SHA-256 for the provenance a trace records (the model and text it came from), by nettle.
 #pragma once
+#include <nettle/sha2.h>
+
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -13,11 +15,7 @@ public:
     std::string hex_digest();  // finishes the hash; the object is spent
 
 private:
-    void compress(const uint8_t* block);
-    uint32_t state_[8];
-    uint8_t buffer_[64];
-    std::size_t buffered_ = 0;
-    uint64_t total_bytes_ = 0;
+    sha256_ctx context_;
 };
 
 std::string sha256_hex(std::string_view data);

@@ -218,6 +218,7 @@ int main(int argc, char** argv) {
     CLI::App app{"kvsim " KVSIM_VERSION ": replay recorded attention through KV-cache policies, side by side"};
     app.set_version_flag("--version", KVSIM_VERSION);
     app.require_subcommand(1);
+    app.fallthrough();  // global options (--max-memory) may also follow the subcommand
     std::string max_memory;
     app.add_option("--max-memory", max_memory,
                    "refuse input that implies more memory than this, e.g. 8G (default: 3/4 of this machine's)");
