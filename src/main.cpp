@@ -19,6 +19,7 @@
 #include "src/capture.h"
 #include "src/eval.h"
 #include "src/experiment.h"
+#include "src/report.h"
 
 namespace {
 
@@ -135,13 +136,13 @@ int run_eval_command(const ReplayFlags& flags, const ModelInput& input) {
                   flags.config.c_str(), result.description.c_str(), result.tokens, result.full_ppl);
     emit_results(result.records, result.description, setup, metrics, title);
     const std::size_t configurations = result.records.size() - 1;
-    write_file_atomically(setup.out_dir + "/correlation.json",
-                          "{\n  \"full_ppl\": " + json_number(result.full_ppl) +
-                              ",\n  \"predicted_tokens\": " + std::to_string(result.tokens) +
-                              ",\n  \"configurations\": " + std::to_string(configurations) +
-                              ",\n  \"spearman_retained_mass_vs_delta_ppl\": " + json_number(result.spearman_retained_mass) +
-                              ",\n  \"spearman_heavy_hitter_recall_vs_delta_ppl\": " +
-                              json_number(result.spearman_heavy_hitter_recall) + "\n}\n");
+    nlohmann::ordered_json correlation;
+    correlation["full_ppl"] = result.full_ppl;
+    correlation["predicted_tokens"] = result.tokens;
+    correlation["configurations"] = configurations;
+    correlation["spearman_retained_mass_vs_delta_ppl"] = result.spearman_retained_mass;
+    correlation["spearman_heavy_hitter_recall_vs_delta_ppl"] = result.spearman_heavy_hitter_recall;
+    write_file_atomically(setup.out_dir + "/correlation.json", to_json_text(correlation, 2) + "\n");
     if (setup.format == "table")
         std::printf("\nSpearman rank correlation with the perplexity rise, across %zu configurations:\n"
                     "  retained_mass        %+.3f\n  heavy_hitter_recall  %+.3f\n"

@@ -60,25 +60,7 @@ const char* metric_title(const std::string& metric) {
     return "policy bookkeeping bytes per cached token";
 }
 
-std::string json_string(const std::string& s) {
-    std::string out = "\"";
-    for (unsigned char c : s) {
-        if (c == '"' || c == '\\') {
-            out += '\\';
-            out += static_cast<char>(c);
-        } else if (c < 0x20) {
-            char esc[8];
-            std::snprintf(esc, sizeof esc, "\\u%04x", c);
-            out += esc;
-        } else {
-            out += static_cast<char>(c);
-        }
-    }
-    return out + "\"";
-}
-
-
-std::string optional_number(double x) { return std::isnan(x) ? std::string() : json_number(x); }
+std::string optional_number(double x) { return std::isnan(x) ? std::string() : exact_number(x); }
 
 std::string csv_field(const std::string& s) {
     if (s.find_first_of(",\"\n") == std::string::npos) return s;
@@ -95,7 +77,7 @@ std::string params_text(const ParamValues& params) {
 
 }  // namespace
 
-std::string json_number(double x) {
+std::string exact_number(double x) {
     if (!std::isfinite(x)) return "null";
     char text[32];
     std::snprintf(text, sizeof text, "%.17g", x);
@@ -185,49 +167,59 @@ std::string format_csv(const std::vector<ResultRecord>& records) {
     for (const ResultRecord& r : records) {
         out += csv_field(r.policy) + "," + csv_field(r.label) + "," + csv_field(params_text(r.params)) + "," +
                std::to_string(r.budget) + "," + csv_field(r.budget_label) + "," + (r.layer < 0 ? std::string("all") : std::to_string(r.layer)) + "," +
-               std::to_string(r.steps) + "," + json_number(r.retained_mass) + "," +
-               json_number(r.heavy_hitter_recall) + "," + std::to_string(r.eviction_calls) + "," +
+               std::to_string(r.steps) + "," + exact_number(r.retained_mass) + "," +
+               exact_number(r.heavy_hitter_recall) + "," + std::to_string(r.eviction_calls) + "," +
                std::to_string(r.policy_bytes_per_slot) + "," + optional_number(r.output_rel_error) + "," +
                optional_number(r.output_cosine) + "," + optional_number(r.bytes_per_token) + "," +
-               optional_number(r.compression_ratio) + "," + (std::isnan(r.ppl) ? "" : json_number(r.ppl)) + "," +
-               (std::isnan(r.delta_ppl) ? "" : json_number(r.delta_ppl)) + "\n";
+               optional_number(r.compression_ratio) + "," + (std::isnan(r.ppl) ? "" : exact_number(r.ppl)) + "," +
+               (std::isnan(r.delta_ppl) ? "" : exact_number(r.delta_ppl)) + "\n";
     }
     return out;
 }
 
 std::string format_json(const std::vector<ResultRecord>& records, const std::string& trace) {
+    // One record per line, so a results file reads (and diffs) as a table does.
     std::string out = "[\n";
     for (std::size_t i = 0; i < records.size(); ++i) {
         const ResultRecord& r = records[i];
-        std::string params = "{";
-        for (const auto& [name, value] : r.params)
-            params += (params.size() > 1 ? ", " : "") + json_string(name) + ": " + json_number(value);
-        params += "}";
-        out += "  {\"policy\": " + json_string(r.policy) + ", \"label\": " + json_string(r.label) +
-               ", \"params\": " + params + ", \"budget\": " + std::to_string(r.budget);
+        nlohmann::ordered_json record;
+        record["policy"] = r.policy;
+        record["label"] = r.label;
+        record["params"] = nlohmann::ordered_json::object();
+        for (const auto& [name, value] : r.params) record["params"][name] = value;
+        record["budget"] = r.budget;
         if (!r.layer_budgets.empty()) {
-            out += ", \"budget_profile\": " + json_string(r.budget_label) + ", \"layer_budgets\": [";
-            for (std::size_t l = 0; l < r.layer_budgets.size(); ++l)
-                out += (l ? ", " : "") + std::to_string(r.layer_budgets[l]);
-            out += "]";
+            record["budget_profile"] = r.budget_label;
+            record["layer_budgets"] = r.layer_budgets;
         }
-        if (r.layer >= 0) out += ", \"layer\": " + std::to_string(r.layer);
-        out += ", \"trace\": " + json_string(trace) + ", \"steps\": " + std::to_string(r.steps) +
-               ", \"retained_mass\": " + json_number(r.retained_mass) +
-               ", \"heavy_hitter_recall\": " + json_number(r.heavy_hitter_recall) +
-               ", \"eviction_calls\": " + std::to_string(r.eviction_calls) +
-               ", \"policy_bytes_per_slot\": " + std::to_string(r.policy_bytes_per_slot);
-        if (!std::isnan(r.output_rel_error))
-            out += ", \"output_rel_error\": " + json_number(r.output_rel_error) +
-                   ", \"output_cosine\": " + json_number(r.output_cosine);
-        if (!std::isnan(r.bytes_per_token))
-            out += ", \"bytes_per_token\": " + json_number(r.bytes_per_token) +
-                   ", \"compression_ratio\": " + json_number(r.compression_ratio);
-        if (!std::isnan(r.ppl)) out += ", \"ppl\": " + json_number(r.ppl) + ", \"delta_ppl\": " + json_number(r.delta_ppl);
-        out += "}";
-        out += (i + 1 < records.size() ? ",\n" : "\n");
+        if (r.layer >= 0) record["layer"] = r.layer;
+        record["trace"] = trace;
+        record["steps"] = r.steps;
+        record["retained_mass"] = r.retained_mass;
+        record["heavy_hitter_recall"] = r.heavy_hitter_recall;
+        record["eviction_calls"] = r.eviction_calls;
+        record["policy_bytes_per_slot"] = r.policy_bytes_per_slot;
+        if (!std::isnan(r.output_rel_error)) {
+            record["output_rel_error"] = r.output_rel_error;
+            record["output_cosine"] = r.output_cosine;
+        }
+        if (!std::isnan(r.bytes_per_token)) {
+            record["bytes_per_token"] = r.bytes_per_token;
+            record["compression_ratio"] = r.compression_ratio;
+        }
+        if (!std::isnan(r.ppl)) {
+            record["ppl"] = r.ppl;
+            record["delta_ppl"] = r.delta_ppl;
+        }
+        out += "  " + to_json_text(record) + (i + 1 < records.size() ? ",\n" : "\n");
     }
     return out + "]\n";
+}
+
+std::string to_json_text(const nlohmann::ordered_json& value, int indent) {
+    // Names and labels come from user files: bytes that are not UTF-8 become U+FFFD rather than
+    // an exception or invalid JSON. Non-finite numbers are written as null.
+    return value.dump(indent, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
 }
 
 }  // namespace kvsim

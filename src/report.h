@@ -1,5 +1,7 @@
 // Results as a paper-style table (policy rows, budget columns), CSV and JSON records.
 #pragma once
+#include <nlohmann/json.hpp>
+
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -44,9 +46,11 @@ std::string format_table(const std::vector<ResultRecord>& records, const std::ve
 std::string format_comparison(const std::vector<ResultRecord>& records, const std::vector<std::string>& metrics,
                               const std::string& title);
 std::string format_csv(const std::vector<ResultRecord>& records);
-// A JSON number, or null where it is not finite.
-std::string json_number(double x);
+// A number in 17 significant digits, which read back exactly; "null" where it is not finite.
+std::string exact_number(double x);
 
 std::string format_json(const std::vector<ResultRecord>& records, const std::string& trace);
+// JSON text (compact for indent -1) with invalid UTF-8 replaced and non-finite numbers as null.
+std::string to_json_text(const nlohmann::ordered_json& value, int indent = -1);
 
 }  // namespace kvsim
