@@ -7,6 +7,7 @@
 #include "src/model/tokenizer.h"
 #include "src/model_text.h"
 #include "base/sha256.h"
+#include "base/size_limits.h"
 
 namespace kvsim {
 namespace {
@@ -61,9 +62,19 @@ CaptureSummary capture_trace(const CaptureOptions& options) {
     const std::string stem = std::filesystem::path(options.input.text_path).stem().string();
     for (std::size_t i = 0; i < text.sequences.size(); ++i) {
         const std::vector<int>& tokens = text.sequences[i];
+        const std::string sequence_name = text.sequence_name(options.input.text_path, i);
+        // Q, K and V of every layer and token, held until written, next to the model itself.
+        const uint64_t recorded = static_cast<uint64_t>(c.n_layers) * tokens.size() *
+                                  (static_cast<uint64_t>(c.q_dim()) + 2ull * c.kv_dim()) * sizeof(float);
+        check_memory(recorded + llama.memory_bytes(),
+                     model_path + ": Q/K/V of " + sequence_name + " (" + std::to_string(tokens.size()) + " tokens)");
         QkvRecorder recorder(c, static_cast<int>(tokens.size()));
         llama.reset();
-        llama.forward_batch(tokens, 0, &recorder);
+        try {
+            llama.forward_batch(tokens, 0, &recorder);
+        } catch (const model::NonFiniteError& error) {
+            throw error.in_sequence(sequence_name);  // the trace is left unwritten
+        }
         const int sequence = writer.add_sequence(stem + "-" + std::to_string(i), static_cast<int64_t>(tokens.size()));
         for (int layer = 0; layer < c.n_layers; ++layer)
             writer.write_qkv(sequence, layer, recorder.layer(layer), options.dtype);

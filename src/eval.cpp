@@ -2,6 +2,7 @@
 
 #include <tbb/enumerable_thread_specific.h>
 #include <tbb/parallel_for.h>
+#include <tbb/task_arena.h>
 
 #include <algorithm>
 #include <atomic>
@@ -17,6 +18,7 @@
 #include "sim/replay.h"
 #include "sim/sweep.h"
 #include "base/errors.h"
+#include "base/size_limits.h"
 #include "src/experiment.h"
 #include "src/model/llama.h"
 #include "src/model/tokenizer.h"
@@ -126,6 +128,10 @@ private:
             }
             double total = 0;
             for (float& w : row) total += (w = std::exp(w - peak));
+            // The model checked q and k, but their product can still overflow; a policy shown NaN
+            // weights has no order to keep positions in.
+            if (!std::isfinite(peak) || !std::isfinite(total))
+                throw model::NonFiniteError(llama_.path(), "attention scores", layer, pos);
             for (float& w : row) w = static_cast<float>(w / total);
             self_[h] = row[pos];
             heavy_[h].clear();
@@ -244,6 +250,11 @@ EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>&
         std::size_t bytes_per_slot = 0;
     };
     std::vector<Outcome> outcomes(combos.size() + 1);
+    // Each worker thread runs on its own copy of the model.
+    const auto copies = static_cast<uint64_t>(
+        std::min<std::size_t>(outcomes.size(), static_cast<std::size_t>(tbb::this_task_arena::max_concurrency())));
+    check_memory((copies + 1) * loaded.memory_bytes(),
+                 options.input.model_path + ": " + std::to_string(copies) + " copies of the model, one per thread (--threads)");
     tbb::enumerable_thread_specific<model::LlamaModel> models(loaded);
     ProgressBar bar(options.show_progress);
     std::atomic<int> done{0};
@@ -252,15 +263,20 @@ EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>&
     tbb::parallel_for(std::size_t{0}, outcomes.size(), std::size_t{1}, [&](std::size_t i) {
         model::LlamaModel& llama = models.local();
         Outcome& out = outcomes[i];
-        for (const auto& tokens : text.sequences) {
-            if (i == 0) {
-                out.nll += llama.sequence_nll(tokens, nullptr, 1);
-            } else {
-                PolicyInTheLoop hooks(llama, combos[i - 1], harness, config.heavy_hitter_k,
-                                      static_cast<int>(tokens.size()));
-                out.nll += llama.sequence_nll(tokens, &hooks, 1);
-                out.metrics.add(hooks.metrics());
-                out.bytes_per_slot = hooks.bytes_per_slot();
+        for (std::size_t s = 0; s < text.sequences.size(); ++s) {
+            const std::vector<int>& tokens = text.sequences[s];
+            try {
+                if (i == 0) {
+                    out.nll += llama.sequence_nll(tokens, nullptr, 1);
+                } else {
+                    PolicyInTheLoop hooks(llama, combos[i - 1], harness, config.heavy_hitter_k,
+                                          static_cast<int>(tokens.size()));
+                    out.nll += llama.sequence_nll(tokens, &hooks, 1);
+                    out.metrics.add(hooks.metrics());
+                    out.bytes_per_slot = hooks.bytes_per_slot();
+                }
+            } catch (const model::NonFiniteError& error) {
+                throw error.in_sequence(text.sequence_name(options.input.text_path, s));
             }
         }
         ++done;

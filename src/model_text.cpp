@@ -4,6 +4,8 @@
 #include <cstdio>
 
 #include "base/errors.h"
+#include "base/size_limits.h"
+#include "src/model/gguf.h"
 
 namespace kvsim {
 
@@ -13,8 +15,12 @@ TokenizedText tokenize_text(const model::Tokenizer& tokenizer, const std::string
     TokenizedText out;
     out.text_sha256 = text.sha256;
     for (std::size_t i = 0; i < text.texts.size(); ++i) {
+        // Checked here too so that the message names the file and sequence; encode() checks it again.
+        check_memory(model::Tokenizer::encode_bytes_needed(text.texts[i].size()),
+                     text_path + ": sequence " + std::to_string(i) + " (" + format_bytes(text.texts[i].size()) +
+                         ") to tokenize");
         std::vector<int> tokens = tokenizer.encode(text.texts[i], /*add_bos=*/true);
-        if (static_cast<int>(tokens.size()) > limit) {
+        if (static_cast<int64_t>(tokens.size()) > limit) {
             std::fprintf(stderr, "kvsim: warning: %s: sequence %zu has %zu tokens, more than the %d the model can use; "
                                  "stopping at %d\n",
                          text_path.c_str(), i, tokens.size(), limit, limit);
@@ -22,21 +28,34 @@ TokenizedText tokenize_text(const model::Tokenizer& tokenizer, const std::string
         }
         if (tokens.size() < 2) continue;  // BOS alone predicts nothing
         out.sequences.push_back(std::move(tokens));
+        out.text_index.push_back(i);
     }
     if (out.sequences.empty()) throw InputError(text_path + ": empty text (no sequence has a token after BOS)");
     return out;
 }
 
 LoadedInput load_model_input(const ModelInput& input) {
-    model::LlamaModel llama = model::LlamaModel::load(input.model_path, input.context);
-    const model::Tokenizer tokenizer = model::Tokenizer::load(input.model_path);
-    const int limit = usable_context(llama, input.context, input.max_tokens);
+    // One parse of the file for the config, the tokenizer and the weights.
+    const model::GgufFile file = model::GgufFile::open(input.model_path);
+    const model::LlamaConfig config = model::LlamaConfig::from_gguf(file);
+    const model::Tokenizer tokenizer = model::Tokenizer::from_gguf(file);
+    // Token ids the tokenizer can produce must be rows of the embedding.
+    if (tokenizer.vocab_size() > config.vocab_size)
+        throw InputError(input.model_path + ": metadata key 'tokenizer.ggml.tokens': " +
+                         std::to_string(tokenizer.vocab_size()) + " tokens, but tensor 'token_embd.weight' has " +
+                         std::to_string(config.vocab_size) + " rows");
+    const int limit = usable_context(config.context_length, input.context, input.max_tokens);
     TokenizedText text = tokenize_text(tokenizer, input.text_path, input.split_on, limit);
+    // The KV cache holds what the longest sequence needs, not the header's context (which may
+    // claim 2^31 positions).
+    std::size_t longest = 0;
+    for (const auto& tokens : text.sequences) longest = std::max(longest, tokens.size());
+    model::LlamaModel llama = model::LlamaModel::load(file, static_cast<int>(longest));
     return LoadedInput{std::move(llama), std::move(text), limit};
 }
 
-int usable_context(const model::LlamaModel& model, int context_override, int max_tokens) {
-    int limit = model.max_positions();
+int usable_context(int model_context, int context_override, int max_tokens) {
+    int limit = model_context;
     if (context_override > 0) limit = std::min(limit, context_override);
     if (max_tokens > 0) limit = std::min(limit, max_tokens);
     return limit;

@@ -11,7 +11,13 @@ namespace kvsim {
 
 struct TokenizedText {
     std::vector<std::vector<int>> sequences;
+    std::vector<std::size_t> text_index;  // per sequence: its index in the split text (empty ones are dropped)
     std::string text_sha256;
+
+    // "<text file> sequence 3", for messages: the index counts the text's pieces, as warnings do.
+    std::string sequence_name(const std::string& text_path, std::size_t sequence) const {
+        return text_path + " sequence " + std::to_string(text_index[sequence]);
+    }
 };
 
 // Tokenises every sequence with BOS; a sequence longer than `limit` tokens is cut there with a
@@ -20,7 +26,7 @@ TokenizedText tokenize_text(const model::Tokenizer& tokenizer, const std::string
                             const std::string& split_on, int limit);
 
 // The positions a model may use: its GGUF context, or less when the user says so.
-int usable_context(const model::LlamaModel& model, int context_override, int max_tokens);
+int usable_context(int model_context, int context_override, int max_tokens);
 
 // A GGUF model and the text it reads, as `kvsim capture` and `kvsim eval` take them.
 struct ModelInput {
@@ -32,12 +38,14 @@ struct ModelInput {
 };
 
 struct LoadedInput {
-    model::LlamaModel model;
+    model::LlamaModel model;  // its KV cache holds the longest sequence, not the whole context
     TokenizedText text;
     int context_limit = 0;  // tokens per sequence the model may use
 };
 
-// Loads the model, its tokenizer and the tokenised text; throws InputError naming the file.
+// Loads the model, its tokenizer and the tokenised text; throws InputError naming the file. The
+// model's buffers are sized by the longest tokenised sequence (at most context_limit tokens) and
+// checked against the memory limit before they are allocated.
 LoadedInput load_model_input(const ModelInput& input);
 
 }  // namespace kvsim

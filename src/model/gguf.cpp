@@ -7,6 +7,8 @@
 #include <stdexcept>
 
 #include "base/errors.h"
+#include "base/input_file.h"
+#include "base/size_limits.h"
 
 namespace kvsim::model {
 
@@ -17,8 +19,14 @@ namespace {
 constexpr char kMagic[4] = {'G', 'G', 'U', 'F'};
 constexpr uint32_t kMaxDims = 4;         // GGML_MAX_DIMS
 constexpr int kMaxArrayNesting = 8;      // deeper nesting is a corrupt file, not a real model
+// GGUF stores the alignment as a u32; llama.cpp's files use 32. A larger one is a corrupt file.
+constexpr int64_t kMaxAlignment = int64_t{1} << 31;
 
-uint64_t align_up(uint64_t value, uint64_t alignment) { return (value + alignment - 1) / alignment * alignment; }
+// What a parsed header costs in memory beyond the bytes it was read from: every metadata value
+// (array elements included) is a GgufValue, and a map node or tensor info holds more besides.
+// Counting this bounds the header's memory by the memory limit, not by 40x the file size.
+constexpr uint64_t kValueBytes = sizeof(GgufValue);
+constexpr uint64_t kNodeBytes = sizeof(GgufValue) + sizeof(std::string) + 64;
 
 // Reads the header with bounds checks against the file size, so a truncated or corrupt file
 // gives an InputError that says what was being read, never a huge allocation or garbage.
@@ -46,9 +54,17 @@ class HeaderReader {
         return value;
     }
 
+    // Adds `bytes` to what the parsed header will hold in memory and checks the total against the
+    // memory limit, naming what is being read.
+    void account(uint64_t bytes) {
+        held_bytes_ = checked_add(held_bytes_, bytes, path_ + ": " + context_);
+        check_memory(held_bytes_, path_ + ": " + context_);
+    }
+
     std::string read_string() {
         const auto length = read<uint64_t>();
         if (length > remaining()) fail_truncated();
+        account(length);
         std::string text(length, '\0');
         read_bytes(text.data(), length);
         return text;
@@ -97,6 +113,7 @@ class HeaderReader {
             fail("unknown array element type " + std::to_string(static_cast<uint32_t>(array.element_type)));
         // Every element takes at least one byte, so a larger count cannot fit in what is left.
         if (count > remaining()) fail_truncated();
+        account(count * kValueBytes);  // count <= the file size, so no overflow
         array.items.reserve(count);
         for (uint64_t i = 0; i < count; ++i) array.items.push_back(read_value(array.element_type, depth + 1));
         return array;
@@ -106,6 +123,7 @@ class HeaderReader {
     std::ifstream& in_;
     uint64_t file_size_;
     uint64_t position_ = 0;
+    uint64_t held_bytes_ = 0;
     std::string context_ = "header";
 };
 
@@ -229,19 +247,27 @@ const GgufArray& GgufValue::as_array() const {
 // Tensor infos
 
 uint64_t GgufTensorInfo::element_count() const {
+    // GgufFile::open bounds every shape it reads (2^40 elements); a hand-made info still may not wrap.
     uint64_t count = 1;
-    for (const auto dim : shape) count *= dim;
+    for (const auto dim : shape)
+        if (__builtin_mul_overflow(count, dim, &count))
+            throw InputError("tensor " + quoted(name) + ": element count overflows 64 bits");
     return count;
 }
 
 uint64_t GgufTensorInfo::byte_size() const {
+    uint64_t bytes = 0;
+    bool wrapped = false;
     switch (static_cast<TensorType>(type_id)) {
-        case TensorType::F32: return element_count() * 4;
+        case TensorType::F32: wrapped = __builtin_mul_overflow(element_count(), uint64_t{4}, &bytes); break;
         case TensorType::F16:
-        case TensorType::BF16: return element_count() * 2;
-        case TensorType::Q8_0: return element_count() / kQ8_0BlockSize * kQ8_0BlockBytes;
+        case TensorType::BF16: wrapped = __builtin_mul_overflow(element_count(), uint64_t{2}, &bytes); break;
+        case TensorType::Q8_0:
+            wrapped = __builtin_mul_overflow(element_count() / kQ8_0BlockSize, uint64_t{kQ8_0BlockBytes}, &bytes);
+            break;
     }
-    return 0;
+    if (wrapped) throw InputError("tensor " + quoted(name) + ": byte size overflows 64 bits");
+    return bytes;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -296,6 +322,7 @@ uint16_t float_to_bf16(float value) {
 // GgufFile
 
 GgufFile GgufFile::open(const std::string& path) {
+    require_regular_file(path);  // a FIFO would block the open below forever, a directory fail oddly
     std::ifstream in(path, std::ios::binary);
     if (!in) throw InputError(path + ": cannot open file");
     in.seekg(0, std::ios::end);
@@ -325,6 +352,7 @@ GgufFile GgufFile::open(const std::string& path) {
         reader.set_context("metadata key #" + std::to_string(i));
         std::string key = reader.read_string();
         reader.set_context("metadata key " + quoted(key));
+        reader.account(kNodeBytes + key.size());
         const auto type = static_cast<GgufValueType>(reader.read<uint32_t>());
         GgufValue value = reader.read_value(type);
         if (!file.metadata_.emplace(key, std::move(value)).second) reader.fail("duplicate key");
@@ -333,7 +361,9 @@ GgufFile GgufFile::open(const std::string& path) {
     if (const GgufValue* alignment = file.find("general.alignment")) {
         try {
             const auto value = alignment->as_int();
-            if (value <= 0 || (value & (value - 1)) != 0) throw std::invalid_argument("not a power of two");
+            if (value <= 0 || value > kMaxAlignment || (value & (value - 1)) != 0)
+                throw std::invalid_argument(std::to_string(value) + " is not a power of two from 1 to " +
+                                            std::to_string(kMaxAlignment));
             file.alignment_ = static_cast<uint64_t>(value);
         } catch (const std::invalid_argument& error) {
             throw InputError(path + ": key 'general.alignment': " + error.what());
@@ -346,6 +376,7 @@ GgufFile GgufFile::open(const std::string& path) {
         GgufTensorInfo info;
         info.name = reader.read_string();
         reader.set_context("tensor info " + quoted(info.name));
+        reader.account(kNodeBytes + info.name.size() + kMaxDims * sizeof(uint64_t));
         const auto n_dims = reader.read<uint32_t>();
         if (n_dims == 0 || n_dims > kMaxDims) reader.fail(std::to_string(n_dims) + " dimensions (expected 1 to 4)");
         uint64_t elements = 1;
@@ -361,7 +392,10 @@ GgufFile GgufFile::open(const std::string& path) {
         file.tensors_.push_back(std::move(info));
     }
 
-    file.data_offset_ = align_up(reader.position(), file.alignment_);
+    // The data section starts at the next multiple of the alignment (at most 2^31 past the
+    // header, so this cannot wrap); every tensor must lie inside the file, checked without sums
+    // that could wrap (an offset near 2^64 must not come back round to the header).
+    file.data_offset_ = (reader.position() + file.alignment_ - 1) / file.alignment_ * file.alignment_;
     for (const auto& info : file.tensors_) {
         const std::string where = path + ": tensor " + quoted(info.name) + ": ";
         if (info.offset % file.alignment_ != 0) {
@@ -371,11 +405,17 @@ GgufFile GgufFile::open(const std::string& path) {
         if (info.type_id == static_cast<uint32_t>(TensorType::Q8_0) && info.shape[0] % kQ8_0BlockSize != 0) {
             throw InputError(where + "Q8_0 row length " + std::to_string(info.shape[0]) + " is not a multiple of 32");
         }
+        if (file.data_offset_ > file.file_size_ || info.offset > file.file_size_ - file.data_offset_) {
+            throw InputError(where + "data offset " + std::to_string(info.offset) + " is past the end of the file (" +
+                             std::to_string(file.file_size_) + " bytes, data section at " +
+                             std::to_string(file.data_offset_) + "): truncated or corrupt file");
+        }
         // Types this reader cannot size are only checked for their start; reading them fails anyway.
         const uint64_t begin = file.data_offset_ + info.offset;
-        const uint64_t end_of_data = begin + info.byte_size();
-        if (begin > file.file_size_ || end_of_data > file.file_size_) {
-            throw InputError(where + "data (bytes " + std::to_string(begin) + ".." + std::to_string(end_of_data) +
+        const uint64_t size = info.byte_size();
+        if (size > file.file_size_ - begin) {
+            throw InputError(where + "data (bytes " + std::to_string(begin) + ".." +
+                             std::to_string(checked_add(begin, size, where + "data end")) +
                              ") extends past the end of the file (" + std::to_string(file.file_size_) +
                              " bytes): truncated file");
         }
@@ -458,6 +498,8 @@ std::vector<float> GgufFile::read_tensor(const std::string& name) const {
         throw InputError(path_ + ": tensor " + quoted(name) + ": unsupported type " + tensor_type_name(info.type_id) +
                          " (" + std::to_string(info.type_id) + "); supported: F32, F16, BF16, Q8_0");
     }
+    check_memory(checked_add(info.byte_size(), checked_mul(info.element_count(), sizeof(float), path_), path_),
+                 path_ + ": tensor " + quoted(name));
     std::vector<char> bytes(info.byte_size());
     std::ifstream in(path_, std::ios::binary);
     in.seekg(static_cast<std::streamoff>(data_offset_ + info.offset));

@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "base/errors.h"
+#include "base/size_limits.h"
 #include "src/model/gguf.h"
 
 namespace kvsim::model {
@@ -82,31 +83,49 @@ void apply_rope(Eigen::Ref<RowMatrix> x, int head_dim, int start_pos, const RowM
 }
 
 // In place over one row of scores: exp(score - max) / sum over kept positions; masked positions
-// (score -inf) get exactly 0. A row with no kept position becomes all zeros.
+// (score -inf) get exactly 0. A row with no kept position becomes all zeros. Returns false when a
+// kept score is NaN or infinite (or all are -inf): the sum it already takes shows it at no cost.
 template <class Row>
-void softmax_in_place(Row&& row, const uint8_t* kept) {
+bool softmax_in_place(Row&& row, const uint8_t* kept) {
     float max_score = -std::numeric_limits<float>::infinity();
+    bool any_kept = false;
     for (Eigen::Index t = 0; t < row.size(); ++t) {
         if (kept && !kept[t]) continue;
-        max_score = std::max(max_score, row[t]);
+        any_kept = true;
+        max_score = std::max(max_score, row[t]);  // a NaN leaves max_score as it is; the sum sees it
     }
-    if (max_score == -std::numeric_limits<float>::infinity()) {
+    if (!any_kept) {
         row.setZero();
-        return;
+        return true;
     }
+    if (max_score == -std::numeric_limits<float>::infinity()) return false;
     row.array() = (row.array() - max_score).exp();
     if (kept) {
         for (Eigen::Index t = 0; t < row.size(); ++t) {
             if (!kept[t]) row[t] = 0.0f;
         }
     }
-    row /= row.sum();
+    // Finite scores give a sum in [1, row.size()]; a NaN or +inf score makes it NaN.
+    const float sum = row.sum();
+    if (!(sum >= 1.0f && sum <= std::numeric_limits<float>::max())) return false;
+    row /= sum;
+    return true;
 }
 
+// Index of the first element that is not finite, or -1; vectorised for the common all-finite case.
+Eigen::Index first_non_finite(const float* values, Eigen::Index count) {
+    if (Eigen::Map<const Eigen::ArrayXf>(values, count).allFinite()) return -1;
+    for (Eigen::Index i = 0; i < count; ++i)
+        if (!std::isfinite(values[i])) return i;
+    return -1;
+}
+
+// A metadata integer as an int in [minimum, INT_MAX]; InputError naming the file and key otherwise.
 int checked_int(const GgufFile& file, const std::string& key, int64_t value, int64_t minimum) {
     if (value < minimum || value > std::numeric_limits<int>::max()) {
         throw InputError(file.path() + ": metadata key '" + key + "': value " + std::to_string(value) +
-                         " is out of range");
+                         " is out of range [" + std::to_string(minimum) + ", " +
+                         std::to_string(std::numeric_limits<int>::max()) + "]");
     }
     return static_cast<int>(value);
 }
@@ -115,27 +134,80 @@ int required_int(const GgufFile& file, const std::string& key) {
     return checked_int(file, key, file.get_int(key), 1);
 }
 
-// A weight matrix [rows][cols]; GGUF stores it with ne = [cols, rows] (ne0 = row length).
-RowMatrix load_matrix(const GgufFile& file, const std::string& name, int rows, int cols) {
-    const GgufTensorInfo& info = file.tensor(name);
-    if (info.shape != std::vector<uint64_t>{static_cast<uint64_t>(cols), static_cast<uint64_t>(rows)}) {
-        std::string shape;
-        for (const auto dim : info.shape) shape += (shape.empty() ? "" : ", ") + std::to_string(dim);
-        throw InputError(file.path() + ": tensor '" + name + "': shape [" + shape + "], expected [" +
-                         std::to_string(cols) + ", " + std::to_string(rows) + "]");
+// A metadata number as a positive, finite float (a double beyond float's range would not convert).
+float positive_float(const GgufFile& file, const std::string& key, double value) {
+    if (!(value > 0.0) || !(value <= std::numeric_limits<float>::max()) ||
+        !(static_cast<float>(value) > 0.0f)) {
+        throw InputError(file.path() + ": metadata key '" + key + "': " + std::to_string(value) +
+                         " is not a positive finite float32");
     }
-    const std::vector<float> values = file.read_tensor(name);
-    return Eigen::Map<const RowMatrix>(values.data(), rows, cols);
+    return static_cast<float>(value);
 }
 
-Eigen::VectorXf load_vector(const GgufFile& file, const std::string& name, int size) {
-    const GgufTensorInfo& info = file.tensor(name);
-    if (info.shape != std::vector<uint64_t>{static_cast<uint64_t>(size)}) {
-        throw InputError(file.path() + ": tensor '" + name + "': expected a vector of " + std::to_string(size) +
-                         " elements");
+// A weight tensor the model reads: a matrix [rows][cols] (GGUF ne = [cols, rows], ne0 being the
+// row length) or, with cols == 0, a vector of `rows`.
+struct WeightShape {
+    std::string name;
+    int rows, cols;
+};
+
+std::vector<WeightShape> weight_shapes(const LlamaConfig& c, bool tied_output) {
+    std::vector<WeightShape> shapes = {{"token_embd.weight", c.vocab_size, c.dim}};
+    for (int l = 0; l < c.n_layers; ++l) {
+        const std::string prefix = "blk." + std::to_string(l) + ".";
+        shapes.push_back({prefix + "attn_norm.weight", c.dim, 0});
+        shapes.push_back({prefix + "attn_q.weight", c.q_dim(), c.dim});
+        shapes.push_back({prefix + "attn_k.weight", c.kv_dim(), c.dim});
+        shapes.push_back({prefix + "attn_v.weight", c.kv_dim(), c.dim});
+        shapes.push_back({prefix + "attn_output.weight", c.dim, c.q_dim()});
+        shapes.push_back({prefix + "ffn_norm.weight", c.dim, 0});
+        shapes.push_back({prefix + "ffn_gate.weight", c.hidden_dim, c.dim});
+        shapes.push_back({prefix + "ffn_up.weight", c.hidden_dim, c.dim});
+        shapes.push_back({prefix + "ffn_down.weight", c.dim, c.hidden_dim});
     }
-    const std::vector<float> values = file.read_tensor(name);
-    return Eigen::Map<const Eigen::VectorXf>(values.data(), size);
+    shapes.push_back({"output_norm.weight", c.dim, 0});
+    if (!tied_output) shapes.push_back({"output.weight", c.vocab_size, c.dim});
+    return shapes;
+}
+
+const GgufTensorInfo& checked_tensor(const GgufFile& file, const WeightShape& weight) {
+    const GgufTensorInfo& info = file.tensor(weight.name);
+    const std::vector<uint64_t> expected =
+        weight.cols == 0 ? std::vector<uint64_t>{static_cast<uint64_t>(weight.rows)}
+                         : std::vector<uint64_t>{static_cast<uint64_t>(weight.cols), static_cast<uint64_t>(weight.rows)};
+    if (info.shape != expected) {
+        const auto text = [](const std::vector<uint64_t>& dims) {
+            std::string out;
+            for (const auto dim : dims) out += (out.empty() ? "" : ", ") + std::to_string(dim);
+            return "[" + out + "]";
+        };
+        throw InputError(file.path() + ": tensor '" + weight.name + "': shape " + text(info.shape) + ", expected " +
+                         text(expected) + " from the llama.* metadata");
+    }
+    return info;
+}
+
+// The tensor's values, which must all be finite: a NaN weight would only surface later as NaN
+// attention, far from its cause.
+std::vector<float> read_finite_tensor(const GgufFile& file, const std::string& name) {
+    std::vector<float> values = file.read_tensor(name);
+    if (const Eigen::Index bad = first_non_finite(values.data(), static_cast<Eigen::Index>(values.size())); bad >= 0) {
+        throw InputError(file.path() + ": tensor '" + name + "': element " + std::to_string(bad) + " is " +
+                         (std::isnan(values[bad]) ? "NaN" : "infinite") + " (weights must be finite)");
+    }
+    return values;
+}
+
+RowMatrix load_matrix(const GgufFile& file, const WeightShape& weight) {
+    checked_tensor(file, weight);
+    const std::vector<float> values = read_finite_tensor(file, weight.name);
+    return Eigen::Map<const RowMatrix>(values.data(), weight.rows, weight.cols);
+}
+
+Eigen::VectorXf load_vector(const GgufFile& file, const WeightShape& weight) {
+    checked_tensor(file, weight);
+    const std::vector<float> values = read_finite_tensor(file, weight.name);
+    return Eigen::Map<const Eigen::VectorXf>(values.data(), weight.rows);
 }
 
 }  // namespace
@@ -164,6 +236,9 @@ LlamaConfig LlamaConfig::from_gguf(const GgufFile& file) {
         throw InputError(file.path() + ": metadata key 'general.architecture': unsupported architecture '" +
                          architecture + "' (only 'llama')");
     }
+    const auto fail = [&](const std::string& key, const std::string& why) {
+        throw InputError(file.path() + ": metadata key '" + key + "': " + why);
+    };
     LlamaConfig config;
     config.dim = required_int(file, "llama.embedding_length");
     config.hidden_dim = required_int(file, "llama.feed_forward_length");
@@ -171,20 +246,25 @@ LlamaConfig LlamaConfig::from_gguf(const GgufFile& file) {
     config.n_heads = required_int(file, "llama.attention.head_count");
     config.n_kv_heads = checked_int(file, "llama.attention.head_count_kv",
                                     file.get_int("llama.attention.head_count_kv", config.n_heads), 1);
+    if (!file.find("llama.attention.key_length") && config.dim % config.n_heads != 0)
+        fail("llama.embedding_length", std::to_string(config.dim) + " is not a multiple of head_count " +
+                                           std::to_string(config.n_heads) + " (and key_length is absent)");
     config.head_dim = checked_int(file, "llama.attention.key_length",
                                   file.get_int("llama.attention.key_length", config.dim / config.n_heads), 2);
     config.context_length = required_int(file, "llama.context_length");
-    config.rope_theta = static_cast<float>(file.get_double("llama.rope.freq_base", 10000.0));
-    config.norm_eps = static_cast<float>(file.get_double("llama.attention.layer_norm_rms_epsilon"));
+    config.rope_theta = positive_float(file, "llama.rope.freq_base", file.get_double("llama.rope.freq_base", 10000.0));
+    config.norm_eps = positive_float(file, "llama.attention.layer_norm_rms_epsilon",
+                                     file.get_double("llama.attention.layer_norm_rms_epsilon"));
 
-    const auto fail = [&](const std::string& key, const std::string& why) {
-        throw InputError(file.path() + ": metadata key '" + key + "': " + why);
-    };
-    if (config.n_heads % config.n_kv_heads != 0)
+    if (config.n_kv_heads > config.n_heads || config.n_heads % config.n_kv_heads != 0)
         fail("llama.attention.head_count_kv", "head_count " + std::to_string(config.n_heads) +
                                                   " is not a multiple of head_count_kv " +
                                                   std::to_string(config.n_kv_heads));
     if (config.head_dim % 2 != 0) fail("llama.attention.key_length", "head size must be even for RoPE");
+    // Q and K widths are ints everywhere (Eigen indices, hook spans): their products must fit.
+    if (int64_t{config.n_heads} * config.head_dim > std::numeric_limits<int>::max())
+        fail("llama.attention.key_length", "head size " + std::to_string(config.head_dim) + " x head_count " +
+                                               std::to_string(config.n_heads) + " overflows an int");
     if (file.get_int("llama.attention.value_length", config.head_dim) != config.head_dim)
         fail("llama.attention.value_length", "differs from key_length (not supported)");
     if (file.get_int("llama.rope.dimension_count", config.head_dim) != config.head_dim)
@@ -192,48 +272,86 @@ LlamaConfig LlamaConfig::from_gguf(const GgufFile& file) {
     if (file.find("llama.rope.scaling.type") && file.get_string("llama.rope.scaling.type") != "none")
         fail("llama.rope.scaling.type", "RoPE scaling '" + file.get_string("llama.rope.scaling.type") +
                                             "' is not supported");
-    if (!(config.norm_eps > 0.0f)) fail("llama.attention.layer_norm_rms_epsilon", "must be positive");
-    if (!(config.rope_theta > 0.0f)) fail("llama.rope.freq_base", "must be positive");
 
     // The vocabulary size is the embedding's row count (llama.vocab_size is optional in GGUF).
     const GgufTensorInfo& embedding = file.tensor("token_embd.weight");
     if (embedding.shape.size() != 2 || embedding.shape[1] > static_cast<uint64_t>(std::numeric_limits<int>::max()))
         throw InputError(file.path() + ": tensor 'token_embd.weight': expected a matrix [dim, vocab]");
     config.vocab_size = static_cast<int>(embedding.shape[1]);
+    if (file.find("llama.vocab_size") && file.get_int("llama.vocab_size") != config.vocab_size)
+        fail("llama.vocab_size", std::to_string(file.get_int("llama.vocab_size")) + " differs from the " +
+                                     std::to_string(config.vocab_size) + " rows of tensor 'token_embd.weight'");
+
+    // Every weight the forward pass reads, with the shape the metadata implies: checked here, so
+    // nothing later sizes a buffer by metadata that the tensors do not back.
+    for (const WeightShape& weight : weight_shapes(config, file.find_tensor("output.weight") == nullptr))
+        checked_tensor(file, weight);
     return config;
 }
 
 // ---------------------------------------------------------------------------------------------
 // Loading
 
-LlamaModel LlamaModel::load(const std::string& path, int max_context) {
-    const GgufFile file = GgufFile::open(path);
+LlamaModel LlamaModel::load(const std::string& path, int max_context) { return load(GgufFile::open(path), max_context); }
+
+LlamaModel LlamaModel::load(const GgufFile& file, int max_context) {
+    const std::string& path = file.path();
     LlamaModel model;
+    model.path_ = path;
     model.config_ = LlamaConfig::from_gguf(file);
     const LlamaConfig& c = model.config_;
     if (file.find("rope_freqs.weight"))
         throw InputError(path + ": tensor 'rope_freqs.weight': RoPE frequency factors are not supported");
+    model.tied_output_ = file.find_tensor("output.weight") == nullptr;
+    model.max_positions_ = (max_context > 0 && max_context < c.context_length) ? max_context : c.context_length;
 
-    model.token_embedding_ = load_matrix(file, "token_embd.weight", c.vocab_size, c.dim);
-    for (int l = 0; l < c.n_layers; ++l) {
-        const std::string prefix = "blk." + std::to_string(l) + ".";
+    // The whole plan is checked before anything is allocated: the weights as fp32, plus the
+    // largest tensor's file bytes and floats while it is being read, then the KV cache and RoPE
+    // tables for max_positions_.
+    const std::vector<WeightShape> weights = weight_shapes(c, model.tied_output_);
+    uint64_t weight_bytes = 0, reading_bytes = 0;
+    for (const WeightShape& weight : weights) {
+        const GgufTensorInfo& info = file.tensor(weight.name);
+        const uint64_t floats = checked_mul(info.element_count(), sizeof(float), path + ": weights");
+        weight_bytes = checked_add(weight_bytes, floats, path + ": weights");
+        reading_bytes = std::max(reading_bytes, checked_add(floats, info.byte_size(), path + ": weights"));
+    }
+    check_memory(checked_add(weight_bytes, reading_bytes, path),
+                 path + ": weights (" + std::to_string(weights.size()) + " tensors as fp32)");
+    const std::string positions_what =
+        path + (model.max_positions_ == c.context_length ? ": metadata key 'llama.context_length'" : "") +
+        ": weights and a KV cache of " + std::to_string(model.max_positions_) + " positions";
+    const uint64_t cache_floats = checked_mul(
+        checked_mul(checked_mul(static_cast<uint64_t>(c.n_layers), static_cast<uint64_t>(c.n_kv_heads), positions_what),
+                    static_cast<uint64_t>(model.max_positions_), positions_what),
+        static_cast<uint64_t>(c.head_dim), positions_what);
+    const uint64_t state_bytes = checked_mul(
+        checked_add(checked_mul(cache_floats, 2, positions_what),
+                    static_cast<uint64_t>(model.max_positions_) * static_cast<uint64_t>(c.head_dim), positions_what),
+        sizeof(float), positions_what);  // K and V caches, cos and sin tables of head_dim / 2 each
+    check_memory(checked_add(checked_add(weight_bytes, reading_bytes, positions_what), state_bytes, positions_what),
+                 positions_what);
+
+    size_t next_weight = 0;
+    const auto matrix = [&] { return load_matrix(file, weights[next_weight++]); };
+    const auto vector = [&] { return load_vector(file, weights[next_weight++]); };
+    model.token_embedding_ = matrix();
+    model.layers_.reserve(static_cast<size_t>(c.n_layers));
+    for (int l = 0; l < c.n_layers; ++l) {  // in weight_shapes' order
         Layer layer;
-        layer.attn_norm = load_vector(file, prefix + "attn_norm.weight", c.dim);
-        layer.wq = load_matrix(file, prefix + "attn_q.weight", c.q_dim(), c.dim);
-        layer.wk = load_matrix(file, prefix + "attn_k.weight", c.kv_dim(), c.dim);
-        layer.wv = load_matrix(file, prefix + "attn_v.weight", c.kv_dim(), c.dim);
-        layer.wo = load_matrix(file, prefix + "attn_output.weight", c.dim, c.q_dim());
-        layer.ffn_norm = load_vector(file, prefix + "ffn_norm.weight", c.dim);
-        layer.w_gate = load_matrix(file, prefix + "ffn_gate.weight", c.hidden_dim, c.dim);
-        layer.w_up = load_matrix(file, prefix + "ffn_up.weight", c.hidden_dim, c.dim);
-        layer.w_down = load_matrix(file, prefix + "ffn_down.weight", c.dim, c.hidden_dim);
+        layer.attn_norm = vector();
+        layer.wq = matrix();
+        layer.wk = matrix();
+        layer.wv = matrix();
+        layer.wo = matrix();
+        layer.ffn_norm = vector();
+        layer.w_gate = matrix();
+        layer.w_up = matrix();
+        layer.w_down = matrix();
         model.layers_.push_back(std::move(layer));
     }
-    model.output_norm_ = load_vector(file, "output_norm.weight", c.dim);
-    model.tied_output_ = file.find_tensor("output.weight") == nullptr;
-    if (!model.tied_output_) model.output_ = load_matrix(file, "output.weight", c.vocab_size, c.dim);
-
-    model.max_positions_ = (max_context > 0 && max_context < c.context_length) ? max_context : c.context_length;
+    model.output_norm_ = vector();
+    if (!model.tied_output_) model.output_ = matrix();
 
     // Rotation angle of pair i at position p: p / theta^(2i / head_dim), computed in double.
     const int pairs = c.head_dim / 2;
@@ -248,11 +366,30 @@ LlamaModel LlamaModel::load(const std::string& path, int max_context) {
         }
     }
 
-    const size_t cache_floats = size_t{static_cast<size_t>(c.n_layers)} * c.n_kv_heads * model.max_positions_ * c.head_dim;
     model.key_cache_.assign(cache_floats, 0.0f);
     model.value_cache_.assign(cache_floats, 0.0f);
     model.scores_.resize(c.n_heads);
     return model;
+}
+
+uint64_t LlamaModel::memory_bytes() const {
+    uint64_t floats = static_cast<uint64_t>(token_embedding_.size()) + output_.size() + output_norm_.size() +
+                      rope_cos_.size() + rope_sin_.size() + key_cache_.size() + value_cache_.size();
+    for (const Layer& layer : layers_)
+        floats += layer.attn_norm.size() + layer.ffn_norm.size() + layer.wq.size() + layer.wk.size() +
+                  layer.wv.size() + layer.wo.size() + layer.w_gate.size() + layer.w_up.size() + layer.w_down.size();
+    return floats * sizeof(float);
+}
+
+NonFiniteError::NonFiniteError(const std::string& model_path, const std::string& quantity, int layer, int position)
+    : InputError(model_path + ": " + (layer >= 0 ? "layer " + std::to_string(layer) + ", " : std::string()) +
+                 "position " + std::to_string(position) + ": non-finite " + quantity + " (NaN or infinity)"),
+      model_path_(model_path), quantity_(quantity), layer_(layer), position_(position) {}
+
+InputError NonFiniteError::in_sequence(const std::string& sequence) const {
+    return InputError(model_path_ + ": " + sequence + ", " +
+                      (layer_ >= 0 ? "layer " + std::to_string(layer_) + ", " : std::string()) + "position " +
+                      std::to_string(position_) + ": non-finite " + quantity_ + " (NaN or infinity)");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -281,6 +418,13 @@ const float* LlamaModel::cached_value(int layer, int kv_head, int pos) const {
 void LlamaModel::ensure_chunk_capacity(int n_tokens) {
     if (n_tokens <= chunk_capacity_) return;
     const LlamaConfig& c = config_;
+    // Activations per token, and per query head a row of scores over every cached position (masks
+    // are bytes, counted as floats): all ints from a checked config, so this cannot wrap.
+    const uint64_t per_token = 2ull * c.dim + 3ull * c.q_dim() + 2ull * c.kv_dim() + 2ull * c.hidden_dim +
+                               static_cast<uint64_t>(c.vocab_size) +
+                               (static_cast<uint64_t>(c.n_heads) + c.n_kv_heads) * static_cast<uint64_t>(max_positions_);
+    check_memory(memory_bytes() + per_token * sizeof(float) * static_cast<uint64_t>(n_tokens),
+                 path_ + ": activations for a chunk of " + std::to_string(n_tokens) + " tokens");
     chunk_capacity_ = n_tokens;
     x_.resize(n_tokens, c.dim);
     xb_.resize(n_tokens, c.dim);
@@ -346,6 +490,9 @@ const float* LlamaModel::forward_batch(std::span<const int> tokens, int start_po
 
     rms_norm(x, output_norm_, c.norm_eps, xb);
     linear(xb, classifier(), logits_.topRows(n));
+    for (int i = 0; i < n; ++i)
+        if (first_non_finite(logits_.row(i).data(), c.vocab_size) >= 0)
+            throw NonFiniteError(path_, "logits", -1, start_pos + i);
     next_pos_ = start_pos + n;
     return logits_.data();
 }
@@ -364,6 +511,11 @@ void LlamaModel::attention(int layer, int n, int start_pos, ForwardHooks* hooks)
     if (hooks) masks_.resize(static_cast<size_t>(c.n_kv_heads) * n * end);
     for (int i = 0; i < n; ++i) {
         const int pos = start_pos + i;
+        // Before any hook sees them: a capture must never record a non-finite Q, K or V, and a
+        // policy must never be shown attention computed from one.
+        if (first_non_finite(q_.row(i).data(), c.q_dim()) >= 0) throw NonFiniteError(path_, "query", layer, pos);
+        if (first_non_finite(k_.row(i).data(), c.kv_dim()) >= 0) throw NonFiniteError(path_, "key", layer, pos);
+        if (first_non_finite(v_.row(i).data(), c.kv_dim()) >= 0) throw NonFiniteError(path_, "value", layer, pos);
         if (hooks) hooks->after_qkv(layer, pos, q_.row(i).data(), k_.row(i).data(), v_.row(i).data());
         for (int g = 0; g < c.n_kv_heads; ++g) {
             std::memcpy(key_cache_.data() + cache_offset(layer, g, pos), k_.row(i).data() + g * head_dim,
@@ -382,7 +534,10 @@ void LlamaModel::attention(int layer, int n, int start_pos, ForwardHooks* hooks)
     }
 
     // Per query head: scores = q·Kᵀ/√head_dim, causal and hook masks, softmax, output = weights·V.
+    // Finite q and k can still overflow to an infinite score; each head notes its first such row
+    // (threads write only their own head's entry) and the error is thrown after the loop.
     const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+    first_bad_row_.assign(static_cast<size_t>(c.n_heads), n);
     const auto attend_head = [&](int h) {
         const int g = h / heads_per_kv_head;
         const Eigen::Map<const RowMatrix> keys(key_cache_.data() + cache_offset(layer, g, 0), end, head_dim);
@@ -393,7 +548,7 @@ void LlamaModel::attention(int layer, int n, int start_pos, ForwardHooks* hooks)
             const int visible = start_pos + i + 1;  // causal: positions 0..pos
             const size_t mask_row = static_cast<size_t>(g) * n + i;
             const uint8_t* kept = has_mask_[mask_row] ? masks_.data() + mask_row * end : nullptr;
-            softmax_in_place(scores.row(i).head(visible), kept);
+            if (!softmax_in_place(scores.row(i).head(visible), kept) && first_bad_row_[h] == n) first_bad_row_[h] = i;
             scores.row(i).tail(end - visible).setZero();
         }
         attn_out_.block(0, h * head_dim, n, head_dim).noalias() = scores * values;
@@ -404,6 +559,8 @@ void LlamaModel::attention(int layer, int n, int start_pos, ForwardHooks* hooks)
     } else {
         tbb::parallel_for(0, c.n_heads, attend_head);
     }
+    if (const int bad = *std::min_element(first_bad_row_.begin(), first_bad_row_.end()); bad < n)
+        throw NonFiniteError(path_, "attention scores", layer, start_pos + bad);
     if (!hooks) return;
     const int group_width = heads_per_kv_head * head_dim;
     for (int i = 0; i < n; ++i)

@@ -9,6 +9,8 @@
 
 #include <Eigen/Core>
 #include <cstdint>
+
+#include "base/errors.h"
 #include <span>
 #include <string>
 #include <vector>
@@ -29,6 +31,7 @@ struct LlamaConfig {
     float rope_theta = 10000.0f;  // llama.rope.freq_base
     float norm_eps = 1e-5f;       // llama.attention.layer_norm_rms_epsilon
 
+    // from_gguf checks that both fit in an int.
     int q_dim() const { return n_heads * head_dim; }
     int kv_dim() const { return n_kv_heads * head_dim; }
     // Weights in the model, counting the classifier once more when it is not tied.
@@ -37,8 +40,32 @@ struct LlamaConfig {
     // excluding attention over the cache.
     int64_t matmul_flops_per_token() const;
 
-    // Reads and checks the llama.* metadata; throws InputError naming the file and key.
+    // Reads and range-checks the llama.* metadata and checks that every weight tensor the model
+    // needs is present with the shape the metadata implies; throws InputError naming the file and
+    // the key or tensor. Reads no tensor data.
     static LlamaConfig from_gguf(const GgufFile& file);
+};
+
+// The forward pass met a value that is not finite (NaN or infinity) at a layer and position, in
+// the query, key or value, the attention scores, or the logits. Nothing past that position has
+// been computed; what follows from such a value would be meaningless (and a policy shown NaN
+// attention has no defined order to keep positions in), so it is bad input: the model file's
+// weights with this text. layer is -1 for the logits.
+class NonFiniteError : public InputError {
+  public:
+    NonFiniteError(const std::string& model_path, const std::string& quantity, int layer, int position);
+
+    const std::string& model_path() const { return model_path_; }
+    const std::string& quantity() const { return quantity_; }  // "query", "attention scores", "logits", ...
+    int layer() const { return layer_; }
+    int position() const { return position_; }
+
+    // The same error naming the sequence too: "<model>: <sequence>, layer 3, position 17: ...".
+    InputError in_sequence(const std::string& sequence) const;
+
+  private:
+    std::string model_path_, quantity_;
+    int layer_, position_;
 };
 
 // Lets a caller observe and control the model's own KV cache. Hooks are called on the thread
@@ -75,15 +102,24 @@ class LlamaModel {
     using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
     // Loads weights (dequantised to fp32) and allocates a KV cache for the GGUF's context_length,
-    // or for max_context positions when 0 < max_context < context_length. Throws InputError.
+    // or for max_context positions when 0 < max_context < context_length: pass the positions
+    // actually needed, since a header may claim a context of 2^31 positions. Throws InputError
+    // naming the file and the key or tensor: a tensor whose weights are not all finite, or a plan
+    // (weights, KV cache) over the memory limit (base/size_limits.h), before allocating it.
     static LlamaModel load(const std::string& path, int max_context = 0);
+    static LlamaModel load(const GgufFile& file, int max_context = 0);
 
+    const std::string& path() const { return path_; }
     const LlamaConfig& config() const { return config_; }
     int max_positions() const { return max_positions_; }  // positions the KV cache holds
     bool tied_output() const { return tied_output_; }
+    // Bytes the weights, RoPE tables and KV cache take (what a copy of the model costs).
+    uint64_t memory_bytes() const;
 
     // Runs one token at position pos through the model, using and extending its KV cache; returns
-    // the logits (vocab_size floats, valid until the next call). Positions 0..pos-1 must already be
+    // the logits (vocab_size floats, valid until the next call). Throws NonFiniteError when the
+    // query, key or value of a position (checked before after_qkv sees them), its attention
+    // scores or its logits are not finite. Positions 0..pos-1 must already be
     // in the cache (pos <= the next free position); running an earlier pos again rewinds to it.
     const float* forward(int token, int pos, ForwardHooks* hooks = nullptr);
 
@@ -118,6 +154,7 @@ class LlamaModel {
     void attention(int layer, int n_tokens, int start_pos, ForwardHooks* hooks);
     size_t cache_offset(int layer, int kv_head, int pos) const;
 
+    std::string path_;
     LlamaConfig config_;
     int max_positions_ = 0;
     int next_pos_ = 0;  // first position not yet in the cache
@@ -140,6 +177,7 @@ class LlamaModel {
     std::vector<RowMatrix> scores_;          // per query head: [chunk][positions]
     std::vector<uint8_t> masks_;             // per KV head and chunk row: [positions], copied from hooks
     std::vector<uint8_t> has_mask_;          // per KV head and chunk row: 0 = attend to all
+    std::vector<int> first_bad_row_;         // per query head: first chunk row with non-finite scores
 };
 
 }  // namespace kvsim::model

@@ -1,9 +1,12 @@
 #include "src/model/tokenizer.h"
 
+#include <cmath>
 #include <cstdio>
+#include <limits>
 #include <queue>
 
 #include "base/errors.h"
+#include "base/size_limits.h"
 #include "src/model/gguf.h"
 
 namespace kvsim::model {
@@ -56,14 +59,28 @@ Tokenizer Tokenizer::from_gguf(const GgufFile& file) {
     tokenizer.pieces_ = file.get_string_array("tokenizer.ggml.tokens");
     const size_t n = tokenizer.pieces_.size();
     if (n == 0) throw InputError(file.path() + ": metadata key 'tokenizer.ggml.tokens': empty vocabulary");
+    // Token ids are ints (vocab_size(), encode's output).
+    checked_narrow<int>(n, file.path() + ": metadata key 'tokenizer.ggml.tokens': vocabulary size");
 
+    const auto bad_entry = [&](const std::string& key, size_t i, double value, const std::string& expected) {
+        char text[32];
+        std::snprintf(text, sizeof text, "%.9g", value);
+        return InputError(file.path() + ": metadata key '" + key + "': entry " + std::to_string(i) + " is " + text +
+                          ", expected " + expected);
+    };
     tokenizer.scores_.assign(n, 0.0f);
     if (file.find("tokenizer.ggml.scores")) {
         const std::vector<double> scores = file.get_number_array("tokenizer.ggml.scores");
         if (scores.size() != n)
             throw InputError(file.path() + ": metadata key 'tokenizer.ggml.scores': " + std::to_string(scores.size()) +
                              " scores for " + std::to_string(n) + " tokens");
-        for (size_t i = 0; i < n; ++i) tokenizer.scores_[i] = static_cast<float>(scores[i]);
+        // The merge queue orders by score: a NaN would break its ordering, and a double beyond
+        // float's range does not convert.
+        for (size_t i = 0; i < n; ++i) {
+            if (!(std::fabs(scores[i]) <= std::numeric_limits<float>::max()))
+                throw bad_entry("tokenizer.ggml.scores", i, scores[i], "a finite float32");
+            tokenizer.scores_[i] = static_cast<float>(scores[i]);
+        }
     }
 
     tokenizer.types_.assign(n, TokenType::NORMAL);
@@ -72,7 +89,13 @@ Tokenizer Tokenizer::from_gguf(const GgufFile& file) {
         if (types.size() != n)
             throw InputError(file.path() + ": metadata key 'tokenizer.ggml.token_type': " +
                              std::to_string(types.size()) + " types for " + std::to_string(n) + " tokens");
-        for (size_t i = 0; i < n; ++i) tokenizer.types_[i] = static_cast<TokenType>(static_cast<int32_t>(types[i]));
+        // 0 is llama.cpp's "undefined": such a piece, like any but normal, user-defined and byte
+        // pieces, is never produced from text.
+        for (size_t i = 0; i < n; ++i) {
+            if (!(types[i] >= 0 && types[i] <= static_cast<double>(TokenType::BYTE) && types[i] == std::floor(types[i])))
+                throw bad_entry("tokenizer.ggml.token_type", i, types[i], "a token type from 0 to 6");
+            tokenizer.types_[i] = static_cast<TokenType>(static_cast<int32_t>(types[i]));
+        }
     } else {
         for (size_t i = 0; i < n; ++i) {
             if (parse_byte_piece(tokenizer.pieces_[i]) >= 0) tokenizer.types_[i] = TokenType::BYTE;
@@ -112,10 +135,21 @@ Tokenizer Tokenizer::from_gguf(const GgufFile& file) {
     return tokenizer;
 }
 
+uint64_t Tokenizer::encode_bytes_needed(uint64_t text_bytes) {
+    // Per byte of text at most: 3 bytes of normalised text ('▁' for a space) plus the prefixed copy,
+    // one symbol, a queued pair or two, and a token id.
+    constexpr uint64_t kPerByte = 4 + 24 + 2 * 24 + 4;
+    return checked_mul(checked_add(text_bytes, 2, "text to tokenize"), kPerByte, "text to tokenize");
+}
+
 std::vector<int> Tokenizer::encode(std::string_view text, bool add_bos) const {
     std::vector<int> tokens;
     if (add_bos) tokens.push_back(bos_id_);
     if (text.empty()) return tokens;
+    // Symbols are linked by int indices, one per character (at most one per byte, plus the prefix).
+    if (text.size() >= static_cast<size_t>(std::numeric_limits<int>::max()))
+        throw InputError("text of " + std::to_string(text.size()) + " bytes is too long to tokenize as one sequence");
+    check_memory(encode_bytes_needed(text.size()), "tokenizing " + std::to_string(text.size()) + " bytes of text");
 
     // SentencePiece normalisation: a dummy-prefix space, then every space as '▁'.
     std::string prefixed;
@@ -130,6 +164,7 @@ std::vector<int> Tokenizer::encode(std::string_view text, bool add_bos) const {
         size_t start, length;  // length 0: merged into its left neighbour
     };
     std::vector<Symbol> symbols;
+    symbols.reserve(text.size() + 1);
     for (size_t start = 0; start < normalized.size();) {
         const size_t length = std::min(utf8_length(static_cast<unsigned char>(normalized[start])), normalized.size() - start);
         const int index = static_cast<int>(symbols.size());

@@ -23,12 +23,18 @@ class Tokenizer {
     // SentencePiece token types (tokenizer.ggml.token_type).
     enum class TokenType : int32_t { NORMAL = 1, UNKNOWN = 2, CONTROL = 3, USER_DEFINED = 4, UNUSED = 5, BYTE = 6 };
 
-    // Throws InputError naming the file and key for a missing or malformed vocabulary.
+    // Throws InputError naming the file and key for a missing or malformed vocabulary (empty, over
+    // 2^31 pieces, a score that is not a finite float32, a token type outside 0..6, a special
+    // token id outside the vocabulary).
     static Tokenizer from_gguf(const GgufFile& file);
     static Tokenizer load(const std::string& gguf_path);
 
-    // Token ids for text, preceded by BOS when add_bos.
+    // Token ids for text, preceded by BOS when add_bos. Any bytes are fine (invalid UTF-8 goes
+    // through byte fallback); text whose tokenization would need more than the memory limit
+    // (encode_bytes_needed) or has 2^31 bytes or more throws InputError.
     std::vector<int> encode(std::string_view text, bool add_bos) const;
+    // Bytes encode() may hold for a text of text_bytes bytes, for checking a plan up front.
+    static uint64_t encode_bytes_needed(uint64_t text_bytes);
     // One token's text: '▁' becomes a space, a byte token its byte, control tokens (BOS, EOS) "".
     std::string decode(int token) const;
     // A sequence's text as encode() produced it: pieces concatenated, '▁' as spaces, control tokens

@@ -10,6 +10,8 @@
 #include <numbers>
 #include <random>
 
+#include <sys/stat.h>
+
 #include "base/errors.h"
 #include "src/model/gguf.h"
 #include "src/model/gguf_writer.h"
@@ -277,7 +279,7 @@ TEST_CASE("GGUF errors: bad magic, unsupported version, missing key or tensor, w
         CHECK(open_error(path).find("unsupported GGUF version 1") != std::string::npos);
     }
     SUBCASE("no such file") {
-        CHECK(open_error(scratch.file("absent.gguf")).find("absent.gguf: cannot open") != std::string::npos);
+        CHECK(open_error(scratch.file("absent.gguf")) == scratch.file("absent.gguf") + ": no such file");
     }
     SUBCASE("missing key, wrong type, missing tensor") {
         const GgufFile file = GgufFile::open(good);
@@ -374,4 +376,80 @@ TEST_CASE("GGUF errors: corrupt counts and types are rejected without huge alloc
         write_bytes(path, bytes, bytes.size());
         CHECK(open_error(path) == path + ": metadata key 'tokens': unknown value type 42");
     }
+}
+
+TEST_CASE("GGUF errors: a tensor offset near 2^64 does not wrap round to the header") {
+    ScratchDir scratch;
+    const std::string good = scratch.file("good.gguf");
+    small_writer().write(good);
+    std::vector<uint8_t> bytes = read_bytes(good);
+    const GgufFile intact = GgufFile::open(good);
+    // t.q8_0's info: name, u32 n_dims, two u64 dims, u32 type, then the u64 offset.
+    const size_t offset_at = find_bytes(bytes, "t.q8_0") + 6 + 4 + 16 + 4;
+    const std::string path = scratch.file("wrap.gguf");
+    for (const uint64_t offset : {uint64_t{0} - intact.data_offset(), uint64_t{0} - 32, uint64_t{1} << 63}) {
+        CAPTURE(offset);
+        std::memcpy(bytes.data() + offset_at, &offset, 8);
+        write_bytes(path, bytes, bytes.size());
+        // data_offset + offset would wrap to 0 (or near it) and the header be read as weights.
+        CHECK(open_error(path) == path + ": tensor 't.q8_0': data offset " + std::to_string(offset) +
+                                      " is past the end of the file (" + std::to_string(bytes.size()) +
+                                      " bytes, data section at " + std::to_string(intact.data_offset()) +
+                                      "): truncated or corrupt file");
+    }
+}
+
+TEST_CASE("GGUF errors: an alignment beyond 2^31 or not a power of two") {
+    ScratchDir scratch;
+    GgufWriter writer;
+    writer.set("general.alignment", GgufValue{uint64_t{32}});
+    writer.set_string("general.name", "aligned");
+    const std::string good = scratch.file("good.gguf");
+    writer.write(good);
+    std::vector<uint8_t> bytes = read_bytes(good);
+    const size_t value_at = find_bytes(bytes, "general.alignment") + std::string("general.alignment").size() + 4;
+    const std::string path = scratch.file("alignment.gguf");
+    for (const uint64_t alignment : {uint64_t{1} << 40, uint64_t{1} << 32, uint64_t{48}, uint64_t{0}}) {
+        CAPTURE(alignment);
+        std::memcpy(bytes.data() + value_at, &alignment, 8);
+        write_bytes(path, bytes, bytes.size());
+        CHECK(open_error(path) == path + ": key 'general.alignment': " + std::to_string(alignment) +
+                                      " is not a power of two from 1 to 2147483648");
+    }
+}
+
+TEST_CASE("GGUF errors: what the parsed header and a tensor would take in memory is checked first") {
+    ScratchDir scratch;
+    // 20000 one-byte elements are 20 KB in the file but 20000 GgufValues (~800 KB) in memory.
+    GgufWriter writer;
+    writer.set("big", GgufValue{GgufArray{GgufValueType::UINT8, std::vector<GgufValue>(20000, GgufValue{uint8_t{1}})}});
+    writer.add_tensor("weights", {256, 64}, std::vector<float>(256 * 64, 0.5f), TensorType::F16);
+    const std::string path = scratch.file("big.gguf");
+    writer.write(path);
+    {
+        const MemoryLimit limit(256 * 1024);
+        const std::string message = open_error(path);
+        CHECK(message.find(path + ": metadata key 'big' needs ") == 0);
+        CHECK(message.find(", over the memory limit of 262144 bytes (--max-memory)") != std::string::npos);
+    }
+    {
+        // 32 KB of F16 data become 64 KB of floats: 96 KB while reading.
+        const MemoryLimit limit(1024 * 1024 + 64 * 1024);
+        const GgufFile file = GgufFile::open(path);
+        const MemoryLimit tighter(64 * 1024);
+        CHECK_THROWS_WITH_AS(file.read_tensor("weights"),
+                             (path + ": tensor 'weights' needs 98304 bytes, over the memory limit of 65536 bytes (--max-memory)").c_str(),
+                             kvsim::InputError);
+    }
+}
+
+TEST_CASE("GGUF errors: a model path that is not a regular file is refused before it is opened") {
+    ScratchDir scratch;
+    std::filesystem::create_directories(scratch.file("folder"));
+    CHECK(open_error(scratch.file("folder")) == scratch.file("folder") + ": is a directory, not a file");
+    const std::string fifo = scratch.file("fifo");
+    REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+    CHECK(open_error(fifo) == fifo + ": is a FIFO, not a regular file");  // opening it would block forever
+    const std::string long_name = scratch.file(std::string(300, 'x') + ".gguf");
+    CHECK(open_error(long_name) == long_name + ": cannot open (File name too long)");
 }

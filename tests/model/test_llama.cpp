@@ -439,3 +439,195 @@ TEST_CASE("loading a non-Llama or incomplete model throws InputError naming the 
         CHECK(message.find("'blk.0.attn_k.weight'") != std::string::npos);
     }
 }
+
+namespace {
+
+// The InputError message loading `writer`'s file gives, naming that file on one line.
+std::string load_error(const ScratchDir& scratch, const GgufWriter& writer, int max_context = 0) {
+    const std::string path = scratch.file("broken.gguf");
+    writer.write(path);
+    try {
+        LlamaModel::load(path, max_context);
+    } catch (const kvsim::InputError& error) {
+        const std::string message = error.what();
+        CHECK(message.find(path + ": ") == 0);
+        CHECK(message.find('\n') == std::string::npos);
+        return message.substr(path.size() + 2);
+    }
+    FAIL("no InputError");
+    return "";
+}
+
+// Multiplies every weight of a tensor by `factor` (the writer holds F32 bytes for it).
+void scale_tensor(GgufWriter& writer, const LlamaConfig& config, const std::string& name, int rows, int cols, float factor,
+                  uint64_t seed = 1) {
+    // Rebuild from the same seeded writer's values: read them back from a written copy.
+    ScratchDir scratch;
+    random_llama_writer(config, seed).write(scratch.file("m.gguf"));
+    std::vector<float> values = GgufFile::open(scratch.file("m.gguf")).read_tensor(name);
+    for (float& value : values) value *= factor;
+    REQUIRE(writer.remove_tensor(name));
+    const std::vector<uint64_t> shape = cols == 0 ? std::vector<uint64_t>{static_cast<uint64_t>(rows)}
+                                                  : std::vector<uint64_t>{static_cast<uint64_t>(cols), static_cast<uint64_t>(rows)};
+    writer.add_tensor(name, shape, values);
+}
+
+}  // namespace
+
+TEST_CASE("LlamaConfig::from_gguf range-checks every integer before narrowing it") {
+    ScratchDir scratch;
+    const LlamaConfig config = tiny_config();
+    const struct {
+        const char* key;
+        GgufValue value;
+        const char* expected;
+    } cases[] = {
+        // 4 heads x (2^30 + 8) overflows an int: q_dim() would wrap negative.
+        {"llama.attention.key_length", GgufValue{uint32_t{(1u << 30) + 8}}, "head size 1073741832 x head_count 4 overflows an int"},
+        {"llama.attention.key_length", GgufValue{uint64_t{1} << 63}, "uint64 value 9223372036854775808 is too large"},
+        {"llama.block_count", GgufValue{uint64_t{1} << 31}, "value 2147483648 is out of range [1, 2147483647]"},
+        {"llama.block_count", GgufValue{int32_t{-1}}, "value -1 is out of range [1, 2147483647]"},
+        {"llama.attention.head_count_kv", GgufValue{uint32_t{8}}, "head_count 4 is not a multiple of head_count_kv 8"},
+        {"llama.attention.head_count_kv", GgufValue{uint32_t{0}}, "value 0 is out of range [1, 2147483647]"},
+        {"llama.context_length", GgufValue{int64_t{0}}, "value 0 is out of range [1, 2147483647]"},
+        {"llama.rope.freq_base", GgufValue{1e300}, "is not a positive finite float32"},
+        {"llama.attention.layer_norm_rms_epsilon", GgufValue{1e-300}, "is not a positive finite float32"},
+        {"llama.vocab_size", GgufValue{uint32_t{299}}, "299 differs from the 300 rows of tensor 'token_embd.weight'"},
+    };
+    for (const auto& c : cases) {
+        CAPTURE(c.key);
+        GgufWriter writer = random_llama_writer(config, 1);
+        writer.set(c.key, c.value);
+        if (std::string(c.key) == "llama.attention.key_length") writer.remove("llama.rope.dimension_count");
+        const std::string message = load_error(scratch, writer);
+        CHECK(message.find(std::string("metadata key '") + c.key + "': ") == 0);
+        CHECK(message.find(c.expected) != std::string::npos);
+    }
+}
+
+TEST_CASE("LlamaConfig::from_gguf checks every weight's shape against the metadata, reading no data") {
+    ScratchDir scratch;
+    LlamaConfig config = tiny_config();
+    GgufWriter writer = random_llama_writer(config, 1);
+    writer.set_uint32("llama.feed_forward_length", 95);
+    const std::string path = scratch.file("ffn.gguf");
+    writer.write(path);
+    CHECK_THROWS_WITH_AS(LlamaConfig::from_gguf(GgufFile::open(path)),
+                         (path + ": tensor 'blk.0.ffn_gate.weight': shape [64, 96], expected [64, 95] from the llama.* metadata").c_str(),
+                         kvsim::InputError);
+    writer = random_llama_writer(config, 1);
+    REQUIRE(writer.remove_tensor("blk.1.attn_output.weight"));
+    writer.write(path);
+    CHECK_THROWS_WITH_AS(LlamaConfig::from_gguf(GgufFile::open(path)), (path + ": missing tensor 'blk.1.attn_output.weight'").c_str(),
+                         kvsim::InputError);
+}
+
+TEST_CASE("LlamaModel::load checks its memory plan before allocating: a header context of 2^31-1 positions") {
+    ScratchDir scratch;
+    LlamaConfig config = tiny_config();
+    config.context_length = std::numeric_limits<int>::max();
+    const std::string path = scratch.file("long.gguf");
+    write_random_llama(path, config, 1);
+    const MemoryLimit limit(uint64_t{256} << 20);
+    // A cache for the whole context: 2 layers x 2 KV heads x 2^31 positions x 16 floats, twice.
+    CHECK_THROWS_WITH_AS(LlamaModel::load(path),
+                         (path + ": metadata key 'llama.context_length': weights and a KV cache of 2147483647 positions "
+                                 "needs 1152.0 GiB, over the memory limit of 256.0 MiB (--max-memory)").c_str(),
+                         kvsim::InputError);
+    // What is needed instead: the positions the caller will use.
+    LlamaModel model = LlamaModel::load(path, 40);
+    CHECK(model.max_positions() == 40);
+    CHECK(model.memory_bytes() < (uint64_t{1} << 20));
+    CHECK(std::isfinite(model.sequence_nll({1, 2, 3, 4, 5, 6})));
+    // A chunk whose activations would not fit is refused the same way.
+    const MemoryLimit tight(model.memory_bytes() + 1000);
+    const std::vector<int> tokens(40, 3);
+    try {
+        model.forward_batch(tokens, 0);
+        FAIL("no InputError");
+    } catch (const kvsim::InputError& error) {
+        CHECK(std::string(error.what()).find(path + ": activations for a chunk of 40 tokens needs") == 0);
+    }
+}
+
+TEST_CASE("LlamaModel::load refuses weights that are not finite, naming the tensor and the element") {
+    ScratchDir scratch;
+    const LlamaConfig config = tiny_config();
+    for (const float bad : {std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::infinity()}) {
+        GgufWriter writer = random_llama_writer(config, 1);
+        std::vector<float> values(static_cast<size_t>(config.kv_dim()) * config.dim, 0.25f);
+        values[37] = bad;
+        REQUIRE(writer.remove_tensor("blk.1.attn_v.weight"));
+        writer.add_tensor("blk.1.attn_v.weight", {static_cast<uint64_t>(config.dim), static_cast<uint64_t>(config.kv_dim())},
+                          values, TensorType::F16);  // F16 keeps NaN and infinity
+        CHECK(load_error(scratch, writer) ==
+              std::string("tensor 'blk.1.attn_v.weight': element 37 is ") + (std::isnan(bad) ? "NaN" : "infinite") +
+                  " (weights must be finite)");
+    }
+}
+
+TEST_CASE("forward pass: a non-finite query, key, value, score or logit stops it at that layer and position") {
+    ScratchDir scratch;
+    const LlamaConfig config = tiny_config();
+    const std::string path = scratch.file("m.gguf");
+    const auto error_of = [&](LlamaModel& model, const std::vector<int>& tokens, ForwardHooks* hooks) {
+        try {
+            model.forward_batch(tokens, 0, hooks);
+        } catch (const NonFiniteError& error) {
+            CHECK(error.model_path() == path);
+            return std::string(error.what());
+        }
+        FAIL("no NonFiniteError");
+        return std::string();
+    };
+    const std::vector<int> tokens = {1, 40, 41, 42, 43, 44};
+
+    SUBCASE("query·key overflows: attention scores, before hooks see a non-finite value") {
+        GgufWriter writer = random_llama_writer(config, 1);
+        scale_tensor(writer, config, "blk.0.attn_q.weight", config.q_dim(), config.dim, 1e20f);
+        scale_tensor(writer, config, "blk.0.attn_k.weight", config.kv_dim(), config.dim, 1e20f);
+        writer.write(path);
+        LlamaModel model = LlamaModel::load(path);
+        RecordingHooks hooks;
+        hooks.config = &model.config();
+        CHECK(error_of(model, tokens, &hooks) == path + ": layer 0, position 0: non-finite attention scores (NaN or infinity)");
+        CHECK(hooks.shapes_ok);  // q, k and v themselves were finite
+    }
+    SUBCASE("the residual stream overflows: the query, never shown to after_qkv") {
+        GgufWriter writer = random_llama_writer(config, 1);
+        scale_tensor(writer, config, "blk.1.attn_norm.weight", config.dim, 0, 1e30f);
+        scale_tensor(writer, config, "blk.1.attn_q.weight", config.q_dim(), config.dim, 1e10f);
+        writer.write(path);
+        LlamaModel model = LlamaModel::load(path);
+        RecordingHooks hooks;
+        hooks.config = &model.config();
+        CHECK(error_of(model, tokens, &hooks) == path + ": layer 1, position 0: non-finite query (NaN or infinity)");
+        CHECK(hooks.shapes_ok);
+        CHECK(hooks.qkv_calls.size() == tokens.size());  // layer 0 for every token, nothing of layer 1
+    }
+    SUBCASE("the classifier overflows: logits") {
+        GgufWriter writer = random_llama_writer(config, 1);
+        scale_tensor(writer, config, "output_norm.weight", config.dim, 0, 1e30f);
+        scale_tensor(writer, config, "output.weight", config.vocab_size, config.dim, 1e20f);
+        writer.write(path);
+        LlamaModel model = LlamaModel::load(path);
+        CHECK(error_of(model, tokens, nullptr) == path + ": position 0: non-finite logits (NaN or infinity)");
+        CHECK_THROWS_AS(model.sequence_nll(tokens), NonFiniteError);
+    }
+    SUBCASE("a hook's own overflow at a later position names that position; the model stays usable") {
+        write_random_llama(path, config, 1);
+        LlamaModel model = LlamaModel::load(path);
+        struct Poison : ForwardHooks {
+            void after_qkv(int layer, int pos, float* q, float*, float*) override {
+                if (layer == 1 && pos == 3) std::fill(q, q + 16, 3e38f);
+            }
+        } poison;
+        const std::string message = error_of(model, tokens, &poison);
+        CHECK(message == path + ": layer 1, position 3: non-finite attention scores (NaN or infinity)");
+        const std::vector<float> clean = copy_logits(model.forward_batch(tokens, 0), model);
+        CHECK(std::all_of(clean.begin(), clean.end(), [](float v) { return std::isfinite(v); }));
+        const NonFiniteError error(path, "logits", -1, 9);
+        CHECK(std::string(error.in_sequence("story.txt sequence 2").what()) ==
+              path + ": story.txt sequence 2, position 9: non-finite logits (NaN or infinity)");
+    }
+}

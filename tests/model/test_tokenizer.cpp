@@ -2,7 +2,10 @@
 // trips, and agreement with the real stories260K vocabulary.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <limits>
+#include <random>
 
 #include "base/errors.h"
 #include "src/model/gguf.h"
@@ -146,4 +149,80 @@ TEST_CASE("stories260K tokenizer: round trips, special ids, and the golden text'
     const std::vector<int> emoji = tokenizer.encode("\xF0\x9F\x99\x82", false);
     CHECK(emoji.size() >= 4);
     CHECK(std::vector<int>(emoji.end() - 4, emoji.end()) == std::vector<int>{3 + 0xF0, 3 + 0x9F, 3 + 0x99, 3 + 0x82});
+}
+
+TEST_CASE("tokenizer: scores and token types out of range are refused, naming the key and the entry") {
+    ScratchDir scratch;
+    const std::string path = write_vocabulary(scratch, "good.gguf", {{"ab", -1.0f}, {"abc", -2.0f}});
+    const GgufFile good = GgufFile::open(path);
+    const auto error_with = [&](const std::string& key, GgufValue value) {
+        GgufWriter writer;
+        for (const auto& [name, existing] : good.metadata()) writer.set(name, name == key ? value : existing);
+        const std::string broken = scratch.file("broken.gguf");
+        writer.write(broken);
+        try {
+            Tokenizer::load(broken);
+        } catch (const kvsim::InputError& error) {
+            const std::string message = error.what();
+            CHECK(message.find(broken + ": metadata key '" + key + "': ") == 0);
+            return message.substr(broken.size() + 2);
+        }
+        FAIL("no InputError for " << key);
+        return std::string();
+    };
+    const auto replaced = [&](const std::string& key, size_t index, GgufValue item) {
+        GgufArray array = good.at(key).as_array();
+        array.items[index] = item;
+        return GgufValue{array};
+    };
+    const auto all_of_type = [&](GgufValueType type, GgufValue item) {
+        return GgufValue{GgufArray{type, std::vector<GgufValue>(good.at("tokenizer.ggml.tokens").as_array().items.size(), item)}};
+    };
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    // A NaN score breaks the merge queue's ordering; a score beyond float's range does not convert.
+    CHECK(error_with("tokenizer.ggml.scores", replaced("tokenizer.ggml.scores", 260, GgufValue{nan})) ==
+          "metadata key 'tokenizer.ggml.scores': entry 260 is nan, expected a finite float32");
+    CHECK(error_with("tokenizer.ggml.scores", all_of_type(GgufValueType::FLOAT64, GgufValue{1e300})) ==
+          "metadata key 'tokenizer.ggml.scores': entry 0 is 1e+300, expected a finite float32");
+    // A type outside 0..6 (or not a whole number) would be cast to a TokenType that does not exist.
+    CHECK(error_with("tokenizer.ggml.token_type", replaced("tokenizer.ggml.token_type", 5, GgufValue{int32_t{99}})) ==
+          "metadata key 'tokenizer.ggml.token_type': entry 5 is 99, expected a token type from 0 to 6");
+    CHECK(error_with("tokenizer.ggml.token_type", replaced("tokenizer.ggml.token_type", 0, GgufValue{int32_t{-1}})) ==
+          "metadata key 'tokenizer.ggml.token_type': entry 0 is -1, expected a token type from 0 to 6");
+    CHECK(error_with("tokenizer.ggml.token_type", all_of_type(GgufValueType::FLOAT64, GgufValue{1e20})) ==
+          "metadata key 'tokenizer.ggml.token_type': entry 0 is 1e+20, expected a token type from 0 to 6");
+    CHECK(error_with("tokenizer.ggml.token_type", all_of_type(GgufValueType::FLOAT32, GgufValue{2.5f})) ==
+          "metadata key 'tokenizer.ggml.token_type': entry 0 is 2.5, expected a token type from 0 to 6");
+    CHECK(error_with("tokenizer.ggml.tokens", GgufValue{GgufArray{GgufValueType::STRING, {}}}) ==
+          "metadata key 'tokenizer.ggml.tokens': empty vocabulary");
+}
+
+TEST_CASE("tokenizer: any bytes encode to ids in the vocabulary and decode back exactly") {
+    ScratchDir scratch;
+    const Tokenizer tokenizer = Tokenizer::load(write_vocabulary(scratch, "v.gguf", {{"ab", -1.0f}, {"\xC3\xA9", -1.0f}}));
+    std::mt19937 random(5);
+    std::vector<std::string> texts = {"\xFF", "\xC3", "ab\xE2\x96", "\x80\x80\x80", "\xF0\x9F\x99", std::string(3, '\0'),
+                                      "\xC0\xAF\xED\xA0\x80\xF4\x90\x80\x80"};
+    for (int i = 0; i < 200; ++i) {
+        std::string text(random() % 64, '\0');
+        for (char& byte : text) byte = static_cast<char>(random() % 256);
+        if (text.find(kSpace) == std::string::npos) texts.push_back(text);  // a literal '▁' decodes as a space
+    }
+    for (const std::string& text : texts) {
+        CAPTURE(text);
+        const std::vector<int> ids = tokenizer.encode(text, true);
+        CHECK(std::all_of(ids.begin(), ids.end(), [&](int id) { return id >= 0 && id < tokenizer.vocab_size(); }));
+        CHECK(tokenizer.decode(ids) == text);
+    }
+}
+
+TEST_CASE("tokenizer: a text whose tokenization needs more than the memory limit is refused") {
+    ScratchDir scratch;
+    const Tokenizer tokenizer = Tokenizer::load(write_vocabulary(scratch, "v.gguf", {{"ab", -1.0f}}));
+    const std::string text(100000, 'a');
+    CHECK(tokenizer.encode(text, false).size() == 100003);  // '▁' as three byte tokens, then every 'a'
+    const MemoryLimit limit(1 << 20);
+    CHECK_THROWS_WITH_AS(tokenizer.encode(text, false),
+                         "tokenizing 100000 bytes of text needs 7.6 MiB, over the memory limit of 1.0 MiB (--max-memory)",
+                         kvsim::InputError);
 }

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <string>
 
+#include "base/size_limits.h"
 #include "src/model/llama.h"
 
 #ifndef KVSIM_SHARED_DIR
@@ -52,6 +53,18 @@ class ScratchDir {
 
   private:
     std::filesystem::path path_;
+};
+
+// Sets the memory limit (base/size_limits.h) for a scope, restoring the previous one after.
+class MemoryLimit {
+  public:
+    explicit MemoryLimit(uint64_t bytes) : saved_(kvsim::memory_limit_bytes()) { kvsim::set_memory_limit_bytes(bytes); }
+    ~MemoryLimit() { kvsim::set_memory_limit_bytes(saved_); }
+    MemoryLimit(const MemoryLimit&) = delete;
+    MemoryLimit& operator=(const MemoryLimit&) = delete;
+
+  private:
+    uint64_t saved_;
 };
 
 // A small Llama shape with grouped-query attention (2 query heads per KV head), cheap to run.
