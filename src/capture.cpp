@@ -64,10 +64,11 @@ CaptureSummary capture_trace(const CaptureOptions& options) {
         const std::vector<int>& tokens = text.sequences[i];
         const std::string sequence_name = text.sequence_name(options.input.text_path, i);
         // Q, K and V of every layer and token, held until written, next to the model itself.
-        const uint64_t recorded = static_cast<uint64_t>(c.n_layers) * tokens.size() *
-                                  (static_cast<uint64_t>(c.q_dim()) + 2ull * c.kv_dim()) * sizeof(float);
-        check_memory(recorded + llama.memory_bytes(),
-                     model_path + ": Q/K/V of " + sequence_name + " (" + std::to_string(tokens.size()) + " tokens)");
+        const std::string what =
+            model_path + ": Q/K/V of " + sequence_name + " (" + std::to_string(tokens.size()) + " tokens)";
+        const uint64_t per_token_bytes = checked_mul(
+            static_cast<uint64_t>(c.n_layers), (static_cast<uint64_t>(c.q_dim()) + 2ull * c.kv_dim()) * sizeof(float), what);
+        check_memory(checked_add(checked_mul(per_token_bytes, tokens.size(), what), llama.memory_bytes(), what), what);
         QkvRecorder recorder(c, static_cast<int>(tokens.size()));
         llama.reset();
         try {

@@ -197,6 +197,7 @@ class ModelInput(unittest.TestCase):
             ("llama.block_count", UINT32, 0),
             ("llama.block_count", UINT64, 2**31),
             ("llama.block_count", INT32, -1),
+            ("llama.block_count", UINT32, 2**31 - 1),           # more blocks than the file has tensors for
             ("llama.attention.head_count", UINT32, 0),
             ("llama.embedding_length", UINT32, 9),              # not a multiple of head_count 2
             ("llama.attention.head_count_kv", UINT32, 0),

@@ -283,7 +283,12 @@ LlamaConfig LlamaConfig::from_gguf(const GgufFile& file) {
                                      std::to_string(config.vocab_size) + " rows of tensor 'token_embd.weight'");
 
     // Every weight the forward pass reads, with the shape the metadata implies: checked here, so
-    // nothing later sizes a buffer by metadata that the tensors do not back.
+    // nothing later sizes a buffer by metadata that the tensors do not back. Each block has nine
+    // tensors: a block_count the file's tensors cannot hold is refused before the list is built.
+    if (int64_t{config.n_layers} > static_cast<int64_t>(file.tensors().size() / 9))
+        fail("llama.block_count", std::to_string(config.n_layers) + " blocks need " +
+                                      std::to_string(9 * int64_t{config.n_layers}) + " tensors, the file has " +
+                                      std::to_string(file.tensors().size()));
     for (const WeightShape& weight : weight_shapes(config, file.find_tensor("output.weight") == nullptr))
         checked_tensor(file, weight);
     return config;
@@ -419,12 +424,14 @@ void LlamaModel::ensure_chunk_capacity(int n_tokens) {
     if (n_tokens <= chunk_capacity_) return;
     const LlamaConfig& c = config_;
     // Activations per token, and per query head a row of scores over every cached position (masks
-    // are bytes, counted as floats): all ints from a checked config, so this cannot wrap.
-    const uint64_t per_token = 2ull * c.dim + 3ull * c.q_dim() + 2ull * c.kv_dim() + 2ull * c.hidden_dim +
-                               static_cast<uint64_t>(c.vocab_size) +
-                               (static_cast<uint64_t>(c.n_heads) + c.n_kv_heads) * static_cast<uint64_t>(max_positions_);
-    check_memory(memory_bytes() + per_token * sizeof(float) * static_cast<uint64_t>(n_tokens),
-                 path_ + ": activations for a chunk of " + std::to_string(n_tokens) + " tokens");
+    // are bytes, counted as floats). The sum of ints cannot wrap; the products are checked.
+    const std::string what = path_ + ": activations for a chunk of " + std::to_string(n_tokens) + " tokens";
+    const uint64_t per_token = checked_add(
+        2ull * c.dim + 3ull * c.q_dim() + 2ull * c.kv_dim() + 2ull * c.hidden_dim + static_cast<uint64_t>(c.vocab_size),
+        checked_mul(static_cast<uint64_t>(c.n_heads) + c.n_kv_heads, static_cast<uint64_t>(max_positions_), what), what);
+    check_memory(checked_add(memory_bytes(), checked_mul(checked_mul(per_token, sizeof(float), what),
+                                                         static_cast<uint64_t>(n_tokens), what), what),
+                 what);
     chunk_capacity_ = n_tokens;
     x_.resize(n_tokens, c.dim);
     xb_.resize(n_tokens, c.dim);

@@ -487,6 +487,9 @@ TEST_CASE("LlamaConfig::from_gguf range-checks every integer before narrowing it
         {"llama.attention.key_length", GgufValue{uint64_t{1} << 63}, "uint64 value 9223372036854775808 is too large"},
         {"llama.block_count", GgufValue{uint64_t{1} << 31}, "value 2147483648 is out of range [1, 2147483647]"},
         {"llama.block_count", GgufValue{int32_t{-1}}, "value -1 is out of range [1, 2147483647]"},
+        // In range, but far more blocks than the file has tensors for: refused before anything is
+        // sized by it (a list of 9 x 2^31 tensor names took minutes and gigabytes).
+        {"llama.block_count", GgufValue{uint32_t{2147483647}}, "2147483647 blocks need 19327352823 tensors, the file has 21"},
         {"llama.attention.head_count_kv", GgufValue{uint32_t{8}}, "head_count 4 is not a multiple of head_count_kv 8"},
         {"llama.attention.head_count_kv", GgufValue{uint32_t{0}}, "value 0 is out of range [1, 2147483647]"},
         {"llama.context_length", GgufValue{int64_t{0}}, "value 0 is out of range [1, 2147483647]"},
