@@ -105,6 +105,15 @@ struct PolicyContext {
     const std::map<std::string, std::string>* files = nullptr;  // file parameters (paths), by name
 };
 
+// Memory an instance allocates that a parameter (or the trace's head size) sizes, beyond its
+// per-slot bookkeeping: SnapKV's observation window, a streaming head's exact tokens and state.
+// Checked against the memory limit before the instance is built, naming the parameter's key.
+struct ParamMemory {
+    uint64_t bytes = 0;
+    std::string param;   // the parameter that sizes it; empty when the trace's shape does
+    std::string detail;  // what the bytes are, e.g. "16 steps x 257 cached tokens"
+};
+
 struct PolicyDescriptor {
     std::string name;
     std::string paper;  // one line: who published it, where
@@ -115,6 +124,8 @@ struct PolicyDescriptor {
     std::function<std::string(const ParamValues&, int budget)> check_budget;
     // A policy that never evicts (full, int8, int4): budgets do not apply, one row fills them all.
     bool keeps_everything = false;
+    // Null when the budget alone sizes the policy's memory.
+    std::function<ParamMemory(const ParamValues&, const PolicyContext&)> param_memory = nullptr;
 };
 
 // The quantisation composed with an eviction policy: {evict: h2o, quantize: {bits: 4, older_than: 128}}.

@@ -19,9 +19,10 @@ namespace {
 
 class PyramidKV : public SnapKV {
 public:
+    // The harness hands a stream at most `capacity` positions whatever its layer's share (it asks
+    // for eviction past the budget), so the share, which may exceed the sequence, sizes nothing.
     PyramidKV(int capacity, int layer_share, int recent_window, int obs_window, int pool_kernel)
-        : SnapKV(std::max(layer_share + 1, capacity), recent_window, obs_window, pool_kernel),
-          layer_share_(layer_share) {}
+        : SnapKV(capacity, recent_window, obs_window, pool_kernel), layer_share_(layer_share) {}
 
 protected:
     int eviction_target(int budget) const override { return std::min(budget, layer_share_); }
@@ -46,7 +47,7 @@ PolicyDescriptor pyramidkv_descriptor() {
                 return std::make_unique<PyramidKV>(ctx.capacity, layer_share, recent_window,
                                                    param_int(p, "obs_window"), param_int(p, "pool_kernel"));
             },
-            check_recent_window_fits};
+            check_recent_window_fits, false, snapkv_memory};
 }
 
 }  // namespace kvsim

@@ -36,38 +36,36 @@ public:
 
     // Argmin selection as the reference harness defines it: repeat `needed` times, scan the
     // evictable slots (all but the protected recent tail, which includes the slot admitted this
-    // step) and take the smallest score; strict < sends ties to the lower position.
+    // step) and take the smallest score; strict < sends ties to the lower position. Scores with
+    // NaN (a policy fed NaN attention; the replay refuses such input) still give slots in range.
     void evict(int budget, std::vector<int32_t>& victims) final {
         const std::size_t size = positions_.size();
-        const std::size_t target = static_cast<std::size_t>(eviction_target(budget));
+        const std::size_t target = static_cast<std::size_t>(std::max(eviction_target(budget), 0));
         if (size <= target) return;
         const std::size_t needed = size - target;
-        const std::size_t evictable_end = size - std::min<std::size_t>(recent_window_, size);
+        const std::size_t evictable_end = size - std::min<std::size_t>(std::max(recent_window_, 0), size);
         if (evictable_end == 0) return;
-        const Score* score = scores().data();
+        const std::span<const Score> all = scores();
+        if (all.size() < evictable_end) throw std::logic_error("has fewer scores than cached positions");
+        const Score* score = all.data();
 
         chosen_.clear();
         if (needed == 1) {
-            // The common case, one victim per step: a vectorised minimum, then its first slot.
+            // The common case, one victim per step: a vectorised minimum, then its first slot. The
+            // minimum is one of the scores; a NaN (only NaN fed in makes one) may be skipped by it
+            // or returned, and a NaN is found by no ==: then the slot comes from select_total.
+            // Either way the victim is a slot in range, and scores without NaN go as before.
             using Array = Eigen::Array<Score, Eigen::Dynamic, 1>;
             const Score lowest = Eigen::Map<const Array>(score, static_cast<Eigen::Index>(evictable_end)).minCoeff();
-            if (lowest != kNotEvictable<Score>)
-                chosen_.push_back(static_cast<std::size_t>(std::find(score, score + evictable_end, lowest) - score));
+            const std::size_t slot = static_cast<std::size_t>(std::find(score, score + evictable_end, lowest) - score);
+            if (slot == evictable_end)
+                select_total(score, evictable_end, 1);
+            else if (lowest != kNotEvictable<Score>)
+                chosen_.push_back(slot);
         } else {
-            for (std::size_t taken = 0; taken < needed && taken < evictable_end; ++taken) {
-                std::size_t best = evictable_end;
-                Score best_score = kNotEvictable<Score>;
-                for (std::size_t i = 0; i < evictable_end; ++i) {
-                    if (score[i] < best_score && std::find(chosen_.begin(), chosen_.end(), i) == chosen_.end()) {
-                        best = i;
-                        best_score = score[i];
-                    }
-                }
-                if (best == evictable_end) break;
-                chosen_.push_back(best);
-            }
-            std::sort(chosen_.begin(), chosen_.end());  // victims go out in ascending position order
+            select_total(score, evictable_end, needed);
         }
+        std::sort(chosen_.begin(), chosen_.end());  // victims go out in ascending position order
         for (std::size_t slot : chosen_) victims.push_back(positions_[slot]);
         erase_slots<int32_t>(positions_, chosen_);
         drop_state(chosen_);
@@ -93,6 +91,31 @@ protected:
     std::size_t size() const { return positions_.size(); }
 
 private:
+    // a < b in the eviction order: every NaN first, then the numbers as < orders them.
+    static bool evicted_before(Score a, Score b) {
+        if constexpr (std::numeric_limits<Score>::has_quiet_NaN)
+            if (a != a) return b == b;
+        return a < b;
+    }
+
+    // Up to `needed` slots of [0, evictable_end), each time the first one lowest in the eviction
+    // order; a kNotEvictable score is never taken.
+    void select_total(const Score* score, std::size_t evictable_end, std::size_t needed) {
+        for (std::size_t taken = 0; taken < needed && taken < evictable_end; ++taken) {
+            std::size_t best = evictable_end;
+            Score best_score = kNotEvictable<Score>;
+            for (std::size_t i = 0; i < evictable_end; ++i) {
+                if (evicted_before(score[i], best_score) &&
+                    std::find(chosen_.begin(), chosen_.end(), i) == chosen_.end()) {
+                    best = i;
+                    best_score = score[i];
+                }
+            }
+            if (best == evictable_end) break;
+            chosen_.push_back(best);
+        }
+    }
+
     int capacity_;
     int recent_window_;
     std::vector<int32_t> positions_;

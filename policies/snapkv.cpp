@@ -51,6 +51,14 @@ std::size_t SnapKV::state_bytes_per_slot() const {
 }
 
 
+ParamMemory snapkv_memory(const ParamValues& p, const PolicyContext& ctx) {
+    // One column of floats per step of the window, each reserved for every slot the stream may hold.
+    const uint64_t steps = static_cast<uint64_t>(p.at("obs_window"));
+    const uint64_t slots = static_cast<uint64_t>(std::max(ctx.capacity, 1));
+    return {steps * (slots * sizeof(float) + sizeof(std::vector<float>)), "obs_window",
+            std::to_string(steps) + " steps of attention x " + std::to_string(slots) + " cached tokens"};
+}
+
 PolicyDescriptor snapkv_descriptor() {
     return {"snapkv", "Li et al. 2024, SnapKV: LLM Knows What You are Looking for Before Generation (NeurIPS)",
             {{"recent_window", 32, true, 0, "most recent tokens never evicted"},
@@ -60,7 +68,7 @@ PolicyDescriptor snapkv_descriptor() {
                 return std::make_unique<SnapKV>(ctx.capacity, param_int(p, "recent_window"),
                                                 param_int(p, "obs_window"), param_int(p, "pool_kernel"));
             },
-            check_recent_window_fits};
+            check_recent_window_fits, false, snapkv_memory};
 }
 
 }  // namespace kvsim

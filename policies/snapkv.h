@@ -27,5 +27,7 @@ private:
     std::vector<double> pooled_;
 };
 
+// What SnapKV's observation window takes (PyramidKV's too).
+ParamMemory snapkv_memory(const ParamValues& params, const PolicyContext& ctx);
 
 }  // namespace kvsim

@@ -118,11 +118,18 @@ private:
         tier_.push_back(kFp16);  // a new token is recent, so FP16
     }
 
-    // Importance order: higher cumulative attention first, the lower position on ties.
+    // Importance order: higher cumulative attention first, the lower position on ties, a NaN
+    // importance (NaN attention fed in) last. nth_element needs a strict weak order: with NaN
+    // compared as a number it has none and may run past the range.
     bool more_important(std::size_t a, std::size_t b) const {
-        if (importance_[a] != importance_[b]) return importance_[a] > importance_[b];
+        const double x = importance_[a], y = importance_[b];
+        const bool x_nan = std::isnan(x), y_nan = std::isnan(y);
+        if (x_nan != y_nan) return y_nan;
+        if (!x_nan && x != y) return x > y;
         return positions_[a] < positions_[b];
     }
+    // Ascending importance with NaN first: the same total order for the percentile.
+    static bool less_total(double x, double y) { return std::isnan(x) ? !std::isnan(y) : x < y; }
 
     // Sinks, the recent window and anchors: the tokens that always sit in the FP16 zone.
     void find_protected() {
@@ -138,9 +145,10 @@ private:
         sorted_.assign(importance_.begin(), importance_.end());
         const double rank = p_.anchor_percentile / 100.0 * static_cast<double>(n - 1);
         const std::size_t below = static_cast<std::size_t>(std::floor(rank));
-        std::nth_element(sorted_.begin(), sorted_.begin() + below, sorted_.end());
+        std::nth_element(sorted_.begin(), sorted_.begin() + below, sorted_.end(), less_total);
         const double low = sorted_[below];
-        const double high = below + 1 < n ? *std::min_element(sorted_.begin() + below + 1, sorted_.end()) : low;
+        const double high =
+            below + 1 < n ? *std::min_element(sorted_.begin() + below + 1, sorted_.end(), less_total) : low;
         const double threshold = low + (rank - static_cast<double>(below)) * (high - low);
 
         order_.clear();

@@ -90,6 +90,20 @@ PolicyDescriptor streaming_attention_descriptor() {
             return {};
         }};
     d.keeps_everything = true;
+    // A streaming head holds its sinks and recent tokens' keys and values exactly (floats) and a
+    // d x d state (doubles); without values (an attention trace) it holds positions only.
+    d.param_memory = [](const ParamValues& p, const PolicyContext& ctx) -> ParamMemory {
+        if (ctx.head_dim <= 0) return {};
+        const uint64_t dim = static_cast<uint64_t>(ctx.head_dim);  // < 2^31: the products fit 64 bits
+        const uint64_t sinks = static_cast<uint64_t>(p.at("sinks")), recent = static_cast<uint64_t>(p.at("recent"));
+        const uint64_t exact = (sinks + recent) * (2 * dim * sizeof(float) + sizeof(int64_t));
+        const uint64_t state = (dim + 1) * dim * sizeof(double);
+        if (state > exact)
+            return {exact + state, "", "a " + std::to_string(dim) + " x " + std::to_string(dim) + " linear state"};
+        return {exact + state, recent >= sinks ? "recent" : "sinks",
+                std::to_string(sinks) + " sinks + " + std::to_string(recent) + " recent tokens of head size " +
+                    std::to_string(dim)};
+    };
     return d;
 }
 

@@ -1,5 +1,7 @@
 // StreamingLLM: Xiao et al. 2024, "Efficient Streaming Language Models with Attention Sinks"
 // (ICLR). Keep the first `sinks` tokens forever and a sliding window of the most recent ones.
+#include <algorithm>
+
 #include "policies/recency.h"
 
 namespace kvsim {
@@ -8,7 +10,8 @@ namespace {
 class StreamingLlm : public Policy {
 public:
     StreamingLlm(int capacity, int sinks)
-        : sinks_(sinks), sinks_held_(sinks > 0 ? 1 : 0), recent_(capacity - sinks) {
+        // Sinks may outnumber the positions a short sequence hands it: the window then stays empty.
+        : sinks_(sinks), sinks_held_(sinks > 0 ? 1 : 0), recent_(static_cast<std::size_t>(std::max(capacity - sinks, 1))) {
         if (sinks == 0) recent_.push(0);
     }
 

@@ -7,6 +7,7 @@
 
 #include "sim/qkv_attention.h"
 #include "base/errors.h"
+#include "base/size_limits.h"
 
 namespace kvsim {
 namespace {
@@ -72,9 +73,10 @@ int64_t last_replayed_step(int64_t length, int64_t max_steps) {
 AttentionShape trace_shape(const TraceReader& reader, int64_t max_steps) {
     const TraceMetadata& m = reader.metadata();
     AttentionShape shape;
-    shape.num_layers = static_cast<int>(m.num_layers);
-    shape.num_query_heads = static_cast<int>(m.num_query_heads);
-    shape.num_kv_heads = static_cast<int>(m.num_kv_heads);
+    // The reader range-checks these; narrowing is checked again here, where it happens.
+    shape.num_layers = checked_narrow<int>(m.num_layers, reader.path() + ": root attribute 'num_layers'");
+    shape.num_query_heads = checked_narrow<int>(m.num_query_heads, reader.path() + ": root attribute 'num_query_heads'");
+    shape.num_kv_heads = checked_narrow<int>(m.num_kv_heads, reader.path() + ": root attribute 'num_kv_heads'");
     for (const SequenceInfo& s : reader.sequences()) {
         shape.sequence_names.push_back(s.name);
         shape.sequence_lengths.push_back(s.length);

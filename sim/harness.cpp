@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <stdexcept>
 
 #include "sim/streaming_heads.h"
@@ -149,19 +150,36 @@ void Harness::step(const GroupStep& s) {
         // by what that head keeps, then combined across the group.
         scale_.resize(group);
         float* sc = scale_.data();
+        bool wide = false;
         for (std::size_t h = 0; h < group; ++h) {
             const double total = retained_[h] + s.self_weight[h];  // kept positions and the token itself
-            sc[h] = total > 0 ? static_cast<float>(1.0 / total) : 0.0f;
+            const double inverse = total > 0 ? 1.0 / total : 0.0;
+            // A head whose kept and own weights underflow (all its attention on evicted tokens) has
+            // a scale past float's range: an infinite weight would pin a slot as unevictable, so
+            // such a step is scaled in double instead.
+            wide |= !(inverse <= std::numeric_limits<float>::max());
+            sc[h] = static_cast<float>(inverse);
         }
         float* attn = attn_.data();
         const float* first = gathered_.data();
-        for (std::size_t j = 0; j < held; ++j) attn[j] = first[j] * sc[0];
-        for (std::size_t h = 1; h < group; ++h) {
-            const float* w = gathered_.data() + h * held;
-            if (options_.reduce == GroupReduce::max)
-                for (std::size_t j = 0; j < held; ++j) attn[j] = std::max(attn[j], w[j] * sc[h]);
-            else
-                for (std::size_t j = 0; j < held; ++j) attn[j] += w[j] * sc[h];
+        auto scaled = [&](std::size_t h, std::size_t j) {
+            const double total = retained_[h] + s.self_weight[h];
+            return total > 0 ? static_cast<float>(gathered_[h * held + j] / total) : 0.0f;
+        };
+        if (wide) {
+            for (std::size_t j = 0; j < held; ++j) attn[j] = scaled(0, j);
+            for (std::size_t h = 1; h < group; ++h)
+                for (std::size_t j = 0; j < held; ++j)
+                    attn[j] = options_.reduce == GroupReduce::max ? std::max(attn[j], scaled(h, j)) : attn[j] + scaled(h, j);
+        } else {
+            for (std::size_t j = 0; j < held; ++j) attn[j] = first[j] * sc[0];
+            for (std::size_t h = 1; h < group; ++h) {
+                const float* w = gathered_.data() + h * held;
+                if (options_.reduce == GroupReduce::max)
+                    for (std::size_t j = 0; j < held; ++j) attn[j] = std::max(attn[j], w[j] * sc[h]);
+                else
+                    for (std::size_t j = 0; j < held; ++j) attn[j] += w[j] * sc[h];
+            }
         }
         if (options_.reduce == GroupReduce::mean)
             for (std::size_t j = 0; j < held; ++j) attn[j] /= static_cast<float>(group);

@@ -8,7 +8,9 @@
 
 namespace kvsim {
 
-// Appends the top-min(k, row.size()) positions of `row` to `out` (order unspecified).
+// Appends the top-min(k, row.size()) positions of `row` to `out` (order unspecified). Weights rank
+// by IEEE 754 totalOrder (-NaN < -Inf < ... < -0 < +0 < ... < +Inf < +NaN), so any row, valid or
+// not, gives that many distinct positions in range; on finite weights >= 0 it is the usual order.
 void top_k_positions(std::span<const float> row, int k, std::vector<int32_t>& out);
 
 }  // namespace kvsim

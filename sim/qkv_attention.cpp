@@ -5,6 +5,10 @@
 #include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
+#include <string>
+
+#include "base/errors.h"
+#include "base/size_limits.h"
 
 namespace kvsim {
 
@@ -12,7 +16,7 @@ using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::Ro
 using StridedRows = Eigen::Map<const RowMatrix, 0, Eigen::OuterStride<>>;
 
 void attention_from_qkv(const QkvLayer& layer, const QkvShape& shape, int64_t first_step, int64_t end_step,
-                        AttentionBlock& block) {
+                        AttentionBlock& block, const std::string& where) {
     const int hq = shape.num_query_heads, hkv = shape.num_kv_heads, d = shape.head_dim;
     const int group = hq / hkv;
     const int64_t rows = end_step - first_step;
@@ -21,6 +25,9 @@ void attention_from_qkv(const QkvLayer& layer, const QkvShape& shape, int64_t fi
     block.end_step = end_step;
     block.rows.resize(hq);
     block.self_weight.resize(hq);
+    // Per head, the first step whose logits are not all finite (-1: none); reported after the
+    // parallel loop, lowest head first, so the message does not depend on the threads.
+    std::vector<int64_t> overflow(hq, -1);
 
     tbb::parallel_for(0, hq, [&](int h) {
         const int g = h / group;
@@ -41,6 +48,13 @@ void attention_from_qkv(const QkvLayer& layer, const QkvShape& shape, int64_t fi
         for (int64_t i = 0; i < rows; ++i) {
             const int64_t t = first_step + i;
             auto row = scores.row(i).head(t + 1).array();  // causal: positions 0..t
+            // Finite Q and K (the reader checks them) can still overflow q.k to +-Inf, and the
+            // softmax would turn that into NaN. x - x is 0 exactly for every finite x and NaN
+            // otherwise: one vectorised pass, cheap beside the head_dim-long products behind it.
+            if (!((row - row).sum() == 0.0f)) {
+                overflow[h] = t;
+                return;
+            }
             const float peak = row.maxCoeff();
             row = (row - peak).exp();
             const float inv_total = 1.0f / row.sum();
@@ -49,6 +63,12 @@ void attention_from_qkv(const QkvLayer& layer, const QkvShape& shape, int64_t fi
             out += t;
         }
     });
+    for (int h = 0; h < hq; ++h)
+        if (overflow[h] >= 0)
+            throw InputError((where.empty() ? std::string("Q/K attention") : where) + ", head " + std::to_string(h) +
+                             ", step " + std::to_string(overflow[h]) +
+                             ": an attention logit q.k/sqrt(head_dim) is not finite (Q and K are finite, but too "
+                             "large: their product overflows float32)");
 }
 
 double attention_flops(const QkvShape& shape, int64_t first_step, int64_t end_step) {
@@ -58,7 +78,10 @@ double attention_flops(const QkvShape& shape, int64_t first_step, int64_t end_st
 int64_t QkvSource::block_floats(int64_t wanted) const {
     int64_t longest = 0;
     for (int64_t length : shape_.sequence_lengths) longest = std::max(longest, length);
-    return std::max(wanted, int64_t{64} * longest * shape_.num_query_heads);
+    // Saturates rather than wraps for absurd shapes: the replay's memory plan then refuses them.
+    const int64_t per_head = int64_t{64} * longest;  // lengths are at most 2^30
+    const int64_t heads = std::max(shape_.num_query_heads, 1);
+    return std::max(wanted, per_head > INT64_MAX / heads ? INT64_MAX : per_head * heads);
 }
 
 const QkvLayer& QkvSource::layer_data(int sequence, int layer) {
@@ -72,7 +95,9 @@ const QkvLayer& QkvSource::layer_data(int sequence, int layer) {
 }
 
 void QkvSource::read_block(int sequence, int layer, int64_t first_step, int64_t end_step, AttentionBlock& block) {
-    attention_from_qkv(layer_data(sequence, layer), qkv_, first_step, end_step, block);
+    attention_from_qkv(layer_data(sequence, layer), qkv_, first_step, end_step, block,
+                       description() + ": sequence " + shape_.sequence_names.at(sequence) + ", layer " +
+                           std::to_string(layer));
 }
 
 namespace {
@@ -81,7 +106,8 @@ class QkvFileSource : public QkvSource {
 public:
     QkvFileSource(std::unique_ptr<TraceReader> reader, int64_t max_steps) : reader_(std::move(reader)) {
         shape_ = trace_shape(*reader_, max_steps);
-        qkv_ = {shape_.num_query_heads, shape_.num_kv_heads, static_cast<int>(reader_->metadata().head_dim)};
+        qkv_ = {shape_.num_query_heads, shape_.num_kv_heads,
+                checked_narrow<int>(reader_->metadata().head_dim, reader_->path() + ": root attribute 'head_dim'")};
     }
     std::string description() const override { return reader_->path(); }
 

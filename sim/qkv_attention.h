@@ -3,6 +3,7 @@
 // is held at a time, so memory is bounded by one layer whatever the layer count.
 #pragma once
 #include <memory>
+#include <string>
 
 #include "sim/attention_source.h"
 #include "sim/trace_store.h"
@@ -17,9 +18,11 @@ struct QkvShape {
 
 // Rows of steps [first_step, end_step) of every query head, from one layer's Q and K: row t is
 // the softmax of q_t . k_j / sqrt(d) over j = 0..t, positions 0..t-1 packed, t's own weight in
-// self_weight. Heads run in parallel; each uses matrix products over the block.
+// self_weight. Heads run in parallel; each uses matrix products over the block. A logit that
+// overflows to +-Inf or NaN is an InputError naming `where` (trace, sequence, layer), the head and
+// the step.
 void attention_from_qkv(const QkvLayer& layer, const QkvShape& shape, int64_t first_step, int64_t end_step,
-                        AttentionBlock& block);
+                        AttentionBlock& block, const std::string& where = {});
 
 // Floating-point operations attention_from_qkv spends on a block (the score products).
 double attention_flops(const QkvShape& shape, int64_t first_step, int64_t end_step);

@@ -8,6 +8,7 @@
 #include "sim/precision.h"
 #include "sim/qkv_attention.h"
 #include "base/errors.h"
+#include "base/size_limits.h"
 
 namespace kvsim {
 namespace {
@@ -26,9 +27,14 @@ public:
             throw InputError(source.description() +
                              ": output error and memory metrics need a Q/K/V trace (this one records attention only)");
         head_dim_ = qkv_ ? qkv_->qkv_shape().head_dim : 0;
+        // The per-step loops keep a group's rows in arrays of 64.
+        if (group_ < 1 || group_ > 64)
+            throw InputError(source.description() + ": " + std::to_string(group_) +
+                             " query heads per KV head; kvsim handles 1 to 64");
     }
 
     std::vector<ComboResult> run() {
+        check_memory_plan();
         std::vector<ComboResult> results(combos_.size());
         for (auto& r : results) r.by_layer.resize(shape_.num_layers);
         for (int64_t last : shape_.last_steps) total_steps_ += last * shape_.num_layers;
@@ -51,10 +57,81 @@ public:
     }
 
 private:
+    // Packed weights per query head in one block: what the source allows, and always one row.
+    int64_t block_floats_per_head() const {
+        return std::max<int64_t>(1, source_.block_floats(options_.block_floats) / query_heads_);
+    }
+
+    // An upper bound of what replaying one (sequence, layer) holds at once, checked for every
+    // sequence and layer before the first step: input that implies more than the memory limit is
+    // one InputError naming the trace and the sequence (or the policy parameter that sizes it),
+    // not an out-of-memory kill half-way through. Thread-independent, so is the verdict.
+    void check_memory_plan() const {
+        const uint64_t heads = static_cast<uint64_t>(query_heads_), kv = static_cast<uint64_t>(kv_heads_);
+        const uint64_t per_head_wanted = static_cast<uint64_t>(block_floats_per_head());
+        const bool values = options_.output_error || options_.memory;
+        uint64_t tier_copies = 0;  // combinations that may hold quantised copies of the layer's K and V
+        for (const ReplayCombo& c : combos_) tier_copies += c.quantize.has_value() || c.policy->keeps_everything;
+        for (std::size_t s = 0; s < shape_.sequence_lengths.size(); ++s) {
+            const std::string what = source_.description() + ": sequence " + shape_.sequence_names[s] + " (" +
+                                     std::to_string(shape_.sequence_lengths[s]) + " tokens)";
+            auto mul = [&](uint64_t a, uint64_t b) { return checked_mul(a, b, what); };
+            auto add = [&](uint64_t a, uint64_t b) { return checked_add(a, b, what); };
+            const uint64_t length = static_cast<uint64_t>(shape_.sequence_lengths[s]);
+            const uint64_t last = static_cast<uint64_t>(std::max<int64_t>(shape_.last_steps[s], 1));
+            // A block holds at most the floats asked for, or one row where a row is longer; its rows
+            // r and last step e satisfy r * (e - 1) <= 2 * floats, which bounds the heavy hitters.
+            const uint64_t per_head = std::max(per_head_wanted, last);
+            const uint64_t rows = std::min(per_head, last);
+            uint64_t block = mul(heads, per_head);                          // the rows
+            block = add(block, mul(heads, rows));                          // self weights
+            const uint64_t k = static_cast<uint64_t>(std::max(k_, 1));
+            block = add(block, mul(heads, std::min(mul(2, per_head), mul(rows, k))));  // heavy hitters
+            if (raw_view_ && group_ > 1) block = add(block, mul(kv, per_head));  // combined rows
+            uint64_t shared = mul(block, sizeof(float));
+            if (qkv_) {
+                const uint64_t d = static_cast<uint64_t>(head_dim_);
+                const uint64_t layer_floats = mul(length, mul(heads + 2 * kv, d));
+                shared = add(shared, mul(layer_floats, sizeof(float)));
+                shared = add(shared, mul(mul(heads, add(mul(2, per_head), rows)), sizeof(float)));  // score products
+                if (values) {
+                    shared = add(shared, mul(mul(tier_copies, 4), mul(mul(length, mul(kv, d)), sizeof(float))));
+                    if (options_.output_error) shared = add(shared, mul(mul(heads, mul(rows, d)), sizeof(float)));
+                    shared = add(shared, mul(length, sizeof(int32_t) + 1));
+                }
+            }
+            for (int layer = 0; layer < shape_.num_layers; ++layer) {
+                uint64_t total = shared;
+                for (const ReplayCombo& c : combos_) {
+                    const PolicyContext ctx = context(c, static_cast<int>(s), layer, 0);
+                    // Per harness: flags and tiers by position, and per cached slot the harness's
+                    // lists, the group's gathered weights and the policy's own bookkeeping.
+                    const uint64_t slots = static_cast<uint64_t>(ctx.capacity);
+                    uint64_t harness = mul(length, values || c.quantize || c.policy->keeps_everything ? 3 : 1);
+                    harness = add(harness, mul(slots, 16 + 4 * static_cast<uint64_t>(group_) + 64));
+                    total = add(total, add(mul(harness, kv), c.check_param_memory(ctx, kv)));
+                }
+                check_memory(total, what + ", layer " + std::to_string(layer) + ": replaying " +
+                                        std::to_string(combos_.size()) + " configurations over " +
+                                        std::to_string(kv_heads_) + " KV heads");
+                if (std::all_of(combos_.begin(), combos_.end(),
+                                [](const ReplayCombo& c) { return c.layer_budgets.empty(); }))
+                    break;  // every layer plans alike
+            }
+        }
+    }
+
+    // What a policy of combination c may know where it runs.
+    PolicyContext context(const ReplayCombo& c, int s, int layer, int kv) const {
+        const int64_t length = shape_.sequence_lengths[s];
+        const int budget = c.budget_for(layer, length);
+        const int capacity = static_cast<int>(std::min<int64_t>(std::max(budget, options_.harness.prefill_tokens), length)) + 1;
+        return PolicyContext{budget, capacity, layer, shape_.num_layers, kv, kv_heads_, head_dim_};
+    }
+
     // One harness per (KV head, combination), index kv_head * combinations + combination.
     std::vector<Harness> make_harnesses(int s, int layer) const {
         const int64_t length = shape_.sequence_lengths[s];
-        const int prefill = options_.harness.prefill_tokens;
         std::vector<Harness> harnesses;
         harnesses.reserve(kv_heads_ * combos_.size());
         for (int kv = 0; kv < kv_heads_; ++kv)
@@ -67,8 +144,7 @@ private:
                                          shape_.sequence_names[s] + " (" + std::to_string(length) + " tokens) gets " +
                                          std::to_string(budget) + " tokens, and " + problem);
                 }
-                const int capacity = static_cast<int>(std::min<int64_t>(std::max(budget, prefill), length)) + 1;
-                const PolicyContext ctx{budget, capacity, layer, shape_.num_layers, kv, kv_heads_, head_dim_};
+                const PolicyContext ctx = context(c, s, layer, kv);
                 const std::string where = " (sequence " + shape_.sequence_names[s] + ", layer " +
                                           std::to_string(layer) + ", KV head " + std::to_string(kv) + ")";
                 harnesses.emplace_back(c.make(ctx), budget, length, options_.harness, c.label, where);
@@ -103,7 +179,7 @@ private:
 
     void replay_layer(int s, int layer, std::vector<Harness>& harnesses) {
         const int64_t length = shape_.sequence_lengths[s];
-        const int64_t block_floats = std::max<int64_t>(1, source_.block_floats(options_.block_floats) / query_heads_);
+        const int64_t block_floats = block_floats_per_head();
         for (int64_t first = 1; first <= shape_.last_steps[s];) {
             const int64_t end = attention_block_end(first, shape_.last_steps[s], block_floats);
             source_.read_block(s, layer, first, end, block_);
@@ -122,15 +198,18 @@ private:
     // output (for the output error), and (raw view, grouped heads) every KV head's combined row.
     void shared_work(int64_t first, int64_t end, int64_t length) {
         const int64_t rows = end - first;
-        heavy_.resize(static_cast<std::size_t>(query_heads_) * rows * k_);
+        // No row of the block has more than end - 1 positions: a larger k (up to 2^30 from a
+        // config) would only size the buffer, not change the heavy hitters.
+        block_k_ = static_cast<int>(std::min<int64_t>(k_, end - 1));
+        heavy_.resize(static_cast<std::size_t>(query_heads_) * rows * block_k_);
         heavy_count_.resize(static_cast<std::size_t>(query_heads_) * rows);
         tbb::parallel_for(int64_t{0}, query_heads_ * rows, [&](int64_t job) {
             const int head = static_cast<int>(job / rows);
             const int64_t t = first + job % rows;
             thread_local std::vector<int32_t> top;
             top.clear();
-            top_k_positions({block_.row(head, t), static_cast<std::size_t>(t)}, k_, top);
-            std::copy(top.begin(), top.end(), heavy_.begin() + job * k_);
+            top_k_positions({block_.row(head, t), static_cast<std::size_t>(t)}, block_k_, top);
+            std::copy(top.begin(), top.end(), heavy_.begin() + job * block_k_);
             heavy_count_[job] = static_cast<int32_t>(top.size());
         });
         if (options_.output_error) {
@@ -179,7 +258,7 @@ private:
                 const int head = kv * group_ + h;
                 const int64_t job_row = head * rows + i;
                 rows_of_group[h] = block_.row(head, t);
-                heavy_of_group[h] = {heavy_.data() + job_row * k_, static_cast<std::size_t>(heavy_count_[job_row])};
+                heavy_of_group[h] = {heavy_.data() + job_row * block_k_, static_cast<std::size_t>(heavy_count_[job_row])};
                 if (!raw_view_ || recorded_self_) self_of_group[h] = block_.self_weight[head][i];
                 if (options_.output_error) {
                     queries_of_group[h] = layer_values_->q.data() + (t * query_heads_ + head) * head_dim_;
@@ -214,6 +293,7 @@ private:
     int64_t total_steps_ = 0, steps_done_ = 0;
 
     AttentionBlock block_;
+    int block_k_ = 0;  // heavy hitters per row in this block: k, or fewer where rows are shorter
     bool recorded_self_ = false;
     std::vector<int32_t> heavy_;                    // [query head][row][k]
     std::vector<int32_t> heavy_count_;              // [query head][row]

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "base/size_limits.h"
 #include "policies/policy.h"
 #include "sim/attention_source.h"
 #include "sim/harness.h"
@@ -28,16 +29,38 @@ struct ReplayCombo {
     std::string label;               // table row, e.g. "h2o(recent_window=64)"
     std::optional<QuantizeRule> quantize;  // {evict: ..., quantize: ...}: what is kept, held coarser
     std::map<std::string, std::string> files;  // file parameters
+    std::string where;                          // the config entry, e.g. "FILE:LINE: policies[2].snapkv"
+    std::map<std::string, std::string> param_where;  // where a parameter's value was set, by name
 
+    // The config key of a parameter ("...policies[2].snapkv.obs_window", "--set snapkv.obs_window").
+    std::string key_of(const std::string& param) const {
+        if (param.empty()) return where;
+        const auto it = param_where.find(param);
+        return it != param_where.end() ? it->second : where + "." + param;
+    }
     // Tokens a (layer, KV head) may hold; a policy that keeps everything holds the whole sequence.
     int budget_for(int layer, int64_t sequence_length) const {
-        if (policy->keeps_everything) return static_cast<int>(sequence_length);
+        if (policy->keeps_everything) return checked_narrow<int>(sequence_length, label + ": sequence length");
         if (compression > 0) return budget_for_compression(compression, sequence_length);
         return layer_budgets.empty() ? budget : layer_budgets.at(layer);
+    }
+    // Bytes one instance takes that its parameters size: InputError naming the parameter's key when
+    // they are over the memory limit, before anything is allocated.
+    uint64_t check_param_memory(const PolicyContext& ctx, uint64_t instances = 1) const {
+        if (!policy->param_memory) return 0;
+        const ParamMemory m = policy->param_memory(params, ctx);
+        const uint64_t bytes = checked_mul(m.bytes, instances, key_of(m.param));
+        const auto value = m.param.empty() ? params.end() : params.find(m.param);
+        check_memory(bytes, key_of(m.param) +
+                                (value != params.end() ? " = " + std::to_string(static_cast<int64_t>(value->second)) : "") +
+                                " (" + m.detail + (instances > 1 ? ", x " + std::to_string(instances) + " streams" : "") +
+                                ")");
+        return bytes;
     }
     // The policy instance for one (layer, KV head) stream, composed with its quantisation rule.
     std::unique_ptr<Policy> make(PolicyContext ctx) const {
         ctx.files = &files;
+        check_param_memory(ctx);
         std::unique_ptr<Policy> p = policy->make(params, ctx);
         return quantize ? make_quantized(std::move(p), *quantize) : std::move(p);
     }

@@ -61,9 +61,11 @@ std::vector<ReplayCombo> expand_sweep(const std::vector<PolicyEntry>& policies, 
         while (true) {
             std::map<std::string, double> given = entry.params;
             std::string where = entry.where;
+            std::map<std::string, std::string> param_where;  // a grid axis names its own values
             for (std::size_t a = 0; a < axes.size(); ++a) {
                 given[axes[a]->param] = axes[a]->values[index[a]];
                 where = axes[a]->where;
+                param_where[axes[a]->param] = axes[a]->where;
             }
             const ParamValues values = resolve_params(*policy, given, axes.empty() ? entry.where : where);
             check_file_params(*policy, entry.files, entry.where);
@@ -81,7 +83,8 @@ std::vector<ReplayCombo> expand_sweep(const std::vector<PolicyEntry>& policies, 
                     const std::string problem = policy->check_budget(values, std::numeric_limits<int>::max());
                     if (!problem.empty()) throw InputError(entry.where + ": " + label + ": " + problem);
                 }
-                combos.push_back({policy, values, 0, {}, 0, kEveryBudget, label, quantize, entry.files});
+                combos.push_back({policy, values, 0, {}, 0, kEveryBudget, label, quantize, entry.files, entry.where,
+                                  param_where});
             } else for (const BudgetColumn& column : budgets) {
                 // A profile must suit its smallest layer budget.
                 const int tightest = column.layer_budgets.empty()
@@ -95,7 +98,7 @@ std::vector<ReplayCombo> expand_sweep(const std::vector<PolicyEntry>& policies, 
                                          (column.layer_budgets.empty() ? "" : " (profile " + column.label + ")"));
                 }
                 combos.push_back({policy, values, column.budget, column.layer_budgets, column.compression,
-                                  column.label, label, quantize, entry.files});
+                                  column.label, label, quantize, entry.files, entry.where, param_where});
             }
             std::size_t a = axes.size();
             while (a > 0 && ++index[a - 1] == axes[a - 1]->values.size()) index[--a] = 0;

@@ -4,6 +4,7 @@
 
 #include <Eigen/Core>  // Eigen::half: correctly rounded float -> float16
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -11,6 +12,7 @@
 #include "kvsim_version.h"
 #include "base/atomic_file.h"
 #include "base/errors.h"
+#include "base/size_limits.h"
 
 namespace kvsim {
 namespace {
@@ -133,10 +135,77 @@ Handle compressed_layout(int rank, const hsize_t* chunk) {
 }
 
 constexpr hsize_t kAttentionChunk = 1 << 16;  // floats: 256 KiB
+constexpr size_t kMaxStringAttribute = 1 << 16;  // an object header holds at most 64 KiB
+
+// A row of attention may sum to this much over 1 (its own weight, not stored, makes up the rest):
+// float rounding of a softmax, float16 storage included, stays far below it.
+constexpr double kRowSumTolerance = 1e-3;
+
+// The first element in [data, data + n) whose bit pattern `bad` flags, or n. Blocks of 256 are
+// OR-reduced with a branch-free loop the compiler vectorises; only a block that fails is searched
+// element by element, so a valid trace pays one pass of integer compares.
+template <class Bad>
+std::size_t first_flagged(const float* data, std::size_t n, Bad bad) {
+    constexpr std::size_t kBlock = 256;
+    std::size_t i = 0;
+    for (; i + kBlock <= n; i += kBlock) {
+        uint32_t any = 0;
+        for (std::size_t l = 0; l < kBlock; ++l) {
+            uint32_t bits;
+            std::memcpy(&bits, data + i + l, 4);
+            any |= bad(bits);
+        }
+        if (any) break;
+    }
+    for (; i < n; ++i) {
+        uint32_t bits;
+        std::memcpy(&bits, data + i, 4);
+        if (bad(bits)) return i;
+    }
+    return n;
+}
+
+// NaN and +-Inf: every exponent bit set.
+inline uint32_t non_finite_bits(uint32_t bits) { return (bits & 0x7f800000u) == 0x7f800000u; }
+// Not an attention weight: anything above 1.0f as an unsigned pattern is > 1, +Inf, NaN or
+// negative, except -0, which is 0.
+inline uint32_t not_weight_bits(uint32_t bits) { return (bits > 0x3f800000u) & (bits != 0x80000000u); }
+
+// Sum of a row in double with 8 independent lanes (vectorised; a float sum of 2^30 weights could
+// drift past the tolerance).
+double row_sum(const float* row, int64_t n) {
+    double lane[8] = {};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int l = 0; l < 8; ++l) lane[l] += row[j + l];
+    double sum = 0;
+    for (; j < n; ++j) sum += row[j];
+    for (double v : lane) sum += v;
+    return sum;
+}
+
+std::string format_float(double x) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%g", x);
+    return text;
+}
+
+std::string show_shape(const std::vector<hsize_t>& d) {
+    std::string s = "[";
+    for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+    return s + "]";
+}
 
 }  // namespace
 
 const char* to_string(TraceKind kind) { return kind == TraceKind::attention ? "attention" : "qkv"; }
+
+int64_t attention_floats(int64_t length, const std::string& what) {
+    if (length < 0 || length > kMaxTraceTokens)
+        throw InputError(what + ": " + std::to_string(length) + " tokens is outside [0, " +
+                         std::to_string(kMaxTraceTokens) + "]");
+    return attention_row_offset(length);
+}
 
 // ---------------------------------------------------------------------------------------------
 // Writer
@@ -273,21 +342,31 @@ struct TraceReader::Impl {
 
     Handle open_attr(hid_t obj, const std::string& obj_name, const char* name) const {
         if (H5Aexists(obj, name) <= 0) fail(obj_name + "missing attribute '" + name + "'");
-        return attr_handle(H5Aopen(obj, name, H5P_DEFAULT));
+        Handle attr = attr_handle(H5Aopen(obj, name, H5P_DEFAULT));
+        if (!attr.valid()) fail(obj_name + "cannot read attribute '" + name + "'");
+        return attr;
     }
 
     std::string string_attr(hid_t obj, const std::string& obj_name, const char* name) const {
         Handle attr = open_attr(obj, obj_name, name);
         Handle type = type_handle(H5Aget_type(attr.get()));
+        Handle space = space_handle(H5Aget_space(attr.get()));
         if (H5Tget_class(type.get()) != H5T_STRING || H5Tis_variable_str(type.get()) > 0)
             fail(obj_name + "attribute '" + std::string(name) + "' is not a fixed-length string");
-        std::string value(H5Tget_size(type.get()), '\0');
+        // One string, of a size an attribute can hold: H5Aread writes every element of the
+        // attribute's dataspace into the buffer, which holds one.
+        const size_t size = H5Tget_size(type.get());
+        if (H5Sget_simple_extent_npoints(space.get()) != 1 || size == 0 || size > kMaxStringAttribute)
+            fail(obj_name + "attribute '" + std::string(name) + "' is not one string of at most " +
+                 std::to_string(kMaxStringAttribute) + " bytes");
+        std::string value(size, '\0');
         if (H5Aread(attr.get(), type.get(), value.data()) < 0) fail(obj_name + "cannot read attribute '" + name + "'");
         value.resize(std::strlen(value.c_str()));
         return value;
     }
 
-    int64_t int_attr(hid_t obj, const std::string& obj_name, const char* name, int64_t min_value) const {
+    int64_t int_attr(hid_t obj, const std::string& obj_name, const char* name, int64_t min_value,
+                     int64_t max_value = INT64_MAX, const char* why = "") const {
         Handle attr = open_attr(obj, obj_name, name);
         Handle type = type_handle(H5Aget_type(attr.get()));
         Handle space = space_handle(H5Aget_space(attr.get()));
@@ -298,6 +377,9 @@ struct TraceReader::Impl {
         if (value < min_value)
             fail(obj_name + "attribute '" + name + "' = " + std::to_string(value) + " must be >= " +
                  std::to_string(min_value));
+        if (value > max_value)
+            fail(obj_name + "attribute '" + name + "' = " + std::to_string(value) + " must be <= " +
+                 std::to_string(max_value) + why);
         return value;
     }
 
@@ -314,15 +396,60 @@ struct TraceReader::Impl {
         const int rank = H5Sget_simple_extent_ndims(space.get());
         std::vector<hsize_t> dims(std::max(rank, 0));
         if (rank > 0) H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr);
-        if (dims != shape) {
-            auto show = [](const std::vector<hsize_t>& d) {
-                std::string s = "[";
-                for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-                return s + "]";
-            };
-            fail("dataset '" + name + "' has shape " + show(dims) + ", expected " + show(shape));
-        }
+        if (dims != shape) fail("dataset '" + name + "' has shape " + show_shape(dims) + ", expected " + show_shape(shape));
         return dataset;
+    }
+
+    // The data a dataset's shape implies must be in this file: HDF5 reads a chunk that was never
+    // written, or contiguous storage never allocated, as zeros, so a few bytes of header can claim
+    // a sequence of 2^30 tokens. External and virtual storage (other files) are refused too.
+    void check_stored(const std::string& name, const Handle& dataset, const std::vector<hsize_t>& shape) const {
+        Handle plist = plist_handle(H5Dget_create_plist(dataset.get()));
+        Handle type = type_handle(H5Dget_type(dataset.get()));
+        if (!plist.valid() || !type.valid()) fail("cannot read the layout of dataset '" + name + "'");
+        const std::string what = path + ": dataset '" + name + "' " + show_shape(shape);
+        const uint64_t element_bytes = H5Tget_size(type.get());
+        const uint64_t buffer_bytes = std::max<uint64_t>(element_bytes, sizeof(float));  // as read
+        uint64_t elements = 1;
+        for (hsize_t d : shape) elements = checked_mul(elements, d, what);
+        const uint64_t raw = checked_mul(elements, element_bytes, what);
+        const std::string claims = "dataset '" + name + "' " + show_shape(shape) + " (" + format_bytes(raw) + ")";
+        if (H5Pget_external_count(plist.get()) != 0) fail(claims + " is stored in external files");
+        switch (H5Pget_layout(plist.get())) {
+            case H5D_COMPACT:
+                return;  // in the object header itself
+            case H5D_CONTIGUOUS: {
+                const uint64_t stored = H5Dget_storage_size(dataset.get());
+                if (stored < raw)
+                    fail(claims + " has " + format_bytes(stored) + " of storage allocated");
+                return;
+            }
+            case H5D_CHUNKED: {
+                const int rank = static_cast<int>(shape.size());
+                std::vector<hsize_t> chunk(std::max(rank, 1));
+                if (H5Pget_chunk(plist.get(), rank, chunk.data()) != rank)
+                    fail("cannot read the chunk shape of dataset '" + name + "'");
+                uint64_t chunk_elements = 1, chunks = 1;
+                for (int i = 0; i < rank; ++i) {
+                    if (chunk[i] == 0) fail("dataset '" + name + "' has an empty chunk shape");
+                    chunk_elements = checked_mul(chunk_elements, chunk[i], what);
+                    chunks = checked_mul(chunks, shape[i] / chunk[i] + (shape[i] % chunk[i] != 0), what);
+                }
+                // A reader inflates a whole chunk to read any part of it.
+                check_memory(checked_mul(chunk_elements, buffer_bytes, what),
+                             what + " in chunks of " + show_shape({chunk.begin(), chunk.end()}));
+                hsize_t stored = 0;
+                const Handle space = space_handle(H5Dget_space(dataset.get()));  // 1.10 refuses H5S_ALL here
+                if (H5Dget_num_chunks(dataset.get(), space.get(), &stored) < 0)
+                    fail("cannot read the chunk index of dataset '" + name + "'");
+                if (stored < chunks)
+                    fail(claims + " stores " + std::to_string(stored) + " of its " + std::to_string(chunks) +
+                         " chunks: the file does not hold the data its shape implies");
+                return;
+            }
+            default:
+                fail(claims + " has a layout kvsim does not read (virtual or unknown)");
+        }
     }
 
     void read_all(const std::string& name, const Handle& dataset, hid_t mem_type, void* out) const {
@@ -356,10 +483,12 @@ TraceReader::TraceReader(const std::string& path) : impl_(std::make_unique<Impl>
     else
         r.fail("root attribute 'kind' is '" + kind + "' (expected attention or qkv)");
     m.model_name = r.string_attr(root, "", "model_name");
-    m.num_layers = r.int_attr(root, "", "num_layers", 1);
-    m.num_query_heads = r.int_attr(root, "", "num_query_heads", 1);
-    m.num_kv_heads = r.int_attr(root, "", "num_kv_heads", 1);
-    m.head_dim = r.int_attr(root, "", "head_dim", m.kind == TraceKind::qkv ? 1 : 0);
+    // Counts and sizes are int64 in the file and int in the replay: range-checked here, once.
+    constexpr int64_t kInt = INT32_MAX;
+    m.num_layers = r.int_attr(root, "", "num_layers", 1, kInt);
+    m.num_query_heads = r.int_attr(root, "", "num_query_heads", 1, kInt);
+    m.num_kv_heads = r.int_attr(root, "", "num_kv_heads", 1, kInt);
+    m.head_dim = r.int_attr(root, "", "head_dim", m.kind == TraceKind::qkv ? 1 : 0, kInt);
     if (m.num_query_heads % m.num_kv_heads != 0)
         r.fail("root attributes: num_query_heads " + std::to_string(m.num_query_heads) +
                " is not a multiple of num_kv_heads " + std::to_string(m.num_kv_heads));
@@ -371,32 +500,40 @@ TraceReader::TraceReader(const std::string& path) : impl_(std::make_unique<Impl>
     m.source_text_sha256 = r.string_attr(root, "", "source_text_sha256");
     m.kvsim_version = r.string_attr(root, "", "kvsim_version");
 
-    const int64_t num_sequences = r.int_attr(root, "", "num_sequences", 1);
+    const int64_t num_sequences = r.int_attr(root, "", "num_sequences", 1, kInt);
     for (int s = 0; s < num_sequences; ++s) {
         const std::string group_name = sequence_group(s);
         if (H5Lexists(root, "/sequences", H5P_DEFAULT) <= 0 || H5Lexists(root, group_name.c_str(), H5P_DEFAULT) <= 0)
             r.fail("missing group '" + group_name + "'");
         Handle group = group_handle(H5Gopen2(root, group_name.c_str(), H5P_DEFAULT));
+        if (!group.valid()) r.fail("'" + group_name + "' is not a group");
         SequenceInfo info;
         info.name = r.string_attr(group.get(), group_name + ": ", "name");
-        info.length = r.int_attr(group.get(), group_name + ": ", "length", 2);
+        info.length = r.int_attr(group.get(), group_name + ": ", "length", 2, kMaxTraceTokens,
+                                 " (positions are 32-bit; kvsim replays at most 2^30 tokens)");
         r.sequences.push_back(info);
-        // Check every dataset's shape now, so a replay never fails half-way through.
+        // Check every dataset's shape, and that its data is there, now: a replay never fails
+        // half-way through on a dataset's shape, nor reads zeros the file never held.
         for (int layer = 0; layer < m.num_layers; ++layer) {
+            auto check = [&](const std::string& name, const std::vector<hsize_t>& shape) {
+                const Handle dataset = r.open_dataset(name, H5T_FLOAT, shape);
+                r.check_stored(name, dataset, shape);
+            };
             if (m.kind == TraceKind::attention) {
-                for (int head = 0; head < m.num_query_heads; ++head)
-                    r.open_dataset(attention_path(s, layer, head), H5T_FLOAT,
-                                   {static_cast<hsize_t>(attention_row_offset(info.length))});
+                const hsize_t floats = static_cast<hsize_t>(attention_row_offset(info.length));
+                for (int head = 0; head < m.num_query_heads; ++head) check(attention_path(s, layer, head), {floats});
             } else {
                 const hsize_t t = info.length, d = m.head_dim;
-                r.open_dataset(qkv_path(s, layer, "q"), H5T_FLOAT, {t, static_cast<hsize_t>(m.num_query_heads), d});
-                r.open_dataset(qkv_path(s, layer, "k"), H5T_FLOAT, {t, static_cast<hsize_t>(m.num_kv_heads), d});
-                r.open_dataset(qkv_path(s, layer, "v"), H5T_FLOAT, {t, static_cast<hsize_t>(m.num_kv_heads), d});
+                check(qkv_path(s, layer, "q"), {t, static_cast<hsize_t>(m.num_query_heads), d});
+                check(qkv_path(s, layer, "k"), {t, static_cast<hsize_t>(m.num_kv_heads), d});
+                check(qkv_path(s, layer, "v"), {t, static_cast<hsize_t>(m.num_kv_heads), d});
             }
         }
         const std::string tokens = group_name + "/tokens";
-        if (H5Lexists(root, tokens.c_str(), H5P_DEFAULT) > 0)
-            r.open_dataset(tokens, H5T_INTEGER, {static_cast<hsize_t>(info.length)});
+        if (H5Lexists(root, tokens.c_str(), H5P_DEFAULT) > 0) {
+            const std::vector<hsize_t> shape = {static_cast<hsize_t>(info.length)};
+            r.check_stored(tokens, r.open_dataset(tokens, H5T_INTEGER, shape), shape);
+        }
     }
 }
 
@@ -408,15 +545,39 @@ const std::vector<SequenceInfo>& TraceReader::sequences() const { return impl_->
 void TraceReader::read_attention_rows(int sequence, int layer, int head, int64_t first_step, int64_t end_step,
                                       std::vector<float>& out) const {
     const std::string name = attention_path(sequence, layer, head);
+    const int64_t length = impl_->sequences.at(sequence).length;
+    if (first_step < 1 || end_step < first_step || end_step > length)
+        throw std::out_of_range("read_attention_rows: steps [" + std::to_string(first_step) + ", " +
+                                std::to_string(end_step) + ") outside [1, " + std::to_string(length) + ")");
     Handle dataset = dataset_handle(H5Dopen2(impl_->h5.get(), name.c_str(), H5P_DEFAULT));
     const hsize_t offset = static_cast<hsize_t>(attention_row_offset(first_step));
     const hsize_t count = static_cast<hsize_t>(attention_row_offset(end_step)) - offset;
     out.resize(count);
+    if (count == 0) return;
     Handle file_space = space_handle(H5Dget_space(dataset.get()));
     H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, &offset, nullptr, &count, nullptr);
     Handle mem_space = space_handle(H5Screate_simple(1, &count, nullptr));
-    if (H5Dread(dataset.get(), H5T_NATIVE_FLOAT, mem_space.get(), file_space.get(), H5P_DEFAULT, out.data()) < 0)
+    if (!dataset.valid() ||
+        H5Dread(dataset.get(), H5T_NATIVE_FLOAT, mem_space.get(), file_space.get(), H5P_DEFAULT, out.data()) < 0)
         impl_->fail("cannot read dataset '" + name + "' (truncated or corrupt)");
+
+    // Checked as each block is read, once: every weight a finite number in [0, 1], every row at
+    // most 1 in sum (its own weight is the rest). One vectorised pass of integer compares and one
+    // of sums, row by row while the row is in cache.
+    const float* row = out.data();
+    for (int64_t t = first_step; t < end_step; row += t, ++t) {
+        const std::size_t bad = first_flagged(row, static_cast<std::size_t>(t), not_weight_bits);
+        const uint64_t index = offset + static_cast<uint64_t>(row - out.data());
+        if (bad < static_cast<std::size_t>(t))
+            impl_->fail("dataset '" + name + "': element " + std::to_string(index + bad) + " (step " +
+                        std::to_string(t) + ", position " + std::to_string(bad) + ") is " + format_float(row[bad]) +
+                        "; attention weights must be finite and within [0, 1]");
+        const double sum = row_sum(row, t);
+        if (sum > 1.0 + kRowSumTolerance)
+            impl_->fail("dataset '" + name + "': the row of step " + std::to_string(t) + " (elements " +
+                        std::to_string(index) + ".." + std::to_string(index + t - 1) + ") sums to " +
+                        format_float(sum) + "; a softmax row without its own weight sums to at most 1");
+    }
 }
 
 QkvLayer TraceReader::read_qkv(int sequence, int layer) const {
@@ -425,11 +586,28 @@ QkvLayer TraceReader::read_qkv(int sequence, int layer) const {
     QkvLayer data;
     data.tokens = impl_->sequences.at(sequence).length;
     const hsize_t t = data.tokens, d = m.head_dim;
+    // Sizes were checked at open against what the file stores; the layer must also fit in memory.
+    const std::string layer_group = sequence_group(sequence) + "/qkv/" + layer_name(layer);
+    const uint64_t floats = checked_mul(checked_mul(t, checked_add(m.num_query_heads, 2 * m.num_kv_heads, impl_->path), impl_->path),
+                                        d, impl_->path + ": " + layer_group);
+    check_memory(checked_mul(floats, sizeof(float), impl_->path),
+                 impl_->path + ": '" + layer_group + "' (q, k and v of " + std::to_string(t) + " tokens x " +
+                     std::to_string(m.num_query_heads) + "+2x" + std::to_string(m.num_kv_heads) + " heads x " +
+                     std::to_string(d) + ")");
     auto read = [&](const char* tensor, std::vector<float>& out, int64_t heads) {
         const std::string name = qkv_path(sequence, layer, tensor);
         Handle dataset = impl_->open_dataset(name, H5T_FLOAT, {t, static_cast<hsize_t>(heads), d});
         out.resize(t * heads * d);
         impl_->read_all(name, dataset, H5T_NATIVE_FLOAT, out.data());
+        // Checked as the layer is read: one NaN or Inf would reach the softmax and the selection.
+        const std::size_t bad = first_flagged(out.data(), out.size(), non_finite_bits);
+        if (bad < out.size()) {
+            const uint64_t per_token = static_cast<uint64_t>(heads) * d;
+            impl_->fail("dataset '" + name + "': element " + std::to_string(bad) + " (token " +
+                        std::to_string(bad / per_token) + ", head " + std::to_string(bad % per_token / d) +
+                        ", channel " + std::to_string(bad % d) + ") is " + format_float(out[bad]) +
+                        "; Q, K and V must be finite");
+        }
     };
     read("q", data.q, m.num_query_heads);
     read("k", data.k, m.num_kv_heads);
@@ -442,6 +620,7 @@ std::vector<int32_t> TraceReader::read_tokens(int sequence) const {
     if (H5Lexists(impl_->h5.get(), name.c_str(), H5P_DEFAULT) <= 0) return {};
     const hsize_t length = impl_->sequences.at(sequence).length;
     Handle dataset = impl_->open_dataset(name, H5T_INTEGER, {length});
+    check_memory(length * sizeof(int32_t), impl_->path + ": dataset '" + name + "'");
     std::vector<int32_t> tokens(length);
     impl_->read_all(name, dataset, H5T_NATIVE_INT32, tokens.data());
     return tokens;

@@ -39,8 +39,20 @@ struct SequenceInfo {
     int64_t length = 0;  // tokens; an attention trace has decode steps 1..length-1
 };
 
+// The longest sequence a trace may hold: positions are 32-bit everywhere, and every size below
+// (attention_row_offset of it, times heads or head size) then fits 64 bits. The reader refuses more.
+inline constexpr int64_t kMaxTraceTokens = int64_t{1} << 30;
+
 // Offset of decode step t's row in a packed attention dataset (rows 1..T-1, row t has t weights).
-inline int64_t attention_row_offset(int64_t step) { return step * (step - 1) / 2; }
+// Exact for 0 <= step <= 2^32: the halving comes first, so the product stays within 64 bits (the
+// reader holds every step to kMaxTraceTokens; sizes from elsewhere go through the checked form).
+constexpr int64_t attention_row_offset(int64_t step) {
+    return step % 2 == 0 ? (step / 2) * (step - 1) : step * ((step - 1) / 2);
+}
+
+// The packed weights of a sequence of `length` tokens, or InputError "<what>: ..." when the length
+// is outside [0, kMaxTraceTokens].
+int64_t attention_floats(int64_t length, const std::string& what);
 
 // End (exclusive) of a block of decode steps that starts at first_step, ends by last_step and
 // holds at most max_floats packed weights (always at least one row): readers stream in blocks.
@@ -92,9 +104,12 @@ public:
     const std::vector<SequenceInfo>& sequences() const;
 
     // Decode steps [first_step, end_step) of one (sequence, layer, query head), packed row after
-    // row, into out (resized).
+    // row, into out (resized). Throws InputError naming the file, the dataset and the first bad
+    // element when a weight is not finite or outside [0, 1], or a row sums to more than 1.
     void read_attention_rows(int sequence, int layer, int head, int64_t first_step, int64_t end_step,
                              std::vector<float>& out) const;
+    // One layer's Q, K and V; throws InputError naming the file, the dataset and the first
+    // element that is not finite, or when the layer is over the memory limit.
     QkvLayer read_qkv(int sequence, int layer) const;
     std::vector<int32_t> read_tokens(int sequence) const;  // empty when the trace stores none
 

@@ -1,0 +1,192 @@
+// Hostile traces and parameters: non-finite numbers, sizes the file does not back, sizes past the
+// memory limit or past int. Each is one InputError naming the file and the dataset or key.
+#include <doctest/doctest.h>
+
+#include <filesystem>
+#include <limits>
+
+#include "helpers.h"
+#include "hostile_traces.h"
+#include "sim/qkv_attention.h"
+#include "sim/synthetic_qkv.h"
+#include "sim/trace_store.h"
+#include "base/errors.h"
+#include "base/size_limits.h"
+
+using namespace kvsim;
+using namespace kvsim::test;
+
+namespace {
+
+std::string hostile(const std::string& kind) {
+    const std::string path = temp_dir() + "/hostile-" + kind + ".h5";
+    write_hostile_trace(kind, path);
+    return path;
+}
+
+// The InputError of opening and replaying a trace (two policies, one small budget), or "".
+std::string replay_error(const std::string& path, AttentionView view = AttentionView::raw) {
+    try {
+        auto source = open_trace_source(path, 0);
+        ReplayOptions options;
+        options.harness.view = view;
+        replay(*source, expand_sweep({entry("h2o", {{"recent_window", 4}}), entry("tova")}, {}, std::vector<int>{16}),
+               options);
+    } catch (const InputError& e) {
+        return e.what();
+    }
+    return "";
+}
+
+// Sets the memory limit for one scope.
+struct MemoryLimit {
+    uint64_t saved = memory_limit_bytes();
+    explicit MemoryLimit(uint64_t bytes) { set_memory_limit_bytes(bytes); }
+    ~MemoryLimit() { set_memory_limit_bytes(saved); }
+};
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+}  // namespace
+
+TEST_CASE("the starting points of the hostile traces are valid and replay") {
+    CHECK(replay_error(hostile("valid-qkv")) == "");
+    CHECK(replay_error(hostile("valid-attention")) == "");
+}
+
+TEST_CASE("one NaN or Inf in Q, K or V is refused as it is read, naming the file, the dataset and the element") {
+    const std::string nan = hostile("qkv-nan");
+    const std::string error = replay_error(nan);
+    CHECK(contains(error, nan + ": dataset '/sequences/000000/qkv/layer_001/k': element 1000 "));
+    CHECK(contains(error, "(token 62, head 1, channel 0) is nan; Q, K and V must be finite"));
+    // Opening does not read the data; reading the layer does.
+    TraceReader reader(nan);
+    CHECK_NOTHROW(reader.read_qkv(0, 0));
+    CHECK_THROWS_AS(reader.read_qkv(0, 1), InputError);
+
+    CHECK(contains(replay_error(hostile("qkv-inf")), "/qkv/layer_000/q': element 77 (token 2, head 1, channel 5) is inf"));
+    CHECK(contains(replay_error(hostile("qkv-fp16-nan")), "/qkv/layer_000/v': element 500 "));
+}
+
+TEST_CASE("attention logits that overflow from finite Q and K name the trace, sequence, layer, head and step") {
+    const std::string path = hostile("qkv-overflow");
+    for (AttentionView view : {AttentionView::raw, AttentionView::renormalized}) {
+        const std::string error = replay_error(path, view);
+        CHECK(contains(error, path + ": sequence story, layer 1, head 3, step 5: an attention logit"));
+        CHECK(contains(error, "is not finite"));
+    }
+}
+
+TEST_CASE("attention weights must be finite, within [0, 1], and a row may sum to at most 1") {
+    const std::string nan = hostile("attention-nan");
+    CHECK(contains(replay_error(nan), nan + ": dataset '/sequences/000000/attention/layer_000/head_000': element " +
+                                          std::to_string(attention_row_offset(10) + 3) +
+                                          " (step 10, position 3) is nan"));
+    CHECK(contains(replay_error(hostile("attention-above-one")), "(step 20, position 7) is 1.5; attention weights"));
+    CHECK(contains(replay_error(hostile("attention-negative")), "(step 20, position 7) is -0.25"));
+    CHECK(contains(replay_error(hostile("attention-row-sum")), "the row of step 30 (elements 435..464) sums to 1.5"));
+}
+
+TEST_CASE("a length the file does not hold is refused at open, naming the attribute or dataset and the size") {
+    CHECK(contains(replay_error(hostile("length-2e31")),
+                   "/sequences/000000: attribute 'length' = 2147483648 must be <= 1073741824"));
+    // 2^20 tokens claimed, 63 rows written: one chunk of 8 million.
+    const std::string unstored = replay_error(hostile("attention-unstored"));
+    CHECK(contains(unstored, "dataset '/sequences/000000/attention/layer_000/head_000' [549755289600]"));
+    CHECK(contains(unstored, "stores 1 of its 8388600 chunks: the file does not hold the data its shape implies"));
+    const std::string qkv = replay_error(hostile("qkv-unstored"));
+    CHECK(contains(qkv, "dataset '/sequences/000000/qkv/layer_000/q' [16777216, 4, 8] (2.0 GiB) stores 0 of its 65536 chunks"));
+}
+
+TEST_CASE("a chunk past the memory limit is refused before HDF5 inflates it") {
+    const std::string path = hostile("big-chunk");
+    {
+        const MemoryLimit limit(16 << 20);
+        const std::string error = replay_error(path);
+        CHECK(contains(error, path + ": dataset '/sequences/000000/attention/layer_000/head_000' [8386560] in chunks "
+                                     "of [8386560] needs 32.0 MiB, over the memory limit of 16.0 MiB"));
+    }
+    CHECK(replay_error(path) == "");  // under the default limit the zeros replay
+}
+
+TEST_CASE("counts past int and strings of several elements are refused, not narrowed or overrun") {
+    CHECK(contains(replay_error(hostile("num-layers-2e32")), "attribute 'num_layers' = 4294967297 must be <= 2147483647"));
+    CHECK(contains(replay_error(hostile("string-array")), "attribute 'model_name' is not one string"));
+}
+
+TEST_CASE("attention_row_offset is exact to 2^32 and the checked form refuses lengths past 2^30") {
+    CHECK(attention_row_offset(int64_t{1} << 30) == (int64_t{1} << 29) * ((int64_t{1} << 30) - 1));
+    CHECK(attention_row_offset(3037000500) == int64_t{1518500250} * 3037000499);  // the plain product wraps
+    CHECK(attention_row_offset((int64_t{1} << 32) + 1) == ((int64_t{1} << 32) + 1) * (int64_t{1} << 31));
+    CHECK(attention_floats(4096, "x") == 4096 * 4095 / 2);
+    CHECK_THROWS_WITH_AS(attention_floats((int64_t{1} << 30) + 1, "t.h5: length"),
+                         "t.h5: length: 1073741825 tokens is outside [0, 1073741824]", InputError);
+}
+
+TEST_CASE("policy parameters that size memory are refused past the limit, naming their config key") {
+    const MemoryLimit limit(uint64_t{1} << 30);
+    auto source = make_policybook_source(PolicybookTraceSpec{}, 50);
+    auto sweep_error = [&](const std::vector<PolicyEntry>& policies, const std::vector<GridAxis>& grid) {
+        try {
+            replay(*source, expand_sweep(policies, grid, std::vector<int>{256}), ReplayOptions{});
+        } catch (const InputError& e) {
+            return std::string(e.what());
+        }
+        return std::string();
+    };
+    PolicyEntry snapkv{"snapkv", {{"obs_window", 1e9}}, "c.yaml:5: policies[0].snapkv", {}, false, {}};
+    CHECK(contains(sweep_error({snapkv}, {}),
+                   "c.yaml:5: policies[0].snapkv.obs_window = 1000000000 (1000000000 steps of attention x 257 cached "
+                   "tokens) needs"));
+    // The same from a grid flag names the flag; a per-layer (PyramidKV) policy alike.
+    const GridAxis axis{"snapkv", "obs_window", {16, 1e9}, "--set snapkv.obs_window"};
+    CHECK(contains(sweep_error({entry("snapkv")}, {axis}), "--set snapkv.obs_window = 1000000000 ("));
+    PolicyEntry pyramid{"pyramidkv", {{"obs_window", 1e9}}, "c.yaml:6: policies[1].pyramidkv", {}, false, {}};
+    CHECK(contains(sweep_error({pyramid}, {}), "c.yaml:6: policies[1].pyramidkv.obs_window = 1000000000"));
+    // ReplayCombo::make checks too, for callers that build a policy on their own.
+    const auto combos = expand_sweep({snapkv}, {}, std::vector<int>{256});
+    CHECK_THROWS_AS(combos[0].make(PolicyContext{256, 257, 0, 1, 0, 1, 0}), InputError);
+}
+
+TEST_CASE("a streaming head's exact tokens and state are sized against the limit, naming the key") {
+    const MemoryLimit limit(uint64_t{1} << 30);
+    auto source = make_synthetic_qkv_source(synthetic_qkv_trace("tiny-256", "test"), 40);
+    PolicyEntry recent{"streaming_attention", {{"recent", 1e9}}, "c.yaml:4: policies[0].streaming_attention", {}, false, {}};
+    std::string error;
+    try {
+        replay(*source, expand_sweep({recent}, {}, std::vector<int>{32}), ReplayOptions{});
+    } catch (const InputError& e) {
+        error = e.what();
+    }
+    CHECK(contains(error, "c.yaml:4: policies[0].streaming_attention.recent = 1000000000 (4 sinks + 1000000000 recent"));
+}
+
+TEST_CASE("sizes that only a config or trace could make huge allocate what the sequence needs") {
+    // StreamingLLM with more sinks than the sequence has positions (the budget is larger still).
+    auto source = make_policybook_source(PolicybookTraceSpec{}, 50);
+    const auto rows = replay_rows(*source, {entry("streaming_llm", {{"sinks", 5000}})}, {8192});
+    CHECK(rows.size() == 1);
+    // A heavy-hitter k of 2^30 sizes no buffer by it and ranks as k = the row length.
+    auto a = make_policybook_source(PolicybookTraceSpec{}, 200), b = make_policybook_source(PolicybookTraceSpec{}, 200);
+    ReplayOptions huge_k, row_k;
+    huge_k.heavy_hitter_k = 1 << 30;
+    row_k.heavy_hitter_k = 200;
+    const auto combos = expand_sweep({entry("h2o")}, {}, std::vector<int>{64});
+    const auto x = replay(*a, combos, huge_k), y = replay(*b, combos, row_k);
+    CHECK(x[0].total.heavy_hitter_hits == y[0].total.heavy_hitter_hits);
+    CHECK(x[0].total.heavy_hitter_possible == y[0].total.heavy_hitter_possible);
+}
+
+TEST_CASE("a replay whose plan is over the memory limit is refused before the first step, naming the sequence") {
+    auto source = make_policybook_source(PolicybookTraceSpec{}, 0);
+    const MemoryLimit limit(1 << 20);
+    std::string error;
+    try {
+        replay(*source, expand_sweep({entry("h2o")}, {}, std::vector<int>{256}), ReplayOptions{});
+    } catch (const InputError& e) {
+        error = e.what();
+    }
+    CHECK(contains(error, "policybook/decode-4096 (generated in-process): sequence decode-4096 (4096 tokens), layer 0: "
+                          "replaying 1 configurations over 1 KV heads needs"));
+    CHECK(contains(error, "over the memory limit of 1.0 MiB"));
+}
