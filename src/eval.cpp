@@ -250,11 +250,22 @@ EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>&
         std::size_t bytes_per_slot = 0;
     };
     std::vector<Outcome> outcomes(combos.size() + 1);
-    // Each worker thread runs on its own copy of the model.
+    // Each worker thread runs on its own copy of the model, with a policy's simulated cache for a
+    // sequence: every layer's K and V in fp32 and in each quantised tier, at most 16 bytes per
+    // cached element (sim/precision.h), besides the harnesses' own bookkeeping.
     const auto copies = static_cast<uint64_t>(
         std::min<std::size_t>(outcomes.size(), static_cast<std::size_t>(tbb::this_task_arena::max_concurrency())));
-    check_memory((copies + 1) * loaded.memory_bytes(),
-                 options.input.model_path + ": " + std::to_string(copies) + " copies of the model, one per thread (--threads)");
+    std::size_t longest = 0;
+    for (const auto& tokens : text.sequences) longest = std::max(longest, tokens.size());
+    const std::string what = options.input.model_path + ": " + std::to_string(copies) +
+                             " copies of the model and of a simulated cache for " + std::to_string(longest) +
+                             " tokens, one per thread (--threads)";
+    const uint64_t per_thread = checked_add(
+        loaded.memory_bytes(),
+        checked_mul(checked_mul(static_cast<uint64_t>(mc.n_layers) * static_cast<uint64_t>(mc.kv_dim()), longest, what),
+                    16, what),
+        what);
+    check_memory(checked_add(loaded.memory_bytes(), checked_mul(copies, per_thread, what), what), what);
     tbb::enumerable_thread_specific<model::LlamaModel> models(loaded);
     ProgressBar bar(options.show_progress);
     std::atomic<int> done{0};

@@ -14,9 +14,11 @@ TokenizedText tokenize_text(const model::Tokenizer& tokenizer, const std::string
     const TextSequences text = read_text_sequences(text_path, split_on);
     TokenizedText out;
     out.text_sha256 = text.sha256;
+    uint64_t held = 0;  // the text's sequences and the token ids kept so far
+    for (const std::string& piece : text.texts) held += piece.size();
     for (std::size_t i = 0; i < text.texts.size(); ++i) {
         // Checked here too so that the message names the file and sequence; encode() checks it again.
-        check_memory(model::Tokenizer::encode_bytes_needed(text.texts[i].size()),
+        check_memory(held + model::Tokenizer::encode_bytes_needed(text.texts[i].size()),
                      text_path + ": sequence " + std::to_string(i) + " (" + format_bytes(text.texts[i].size()) +
                          ") to tokenize");
         std::vector<int> tokens = tokenizer.encode(text.texts[i], /*add_bos=*/true);
@@ -27,6 +29,7 @@ TokenizedText tokenize_text(const model::Tokenizer& tokenizer, const std::string
             tokens.resize(limit);
         }
         if (tokens.size() < 2) continue;  // BOS alone predicts nothing
+        held += tokens.size() * sizeof(int);
         out.sequences.push_back(std::move(tokens));
         out.text_index.push_back(i);
     }

@@ -279,6 +279,13 @@ class ModelInput(unittest.TestCase):
             f.write("the " * 300000)
         self.assert_input_error(self.capture(model, text=big, max_memory="2M"), big + ": ", "needs",
                                 "over the memory limit")
+        # 50000 short sequences: reading the file takes 400 KB, the token ids kept add up past 500 KB.
+        many = self.path("many.txt")
+        with open(many, "w") as f:
+            f.write("the|" * 50000)
+        result = kvsim("--max-memory", "500000", "capture", "--model", model, "--text", many, "--split-on", "|",
+                       "-o", self.path("t.h5"))
+        self.assert_input_error(result, many + ": sequence ", "to tokenize needs", "over the memory limit")
 
     # Class 3: non-finite numbers.
 
