@@ -12,6 +12,7 @@
 #include "kvsim_version.h"
 #include "base/atomic_file.h"
 #include "base/errors.h"
+#include "base/input_file.h"
 #include "base/size_limits.h"
 
 namespace kvsim {
@@ -461,7 +462,7 @@ struct TraceReader::Impl {
 TraceReader::TraceReader(const std::string& path) : impl_(std::make_unique<Impl>()) {
     Impl& r = *impl_;
     r.path = path;
-    if (!std::filesystem::exists(path)) r.fail("no such file");
+    require_regular_file(path);  // a directory or FIFO: one line, never a hang inside HDF5
     if (H5Fis_hdf5(path.c_str()) <= 0) r.fail("not an HDF5 file");
     r.h5 = Handle(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
     if (!r.h5.valid()) r.fail("cannot open as HDF5 (truncated or corrupt)");
