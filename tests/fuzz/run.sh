@@ -4,6 +4,7 @@
 # seeds in tests/fuzz/corpus/NAME stay as they are); a crash is saved under build-fuzz/crashes/ and
 # ends the run with status 1: copy it into tests/fuzz/regressions/NAME/ and fix it.
 #   tests/fuzz/run.sh [SECONDS] [NAME...]      e.g. tests/fuzz/run.sh 1800 gguf   (30 minutes)
+# KVSIM_FUZZ_SEED fixes libFuzzer's random seed (CI sets it, so a CI run can be repeated).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 seconds=${1:-60}
@@ -30,10 +31,12 @@ for n in "${names[@]}"; do
     seeds="tests/fuzz/corpus/$n"
     extra=()
     [ -d "tests/fuzz/regressions/$n" ] && extra+=("tests/fuzz/regressions/$n")
-    [ -f "tests/fuzz/$n.dict" ] && dict=(-dict="tests/fuzz/$n.dict") || dict=()
+    options=()
+    [ -f "tests/fuzz/$n.dict" ] && options+=(-dict="tests/fuzz/$n.dict")
+    [ -n "${KVSIM_FUZZ_SEED:-}" ] && options+=(-seed="$KVSIM_FUZZ_SEED")
     echo "fuzz: $n for ${seconds}s"
     if ! "build-fuzz/tests/fuzz/fuzz_$n" -max_total_time="$seconds" -rss_limit_mb=4096 -timeout=20 \
-            -print_final_stats=1 -artifact_prefix="build-fuzz/crashes/$n-" "${dict[@]}" \
+            -print_final_stats=1 -artifact_prefix="build-fuzz/crashes/$n-" "${options[@]}" \
             "build-fuzz/corpus/$n" "$seeds" "${extra[@]}" > "build-fuzz/fuzz-$n.log" 2>&1; then
         echo "fuzz: $n FAILED; see build-fuzz/fuzz-$n.log and build-fuzz/crashes/"
         tail -40 "build-fuzz/fuzz-$n.log"
