@@ -115,6 +115,11 @@ TEST_CASE("counts past int and strings of several elements are refused, not narr
     CHECK(contains(replay_error(hostile("string-array")), "attribute 'model_name' is not one string"));
 }
 
+TEST_CASE("a trace cannot make the reader follow a link into another file") {
+    CHECK(contains(replay_error(hostile("external-link")),
+                   "'/sequences/000000/qkv/layer_001/k' is a soft or external link; a trace holds its datasets itself"));
+}
+
 TEST_CASE("attention_row_offset is exact to 2^32 and the checked form refuses lengths past 2^30") {
     CHECK(attention_row_offset(int64_t{1} << 30) == (int64_t{1} << 29) * ((int64_t{1} << 30) - 1));
     CHECK(attention_row_offset(3037000500) == int64_t{1518500250} * 3037000499);  // the plain product wraps
