@@ -10,9 +10,11 @@ namespace kvsim {
 // mean is B and whose first term is r times its last.
 int pyramid_budget(int budget, int layer, int num_layers, int ratio) {
     if (num_layers <= 1) return budget;
-    const int64_t L1 = num_layers - 1;
-    const int64_t numerator = 2 * int64_t{budget} * (ratio * L1 - int64_t{layer} * (ratio - 1));
-    return static_cast<int>(numerator / ((ratio + 1) * L1));
+    // In 128 bits: a ratio up to 1e9 times a trace's layer count times the budget passes 2^63.
+    // The quotient is at most 2 * budget * r / (r + 1), which fits an int.
+    const __int128 L1 = num_layers - 1;
+    const __int128 numerator = 2 * __int128{budget} * (ratio * L1 - __int128{layer} * (ratio - 1));
+    return static_cast<int>(numerator / ((__int128{ratio} + 1) * L1));
 }
 
 namespace {

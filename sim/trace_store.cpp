@@ -338,6 +338,16 @@ struct TraceReader::Impl {
     Handle h5;
     TraceMetadata metadata;
     std::vector<SequenceInfo> sequences;
+    // Access lists that follow no soft or external link: a trace cannot make kvsim open another
+    // file, nor loop through links; its objects are reached by hard links only.
+    Handle lapl = hard_links_only(H5P_LINK_ACCESS), gapl = hard_links_only(H5P_GROUP_ACCESS),
+           dapl = hard_links_only(H5P_DATASET_ACCESS);
+
+    static Handle hard_links_only(hid_t list_class) {
+        Handle list = plist_handle(H5Pcreate(list_class));
+        H5Pset_nlinks(list.get(), 0);
+        return list;
+    }
 
     [[noreturn]] void fail(const std::string& what) const { throw InputError(path + ": " + what); }
 
@@ -386,9 +396,12 @@ struct TraceReader::Impl {
 
     // Opens a dataset and checks its element class and shape.
     Handle open_dataset(const std::string& name, H5T_class_t element_class, const std::vector<hsize_t>& shape) const {
-        if (H5Lexists(h5.get(), name.c_str(), H5P_DEFAULT) <= 0 || H5Oexists_by_name(h5.get(), name.c_str(), H5P_DEFAULT) <= 0)
-            fail("missing dataset '" + name + "'");
-        Handle dataset = dataset_handle(H5Dopen2(h5.get(), name.c_str(), H5P_DEFAULT));
+        if (H5Lexists(h5.get(), name.c_str(), lapl.get()) <= 0) fail("missing dataset '" + name + "'");
+        H5L_info_t link{};
+        if (H5Lget_info(h5.get(), name.c_str(), &link, lapl.get()) < 0 || link.type != H5L_TYPE_HARD)
+            fail("'" + name + "' is a soft or external link; a trace holds its datasets itself");
+        if (H5Oexists_by_name(h5.get(), name.c_str(), lapl.get()) <= 0) fail("missing dataset '" + name + "'");
+        Handle dataset = dataset_handle(H5Dopen2(h5.get(), name.c_str(), dapl.get()));
         if (!dataset.valid()) fail("cannot open dataset '" + name + "'");
         Handle type = type_handle(H5Dget_type(dataset.get()));
         if (H5Tget_class(type.get()) != element_class)
@@ -504,9 +517,9 @@ TraceReader::TraceReader(const std::string& path) : impl_(std::make_unique<Impl>
     const int64_t num_sequences = r.int_attr(root, "", "num_sequences", 1, kInt);
     for (int s = 0; s < num_sequences; ++s) {
         const std::string group_name = sequence_group(s);
-        if (H5Lexists(root, "/sequences", H5P_DEFAULT) <= 0 || H5Lexists(root, group_name.c_str(), H5P_DEFAULT) <= 0)
+        if (H5Lexists(root, "/sequences", r.lapl.get()) <= 0 || H5Lexists(root, group_name.c_str(), r.lapl.get()) <= 0)
             r.fail("missing group '" + group_name + "'");
-        Handle group = group_handle(H5Gopen2(root, group_name.c_str(), H5P_DEFAULT));
+        Handle group = group_handle(H5Gopen2(root, group_name.c_str(), r.gapl.get()));
         if (!group.valid()) r.fail("'" + group_name + "' is not a group");
         SequenceInfo info;
         info.name = r.string_attr(group.get(), group_name + ": ", "name");
@@ -531,7 +544,7 @@ TraceReader::TraceReader(const std::string& path) : impl_(std::make_unique<Impl>
             }
         }
         const std::string tokens = group_name + "/tokens";
-        if (H5Lexists(root, tokens.c_str(), H5P_DEFAULT) > 0) {
+        if (H5Lexists(root, tokens.c_str(), r.lapl.get()) > 0) {
             const std::vector<hsize_t> shape = {static_cast<hsize_t>(info.length)};
             r.check_stored(tokens, r.open_dataset(tokens, H5T_INTEGER, shape), shape);
         }
@@ -550,7 +563,7 @@ void TraceReader::read_attention_rows(int sequence, int layer, int head, int64_t
     if (first_step < 1 || end_step < first_step || end_step > length)
         throw std::out_of_range("read_attention_rows: steps [" + std::to_string(first_step) + ", " +
                                 std::to_string(end_step) + ") outside [1, " + std::to_string(length) + ")");
-    Handle dataset = dataset_handle(H5Dopen2(impl_->h5.get(), name.c_str(), H5P_DEFAULT));
+    Handle dataset = dataset_handle(H5Dopen2(impl_->h5.get(), name.c_str(), impl_->dapl.get()));
     const hsize_t offset = static_cast<hsize_t>(attention_row_offset(first_step));
     const hsize_t count = static_cast<hsize_t>(attention_row_offset(end_step)) - offset;
     out.resize(count);
@@ -618,7 +631,7 @@ QkvLayer TraceReader::read_qkv(int sequence, int layer) const {
 
 std::vector<int32_t> TraceReader::read_tokens(int sequence) const {
     const std::string name = sequence_group(sequence) + "/tokens";
-    if (H5Lexists(impl_->h5.get(), name.c_str(), H5P_DEFAULT) <= 0) return {};
+    if (H5Lexists(impl_->h5.get(), name.c_str(), impl_->lapl.get()) <= 0) return {};
     const hsize_t length = impl_->sequences.at(sequence).length;
     Handle dataset = impl_->open_dataset(name, H5T_INTEGER, {length});
     check_memory(length * sizeof(int32_t), impl_->path + ": dataset '" + name + "'");
@@ -633,7 +646,7 @@ std::vector<DatasetSize> TraceReader::dataset_sizes() const {
     std::vector<DatasetSize> sizes;
     const TraceMetadata& m = impl_->metadata;
     auto add = [&](const std::string& name) {
-        Handle dataset = dataset_handle(H5Dopen2(impl_->h5.get(), name.c_str(), H5P_DEFAULT));
+        Handle dataset = dataset_handle(H5Dopen2(impl_->h5.get(), name.c_str(), impl_->dapl.get()));
         Handle type = type_handle(H5Dget_type(dataset.get()));
         Handle space = space_handle(H5Dget_space(dataset.get()));
         const uint64_t raw = static_cast<uint64_t>(H5Sget_simple_extent_npoints(space.get())) * H5Tget_size(type.get());

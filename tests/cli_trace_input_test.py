@@ -104,6 +104,8 @@ class TraceInput(unittest.TestCase):
         self.assert_input_error(result, path + ": attribute 'num_layers' = 4294967297 must be <= 2147483647")
         path, result = self.run_trace("string-array")
         self.assert_input_error(result, path + ": attribute 'model_name' is not one string")
+        path, result = self.run_trace("external-link")
+        self.assert_input_error(result, path + ": '/sequences/000000/qkv/layer_001/k' is a soft or external link")
 
     def test_policy_parameters_that_size_memory(self):
         base = "trace: {synthetic: policybook, max_steps: 50}\nbudgets: [256]\n"

@@ -110,7 +110,8 @@ std::vector<std::string> hostile_trace_kinds() {
     return {"valid-qkv",         "valid-attention",    "qkv-nan",          "qkv-inf",
             "qkv-fp16-nan",      "qkv-overflow",       "attention-nan",    "attention-above-one",
             "attention-negative", "attention-row-sum", "length-2e31",      "attention-unstored",
-            "qkv-unstored",      "big-chunk",          "num-layers-2e32",  "string-array"};
+            "qkv-unstored",      "big-chunk",          "num-layers-2e32",  "string-array",
+            "external-link"};
 }
 
 void write_hostile_trace(const std::string& kind, const std::string& path) {
@@ -180,6 +181,14 @@ void write_hostile_trace(const std::string& kind, const std::string& path) {
     } else if (kind == "num-layers-2e32") {
         write_qkv(path, random_layer(kHostileQkvTokens, m, 1), random_layer(kHostileQkvTokens, m, 2));
         set_int_attr(path, "/", "num_layers", (int64_t{1} << 32) + 1);
+    } else if (kind == "external-link") {
+        // Layer 1's K is a link to a dataset in another file (here the trace itself, by name).
+        write_qkv(path, random_layer(kHostileQkvTokens, m, 1), random_layer(kHostileQkvTokens, m, 2));
+        const hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+        H5Ldelete(f, "/sequences/000000/qkv/layer_001/k", H5P_DEFAULT);
+        H5Lcreate_external(path.c_str(), "/sequences/000000/qkv/layer_000/k", f, "/sequences/000000/qkv/layer_001/k",
+                           H5P_DEFAULT, H5P_DEFAULT);
+        H5Fclose(f);
     } else if (kind == "string-array") {
         write_qkv(path, random_layer(kHostileQkvTokens, m, 1), random_layer(kHostileQkvTokens, m, 2));
         const hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);

@@ -28,6 +28,7 @@ inline constexpr int kHostileAttentionTokens = 64;
 //   big-chunk                             a 4096-token attention trace stored as a single chunk of 32 MiB
 //   num-layers-2e32                       num_layers = 2^32 + 1
 //   string-array                          model_name holds 3 strings instead of one
+//   external-link                         layer 1's K is an external link (to a dataset of another file)
 void write_hostile_trace(const std::string& kind, const std::string& path);
 
 std::vector<std::string> hostile_trace_kinds();

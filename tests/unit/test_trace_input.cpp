@@ -7,6 +7,7 @@
 
 #include "helpers.h"
 #include "hostile_traces.h"
+#include "policies/pyramidkv.h"
 #include "sim/qkv_attention.h"
 #include "sim/synthetic_qkv.h"
 #include "sim/trace_store.h"
@@ -114,6 +115,11 @@ TEST_CASE("counts past int and strings of several elements are refused, not narr
     CHECK(contains(replay_error(hostile("string-array")), "attribute 'model_name' is not one string"));
 }
 
+TEST_CASE("a trace cannot make the reader follow a link into another file") {
+    CHECK(contains(replay_error(hostile("external-link")),
+                   "'/sequences/000000/qkv/layer_001/k' is a soft or external link; a trace holds its datasets itself"));
+}
+
 TEST_CASE("attention_row_offset is exact to 2^32 and the checked form refuses lengths past 2^30") {
     CHECK(attention_row_offset(int64_t{1} << 30) == (int64_t{1} << 29) * ((int64_t{1} << 30) - 1));
     CHECK(attention_row_offset(3037000500) == int64_t{1518500250} * 3037000499);  // the plain product wraps
@@ -189,4 +195,10 @@ TEST_CASE("a replay whose plan is over the memory limit is refused before the fi
     CHECK(contains(error, "policybook/decode-4096 (generated in-process): sequence decode-4096 (4096 tokens), layer 0: "
                           "replaying 1 configurations over 1 KV heads needs"));
     CHECK(contains(error, "over the memory limit of 1.0 MiB"));
+}
+
+TEST_CASE("PyramidKV's layer share does not overflow for the largest ratio and budget a config allows") {
+    // 2 * 1e8 * (1e9 * 100) passes 2^63; the share is 2B r / (r + 1), just under 2e8.
+    CHECK(pyramid_budget(100000000, 0, 101, 1000000000) == 199999999);
+    CHECK(pyramid_budget(100000000, 100, 101, 1000000000) == 0);
 }
