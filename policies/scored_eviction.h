@@ -52,15 +52,15 @@ public:
         chosen_.clear();
         if (needed == 1) {
             // The common case, one victim per step: a vectorised minimum, then its first slot. The
-            // minimum is one of the scores; a NaN (only NaN fed in makes one) may be skipped by it
-            // or returned, and a NaN is found by no ==: then the slot comes from select_total.
-            // Either way the victim is a slot in range, and scores without NaN go as before.
+            // minimum is one of the scores; with NaN among them (only NaN fed in makes one) it may
+            // be a NaN, which no == finds, or even kNotEvictable while NaN slots remain: both go
+            // to select_total, which ranks NaN lowest. Scores without NaN go as before.
             using Array = Eigen::Array<Score, Eigen::Dynamic, 1>;
             const Score lowest = Eigen::Map<const Array>(score, static_cast<Eigen::Index>(evictable_end)).minCoeff();
             const std::size_t slot = static_cast<std::size_t>(std::find(score, score + evictable_end, lowest) - score);
-            if (slot == evictable_end)
+            if (slot == evictable_end || lowest == kNotEvictable<Score>)
                 select_total(score, evictable_end, 1);
-            else if (lowest != kNotEvictable<Score>)
+            else
                 chosen_.push_back(slot);
         } else {
             select_total(score, evictable_end, needed);

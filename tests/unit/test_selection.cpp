@@ -148,6 +148,19 @@ TEST_CASE("scored eviction picks a held slot whatever the scores: NaN ranks lowe
     tova->evict(2, victims);
     CHECK(victims == std::vector<int32_t>{0});  // the first NaN slot, never one past the end
 
+    // Every held slot NaN but the unobserved new one (+Inf): a vectorised minimum over such scores
+    // may come out as the +Inf, which alone would mean "nothing evictable"; a NaN slot must go.
+    const std::vector<float> nans(64, kNaN);
+    for (int held = 1; held <= 40; ++held) {
+        auto policy = make_policy("tova", {}, held, held + 1);
+        for (int32_t pos = 1; pos <= held; ++pos) policy->on_decode_step(pos, std::span<const float>(nans).first(pos));
+        victims.clear();
+        policy->evict(held, victims);  // held NaN slots and the new one: one must go
+        INFO("held " << held);
+        CHECK(victims.size() == 1);
+        CHECK((!victims.empty() && victims.front() == 0));
+    }
+
     // H2O with a NaN among numbers, one victim and several.
     auto h2o = make_policy("h2o", {{"recent_window", 1}}, 3, 8);
     const std::vector<float> row = {0.5f, kNaN, 0.1f, kNaN, 0.3f, 0.2f, 0.4f};
@@ -184,25 +197,33 @@ TEST_CASE("every policy keeps the harness contract on rows of NaN, infinities an
 }
 
 TEST_CASE("the renormalized view stays finite when a head's kept and own weights underflow") {
-    // All of the head's attention on positions the policy evicted (a sharp softmax from Q and K):
-    // its kept weights and its own weight are denormal and 1 / their sum is past float's range;
-    // the policy must still see finite weights (an infinite H2O score could never be evicted).
+    // All of the head's attention on positions the policy evicted (a sharp softmax from Q and K, as
+    // eval on random bytes gives): its kept weights and its own weight are denormal and 1 / their
+    // sum is past float's range. Every policy must still see finite weights: an infinite score
+    // (H2O's sum, TOVA's last weight) could never be evicted and the cache would outgrow its budget.
     const int steps = 40, budget = 4;
-    HarnessOptions options;
-    options.view = AttentionView::renormalized;
-    Harness harness(make_policy("h2o", {{"recent_window", 1}}, budget, budget + 1), budget, steps, options, "h2o", "");
-    std::vector<float> row(steps);
-    for (int t = 1; t < steps; ++t) {
-        std::fill(row.begin(), row.end(), 1e-44f);
-        const float* rows[1] = {row.data()};
-        const std::span<const int32_t> heavies[1] = {};
-        const float self[1] = {1e-44f};
-        GroupStep step;
-        step.t = t;
-        step.rows = rows;
-        step.heavy = heavies;
-        step.self_weight = self;
-        CHECK_NOTHROW(harness.step(step));
+    for (const PolicyDescriptor& d : policy_registry()) {
+        if (d.keeps_everything) continue;
+        std::map<std::string, double> params;
+        for (const ParamSpec& s : d.params)
+            if (s.name == "recent_window" || s.name == "recent") params[s.name] = 1;
+        HarnessOptions options;
+        options.view = AttentionView::renormalized;
+        Harness harness(make_policy(d.name, params, budget, budget + 1), budget, steps, options, d.name, "");
+        std::vector<float> row(steps);
+        INFO(d.name);
+        for (int t = 1; t < steps; ++t) {
+            std::fill(row.begin(), row.end(), 1e-44f);
+            const float* rows[1] = {row.data()};
+            const std::span<const int32_t> heavies[1] = {};
+            const float self[1] = {1e-44f};
+            GroupStep step;
+            step.t = t;
+            step.rows = rows;
+            step.heavy = heavies;
+            step.self_weight = self;
+            REQUIRE_NOTHROW(harness.step(step));
+        }
+        CHECK(harness.kept().size() <= static_cast<std::size_t>(budget));
     }
-    CHECK(harness.kept().size() <= static_cast<std::size_t>(budget));
 }
