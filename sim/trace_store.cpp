@@ -303,6 +303,17 @@ void TraceWriter::write_qkv(int sequence, int layer, const QkvLayer& data, Tenso
         if (dtype == TensorDtype::float16) {
             // Round to nearest even ourselves and hand HDF5 the bits, so no conversion path is in doubt.
             std::vector<Eigen::half> halves(values.begin(), values.end());
+            // A finite value past float16's range (65504) would be stored as Inf, which no reader
+            // accepts: refuse it here, where the user can still choose float32.
+            for (std::size_t i = 0; i < halves.size(); ++i)
+                if (!Eigen::numext::isfinite(halves[i]) && std::isfinite(values[i])) {
+                    const std::size_t per_token = dims[1] * dims[2];
+                    throw InputError(impl_->file.path() + ": " + name + " of " + sequence_group(sequence) + " layer " +
+                                     std::to_string(layer) + " holds " + std::to_string(values[i]) + " (token " +
+                                     std::to_string(i / per_token) + ", head " + std::to_string(i % per_token / dims[2]) +
+                                     ", channel " + std::to_string(i % dims[2]) +
+                                     "), beyond float16's range of +-65504; store float32 instead");
+                }
             status = H5Dwrite(dataset.get(), half.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, halves.data());
         } else {
             status = H5Dwrite(dataset.get(), H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, values.data());

@@ -111,7 +111,7 @@ std::vector<std::string> hostile_trace_kinds() {
             "qkv-fp16-nan",      "qkv-overflow",       "attention-nan",    "attention-above-one",
             "attention-negative", "attention-row-sum", "length-2e31",      "attention-unstored",
             "qkv-unstored",      "big-chunk",          "num-layers-2e32",  "string-array",
-            "external-link"};
+            "external-link",     "qkv-beyond-fp16",    "qkv-beyond-fp16-stored-fp16"};
 }
 
 void write_hostile_trace(const std::string& kind, const std::string& path) {
@@ -140,6 +140,14 @@ void write_hostile_trace(const std::string& kind, const std::string& path) {
             l1.k[(2 * 2 + 1) * 8 + c] = 1e20f;
         }
         write_qkv(path, random_layer(kHostileQkvTokens, m, 1), l1);
+    } else if (kind == "qkv-beyond-fp16" || kind == "qkv-beyond-fp16-stored-fp16") {
+        // Finite float32 values past float16's largest (65504): a key and a value of layer 0.
+        // As float32 they are valid; stored as float16 they would be Inf (the writer refuses).
+        QkvLayer l0 = random_layer(kHostileQkvTokens, m, 1);
+        l0.k[(3 * 2 + 0) * 8 + 2] = 1e5f;
+        l0.v[(4 * 2 + 1) * 8 + 5] = -2e6f;
+        write_qkv(path, l0, random_layer(kHostileQkvTokens, m, 2),
+                  kind == "qkv-beyond-fp16" ? TensorDtype::float32 : TensorDtype::float16);
     } else if (kind == "valid-attention") {
         write_attention(path, T, uniform_rows(1, T));
     } else if (kind == "attention-nan" || kind == "attention-above-one" || kind == "attention-negative") {

@@ -69,6 +69,24 @@ TEST_CASE("one NaN or Inf in Q, K or V is refused as it is read, naming the file
     CHECK(contains(replay_error(hostile("qkv-fp16-nan")), "/qkv/layer_000/v': element 500 "));
 }
 
+TEST_CASE("values past float16's range: valid as float32, refused when stored as float16, saturated in fp16 caches") {
+    // The simulated fp16 cache (and the int8/int4 ones built on it) saturates at +-65504, so the
+    // metrics stay finite where a GPU's cast would make Inf; see README, Bad input.
+    CHECK(replay_error(hostile("qkv-beyond-fp16")) == "");
+    const std::string path = temp_dir() + "/hostile-qkv-beyond-fp16-stored-fp16.h5";
+    std::filesystem::remove(path);
+    try {
+        write_hostile_trace("qkv-beyond-fp16-stored-fp16", path);
+        FAIL("a value past float16's range was stored as float16");
+    } catch (const InputError& e) {
+        CHECK(contains(e.what(), path + ": k of /sequences/000000 layer 0 holds 100000.000000 (token 3, head 0, "
+                                        "channel 2), beyond float16's range of +-65504; store float32 instead"));
+    }
+    CHECK_FALSE(std::filesystem::exists(path));
+    for (const auto& entry : std::filesystem::directory_iterator(temp_dir()))  // nor its temporary file
+        CHECK_FALSE(contains(entry.path().filename().string(), ".hostile-qkv-beyond-fp16-stored-fp16.h5.tmp"));
+}
+
 TEST_CASE("attention logits that overflow from finite Q and K name the trace, sequence, layer, head and step") {
     const std::string path = hostile("qkv-overflow");
     for (AttentionView view : {AttentionView::raw, AttentionView::renormalized}) {
