@@ -10,12 +10,11 @@ import os
 import random
 import shutil
 import struct
-import subprocess
 import sys
-import tempfile
 import unittest
 
-KVSIM = None
+import cli_common
+from cli_common import KvsimTestCase, kvsim
 
 # GGUF value type ids (ggml/docs/gguf.md).
 UINT32, INT32, FLOAT32, STRING, ARRAY, UINT64, INT64, FLOAT64 = 4, 5, 6, 8, 9, 10, 11, 12
@@ -24,11 +23,6 @@ SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", UINT32: "<I", INT32: "<i",
 
 SHARED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared")
 STORIES_MODEL = os.path.join(SHARED, "models", "stories260K", "stories260K.gguf")
-
-
-def kvsim(*args, timeout=60):
-    # A timeout turns a hang (a FIFO opened for reading blocks forever) into a test failure.
-    return subprocess.run([KVSIM, *args], capture_output=True, text=True, timeout=timeout)
 
 
 def encode_value(value_type, value):
@@ -124,22 +118,17 @@ class TinyLlama:
         return len(full) - data_bytes
 
 
-class ModelInput(unittest.TestCase):
+class ModelInput(KvsimTestCase):
+    outputs = ("t.h5", "o")  # the trace and the results folder
+
     def setUp(self):
-        self.tmp = tempfile.TemporaryDirectory()
-        self.dir = self.tmp.name
+        super().setUp()
         self.text = self.path("story.txt")
         with open(self.text, "w") as f:
             f.write("the tet he the\n<|endoftext|>\nthe hat\n")
         self.config = self.path("e.yaml")
         with open(self.config, "w") as f:
             f.write("budgets: [4]\npolicies: [tova]\n")
-
-    def tearDown(self):
-        self.tmp.cleanup()
-
-    def path(self, name):
-        return os.path.join(self.dir, name)
 
     def model(self, llama, name="m.gguf"):
         path = self.path(name)
@@ -168,14 +157,8 @@ class ModelInput(unittest.TestCase):
                      "<|endoftext|>", "--out", self.path("o"), "-q", *extra)
 
     def assert_input_error(self, result, *fragments):
-        self.assertEqual(result.returncode, 2, result.stderr)
-        lines = result.stderr.strip().splitlines()
-        self.assertEqual(len(lines), 1, result.stderr)
-        self.assertTrue(lines[0].startswith("kvsim: error: "), lines[0])
-        for fragment in fragments:
-            self.assertIn(fragment, lines[0])
-        self.assertFalse(os.path.exists(self.path("t.h5")), "a trace was written")
-        self.assertFalse(os.path.exists(self.path("o")), "results were written")
+        super().assert_input_error(result, *fragments)
+        self.assertTrue(result.stderr.startswith("kvsim: error: "), result.stderr)
 
     def test_the_tiny_model_is_valid(self):
         model = self.model(TinyLlama())
@@ -373,5 +356,5 @@ class ModelInput(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    KVSIM = os.path.abspath(sys.argv.pop(1))
+    cli_common.KVSIM = os.path.abspath(sys.argv.pop(1))
     unittest.main(verbosity=2)

@@ -7,11 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import unittest
 
-KVSIM = None
+import cli_common
+from cli_common import KvsimTestCase, kvsim, read
 
 SMALL = """trace: {synthetic: policybook, name: decode-4096, max_steps: 600}
 budgets: [64, 128]
@@ -19,36 +19,7 @@ policies: [sliding_window, streaming_llm, h2o, tova, snapkv]
 """
 
 
-def read(path):
-    with open(path) as f:
-        return f.read()
-
-
-def kvsim(*args, cwd=None):
-    return subprocess.run([KVSIM, *args], capture_output=True, text=True, cwd=cwd)
-
-
-class Cli(unittest.TestCase):
-    def setUp(self):
-        self.tmp = tempfile.TemporaryDirectory()
-        self.dir = self.tmp.name
-
-    def tearDown(self):
-        self.tmp.cleanup()
-
-    def write(self, name, text):
-        path = os.path.join(self.dir, name)
-        with open(path, "w") as f:
-            f.write(text)
-        return path
-
-    def assert_input_error(self, result, *fragments):
-        self.assertEqual(result.returncode, 2, result.stderr)
-        lines = result.stderr.strip().splitlines()
-        self.assertEqual(len(lines), 1, result.stderr)
-        for fragment in fragments:
-            self.assertIn(fragment, lines[0])
-
+class Cli(KvsimTestCase):
     def test_run_prints_a_table_and_writes_csv_and_json(self):
         config = self.write("small.yaml", SMALL)
         out = os.path.join(self.dir, "out")
@@ -182,21 +153,19 @@ class Cli(unittest.TestCase):
         self.assertEqual(kvsim("--version").returncode, 0)
 
 
-class HostileInput(unittest.TestCase):
+class HostileInput(KvsimTestCase):
     """Input an adversarial user gives: each gets one line naming the file and key, exit 2, and
     nothing half-written; none crashes, hangs, wraps an integer or is silently ignored."""
 
+    outputs = ("out",)
+
     def setUp(self):
-        self.tmp = tempfile.TemporaryDirectory()
-        self.dir = self.tmp.name
-        self.out = os.path.join(self.dir, "out")
+        super().setUp()
+        self.out = self.path("out")
 
     def tearDown(self):
-        self.tmp.cleanup()
         self.assertFalse(os.path.exists(self.out))  # no results from any failed run
-
-    write = Cli.write
-    assert_input_error = Cli.assert_input_error
+        super().tearDown()
 
     def config(self, name, body, trace="trace: {synthetic: policybook, max_steps: 100}\n"):
         return self.write(name, trace + body)
@@ -230,11 +199,11 @@ class HostileInput(unittest.TestCase):
         self.assert_input_error(kvsim("run", self.dir, "--out", self.out), self.dir + ": is a directory")
         fifo = os.path.join(self.dir, "fifo.yaml")
         os.mkfifo(fifo)
-        result = subprocess.run([KVSIM, "run", fifo, "--out", self.out], capture_output=True, text=True, timeout=30)
+        result = subprocess.run([cli_common.KVSIM, "run", fifo, "--out", self.out], capture_output=True, text=True, timeout=30)
         self.assert_input_error(result, "fifo.yaml: is a FIFO, not a regular file")
         trace_fifo = os.path.join(self.dir, "fifo.h5")
         os.mkfifo(trace_fifo)
-        result = subprocess.run([KVSIM, "trace", "info", trace_fifo], capture_output=True, text=True, timeout=30)
+        result = subprocess.run([cli_common.KVSIM, "trace", "info", trace_fifo], capture_output=True, text=True, timeout=30)
         self.assert_input_error(result, "fifo.h5: is a FIFO, not a regular file")
         self.assert_input_error(kvsim("trace", "info", self.dir), self.dir + ": is a directory")
         long_name = os.path.join(self.dir, "x" * 300 + ".yaml")
@@ -264,7 +233,7 @@ class HostileInput(unittest.TestCase):
 
     def interrupt_trace_synth(self, signal_number):
         target = os.path.join(self.dir, "big.h5")
-        process = subprocess.Popen([KVSIM, "trace", "synth", "qkv", "--name", "llama-1b-4096", "-o", target],
+        process = subprocess.Popen([cli_common.KVSIM, "trace", "synth", "qkv", "--name", "llama-1b-4096", "-o", target],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         temp = os.path.join(self.dir, ".big.h5.tmp-%d" % process.pid)
         deadline = time.monotonic() + 60
@@ -300,20 +269,7 @@ STORIES = os.path.join(SHARED, "text", "tinystories_sample.txt")
 
 
 @unittest.skipUnless(os.path.exists(MODEL), "../shared/models/stories260K is not present")
-class ModelCli(unittest.TestCase):
-    def setUp(self):
-        self.tmp = tempfile.TemporaryDirectory()
-        self.dir = self.tmp.name
-
-    def tearDown(self):
-        self.tmp.cleanup()
-
-    def write(self, name, data, mode="w"):
-        path = os.path.join(self.dir, name)
-        with open(path, mode) as f:
-            f.write(data)
-        return path
-
+class ModelCli(KvsimTestCase):
     def test_capture_records_provenance_and_replays(self):
         trace = os.path.join(self.dir, "t.h5")
         result = kvsim("capture", "--model", MODEL, "--text", STORIES, "--split-on", "<|endoftext|>",
@@ -411,5 +367,5 @@ class ModelCli(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    KVSIM = os.path.abspath(sys.argv.pop(1))
+    cli_common.KVSIM = os.path.abspath(sys.argv.pop(1))
     unittest.main(verbosity=2)

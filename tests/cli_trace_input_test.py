@@ -7,32 +7,20 @@ The hostile traces are written by make_hostile_trace (kvsim's TraceWriter plus H
 import os
 import subprocess
 import sys
-import tempfile
 import unittest
 
-KVSIM = None
+import cli_common
+from cli_common import KvsimTestCase, kvsim
+
 MAKE_TRACE = None
 
 
-def kvsim(*args, memory=None, cwd=None):
-    limit = ["--max-memory", memory] if memory else []  # a global flag: before the command
-    return subprocess.run([KVSIM, *limit, *args], capture_output=True, text=True, cwd=cwd)
+class TraceInput(KvsimTestCase):
+    outputs = ("out",)
 
-
-class TraceInput(unittest.TestCase):
     def setUp(self):
-        self.tmp = tempfile.TemporaryDirectory()
-        self.dir = self.tmp.name
-        self.out = os.path.join(self.dir, "out")
-
-    def tearDown(self):
-        self.tmp.cleanup()
-
-    def write(self, name, text):
-        path = os.path.join(self.dir, name)
-        with open(path, "w") as f:
-            f.write(text)
-        return path
+        super().setUp()
+        self.out = self.path("out")
 
     def trace(self, kind):
         path = os.path.join(self.dir, kind + ".h5")
@@ -43,14 +31,6 @@ class TraceInput(unittest.TestCase):
         path = self.trace(kind)
         config = self.write(kind + ".yaml", "trace: %s.h5\nbudgets: %s\npolicies: %s\n" % (kind, budgets, policies))
         return path, kvsim("run", config, "--out", self.out, memory=memory)
-
-    def assert_input_error(self, result, *fragments):
-        self.assertEqual(result.returncode, 2, result.stderr)
-        lines = result.stderr.strip().splitlines()
-        self.assertEqual(len(lines), 1, result.stderr)
-        for fragment in fragments:
-            self.assertIn(fragment, lines[0])
-        self.assertFalse(os.path.exists(self.out))  # nothing written
 
     def test_valid_hostile_starting_points_replay(self):
         for kind in ("valid-qkv", "valid-attention"):
@@ -150,5 +130,5 @@ class TraceInput(unittest.TestCase):
 
 if __name__ == "__main__":
     MAKE_TRACE = os.path.abspath(sys.argv.pop(2))
-    KVSIM = os.path.abspath(sys.argv.pop(1))
+    cli_common.KVSIM = os.path.abspath(sys.argv.pop(1))
     unittest.main(verbosity=2)

@@ -585,23 +585,29 @@ TEST_CASE("forward pass: a non-finite query, key, value, score or logit stops it
     };
     const std::vector<int> tokens = {1, 40, 41, 42, 43, 44};
 
-    SUBCASE("query·key overflows: attention scores, before hooks see a non-finite value") {
+    // The random model with two of its tensors scaled up (rows, cols as scale_tensor takes them).
+    struct Scaled {
+        const char* name;
+        int rows, cols;
+        float factor;
+    };
+    const auto load_scaled = [&](std::initializer_list<Scaled> scaled) {
         GgufWriter writer = random_llama_writer(config, 1);
-        scale_tensor(writer, config, "blk.0.attn_q.weight", config.q_dim(), config.dim, 1e20f);
-        scale_tensor(writer, config, "blk.0.attn_k.weight", config.kv_dim(), config.dim, 1e20f);
+        for (const Scaled& t : scaled) scale_tensor(writer, config, t.name, t.rows, t.cols, t.factor);
         writer.write(path);
-        LlamaModel model = LlamaModel::load(path);
+        return LlamaModel::load(path);
+    };
+    SUBCASE("query·key overflows: attention scores, before hooks see a non-finite value") {
+        LlamaModel model = load_scaled({{"blk.0.attn_q.weight", config.q_dim(), config.dim, 1e20f},
+                                        {"blk.0.attn_k.weight", config.kv_dim(), config.dim, 1e20f}});
         RecordingHooks hooks;
         hooks.config = &model.config();
         CHECK(error_of(model, tokens, &hooks) == path + ": layer 0, position 0: non-finite attention scores (NaN or infinity)");
         CHECK(hooks.shapes_ok);  // q, k and v themselves were finite
     }
     SUBCASE("the residual stream overflows: the query, never shown to after_qkv") {
-        GgufWriter writer = random_llama_writer(config, 1);
-        scale_tensor(writer, config, "blk.1.attn_norm.weight", config.dim, 0, 1e30f);
-        scale_tensor(writer, config, "blk.1.attn_q.weight", config.q_dim(), config.dim, 1e10f);
-        writer.write(path);
-        LlamaModel model = LlamaModel::load(path);
+        LlamaModel model = load_scaled({{"blk.1.attn_norm.weight", config.dim, 0, 1e30f},
+                                        {"blk.1.attn_q.weight", config.q_dim(), config.dim, 1e10f}});
         RecordingHooks hooks;
         hooks.config = &model.config();
         CHECK(error_of(model, tokens, &hooks) == path + ": layer 1, position 0: non-finite query (NaN or infinity)");
@@ -609,11 +615,8 @@ TEST_CASE("forward pass: a non-finite query, key, value, score or logit stops it
         CHECK(hooks.qkv_calls.size() == tokens.size());  // layer 0 for every token, nothing of layer 1
     }
     SUBCASE("the classifier overflows: logits") {
-        GgufWriter writer = random_llama_writer(config, 1);
-        scale_tensor(writer, config, "output_norm.weight", config.dim, 0, 1e30f);
-        scale_tensor(writer, config, "output.weight", config.vocab_size, config.dim, 1e20f);
-        writer.write(path);
-        LlamaModel model = LlamaModel::load(path);
+        LlamaModel model = load_scaled({{"output_norm.weight", config.dim, 0, 1e30f},
+                                        {"output.weight", config.vocab_size, config.dim, 1e20f}});
         CHECK(error_of(model, tokens, nullptr) == path + ": position 0: non-finite logits (NaN or infinity)");
         CHECK_THROWS_AS(model.sequence_nll(tokens), NonFiniteError);
     }

@@ -10,12 +10,11 @@
 #include "sim/trace_store.h"
 
 namespace kvsim::test {
-namespace {
 
-TraceMetadata qkv_metadata() {
+TraceMetadata small_qkv_metadata(const std::string& model_name) {
     TraceMetadata m;
     m.kind = TraceKind::qkv;
-    m.model_name = "hostile";
+    m.model_name = model_name;
     m.num_layers = 2;
     m.num_query_heads = 4;
     m.num_kv_heads = 2;
@@ -24,17 +23,9 @@ TraceMetadata qkv_metadata() {
     return m;
 }
 
-TraceMetadata attention_metadata() {
-    TraceMetadata m;
-    m.kind = TraceKind::attention;
-    m.model_name = "hostile";
-    m.source_kind = "synthetic";
-    return m;
-}
-
-QkvLayer random_layer(int64_t tokens, const TraceMetadata& m, unsigned seed) {
+QkvLayer random_qkv_layer(int64_t tokens, const TraceMetadata& m, unsigned seed, float sigma) {
     std::mt19937 rng(seed);
-    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::normal_distribution<float> normal(0.0f, sigma);
     QkvLayer layer;
     layer.tokens = tokens;
     layer.q.resize(tokens * m.num_query_heads * m.head_dim);
@@ -45,6 +36,16 @@ QkvLayer random_layer(int64_t tokens, const TraceMetadata& m, unsigned seed) {
     return layer;
 }
 
+namespace {
+
+TraceMetadata attention_metadata() {
+    TraceMetadata m;
+    m.kind = TraceKind::attention;
+    m.model_name = "hostile";
+    m.source_kind = "synthetic";
+    return m;
+}
+
 // Rows 1..length-1 packed, every weight 1 / (t + 1).
 std::vector<float> uniform_rows(int64_t first, int64_t end) {
     std::vector<float> rows;
@@ -53,7 +54,7 @@ std::vector<float> uniform_rows(int64_t first, int64_t end) {
 }
 
 void write_qkv(const std::string& path, QkvLayer l0, QkvLayer l1, TensorDtype dtype = TensorDtype::float32) {
-    TraceWriter writer(path, qkv_metadata());
+    TraceWriter writer(path, small_qkv_metadata("hostile"));
     const int s = writer.add_sequence("story", kHostileQkvTokens);
     writer.write_qkv(s, 0, l0, dtype);
     writer.write_qkv(s, 1, l1, dtype);
@@ -115,38 +116,38 @@ std::vector<std::string> hostile_trace_kinds() {
 }
 
 void write_hostile_trace(const std::string& kind, const std::string& path) {
-    const TraceMetadata m = qkv_metadata();
+    const TraceMetadata m = small_qkv_metadata("hostile");
     const int64_t T = kHostileAttentionTokens;
     if (kind == "valid-qkv") {
-        write_qkv(path, random_layer(kHostileQkvTokens, m, 1), random_layer(kHostileQkvTokens, m, 2));
+        write_qkv(path, random_qkv_layer(kHostileQkvTokens, m, 1), random_qkv_layer(kHostileQkvTokens, m, 2));
     } else if (kind == "qkv-nan") {
-        QkvLayer l1 = random_layer(kHostileQkvTokens, m, 2);
+        QkvLayer l1 = random_qkv_layer(kHostileQkvTokens, m, 2);
         l1.k[1000] = std::numeric_limits<float>::quiet_NaN();
-        write_qkv(path, random_layer(kHostileQkvTokens, m, 1), l1);
+        write_qkv(path, random_qkv_layer(kHostileQkvTokens, m, 1), l1);
     } else if (kind == "qkv-inf") {
-        QkvLayer l0 = random_layer(kHostileQkvTokens, m, 1);
+        QkvLayer l0 = random_qkv_layer(kHostileQkvTokens, m, 1);
         l0.q[77] = std::numeric_limits<float>::infinity();
-        write_qkv(path, l0, random_layer(kHostileQkvTokens, m, 2));
+        write_qkv(path, l0, random_qkv_layer(kHostileQkvTokens, m, 2));
     } else if (kind == "qkv-fp16-nan") {
-        QkvLayer l0 = random_layer(kHostileQkvTokens, m, 1);
+        QkvLayer l0 = random_qkv_layer(kHostileQkvTokens, m, 1);
         l0.v[500] = std::numeric_limits<float>::quiet_NaN();
-        write_qkv(path, l0, random_layer(kHostileQkvTokens, m, 2), TensorDtype::float16);
+        write_qkv(path, l0, random_qkv_layer(kHostileQkvTokens, m, 2), TensorDtype::float16);
     } else if (kind == "qkv-overflow") {
         // Query head 3 reads KV head 1. Its query at token 5 and KV head 1's key at token 2 are
         // 1e20 in every channel: finite, but their product is 8e40 / sqrt(8), past float32.
-        QkvLayer l1 = random_layer(kHostileQkvTokens, m, 2);
+        QkvLayer l1 = random_qkv_layer(kHostileQkvTokens, m, 2);
         for (int c = 0; c < 8; ++c) {
             l1.q[(5 * 4 + 3) * 8 + c] = 1e20f;
             l1.k[(2 * 2 + 1) * 8 + c] = 1e20f;
         }
-        write_qkv(path, random_layer(kHostileQkvTokens, m, 1), l1);
+        write_qkv(path, random_qkv_layer(kHostileQkvTokens, m, 1), l1);
     } else if (kind == "qkv-beyond-fp16" || kind == "qkv-beyond-fp16-stored-fp16") {
         // Finite float32 values past float16's largest (65504): a key and a value of layer 0.
         // As float32 they are valid; stored as float16 they would be Inf (the writer refuses).
-        QkvLayer l0 = random_layer(kHostileQkvTokens, m, 1);
+        QkvLayer l0 = random_qkv_layer(kHostileQkvTokens, m, 1);
         l0.k[(3 * 2 + 0) * 8 + 2] = 1e5f;
         l0.v[(4 * 2 + 1) * 8 + 5] = -2e6f;
-        write_qkv(path, l0, random_layer(kHostileQkvTokens, m, 2),
+        write_qkv(path, l0, random_qkv_layer(kHostileQkvTokens, m, 2),
                   kind == "qkv-beyond-fp16" ? TensorDtype::float32 : TensorDtype::float16);
     } else if (kind == "valid-attention") {
         write_attention(path, T, uniform_rows(1, T));
@@ -167,7 +168,7 @@ void write_hostile_trace(const std::string& kind, const std::string& path) {
     } else if (kind == "attention-unstored") {
         write_attention(path, int64_t{1} << 20, uniform_rows(1, 64));
     } else if (kind == "qkv-unstored") {
-        write_qkv(path, random_layer(kHostileQkvTokens, m, 1), random_layer(kHostileQkvTokens, m, 2));
+        write_qkv(path, random_qkv_layer(kHostileQkvTokens, m, 1), random_qkv_layer(kHostileQkvTokens, m, 2));
         const hsize_t t = hsize_t{1} << 24;
         set_int_attr(path, "/sequences/000000", "length", static_cast<int64_t>(t));
         const hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
@@ -187,18 +188,18 @@ void write_hostile_trace(const std::string& kind, const std::string& path) {
         replace_dataset(f, "/sequences/000000/attention/layer_000/head_000", {n}, {n}, n);
         H5Fclose(f);
     } else if (kind == "num-layers-2e32") {
-        write_qkv(path, random_layer(kHostileQkvTokens, m, 1), random_layer(kHostileQkvTokens, m, 2));
+        write_qkv(path, random_qkv_layer(kHostileQkvTokens, m, 1), random_qkv_layer(kHostileQkvTokens, m, 2));
         set_int_attr(path, "/", "num_layers", (int64_t{1} << 32) + 1);
     } else if (kind == "external-link") {
         // Layer 1's K is a link to a dataset in another file (here the trace itself, by name).
-        write_qkv(path, random_layer(kHostileQkvTokens, m, 1), random_layer(kHostileQkvTokens, m, 2));
+        write_qkv(path, random_qkv_layer(kHostileQkvTokens, m, 1), random_qkv_layer(kHostileQkvTokens, m, 2));
         const hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
         H5Ldelete(f, "/sequences/000000/qkv/layer_001/k", H5P_DEFAULT);
         H5Lcreate_external(path.c_str(), "/sequences/000000/qkv/layer_000/k", f, "/sequences/000000/qkv/layer_001/k",
                            H5P_DEFAULT, H5P_DEFAULT);
         H5Fclose(f);
     } else if (kind == "string-array") {
-        write_qkv(path, random_layer(kHostileQkvTokens, m, 1), random_layer(kHostileQkvTokens, m, 2));
+        write_qkv(path, random_qkv_layer(kHostileQkvTokens, m, 1), random_qkv_layer(kHostileQkvTokens, m, 2));
         const hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
         H5Adelete(f, "model_name");
         const hid_t type = H5Tcopy(H5T_C_S1);

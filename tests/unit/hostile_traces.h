@@ -5,7 +5,14 @@
 #include <string>
 #include <vector>
 
+#include "sim/trace_store.h"
+
 namespace kvsim::test {
+
+// The small Q/K/V trace shape the tests write: 2 layers, 4 query heads, 2 KV heads, head size 8.
+TraceMetadata small_qkv_metadata(const std::string& model_name);
+// One layer of that shape: Q, K and V drawn from N(0, sigma^2) with a fixed seed.
+QkvLayer random_qkv_layer(int64_t tokens, const TraceMetadata& m, unsigned seed, float sigma = 1.0f);
 
 // The shape of the small valid Q/K/V trace the Q/K/V kinds start from: 2 layers, 4 query heads,
 // 2 KV heads, head size 8, one sequence of 64 tokens.
@@ -29,6 +36,8 @@ inline constexpr int kHostileAttentionTokens = 64;
 //   num-layers-2e32                       num_layers = 2^32 + 1
 //   string-array                          model_name holds 3 strings instead of one
 //   external-link                         layer 1's K is an external link (to a dataset of another file)
+//   qkv-beyond-fp16                       finite K and V of layer 0 past float16's range (1e5, -2e6), float32
+//   qkv-beyond-fp16-stored-fp16           the same stored as float16: the writer refuses it (InputError)
 void write_hostile_trace(const std::string& kind, const std::string& path);
 
 std::vector<std::string> hostile_trace_kinds();

@@ -9,6 +9,7 @@
 #include <random>
 
 #include "helpers.h"
+#include "hostile_traces.h"
 #include "sim/trace_store.h"
 #include "base/errors.h"
 
@@ -27,28 +28,14 @@ std::string input_error(const std::string& path) {
 }
 
 TraceMetadata qkv_metadata() {
-    TraceMetadata m;
-    m.kind = TraceKind::qkv;
-    m.model_name = "test";
-    m.num_layers = 2;
-    m.num_query_heads = 4;
-    m.num_kv_heads = 2;
-    m.head_dim = 8;
-    m.source_kind = "model";
+    TraceMetadata m = small_qkv_metadata("test");
     m.source_model_file = "m.gguf";
     m.source_model_sha256 = std::string(64, 'a');
     return m;
 }
 
 QkvLayer random_layer(int64_t tokens, const TraceMetadata& m, unsigned seed) {
-    std::mt19937 rng(seed);
-    std::normal_distribution<float> normal(0.0f, 3.0f);
-    QkvLayer layer;
-    layer.tokens = tokens;
-    for (int64_t i = 0; i < tokens * m.num_query_heads * m.head_dim; ++i) layer.q.push_back(normal(rng));
-    for (int64_t i = 0; i < tokens * m.num_kv_heads * m.head_dim; ++i) layer.k.push_back(normal(rng));
-    for (int64_t i = 0; i < tokens * m.num_kv_heads * m.head_dim; ++i) layer.v.push_back(normal(rng));
-    return layer;
+    return random_qkv_layer(tokens, m, seed, 3.0f);
 }
 
 }  // namespace
