@@ -15,7 +15,7 @@
 #include "policies/policy.h"
 #include "sim/attention_source.h"
 #include "sim/harness.h"
-#include "src/config.h"
+#include "sim/experiment_spec.h"
 
 namespace kvsim {
 

@@ -11,7 +11,7 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "src/config.h"
+#include "base/yaml_file.h"
 #include "base/errors.h"
 #include "base/input_file.h"
 

@@ -8,7 +8,6 @@
 #include <set>
 
 #include "base/errors.h"
-#include "src/report.h"
 
 namespace kvsim {
 
@@ -29,6 +28,23 @@ std::string policy_label(const PolicyDescriptor& policy, const std::map<std::str
         if (it != given.end() && it->second != spec.default_value) args += (args.empty() ? "" : ",") + spec.name + "=" + format_param(it->second);
     }
     return args.empty() ? label : label + "(" + args + ")";
+}
+
+int budget_for_compression(double ratio, int64_t sequence_length) {
+    // held(B) = sum over steps t = 1..T-1 of min(t, B) + 1 falls as B shrinks: bisect for the
+    // largest B whose ratio sum(t + 1) / held(B) still reaches the target.
+    const int64_t T = sequence_length;
+    auto held = [T](int64_t b) {
+        const int64_t m = std::min(b, T - 1);
+        return m * (m + 1) / 2 + (T - 1 - m) * b + (T - 1);  // sum of min(t, b) plus one per step
+    };
+    const double full = static_cast<double>(T - 1) * T / 2.0 + (T - 1);
+    int64_t lo = 1, hi = std::max<int64_t>(1, T);
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (full / held(mid) >= ratio) lo = mid; else hi = mid - 1;
+    }
+    return static_cast<int>(lo);
 }
 
 std::vector<ReplayCombo> expand_sweep(const std::vector<PolicyEntry>& policies, const std::vector<GridAxis>& grid,

@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "sim/replay.h"
-#include "src/config.h"
+#include "sim/experiment_spec.h"
 
 namespace kvsim {
 

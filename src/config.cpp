@@ -124,46 +124,6 @@ bool is_file_param(const std::string& policy, const std::string& param) {
 
 }  // namespace
 
-namespace {
-
-// yaml-cpp accepts a key given twice (and silently keeps one) and keys that are lists or maps;
-// a config means one thing only, so both are input errors, reported at the key's line.
-void check_keys(const std::string& path, const YAML::Node& node, int depth) {
-    auto fail = [&](const YAML::Node& at, const std::string& what) {
-        throw InputError(path + ":" + std::to_string(at.Mark().line + 1) + ": " + what);
-    };
-    if (depth > 64) fail(node, "nested more than 64 levels deep");
-    if (node.IsSequence()) {
-        for (const YAML::Node& item : node) check_keys(path, item, depth + 1);
-    } else if (node.IsMap()) {
-        std::set<std::string> seen;
-        for (const auto& item : node) {
-            if (!item.first.IsScalar()) fail(item.first, "a key must be a plain name, not a list or a map");
-            if (!seen.insert(item.first.Scalar()).second) fail(item.first, "duplicate key '" + item.first.Scalar() + "'");
-            check_keys(path, item.second, depth + 1);
-        }
-    }
-}
-
-}  // namespace
-
-YAML::Node load_yaml_file(const std::string& path) {
-    require_regular_file(path);
-    try {
-        YAML::Node root = YAML::LoadFile(path);
-        check_keys(path, root, 0);
-        return root;
-    } catch (const InputError&) {
-        throw;
-    } catch (const YAML::BadFile&) {
-        throw InputError(path + ": cannot read");
-    } catch (const YAML::ParserException& e) {
-        throw InputError(path + ":" + std::to_string(e.mark.line + 1) + ": YAML syntax error: " + e.msg);
-    } catch (const YAML::Exception& e) {
-        throw InputError(path + ": cannot read as YAML: " + e.msg);
-    }
-}
-
 ExperimentConfig load_config(const std::string& path) {
     ConfigParser p(path);
     const YAML::Node root = load_yaml_file(path);
@@ -361,23 +321,6 @@ BudgetColumn load_budget_profile(const std::string& path) {
     if (!root["layer_budgets"]) throw InputError(path + ": missing key 'layer_budgets'");
     return p.layer_profile(root["layer_budgets"], "layer_budgets",
                            root["name"] ? p.string(root["name"], "name") : std::filesystem::path(path).stem().string());
-}
-
-int budget_for_compression(double ratio, int64_t sequence_length) {
-    // held(B) = sum over steps t = 1..T-1 of min(t, B) + 1 falls as B shrinks: bisect for the
-    // largest B whose ratio sum(t + 1) / held(B) still reaches the target.
-    const int64_t T = sequence_length;
-    auto held = [T](int64_t b) {
-        const int64_t m = std::min(b, T - 1);
-        return m * (m + 1) / 2 + (T - 1 - m) * b + (T - 1);  // sum of min(t, b) plus one per step
-    };
-    const double full = static_cast<double>(T - 1) * T / 2.0 + (T - 1);
-    int64_t lo = 1, hi = std::max<int64_t>(1, T);
-    while (lo < hi) {
-        const int64_t mid = (lo + hi + 1) / 2;
-        if (full / held(mid) >= ratio) lo = mid; else hi = mid - 1;
-    }
-    return static_cast<int>(lo);
 }
 
 std::vector<BudgetColumn> budget_columns(const ExperimentConfig& config) {

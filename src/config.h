@@ -8,25 +8,10 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include "base/yaml_file.h"
+#include "sim/experiment_spec.h"
+
 namespace kvsim {
-
-// A policy as the config names it, with the parameters the config gives (defaults come later).
-struct PolicyEntry {
-    std::string name;
-    std::map<std::string, double> params;
-    std::string where;                       // "FILE:LINE: policies[2]" for error messages
-    std::map<std::string, std::string> files;  // file parameters: name -> path
-    bool quantized = false;                  // {evict: NAME, quantize: {...}}
-    std::map<std::string, double> quantize;  // bits, older_than, key_group, value_group
-};
-
-// One sweep axis: a policy parameter and the values it takes.
-struct GridAxis {
-    std::string policy;
-    std::string param;
-    std::vector<double> values;
-    std::string where;
-};
 
 struct TraceRef {
     std::string path;       // a trace file, resolved against the config file's folder; or
@@ -49,19 +34,6 @@ inline const std::vector<std::string>& known_metrics() {
     return metrics;
 }
 
-// A budget column: one budget for every layer, or a per-layer profile.
-struct BudgetColumn {
-    std::string label;               // "256", or the profile's name
-    int budget = 0;                  // tokens per (layer, KV head); for a profile, the mean
-    std::vector<int> layer_budgets;  // empty for a scalar budget
-    std::string where;
-    double compression = 0;  // > 0: each sequence's budget gives this compression ratio in tokens
-};
-
-// The budget whose cache, over a pure decode of `sequence_length` tokens, holds on average
-// `ratio` times fewer tokens than the full cache (the current token counted as held).
-int budget_for_compression(double ratio, int64_t sequence_length);
-
 struct ExperimentConfig {
     std::string file;
     TraceRef trace;
@@ -82,9 +54,6 @@ struct ExperimentConfig {
 };
 
 ExperimentConfig load_config(const std::string& path);
-
-// Reads a YAML file; a missing file or a syntax error is an InputError naming the file (and line).
-YAML::Node load_yaml_file(const std::string& path);
 
 // Every budget column of a config: its scalar budgets, then its per-layer profiles.
 std::vector<BudgetColumn> budget_columns(const ExperimentConfig& config);

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "policies/policy.h"
+#include "sim/experiment_spec.h"
 
 namespace kvsim {
 
@@ -31,9 +32,6 @@ struct ResultRecord {
     double ppl = NAN;        // kvsim eval: perplexity with the policy in the loop
     double delta_ppl = NAN;  // kvsim eval: ppl minus the full cache's
 };
-
-// The budget label of a baseline that holds at every budget (the full cache).
-inline constexpr const char* kEveryBudget = "full";
 
 // round6 as the reference harness defines it: floor(x * 1e6 + 0.5) / 1e6.
 double round6(double x);
