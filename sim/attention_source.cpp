@@ -46,8 +46,9 @@ private:
 
 class AttentionFileSource : public AttentionSource {
 public:
-    AttentionFileSource(std::unique_ptr<TraceReader> reader, int64_t max_steps)
-        : reader_(std::move(reader)), shape_(trace_shape(*reader_, max_steps)) {}
+    AttentionFileSource(std::unique_ptr<TraceReader> reader, int64_t max_steps, const std::vector<int>& sequences)
+        : reader_(std::move(reader)), shape_(trace_shape(*reader_, max_steps, sequences)),
+          file_index_(selected_sequences(*reader_, sequences)) {}
     const AttentionShape& shape() const override { return shape_; }
     std::string description() const override { return reader_->path(); }
     void read_block(int sequence, int layer, int64_t first_step, int64_t end_step, AttentionBlock& block) override {
@@ -55,13 +56,14 @@ public:
         block.end_step = end_step;
         block.rows.resize(shape_.num_query_heads);
         for (int head = 0; head < shape_.num_query_heads; ++head)
-            reader_->read_attention_rows(sequence, layer, head, first_step, end_step, block.rows[head]);
+            reader_->read_attention_rows(file_index_.at(sequence), layer, head, first_step, end_step, block.rows[head]);
         block.self_weight.clear();
     }
 
 private:
     std::unique_ptr<TraceReader> reader_;
     AttentionShape shape_;
+    std::vector<int> file_index_;
 };
 
 }  // namespace
@@ -70,14 +72,27 @@ int64_t last_replayed_step(int64_t length, int64_t max_steps) {
     return max_steps > 0 ? std::min(length - 1, max_steps) : length - 1;
 }
 
-AttentionShape trace_shape(const TraceReader& reader, int64_t max_steps) {
+std::vector<int> selected_sequences(const TraceReader& reader, const std::vector<int>& sequences) {
+    const int count = static_cast<int>(reader.sequences().size());
+    for (int s : sequences)
+        if (s < 0 || s >= count)
+            throw InputError(reader.path() + ": no sequence " + std::to_string(s) + " (it has " + std::to_string(count) +
+                             ", numbered from 0)");
+    if (!sequences.empty()) return sequences;
+    std::vector<int> all(count);
+    for (int s = 0; s < count; ++s) all[s] = s;
+    return all;
+}
+
+AttentionShape trace_shape(const TraceReader& reader, int64_t max_steps, const std::vector<int>& sequences) {
     const TraceMetadata& m = reader.metadata();
     AttentionShape shape;
     // The reader range-checks these; narrowing is checked again here, where it happens.
     shape.num_layers = checked_narrow<int>(m.num_layers, reader.path() + ": root attribute 'num_layers'");
     shape.num_query_heads = checked_narrow<int>(m.num_query_heads, reader.path() + ": root attribute 'num_query_heads'");
     shape.num_kv_heads = checked_narrow<int>(m.num_kv_heads, reader.path() + ": root attribute 'num_kv_heads'");
-    for (const SequenceInfo& s : reader.sequences()) {
+    for (int index : selected_sequences(reader, sequences)) {
+        const SequenceInfo& s = reader.sequences()[index];
         shape.sequence_names.push_back(s.name);
         shape.sequence_lengths.push_back(s.length);
         shape.last_steps.push_back(last_replayed_step(s.length, max_steps));
@@ -103,10 +118,11 @@ std::unique_ptr<AttentionSource> make_policybook_source(const PolicybookTraceSpe
     return std::make_unique<PolicybookSource>(spec, max_steps);
 }
 
-std::unique_ptr<AttentionSource> open_trace_source(const std::string& path, int64_t max_steps) {
+std::unique_ptr<AttentionSource> open_trace_source(const std::string& path, int64_t max_steps,
+                                                   const std::vector<int>& sequences) {
     auto reader = std::make_unique<TraceReader>(path);
-    if (reader->metadata().kind == TraceKind::qkv) return make_qkv_source(std::move(reader), max_steps);
-    return std::make_unique<AttentionFileSource>(std::move(reader), max_steps);
+    if (reader->metadata().kind == TraceKind::qkv) return make_qkv_source(std::move(reader), max_steps, sequences);
+    return std::make_unique<AttentionFileSource>(std::move(reader), max_steps, sequences);
 }
 
 void write_policybook_trace(const PolicybookTraceSpec& spec, const std::string& path) {

@@ -27,8 +27,11 @@ struct AttentionShape {
 // max_steps (> 0) of them, an exact prefix.
 int64_t last_replayed_step(int64_t length, int64_t max_steps);
 
-// The shape of a trace file as a replay sees it.
-AttentionShape trace_shape(const TraceReader& reader, int64_t max_steps);
+// The shape of a trace file as a replay sees it: every sequence, or those of `sequences` (indices
+// into the file, in that order).
+AttentionShape trace_shape(const TraceReader& reader, int64_t max_steps, const std::vector<int>& sequences = {});
+// The file's index of each sequence a replay sees: `sequences`, or every one in order.
+std::vector<int> selected_sequences(const TraceReader& reader, const std::vector<int>& sequences);
 
 // Decode steps [first_step, end_step) of one layer, every query head.
 struct AttentionBlock {
@@ -63,8 +66,10 @@ enum class AttentionView {
 
 // max_steps > 0 truncates every sequence to its first max_steps decode steps (an exact prefix).
 std::unique_ptr<AttentionSource> make_policybook_source(const PolicybookTraceSpec& spec, int64_t max_steps);
-// A trace file of either kind: attention rows are read, or computed from Q and K.
-std::unique_ptr<AttentionSource> open_trace_source(const std::string& path, int64_t max_steps);
+// A trace file of either kind: attention rows are read, or computed from Q and K. `sequences`
+// (indices into the file) replays only those, in that order (a search's fitting or held-out set).
+std::unique_ptr<AttentionSource> open_trace_source(const std::string& path, int64_t max_steps,
+                                                   const std::vector<int>& sequences = {});
 
 // Writes a policybook trace to an HDF5 file (atomically).
 void write_policybook_trace(const PolicybookTraceSpec& spec, const std::string& path);

@@ -9,22 +9,23 @@
 
 namespace kvsim {
 
-// A policy as the config names it, with the parameters the config gives (defaults come later).
-struct PolicyEntry {
-    std::string name;
-    std::map<std::string, double> params;
-    std::string where;                       // "FILE:LINE: policies[2]" for error messages
-    std::map<std::string, std::string> files;  // file parameters: name -> path
-    bool quantized = false;                  // {evict: NAME, quantize: {...}}
-    std::map<std::string, double> quantize;  // bits, older_than, key_group, value_group
-};
+// The largest budget and sequence length a config or flag may name: far beyond any model's
+// context, small enough that budget + 1 and products with head counts cannot overflow an int.
+inline constexpr int kMaxBudgetTokens = 100000000;
+inline constexpr int kMaxSequenceTokens = 1 << 30;
 
-// One sweep axis: a policy parameter and the values it takes.
-struct GridAxis {
-    std::string policy;
-    std::string param;
-    std::vector<double> values;
-    std::string where;
+// The shape of the model a profile was fitted to; a trace or model of another shape cannot use it.
+struct ModelShape {
+    std::string name;
+    int num_layers = 0, num_query_heads = 0, num_kv_heads = 0, head_dim = 0;
+    bool same_as(const ModelShape& o) const {
+        return num_layers == o.num_layers && num_query_heads == o.num_query_heads && num_kv_heads == o.num_kv_heads &&
+               head_dim == o.head_dim;
+    }
+    std::string describe() const {  // "5 layers, 8 query heads, 4 KV heads, head size 8"
+        return std::to_string(num_layers) + " layers, " + std::to_string(num_query_heads) + " query heads, " +
+               std::to_string(num_kv_heads) + " KV heads, head size " + std::to_string(head_dim);
+    }
 };
 
 // A budget column: one budget for every layer, or a per-layer profile.
@@ -34,6 +35,31 @@ struct BudgetColumn {
     std::vector<int> layer_budgets;  // empty for a scalar budget
     std::string where;
     double compression = 0;  // > 0: each sequence's budget gives this compression ratio in tokens
+    // Per (layer, KV head), index layer * num_kv_heads + kv, when a profile fits each head its own
+    // budget; overrides layer_budgets (which then hold each layer's mean, for the tables).
+    std::vector<int> head_budgets;
+};
+
+// A policy as the config names it, with the parameters the config gives (defaults come later).
+struct PolicyEntry {
+    std::string name;
+    std::map<std::string, double> params;
+    std::string where;                       // "FILE:LINE: policies[2]" for error messages
+    std::map<std::string, std::string> files;  // file parameters: name -> path
+    bool quantized = false;                  // {evict: NAME, quantize: {...}}
+    std::map<std::string, double> quantize;  // bits, older_than, key_group, value_group
+    // {profile: FILE}: a fitted profile brings its own budgets (its one column) and the shape
+    // of the model it was fitted to.
+    std::vector<BudgetColumn> profile_budgets;  // empty, or the profile's one column
+    ModelShape profile_shape;
+};
+
+// One sweep axis: a policy parameter and the values it takes.
+struct GridAxis {
+    std::string policy;
+    std::string param;
+    std::vector<double> values;
+    std::string where;
 };
 
 // The budget label of a baseline that holds at every budget (the full cache).

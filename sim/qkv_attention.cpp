@@ -104,24 +104,27 @@ namespace {
 
 class QkvFileSource : public QkvSource {
 public:
-    QkvFileSource(std::unique_ptr<TraceReader> reader, int64_t max_steps) : reader_(std::move(reader)) {
-        shape_ = trace_shape(*reader_, max_steps);
+    QkvFileSource(std::unique_ptr<TraceReader> reader, int64_t max_steps, const std::vector<int>& sequences)
+        : reader_(std::move(reader)), file_index_(selected_sequences(*reader_, sequences)) {
+        shape_ = trace_shape(*reader_, max_steps, sequences);
         qkv_ = {shape_.num_query_heads, shape_.num_kv_heads,
                 checked_narrow<int>(reader_->metadata().head_dim, reader_->path() + ": root attribute 'head_dim'")};
     }
     std::string description() const override { return reader_->path(); }
 
 protected:
-    QkvLayer load_layer(int sequence, int layer) override { return reader_->read_qkv(sequence, layer); }
+    QkvLayer load_layer(int sequence, int layer) override { return reader_->read_qkv(file_index_.at(sequence), layer); }
 
 private:
     std::unique_ptr<TraceReader> reader_;
+    std::vector<int> file_index_;
 };
 
 }  // namespace
 
-std::unique_ptr<AttentionSource> make_qkv_source(std::unique_ptr<TraceReader> reader, int64_t max_steps) {
-    return std::make_unique<QkvFileSource>(std::move(reader), max_steps);
+std::unique_ptr<AttentionSource> make_qkv_source(std::unique_ptr<TraceReader> reader, int64_t max_steps,
+                                                 const std::vector<int>& sequences) {
+    return std::make_unique<QkvFileSource>(std::move(reader), max_steps, sequences);
 }
 
 }  // namespace kvsim

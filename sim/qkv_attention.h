@@ -48,6 +48,7 @@ private:
     QkvLayer loaded_;
 };
 
-std::unique_ptr<AttentionSource> make_qkv_source(std::unique_ptr<TraceReader> reader, int64_t max_steps);
+std::unique_ptr<AttentionSource> make_qkv_source(std::unique_ptr<TraceReader> reader, int64_t max_steps,
+                                                 const std::vector<int>& sequences = {});
 
 }  // namespace kvsim

@@ -36,7 +36,10 @@ public:
     std::vector<ComboResult> run() {
         check_memory_plan();
         std::vector<ComboResult> results(combos_.size());
-        for (auto& r : results) r.by_layer.resize(shape_.num_layers);
+        for (auto& r : results) {
+            r.by_layer.resize(shape_.num_layers);
+            r.by_head.resize(static_cast<std::size_t>(shape_.num_layers) * kv_heads_);
+        }
         for (int64_t last : shape_.last_steps) total_steps_ += last * shape_.num_layers;
 
         for (std::size_t s = 0; s < shape_.sequence_lengths.size(); ++s)
@@ -49,6 +52,7 @@ public:
                     for (std::size_t c = 0; c < combos_.size(); ++c) {
                         const Harness& harness = harnesses[kv * combos_.size() + c];
                         results[c].by_layer[layer].add(harness.metrics());
+                        results[c].by_head[static_cast<std::size_t>(layer) * kv_heads_ + kv].add(harness.metrics());
                         results[c].total.add(harness.metrics());
                         results[c].policy_bytes_per_slot = harness.policy().bytes_per_slot();
                     }
@@ -103,19 +107,24 @@ private:
             for (int layer = 0; layer < shape_.num_layers; ++layer) {
                 uint64_t total = shared;
                 for (const ReplayCombo& c : combos_) {
-                    const PolicyContext ctx = context(c, static_cast<int>(s), layer, 0);
-                    // Per harness: flags and tiers by position, and per cached slot the harness's
-                    // lists, the group's gathered weights and the policy's own bookkeeping.
-                    const uint64_t slots = static_cast<uint64_t>(ctx.capacity);
-                    uint64_t harness = mul(length, values || c.quantize || c.policy->keeps_everything ? 3 : 1);
-                    harness = add(harness, mul(slots, 16 + 4 * static_cast<uint64_t>(group_) + 64));
-                    total = add(total, add(mul(harness, kv), c.check_param_memory(ctx, kv)));
+                    // KV heads plan alike unless a profile gives each its own budget.
+                    const int distinct = c.head_budgets.empty() ? 1 : kv_heads_;
+                    const uint64_t copies = c.head_budgets.empty() ? kv : 1;
+                    for (int head = 0; head < distinct; ++head) {
+                        const PolicyContext ctx = context(c, static_cast<int>(s), layer, head);
+                        // Per harness: flags and tiers by position, and per cached slot the harness's
+                        // lists, the group's gathered weights and the policy's own bookkeeping.
+                        const uint64_t slots = static_cast<uint64_t>(ctx.capacity);
+                        uint64_t harness = mul(length, values || c.quantize || c.policy->keeps_everything ? 3 : 1);
+                        harness = add(harness, mul(slots, 16 + 4 * static_cast<uint64_t>(group_) + 64));
+                        total = add(total, add(mul(harness, copies), c.check_param_memory(ctx, copies)));
+                    }
                 }
                 check_memory(total, what + ", layer " + std::to_string(layer) + ": replaying " +
                                         std::to_string(combos_.size()) + " configurations over " +
                                         std::to_string(kv_heads_) + " KV heads");
                 if (std::all_of(combos_.begin(), combos_.end(),
-                                [](const ReplayCombo& c) { return c.layer_budgets.empty(); }))
+                                [](const ReplayCombo& c) { return c.layer_budgets.empty() && c.head_budgets.empty(); }))
                     break;  // every layer plans alike
             }
         }
@@ -124,7 +133,7 @@ private:
     // What a policy of combination c may know where it runs.
     PolicyContext context(const ReplayCombo& c, int s, int layer, int kv) const {
         const int64_t length = shape_.sequence_lengths[s];
-        const int budget = c.budget_for(layer, length);
+        const int budget = c.budget_for(layer, kv, kv_heads_, length);
         const int capacity = static_cast<int>(std::min<int64_t>(std::max(budget, options_.harness.prefill_tokens), length)) + 1;
         return PolicyContext{budget, capacity, layer, shape_.num_layers, kv, kv_heads_, head_dim_};
     }
@@ -136,7 +145,7 @@ private:
         harnesses.reserve(kv_heads_ * combos_.size());
         for (int kv = 0; kv < kv_heads_; ++kv)
             for (const ReplayCombo& c : combos_) {
-                const int budget = c.budget_for(layer, length);
+                const int budget = c.budget_for(layer, kv, kv_heads_, length);
                 if (c.compression > 0 && c.policy->check_budget) {
                     const std::string problem = c.policy->check_budget(c.params, budget);
                     if (!problem.empty())

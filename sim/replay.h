@@ -31,6 +31,7 @@ struct ReplayCombo {
     std::map<std::string, std::string> files;  // file parameters
     std::string where;                          // the config entry, e.g. "FILE:LINE: policies[2].snapkv"
     std::map<std::string, std::string> param_where;  // where a parameter's value was set, by name
+    std::vector<int> head_budgets;  // per (layer, KV head), layer * num_kv_heads + kv; overrides the rest
 
     // The config key of a parameter ("...policies[2].snapkv.obs_window", "--set snapkv.obs_window").
     std::string key_of(const std::string& param) const {
@@ -39,9 +40,10 @@ struct ReplayCombo {
         return it != param_where.end() ? it->second : where + "." + param;
     }
     // Tokens a (layer, KV head) may hold; a policy that keeps everything holds the whole sequence.
-    int budget_for(int layer, int64_t sequence_length) const {
+    int budget_for(int layer, int kv, int num_kv_heads, int64_t sequence_length) const {
         if (policy->keeps_everything) return checked_narrow<int>(sequence_length, label + ": sequence length");
         if (compression > 0) return budget_for_compression(compression, sequence_length);
+        if (!head_budgets.empty()) return head_budgets.at(static_cast<std::size_t>(layer) * num_kv_heads + kv);
         return layer_budgets.empty() ? budget : layer_budgets.at(layer);
     }
     // Bytes one instance takes that its parameters size: InputError naming the parameter's key when
@@ -78,6 +80,7 @@ struct ReplayOptions {
 struct ComboResult {
     StreamMetrics total;                  // over every sequence, layer and head
     std::vector<StreamMetrics> by_layer;  // over every sequence and head of one layer
+    std::vector<StreamMetrics> by_head;   // per (layer, KV head), layer * num_kv_heads + kv, over every sequence
     std::size_t policy_bytes_per_slot = 0;
 };
 

@@ -93,6 +93,10 @@ std::vector<ReplayCombo> expand_sweep(const std::vector<PolicyEntry>& policies, 
                 label = label.back() == ')' ? label.substr(0, label.size() - 1) + "," + file + ")" : label + "(" + file + ")";
             }
             if (quantize) label += "+" + quantize_label(*quantize);
+            // A profile's row is named by the profile, and holds at its own budgets only.
+            const bool profile = !entry.profile_budgets.empty();
+            if (profile) label += " [" + entry.profile_budgets.front().label + "]";
+            const std::vector<BudgetColumn>& columns = profile ? entry.profile_budgets : budgets;
             if (!labels.insert(label).second) throw InputError(entry.where + ": " + label + " is listed twice");
             if (policy->keeps_everything) {  // budgets do not apply: one row that fills every column
                 if (policy->check_budget) {
@@ -101,20 +105,20 @@ std::vector<ReplayCombo> expand_sweep(const std::vector<PolicyEntry>& policies, 
                 }
                 combos.push_back({policy, values, 0, {}, 0, kEveryBudget, label, quantize, entry.files, entry.where,
                                   param_where});
-            } else for (const BudgetColumn& column : budgets) {
+            } else for (const BudgetColumn& column : columns) {
                 // A profile must suit its smallest layer budget.
-                const int tightest = column.layer_budgets.empty()
-                                         ? column.budget
-                                         : *std::min_element(column.layer_budgets.begin(), column.layer_budgets.end());
+                const std::vector<int>& per = column.head_budgets.empty() ? column.layer_budgets : column.head_budgets;
+                const int tightest = per.empty() ? column.budget : *std::min_element(per.begin(), per.end());
                 // A ratio budget is only known per sequence; the harness reports one that does not fit.
                 if (policy->check_budget && column.compression == 0) {
                     const std::string problem = policy->check_budget(values, tightest);
                     if (!problem.empty())
                         throw InputError(entry.where + ": " + label + ": " + problem +
-                                         (column.layer_budgets.empty() ? "" : " (profile " + column.label + ")"));
+                                         (per.empty() ? "" : " (profile " + column.label + ")"));
                 }
                 combos.push_back({policy, values, column.budget, column.layer_budgets, column.compression,
-                                  column.label, label, quantize, entry.files, entry.where, param_where});
+                                  profile ? std::string("profile") : column.label, label, quantize, entry.files,
+                                  entry.where, param_where, column.head_budgets});
             }
             std::size_t a = axes.size();
             while (a > 0 && ++index[a - 1] == axes[a - 1]->values.size()) index[--a] = 0;

@@ -10,6 +10,7 @@
 #include <set>
 
 #include "policies/policy.h"
+#include "search/profile.h"
 #include "base/errors.h"
 #include "base/input_file.h"
 
@@ -105,6 +106,130 @@ public:
         return column;
     }
 
+    // search: {policy, split, target, objective, fit, grid}
+    SearchSpec search_spec(const YAML::Node& node) const {
+        SearchSpec spec;
+        spec.where = where(node, "search");
+        only_keys(node, "search", {"policy", "split", "target", "objective", "fit", "grid"});
+        const YAML::Node policy = node["policy"];
+        if (!policy) fail(node, "search", "missing key 'policy' (the eviction policy whose budgets are fitted)");
+        auto [name, params] = named_item(policy, "search.policy");
+        spec.policy.name = name;
+        spec.policy.where = where(policy, "search.policy." + name);
+        if (params && !params.IsNull()) {
+            if (!params.IsMap()) fail(params, "search.policy." + name, "expected a map of parameters");
+            for (const auto& kv : params) {
+                const std::string param = string(kv.first, "search.policy." + name);
+                spec.policy.params[param] = number(kv.second, "search.policy." + name + "." + param);
+            }
+        }
+        if (const YAML::Node split = node["split"]) {
+            spec.split_where = where(split, "search.split");
+            only_keys(split, "search.split", {"heldout", "heldout_fraction", "seed"});
+            if (split["heldout"] && split["heldout_fraction"])
+                fail(split, "search.split", "give either 'heldout' (sequence indices) or 'heldout_fraction', not both");
+            if (const YAML::Node list = split["heldout"]) {
+                if (!list.IsSequence() || list.size() == 0)
+                    fail(list, "search.split.heldout", "expected a non-empty list of sequence indices");
+                for (std::size_t i = 0; i < list.size(); ++i) {
+                    const int index = int32(list[i], "search.split.heldout[" + std::to_string(i) + "]", 0, kMaxSequenceTokens);
+                    if (std::find(spec.heldout.begin(), spec.heldout.end(), index) != spec.heldout.end())
+                        fail(list[i], "search.split.heldout[" + std::to_string(i) + "]", "sequence " + std::to_string(index) + " is listed twice");
+                    spec.heldout.push_back(index);
+                }
+            }
+            if (const YAML::Node f = split["heldout_fraction"]) {
+                spec.heldout_fraction = number(f, "search.split.heldout_fraction");
+                if (!(spec.heldout_fraction > 0 && spec.heldout_fraction < 1))
+                    fail(f, "search.split.heldout_fraction", "must be between 0 and 1 (exclusive), got " + f.Scalar());
+            }
+            if (const YAML::Node seed = split["seed"])
+                spec.seed = static_cast<uint64_t>(integer(seed, "search.split.seed", 0, int64_t{1} << 53));
+        } else {
+            spec.split_where = spec.where;
+        }
+        const YAML::Node target = node["target"];
+        if (!target) fail(node, "search", "missing key 'target' (e.g. target: [2x, 3x] or {bytes_per_token: 12})");
+        std::vector<YAML::Node> items;
+        if (target.IsSequence()) {
+            if (target.size() == 0) fail(target, "search.target", "empty list");
+            for (const YAML::Node& t : target) items.push_back(t);
+        } else {
+            items.push_back(target);
+        }
+        for (std::size_t i = 0; i < items.size(); ++i) {
+            const YAML::Node& t = items[i];
+            const std::string key = target.IsSequence() ? "search.target[" + std::to_string(i) + "]" : "search.target";
+            SearchTarget st;
+            st.where = where(t, key);
+            std::string ratio_text;
+            if (t.IsScalar()) {
+                ratio_text = t.Scalar();
+            } else if (t.IsMap() && t.size() == 1 && t["compression"]) {
+                ratio_text = string(t["compression"], key + ".compression");
+            } else if (t.IsMap() && t.size() == 1 && t["bytes_per_token"]) {
+                st.bytes_per_token = number(t["bytes_per_token"], key + ".bytes_per_token");
+                if (!(st.bytes_per_token > 0)) fail(t, key + ".bytes_per_token", "must be > 0");
+                char label[48];
+                std::snprintf(label, sizeof label, "%gB", st.bytes_per_token);
+                st.label = label;
+            } else {
+                fail(t, key, "expected a compression ratio like 2x, {compression: 2x} or {bytes_per_token: N}");
+            }
+            if (!ratio_text.empty()) {
+                double ratio = 0;
+                const char* begin = ratio_text.data();
+                const char* end = begin + ratio_text.size() - (ratio_text.back() == 'x' ? 1 : 0);
+                const auto [stop, ec] = std::from_chars(begin, end, ratio);
+                if (ratio_text.back() != 'x' || ec != std::errc() || stop != end || !(ratio > 1) || ratio > 1e6)
+                    fail(t, key, "expected a compression ratio above 1 like 2x, got '" + ratio_text + "'");
+                st.compression = ratio;
+                st.label = ratio_text;
+            }
+            for (const SearchTarget& other : spec.targets)
+                if (other.label == st.label) fail(t, key, "target " + st.label + " is listed twice");
+            spec.targets.push_back(st);
+        }
+        if (const YAML::Node objective = node["objective"]) {
+            spec.objective = string(objective, "search.objective");
+            spec.objective_where = where(objective, "search.objective");
+            if (spec.objective != "output_rel_error" && spec.objective != "retained_mass")
+                fail(objective, "search.objective",
+                     "expected output_rel_error or retained_mass, got '" + spec.objective +
+                         "' (delta_ppl is a confirmation: give --model and --text)");
+        } else {
+            spec.objective_where = spec.where;
+        }
+        if (const YAML::Node fit = node["fit"]) {
+            spec.fits_where = where(fit, "search.fit");
+            if (!fit.IsSequence() || fit.size() == 0) fail(fit, "search.fit", "expected a non-empty list, e.g. [layer_budgets]");
+            spec.fits.clear();
+            for (std::size_t i = 0; i < fit.size(); ++i) {
+                const std::string key = "search.fit[" + std::to_string(i) + "]";
+                const std::string name = string(fit[i], key);
+                const auto& known = known_search_fits();
+                if (std::find(known.begin(), known.end(), name) == known.end())
+                    fail(fit[i], key, "unknown fit '" + name + "' (this kvsim fits: layer_budgets, head_budgets)");
+                if (std::find(spec.fits.begin(), spec.fits.end(), name) != spec.fits.end())
+                    fail(fit[i], key, "'" + name + "' is listed twice");
+                spec.fits.push_back(name);
+            }
+        }
+        if (const YAML::Node grid = node["grid"]) {
+            spec.grid_where = where(grid, "search.grid");
+            if (!grid.IsSequence() || grid.size() < 2) fail(grid, "search.grid", "expected a list of at least two budgets");
+            for (std::size_t i = 0; i < grid.size(); ++i) {
+                const std::string key = "search.grid[" + std::to_string(i) + "]";
+                const int b = int32(grid[i], key, 1, kMaxBudgetTokens);
+                if (!spec.grid.empty() && b <= spec.grid.back()) fail(grid[i], key, "budgets must ascend");
+                spec.grid.push_back(b);
+            }
+        } else {
+            spec.grid_where = spec.where;
+        }
+        return spec;
+    }
+
     std::string file_;
 };
 
@@ -129,7 +254,7 @@ ExperimentConfig load_config(const std::string& path) {
     const YAML::Node root = load_yaml_file(path);
     if (!root.IsMap()) throw InputError(path + ": expected a map of keys (trace, budgets, policies, ...)");
     p.only_keys(root, "", {"trace", "budgets", "layer_budgets", "policies", "metrics", "grid", "output",
-                           "attention_view", "group_reduce", "prefill_tokens"});
+                           "attention_view", "group_reduce", "prefill_tokens", "search"});
 
     ExperimentConfig config;
     config.file = path;
@@ -142,7 +267,20 @@ ExperimentConfig load_config(const std::string& path) {
     } else if (trace.IsScalar()) {
         config.trace.path = resolve_against(path, trace.Scalar());
     } else {
-        p.only_keys(trace, "trace", {"synthetic", "name", "max_steps", "path"});
+        p.only_keys(trace, "trace", {"synthetic", "name", "max_steps", "path", "sequences"});
+        if (const YAML::Node list = trace["sequences"]) {
+            if (!trace["path"]) p.fail(list, "trace.sequences", "selects sequences of a trace file: give 'path' too");
+            if (!list.IsSequence() || list.size() == 0)
+                p.fail(list, "trace.sequences", "expected a non-empty list of sequence indices, e.g. [3, 4]");
+            for (std::size_t i = 0; i < list.size(); ++i) {
+                const std::string key = "trace.sequences[" + std::to_string(i) + "]";
+                const int index = p.int32(list[i], key, 0, kMaxSequenceTokens);
+                if (std::find(config.trace.sequences.begin(), config.trace.sequences.end(), index) !=
+                    config.trace.sequences.end())
+                    p.fail(list[i], key, "sequence " + std::to_string(index) + " is listed twice");
+                config.trace.sequences.push_back(index);
+            }
+        }
         if (trace["path"]) {
             if (trace["synthetic"]) p.fail(trace, "trace", "give either 'path' or 'synthetic', not both");
             config.trace.path = resolve_against(path, p.string(trace["path"], "trace.path"));
@@ -160,7 +298,6 @@ ExperimentConfig load_config(const std::string& path) {
     }
 
     const YAML::Node budgets = root["budgets"];
-    if (!budgets && !root["layer_budgets"]) throw InputError(path + ": missing key 'budgets'");
     if (budgets) {
         if (!budgets.IsSequence()) p.fail(budgets, "budgets", "expected a list of integers, e.g. [256, 512, 1024]");
         if (budgets.size() == 0) p.fail(budgets, "budgets", "empty list");
@@ -209,9 +346,10 @@ ExperimentConfig load_config(const std::string& path) {
     if (const YAML::Node prefill = root["prefill_tokens"])
         config.prefill_tokens = p.int32(prefill, "prefill_tokens", 0, kMaxSequenceTokens);
 
-    const YAML::Node policies = root["policies"];
+    if (const YAML::Node search = root["search"]) config.search = p.search_spec(search);
+    const YAML::Node policies = config.search && !root["policies"] ? YAML::Node(YAML::NodeType::Sequence) : root["policies"];
     if (!policies) throw InputError(path + ": missing key 'policies'");
-    if (!policies.IsSequence() || policies.size() == 0)
+    if (!policies.IsSequence() || (policies.size() == 0 && !config.search))
         p.fail(policies, "policies", "expected a non-empty list of policies");
     for (std::size_t i = 0; i < policies.size(); ++i) {
         const std::string key = "policies[" + std::to_string(i) + "]";
@@ -227,6 +365,19 @@ ExperimentConfig load_config(const std::string& path) {
             item = item["evict"];
         }
         auto [name, params] = p.named_item(item, key);
+        if (name == "profile" && !composed) {  // {profile: FILE}: a fitted profile from kvsim search
+            if (!params.IsScalar()) p.fail(item, key + ".profile", "expected the path of a profile.json");
+            const std::string file = resolve_against(path, params.Scalar());
+            const Profile profile = load_profile(file);
+            PolicyEntry entry;
+            entry.name = profile.policy;
+            entry.params = profile.params;
+            entry.where = p.where(policies[i], key + ".profile") + " (" + file + ")";
+            entry.profile_budgets.push_back(profile_column(profile, entry.where));
+            entry.profile_shape = profile.model;
+            config.policies.push_back(entry);
+            continue;
+        }
         PolicyEntry entry;
         if (composed) {
             entry.quantized = true;
@@ -249,6 +400,12 @@ ExperimentConfig load_config(const std::string& path) {
         }
         config.policies.push_back(entry);
     }
+
+    // Budgets: from the config, or every policy brings its own (a fitted profile).
+    const bool all_profiles = std::all_of(config.policies.begin(), config.policies.end(),
+                                          [](const PolicyEntry& e) { return !e.profile_budgets.empty(); });
+    if (!budgets && !root["layer_budgets"] && !all_profiles && !config.search)
+        throw InputError(path + ": missing key 'budgets'");
 
     if (const YAML::Node metrics = root["metrics"]) {
         if (!metrics.IsSequence() || metrics.size() == 0) p.fail(metrics, "metrics", "expected a non-empty list");

@@ -3,12 +3,14 @@
 #pragma once
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <yaml-cpp/yaml.h>
 
 #include "base/yaml_file.h"
+#include "search/search_spec.h"
 #include "sim/experiment_spec.h"
 
 namespace kvsim {
@@ -18,13 +20,9 @@ struct TraceRef {
     std::string synthetic;  // a generator ("policybook" or "qkv") and
     std::string name;       // its trace name ("decode-4096", "llama-1b-4096")
     int64_t max_steps = 0;  // 0: every step
+    std::vector<int> sequences;  // a trace file's sequences to replay (indices); empty: all
     std::string where;
 };
-
-// The largest budget and sequence length a config or flag may name: far beyond any model's
-// context, small enough that budget + 1 and products with head counts cannot overflow an int.
-inline constexpr int kMaxBudgetTokens = 100000000;
-inline constexpr int kMaxSequenceTokens = 1 << 30;
 
 inline const std::vector<std::string>& known_metrics() {
     static const std::vector<std::string> metrics = {"retained_mass", "heavy_hitter_recall", "eviction_calls",
@@ -51,6 +49,7 @@ struct ExperimentConfig {
     std::string output_format = "table";
     std::string output_layout = "matrix";  // matrix: policy rows x budget columns; comparison: by memory
     bool per_layer = false;
+    std::optional<SearchSpec> search;  // the `search:` section, for kvsim search
 };
 
 ExperimentConfig load_config(const std::string& path);

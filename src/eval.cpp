@@ -1,5 +1,7 @@
 #include "src/eval.h"
 
+#include "search/profile.h"
+
 #include <tbb/enumerable_thread_specific.h>
 #include <tbb/parallel_for.h>
 #include <tbb/task_arena.h>
@@ -42,13 +44,14 @@ public:
         for (int layer = 0; layer < config_.n_layers; ++layer) {
             query_[layer].resize(config_.q_dim());
             key_[layer].resize(config_.kv_dim());
-            const int budget = combo.budget_for(layer, length);
-            const int capacity = std::min(std::max(budget, options.prefill_tokens), length) + 1;
-            for (int kv = 0; kv < config_.n_kv_heads; ++kv)
+            for (int kv = 0; kv < config_.n_kv_heads; ++kv) {
+                const int budget = combo.budget_for(layer, kv, config_.n_kv_heads, length);
+                const int capacity = std::min(std::max(budget, options.prefill_tokens), length) + 1;
                 harnesses_.emplace_back(
                     combo.make({budget, capacity, layer, config_.n_layers, kv, config_.n_kv_heads, config_.head_dim}),
                     budget, length, options, combo.label,
                     " (layer " + std::to_string(layer) + ", KV head " + std::to_string(kv) + ")");
+            }
         }
         const Policy& probe = harnesses_.front().policy();
         simulated_ = probe.tier_format() != nullptr || probe.linear_state() != nullptr;
@@ -222,6 +225,12 @@ EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>&
             throw InputError(column.where + ": " + std::to_string(column.layer_budgets.size()) +
                              " per-layer budgets, but model " + options.input.model_path + " has " +
                              std::to_string(mc.n_layers) + " layers");
+
+    for (const PolicyEntry& entry : config.policies)
+        if (!entry.profile_budgets.empty())
+            check_profile_shape(entry.profile_shape, entry.where,
+                                ModelShape{options.input.model_path, mc.n_layers, mc.n_heads, mc.n_kv_heads, mc.head_dim},
+                                "model " + options.input.model_path);
 
     for (std::size_t i = 0; i < text.sequences.size(); ++i)
         if (config.prefill_tokens >= static_cast<int>(text.sequences[i].size()))

@@ -1,5 +1,7 @@
 #include "src/experiment.h"
 
+#include "search/profile.h"
+
 #include <chrono>
 #include <filesystem>
 
@@ -18,7 +20,7 @@ std::unique_ptr<AttentionSource> open_source(const TraceRef& trace) {
         return make_policybook_source(policybook_trace(trace.name, trace.where + ".name"), trace.max_steps);
     if (trace.synthetic == "qkv")
         return make_synthetic_qkv_source(synthetic_qkv_trace(trace.name, trace.where + ".name"), trace.max_steps);
-    return open_trace_source(trace.path, trace.max_steps);
+    return open_trace_source(trace.path, trace.max_steps, trace.sequences);
 }
 
 HarnessOptions harness_options(const ExperimentConfig& config, const AttentionSource& source) {
@@ -62,6 +64,13 @@ void check_against_trace(const ExperimentConfig& config, const AttentionSource& 
             throw InputError(column.where + ": " + std::to_string(column.layer_budgets.size()) +
                              " per-layer budgets, but trace " + source.description() + " has " +
                              std::to_string(shape.num_layers) + " layers");
+    for (const PolicyEntry& entry : config.policies) {
+        if (entry.profile_budgets.empty()) continue;
+        ModelShape actual{source.description(), shape.num_layers, shape.num_query_heads, shape.num_kv_heads,
+                          entry.profile_shape.head_dim};  // an attention-only trace records no head size
+        if (const auto* qkv = dynamic_cast<const QkvSource*>(&source)) actual.head_dim = qkv->qkv_shape().head_dim;
+        check_profile_shape(entry.profile_shape, entry.where, actual, "trace " + source.description());
+    }
     if (shape.group_size() > 64)
         throw InputError(source.description() + ": " + std::to_string(shape.group_size()) +
                          " query heads per KV head; kvsim handles at most 64");

@@ -20,6 +20,9 @@
 #include "src/eval.h"
 #include "src/experiment.h"
 #include "src/report.h"
+#include "src/progress.h"
+#include "search/export.h"
+#include "search/search.h"
 
 namespace {
 
@@ -152,6 +155,50 @@ int run_eval_command(const ReplayFlags& flags, const ModelInput& input) {
     return 0;
 }
 
+int run_search_command(const ReplayFlags& flags) {
+    const CommandSetup setup = set_up(flags);
+    const ExperimentConfig& config = setup.config;
+    if (!config.search) throw InputError(config.file + ": missing key 'search' (what kvsim search fits)");
+    if (config.trace.path.empty())
+        throw InputError(config.trace.where + ": search needs a trace file (trace: PATH); write a synthetic one with "
+                                              "kvsim trace synth");
+    if (!config.trace.sequences.empty())
+        throw InputError(config.trace.where + ".sequences: search splits the trace itself; give search.split instead");
+    if (config.prefill_tokens > 0)
+        throw InputError(config.file + ": prefill_tokens: search fits pure-decode budgets; remove it");
+    SearchRun run;
+    run.config_file = config.file;
+    run.trace_path = config.trace.path;
+    run.max_steps = config.trace.max_steps;
+    run.attention_view = config.attention_view;
+    run.group_reduce = config.group_reduce == "max" ? GroupReduce::max
+                       : config.group_reduce == "sum" ? GroupReduce::sum
+                                                      : GroupReduce::mean;
+    ProgressBar bar(!flags.quiet);
+    run.progress = [&bar](double fraction) { bar.update(fraction); };
+    const SearchOutcome outcome = run_search(*config.search, run);
+    bar.finish();
+    write_search_outputs(outcome, setup.out_dir);
+    std::cout << format_search_table(outcome);
+    if (!outcome.notes.empty()) {
+        std::cout << "\nnotes\n";
+        for (const std::string& n : outcome.notes) std::cout << "  " << n << "\n";
+    }
+    std::cout.flush();
+    if (!flags.quiet) std::fprintf(stderr, "\nkvsim: search in %.1f s; results in %s/\n", outcome.seconds, setup.out_dir.c_str());
+    return 0;
+}
+
+int run_export(const std::string& profile_path, const std::string& format, const std::string& out) {
+    const Profile profile = load_profile(profile_path);
+    if (format == "duo")
+        export_duo_pattern(profile, profile_path, out);
+    else
+        export_layer_ratios(profile, profile_path, out);
+    std::printf("wrote %s (%s)\n", out.c_str(), format.c_str());
+    return 0;
+}
+
 int trace_info(const std::string& path) {
     TraceReader reader(path);
     const TraceMetadata& m = reader.metadata();
@@ -263,6 +310,18 @@ int main(int argc, char** argv) {
 ;
     eval->add_option("--set", eval_flags.sets, "a grid axis, e.g. h2o.recent_window=8,16 (repeatable)");
 
+    ReplayFlags search_flags;
+    CLI::App* search = app.add_subcommand("search", "fit per-layer and per-head budgets to a memory target from a trace");
+    add_replay_flags(search, search_flags);
+
+    std::string export_profile, export_format, export_out;
+    CLI::App* exporter = app.add_subcommand("export", "write a fitted profile in a form other tools load");
+    exporter->add_option("profile", export_profile, "profile.json from kvsim search")->required();
+    exporter->add_option("--format", export_format, "duo (a DuoAttention pattern folder) or ratios (per-layer JSON list)")
+        ->required()
+        ->check(CLI::IsMember({"duo", "ratios"}));
+    exporter->add_option("-o,--output", export_out, "output folder (duo) or file (ratios)")->required();
+
     try {
         app.parse(argc, argv);
         reject_empty_values(app);
@@ -283,6 +342,8 @@ int main(int argc, char** argv) {
         if (*sweep) return run_replay(sweep_flags, true);
         if (*capture) return run_capture(capture_input, capture_dtype, capture_out);
         if (*eval) return run_eval_command(eval_flags, eval_input);
+        if (*search) return run_search_command(search_flags);
+        if (*exporter) return run_export(export_profile, export_format, export_out);
         if (*synth) return trace_synth(synth_generator, synth_name, synth_dtype, synth_out);
         if (*info) return trace_info(info_path);
         if (*policies) {

@@ -79,7 +79,7 @@ TEST_CASE("config mistakes name the file, the line and the key") {
     CHECK_THROWS_WITH_AS(run_experiment(load_config(file), {}, false),
                          (file + ": missing key 'trace' (kvsim run replays a trace)").c_str(), InputError);
     CHECK(config_error(kGood + "colour: blue\n") == file + ":4: colour: unknown key (known: attention_view, budgets, grid, group_reduce, layer_budgets, metrics, output, "
-                                                   "policies, prefill_tokens, trace)");
+                                                   "policies, prefill_tokens, search, trace)");
     CHECK(config_error("trace: {synthetic: policybook}\nbudgets: []\npolicies: [h2o]\n") == file + ":2: budgets: empty list");
     CHECK(config_error("trace: {synthetic: policybook}\nbudgets: [64, 0]\npolicies: [h2o]\n") ==
           file + ":2: budgets[1]: must be >= 1, got 0");

@@ -1,0 +1,217 @@
+#include "search/allocation.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <stdexcept>
+
+namespace kvsim {
+
+ByteModel::ByteModel(std::vector<int64_t> last_steps, int head_dim, double slot_bytes)
+    : last_steps_(std::move(last_steps)), head_dim_(head_dim), slot_bytes_(slot_bytes) {
+    for (int64_t T : last_steps_) context_tokens_ += static_cast<double>(T) * (T + 1) / 2.0 + static_cast<double>(T);
+    if (context_tokens_ <= 0) throw std::invalid_argument("ByteModel: no decode steps");
+}
+
+double ByteModel::bytes_per_token(int budget) const {
+    double held = 0;  // sum over sequences and steps t = 1..T of min(t, budget) + 1
+    for (int64_t T : last_steps_) {
+        const double m = static_cast<double>(std::min<int64_t>(budget, T));
+        held += m * (m + 1) / 2.0 + (static_cast<double>(T) - m) * budget + static_cast<double>(T);
+    }
+    return (4.0 * head_dim_ + slot_bytes_) * held / context_tokens_;
+}
+
+namespace {
+
+// Slack for comparing sums of bytes: far below one token's bytes, far above rounding.
+constexpr double kByteSlack = 1e-9;
+
+// Indices of the lower convex hull of (x, y) from the first point, kept while y falls.
+std::vector<std::size_t> falling_lower_hull(const std::vector<double>& x, const std::vector<double>& y) {
+    std::vector<std::size_t> hull;
+    for (std::size_t i = 0; i < x.size(); ++i) {
+        while (hull.size() >= 2) {
+            const std::size_t a = hull[hull.size() - 2], b = hull.back();
+            // b is above the chord from a to i: not on the lower hull.
+            const double cross = (x[b] - x[a]) * (y[i] - y[a]) - (y[b] - y[a]) * (x[i] - x[a]);
+            if (cross <= 0) hull.pop_back(); else break;
+        }
+        hull.push_back(i);
+    }
+    // Past the lowest error the hull rises: those steps would only cost bytes.
+    std::size_t keep = 1;
+    while (keep < hull.size() && y[hull[keep]] < y[hull[keep - 1]]) ++keep;
+    hull.resize(keep);
+    return hull;
+}
+
+}  // namespace
+
+CurveShape curve_shape(const UnitCurve& curve, const std::vector<int>& grid, const ByteModel& bytes) {
+    std::vector<double> x(grid.size());
+    for (std::size_t i = 0; i < grid.size(); ++i) x[i] = bytes.bytes_per_token(grid[i]);
+    const std::vector<std::size_t> hull = falling_lower_hull(x, curve.error);
+    CurveShape shape;
+    for (std::size_t i = 1; i < grid.size(); ++i) {
+        if (curve.error[i] > curve.error[i - 1]) shape.rising.push_back(grid[i]);
+        if (i < hull.back() && !std::binary_search(hull.begin(), hull.end(), i)) shape.above_hull.push_back(grid[i]);
+    }
+    return shape;
+}
+
+Allocation allocate_by_marginal_gain(const std::vector<UnitCurve>& curves, const std::vector<int>& grid,
+                                     const ByteModel& bytes, double target_bytes_per_token) {
+    const std::size_t units = curves.size(), points = grid.size();
+    std::vector<double> x(points);
+    for (std::size_t i = 0; i < points; ++i) x[i] = bytes.bytes_per_token(grid[i]);
+    const double capacity = target_bytes_per_token * static_cast<double>(units) * (1 + kByteSlack);
+
+    std::vector<std::vector<std::size_t>> hulls(units);
+    std::vector<std::size_t> at(units, 0);  // index into the unit's hull
+    std::vector<std::size_t> chosen(units, 0);  // grid index
+    double used = x[0] * static_cast<double>(units);
+    for (std::size_t u = 0; u < units; ++u) {
+        const std::vector<double>& y = curves[u].error;
+        if (y.size() != points) throw std::invalid_argument("allocate_by_marginal_gain: curve and grid differ in size");
+        hulls[u] = falling_lower_hull(x, y);
+    }
+
+    // Hull steps, best gain per byte first, while they fit. A step that does not fit now never
+    // will (the room only shrinks), so its unit stops there.
+    std::vector<bool> blocked(units, false);
+    for (;;) {
+        std::size_t best = units;
+        double best_slope = 0;
+        for (std::size_t u = 0; u < units; ++u) {
+            if (blocked[u] || at[u] + 1 >= hulls[u].size()) continue;
+            const std::size_t i = hulls[u][at[u]], j = hulls[u][at[u] + 1];
+            const double slope = (curves[u].error[j] - curves[u].error[i]) / (x[j] - x[i]);
+            if (best == units || slope < best_slope) best = u, best_slope = slope;
+        }
+        if (best == units) break;
+        const std::size_t i = hulls[best][at[best]], j = hulls[best][at[best] + 1];
+        if (used + x[j] - x[i] > capacity) {
+            blocked[best] = true;
+            continue;
+        }
+        used += x[j] - x[i];
+        ++at[best];
+        chosen[best] = j;
+    }
+    // What is left: any single upgrade that fits and cuts error, best per byte first.
+    for (;;) {
+        std::size_t best_u = units, best_j = 0;
+        double best_slope = 0;
+        for (std::size_t u = 0; u < units; ++u)
+            for (std::size_t j = chosen[u] + 1; j < points; ++j) {
+                const double cost = x[j] - x[chosen[u]], gain = curves[u].error[j] - curves[u].error[chosen[u]];
+                if (used + cost > capacity || gain >= 0) continue;
+                if (best_u == units || gain / cost < best_slope) best_u = u, best_j = j, best_slope = gain / cost;
+            }
+        if (best_u == units) break;
+        used += x[best_j] - x[chosen[best_u]];
+        chosen[best_u] = best_j;
+    }
+
+    Allocation result;
+    for (std::size_t u = 0; u < units; ++u) {
+        result.budgets.push_back(grid[chosen[u]]);
+        result.error += curves[u].error[chosen[u]];
+        result.bytes_per_token += x[chosen[u]];
+    }
+    result.bytes_per_token /= static_cast<double>(units);
+    return result;
+}
+
+Allocation allocate_by_shape(const std::vector<double>& weights, const std::vector<int>& grid,
+                             const ByteModel& bytes, double target_bytes_per_token) {
+    const std::size_t units = weights.size(), points = grid.size();
+    std::vector<double> x(points);
+    for (std::size_t i = 0; i < points; ++i) x[i] = bytes.bytes_per_token(grid[i]);
+    const double capacity = target_bytes_per_token * static_cast<double>(units) * (1 + kByteSlack);
+    const double mean_weight = std::accumulate(weights.begin(), weights.end(), 0.0) / static_cast<double>(units);
+    auto snapped = [&](double budget) {  // the largest grid index at or below budget (0 at least)
+        const auto it = std::upper_bound(grid.begin(), grid.end(), budget + 1e-9);
+        return it == grid.begin() ? std::size_t{0} : static_cast<std::size_t>(it - grid.begin() - 1);
+    };
+    auto cost_at = [&](double scale) {
+        double sum = 0;
+        for (double w : weights) sum += x[snapped(scale * w / mean_weight)];
+        return sum;
+    };
+    double low = 0, high = 2.0 * grid.back() * (1 + *std::max_element(weights.begin(), weights.end()) / mean_weight);
+    for (int iteration = 0; iteration < 100; ++iteration) {
+        const double mid = (low + high) / 2;
+        (cost_at(mid) <= capacity ? low : high) = mid;
+    }
+    std::vector<std::size_t> chosen(units);
+    double used = 0;
+    for (std::size_t u = 0; u < units; ++u) used += x[chosen[u] = snapped(low * weights[u] / mean_weight)];
+    // Up one grid step at a time, the unit furthest below its share first, while it fits.
+    for (;;) {
+        std::size_t best = units;
+        double best_deficit = -std::numeric_limits<double>::infinity();
+        for (std::size_t u = 0; u < units; ++u) {
+            if (chosen[u] + 1 >= points || used + x[chosen[u] + 1] - x[chosen[u]] > capacity) continue;
+            const double share = low * weights[u] / mean_weight;
+            const double deficit = (share - grid[chosen[u]]) / std::max(share, 1.0);
+            if (deficit > best_deficit) best = u, best_deficit = deficit;
+        }
+        if (best == units) break;
+        used += x[chosen[best] + 1] - x[chosen[best]];
+        ++chosen[best];
+    }
+    Allocation result;
+    for (std::size_t u = 0; u < units; ++u) {
+        result.budgets.push_back(grid[chosen[u]]);
+        result.bytes_per_token += x[chosen[u]];
+    }
+    result.bytes_per_token /= static_cast<double>(units);
+    return result;
+}
+
+double allocation_error(const std::vector<UnitCurve>& curves, const std::vector<int>& grid,
+                        const std::vector<int>& budgets) {
+    double sum = 0;
+    for (std::size_t u = 0; u < curves.size(); ++u) {
+        const auto it = std::lower_bound(grid.begin(), grid.end(), budgets.at(u));
+        if (it == grid.end() || *it != budgets[u])
+            throw std::invalid_argument("allocation_error: budget " + std::to_string(budgets[u]) + " is not on the grid");
+        sum += curves[u].error[static_cast<std::size_t>(it - grid.begin())];
+    }
+    return sum;
+}
+
+std::vector<double> pyramid_weights(int num_layers, int ratio) {
+    // PyramidKV's arithmetic schedule (pyramid_budget): layer l keeps in proportion to
+    // ratio * (L - 1) - l * (ratio - 1), so the last layer keeps 1/ratio of the first's.
+    std::vector<double> w(num_layers, 1.0);
+    if (num_layers <= 1) return w;
+    for (int l = 0; l < num_layers; ++l) w[l] = static_cast<double>(ratio) * (num_layers - 1) - static_cast<double>(l) * (ratio - 1);
+    return w;
+}
+
+std::vector<double> inverted_weights(int num_layers, double slope) {
+    // The stratigraphic study's depth rule: (1 - slope) + slope * l / (L - 1); the first layer
+    // keeps (1 - slope) of the last layer's share.
+    std::vector<double> w(num_layers, 1.0);
+    if (num_layers <= 1) return w;
+    for (int l = 0; l < num_layers; ++l) w[l] = (1 - slope) + slope * l / (num_layers - 1.0);
+    return w;
+}
+
+std::vector<int> budget_grid(int lowest, int highest) {
+    std::vector<int> grid;
+    for (int b = std::max(lowest, 1); b <= highest;) {
+        grid.push_back(b);
+        b = b < 32 ? b + 1 : std::max(b + 1, static_cast<int>(std::floor(b * 1.04)));
+    }
+    if (grid.empty() || grid.back() != highest) grid.push_back(std::max(highest, std::max(lowest, 1)));
+    std::sort(grid.begin(), grid.end());
+    grid.erase(std::unique(grid.begin(), grid.end()), grid.end());
+    return grid;
+}
+
+}  // namespace kvsim

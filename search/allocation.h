@@ -1,0 +1,78 @@
+// Budget allocation under a byte target: how many tokens each unit (a layer, or a (layer, KV head)
+// pair) may hold so that the cache's mean bytes per token of context meet a target.
+//
+// A unit's cost is what kvsim's memory metric counts for an eviction policy: at decode step t it
+// holds min(t, budget) cached tokens plus the current one, each at fp16 K and V (4 * head_dim
+// bytes) plus the policy's bookkeeping per slot. Units are independent on a trace (a layer's
+// attention comes from recorded Q and K, whatever other layers evict), so the objective of any
+// allocation is the sum of the units' own objectives, read off per-unit curves measured once on a
+// grid of budgets.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace kvsim {
+
+// Bytes per token of context of one unit at a budget, over a set of sequences.
+class ByteModel {
+public:
+    // last_steps: per sequence, the last decode step replayed (steps 1..last are measured).
+    ByteModel(std::vector<int64_t> last_steps, int head_dim, double slot_bytes);
+    double bytes_per_token(int budget) const;
+    double full_fp16_bytes_per_token() const { return 4.0 * head_dim_; }  // the uncompressed cache
+    // The target in bytes per token of a compression ratio against the full fp16 cache.
+    double bytes_for_compression(double ratio) const { return full_fp16_bytes_per_token() / ratio; }
+
+private:
+    std::vector<int64_t> last_steps_;
+    int head_dim_;
+    double slot_bytes_;
+    double context_tokens_ = 0;  // sum over sequences and steps of t + 1
+};
+
+// One unit's objective (lower is better, summed over its measured steps) at each grid budget.
+struct UnitCurve {
+    std::string name;            // "layer 3" or "layer 3, KV head 1"
+    std::vector<double> error;   // index-aligned with the grid
+};
+
+struct Allocation {
+    std::vector<int> budgets;      // per unit, each a grid budget
+    double bytes_per_token = 0;    // mean over units
+    double error = 0;              // sum over units (when curves were given)
+};
+
+// Greedy by marginal gain on each unit's lower convex hull of (bytes, error): from the smallest
+// grid budget everywhere, repeatedly take the hull step that cuts the most error per byte and
+// still fits; then spend what is left on any single upgrade that fits and cuts error.
+Allocation allocate_by_marginal_gain(const std::vector<UnitCurve>& curves, const std::vector<int>& grid,
+                                     const ByteModel& bytes, double target_bytes_per_token);
+
+// Where a curve departs from diminishing returns: grid budgets above its lower convex hull (the
+// greedy steps over them) and budgets where the objective rises although the cache grew.
+struct CurveShape {
+    std::vector<int> above_hull;
+    std::vector<int> rising;
+};
+CurveShape curve_shape(const UnitCurve& curve, const std::vector<int>& grid, const ByteModel& bytes);
+
+// The allocation that follows a shape (relative budgets per unit, e.g. PyramidKV's schedule):
+// budgets proportional to the weights, scaled as far as the target allows, each snapped down to
+// the grid; then units furthest below their share move up one grid step while the target allows.
+Allocation allocate_by_shape(const std::vector<double>& weights, const std::vector<int>& grid,
+                             const ByteModel& bytes, double target_bytes_per_token);
+
+// The summed error of an allocation read off the curves (every budget must be a grid budget).
+double allocation_error(const std::vector<UnitCurve>& curves, const std::vector<int>& grid,
+                        const std::vector<int>& budgets);
+
+// Layer weights of the schedules the fitted profiles are compared with.
+std::vector<double> pyramid_weights(int num_layers, int ratio);        // PyramidKV: deeper layers keep less
+std::vector<double> inverted_weights(int num_layers, double slope);    // early layers keep less, linear in depth
+
+// A budget grid from lowest to highest, dense enough that one step of one unit is a small share
+// of the total: every integer up to 32, then steps of at most 4% (always distinct, ascending).
+std::vector<int> budget_grid(int lowest, int highest);
+
+}  // namespace kvsim

@@ -1,0 +1,258 @@
+#include "search/profile.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+#include "base/atomic_file.h"
+#include "base/errors.h"
+#include "base/input_file.h"
+#include "sim/experiment_spec.h"
+
+namespace kvsim {
+
+using Json = nlohmann::ordered_json;
+
+namespace {
+
+// Per-(layer, KV head) values as rows of one layer each.
+template <class T>
+Json rows_of(const std::vector<T>& values, int num_layers, int num_kv_heads) {
+    Json rows = Json::array();
+    for (int l = 0; l < num_layers; ++l) {
+        Json row = Json::array();
+        for (int kv = 0; kv < num_kv_heads; ++kv) row.push_back(values.at(static_cast<std::size_t>(l) * num_kv_heads + kv));
+        rows.push_back(row);
+    }
+    return rows;
+}
+
+// Reads a profile's JSON with one error line per problem: the file and the key.
+class ProfileReader {
+public:
+    ProfileReader(std::string path, const Json& root) : path_(std::move(path)), root_(root) {}
+
+    [[noreturn]] void fail(const std::string& key, const std::string& what) const {
+        throw InputError(path_ + ": " + key + ": " + what);
+    }
+    const Json& at(const Json& object, const std::string& name, const std::string& key) const {
+        if (!object.is_object()) fail(key, "expected an object");
+        const auto it = object.find(name);
+        if (it == object.end()) fail(key.empty() ? name : key + "." + name, "missing");
+        return *it;
+    }
+    double number(const Json& j, const std::string& key) const {
+        if (!j.is_number()) fail(key, "expected a number");
+        const double v = j.get<double>();
+        if (!std::isfinite(v)) fail(key, "expected a finite number");
+        return v;
+    }
+    int64_t integer(const Json& j, const std::string& key, int64_t lo, int64_t hi) const {
+        const double v = number(j, key);
+        if (v != std::floor(v)) fail(key, "expected an integer, got " + j.dump());
+        if (v < static_cast<double>(lo) || v > static_cast<double>(hi))
+            fail(key, j.dump() + " is outside [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+        return static_cast<int64_t>(v);
+    }
+    std::string string(const Json& j, const std::string& key) const {
+        if (!j.is_string()) fail(key, "expected a string");
+        return j.get<std::string>();
+    }
+    const Json& list(const Json& j, const std::string& key, std::size_t size) const {
+        if (!j.is_array()) fail(key, "expected a list");
+        if (j.size() != size)
+            fail(key, "expected " + std::to_string(size) + " entries, got " + std::to_string(j.size()));
+        return j;
+    }
+    // A per-(layer, KV head) table: num_layers rows of num_kv_heads numbers each, flattened.
+    std::vector<double> table(const Json& j, const std::string& key, const ModelShape& m, double lo, double hi) const {
+        std::vector<double> out;
+        list(j, key, static_cast<std::size_t>(m.num_layers));
+        for (int l = 0; l < m.num_layers; ++l) {
+            const std::string row_key = key + "[" + std::to_string(l) + "]";
+            list(j[l], row_key, static_cast<std::size_t>(m.num_kv_heads));
+            for (int kv = 0; kv < m.num_kv_heads; ++kv) {
+                const std::string cell = row_key + "[" + std::to_string(kv) + "]";
+                const double v = number(j[l][kv], cell);
+                if (v < lo || v > hi) fail(cell, j[l][kv].dump() + " is outside [" + Json(lo).dump() + ", " + Json(hi).dump() + "]");
+                out.push_back(v);
+            }
+        }
+        return out;
+    }
+
+private:
+    std::string path_;
+    const Json& root_;
+};
+
+}  // namespace
+
+void write_profile(const Profile& profile, const std::string& path) {
+    write_file_atomically(path, profile_json(profile));
+}
+
+std::string profile_json(const Profile& p) {
+    const int L = p.model.num_layers, K = p.model.num_kv_heads;
+    Json j;
+    j["format"] = kProfileFormat;
+    j["version"] = kProfileVersion;
+    j["name"] = p.name;
+    j["model"] = {{"name", p.model.name},
+                  {"num_layers", L},
+                  {"num_query_heads", p.model.num_query_heads},
+                  {"num_kv_heads", K},
+                  {"head_dim", p.model.head_dim}};
+    Json params = Json::object();
+    for (const auto& [name, value] : p.params) params[name] = value;
+    j["policy"] = {{"name", p.policy}, {"params", params}};
+    j["method"] = p.method;
+    j["target"] = p.target;
+    j["layer_budgets"] = p.layer_budgets;
+    if (!p.head_budgets.empty()) j["head_budgets"] = rows_of(p.head_budgets, L, K);
+    if (p.streaming) {
+        std::vector<int> heads(p.streaming->heads.begin(), p.streaming->heads.end());
+        j["streaming"] = {{"sinks", p.streaming->sinks},
+                          {"recent", p.streaming->recent},
+                          {"heads", rows_of(heads, L, K)},
+                          {"lambda", rows_of(p.streaming->lambda, L, K)}};
+    }
+    j["expected"] = {{"bytes_per_token", p.bytes_per_token},
+                     {"compression_ratio", p.compression_ratio},
+                     {"layer_kept_fraction", p.layer_kept_fraction}};
+    j["heldout"] = {{"objective", p.objective}, {"value", p.heldout_value}, {"sequences", p.heldout_sequences}};
+    j["source"] = {{"trace", p.trace},
+                   {"trace_sha256", p.trace_sha256},
+                   {"config", p.config},
+                   {"config_sha256", p.config_sha256}};
+    return j.dump(2, ' ', false, Json::error_handler_t::replace) + "\n";
+}
+
+Profile load_profile(const std::string& path) {
+    require_regular_file(path);
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw InputError(path + ": cannot read");
+    std::stringstream text;
+    text << in.rdbuf();
+    Json root;
+    try {
+        root = Json::parse(text.str());
+    } catch (const Json::parse_error& e) {
+        throw InputError(path + ": not valid JSON (byte " + std::to_string(e.byte) + ")");
+    }
+    ProfileReader r(path, root);
+    if (!root.is_object()) r.fail("(top level)", "expected a JSON object");
+    if (r.string(r.at(root, "format", ""), "format") != kProfileFormat)
+        r.fail("format", "expected \"" + std::string(kProfileFormat) + "\"");
+    const int64_t version = r.integer(r.at(root, "version", ""), "version", 0, 1 << 30);
+    if (version != kProfileVersion)
+        r.fail("version", std::to_string(version) + " is not supported (this kvsim reads version " +
+                              std::to_string(kProfileVersion) + ")");
+    Profile p;
+    p.name = r.string(r.at(root, "name", ""), "name");
+    const Json& model = r.at(root, "model", "");
+    p.model.name = r.string(r.at(model, "name", "model"), "model.name");
+    p.model.num_layers = static_cast<int>(r.integer(r.at(model, "num_layers", "model"), "model.num_layers", 1, 1 << 16));
+    p.model.num_query_heads =
+        static_cast<int>(r.integer(r.at(model, "num_query_heads", "model"), "model.num_query_heads", 1, 1 << 16));
+    p.model.num_kv_heads = static_cast<int>(r.integer(r.at(model, "num_kv_heads", "model"), "model.num_kv_heads", 1, 1 << 16));
+    p.model.head_dim = static_cast<int>(r.integer(r.at(model, "head_dim", "model"), "model.head_dim", 1, 1 << 16));
+    if (p.model.num_query_heads % p.model.num_kv_heads != 0)
+        r.fail("model.num_query_heads", "is not a multiple of model.num_kv_heads");
+    const Json& policy = r.at(root, "policy", "");
+    p.policy = r.string(r.at(policy, "name", "policy"), "policy.name");
+    const Json& params = r.at(policy, "params", "policy");
+    if (!params.is_object()) r.fail("policy.params", "expected an object");
+    for (const auto& [name, value] : params.items()) p.params[name] = r.number(value, "policy.params." + name);
+    if (root.contains("method")) p.method = r.string(root["method"], "method");
+    if (root.contains("target")) p.target = r.string(root["target"], "target");
+
+    const int L = p.model.num_layers;
+    const Json& layers = r.list(r.at(root, "layer_budgets", ""), "layer_budgets", static_cast<std::size_t>(L));
+    for (int l = 0; l < L; ++l)
+        p.layer_budgets.push_back(static_cast<int>(
+            r.integer(layers[l], "layer_budgets[" + std::to_string(l) + "]", 1, kMaxBudgetTokens)));
+    if (root.contains("head_budgets")) {
+        const std::vector<double> heads = r.table(root["head_budgets"], "head_budgets", p.model, 1, kMaxBudgetTokens);
+        for (std::size_t i = 0; i < heads.size(); ++i) {
+            if (heads[i] != std::floor(heads[i]))
+                r.fail("head_budgets[" + std::to_string(i / p.model.num_kv_heads) + "][" +
+                           std::to_string(i % p.model.num_kv_heads) + "]",
+                       "expected an integer");
+            p.head_budgets.push_back(static_cast<int>(heads[i]));
+        }
+    }
+    if (root.contains("streaming")) {
+        const Json& s = root["streaming"];
+        StreamingHeads heads;
+        heads.sinks = static_cast<int>(r.integer(r.at(s, "sinks", "streaming"), "streaming.sinks", 0, kMaxBudgetTokens));
+        heads.recent = static_cast<int>(r.integer(r.at(s, "recent", "streaming"), "streaming.recent", 0, kMaxBudgetTokens));
+        for (double g : r.table(r.at(s, "heads", "streaming"), "streaming.heads", p.model, 0, 1)) {
+            if (g != 0 && g != 1) r.fail("streaming.heads", "every gate must be 0 or 1");
+            heads.heads.push_back(static_cast<uint8_t>(g));
+        }
+        heads.lambda = r.table(r.at(s, "lambda", "streaming"), "streaming.lambda", p.model, 0, 1);
+        p.streaming = heads;
+    }
+    if (root.contains("expected")) {
+        const Json& e = root["expected"];
+        if (e.contains("bytes_per_token")) p.bytes_per_token = r.number(e["bytes_per_token"], "expected.bytes_per_token");
+        if (e.contains("compression_ratio"))
+            p.compression_ratio = r.number(e["compression_ratio"], "expected.compression_ratio");
+        if (e.contains("layer_kept_fraction")) {
+            const Json& f = r.list(e["layer_kept_fraction"], "expected.layer_kept_fraction", static_cast<std::size_t>(L));
+            for (int l = 0; l < L; ++l) {
+                const std::string key = "expected.layer_kept_fraction[" + std::to_string(l) + "]";
+                const double v = r.number(f[l], key);
+                if (v < 0 || v > 1) r.fail(key, f[l].dump() + " is outside [0, 1]");
+                p.layer_kept_fraction.push_back(v);
+            }
+        }
+    }
+    if (root.contains("heldout")) {
+        const Json& h = root["heldout"];
+        if (h.contains("objective")) p.objective = r.string(h["objective"], "heldout.objective");
+        if (h.contains("value")) p.heldout_value = r.number(h["value"], "heldout.value");
+        if (h.contains("sequences")) {
+            if (!h["sequences"].is_array()) r.fail("heldout.sequences", "expected a list");
+            for (std::size_t i = 0; i < h["sequences"].size(); ++i)
+                p.heldout_sequences.push_back(r.string(h["sequences"][i], "heldout.sequences[" + std::to_string(i) + "]"));
+        }
+    }
+    if (root.contains("source")) {
+        const Json& s = root["source"];
+        if (!s.is_object()) r.fail("source", "expected an object");
+        auto text = [&](const char* name, std::string& out) {
+            if (s.contains(name)) out = r.string(s[name], std::string("source.") + name);
+        };
+        text("trace", p.trace);
+        text("trace_sha256", p.trace_sha256);
+        text("config", p.config);
+        text("config_sha256", p.config_sha256);
+    }
+    return p;
+}
+
+BudgetColumn profile_column(const Profile& p, const std::string& where) {
+    BudgetColumn column;
+    column.label = p.name;
+    column.where = where;
+    column.layer_budgets = p.layer_budgets;
+    column.head_budgets = p.head_budgets;
+    int64_t total = 0;
+    for (int b : p.layer_budgets) total += b;
+    column.budget = static_cast<int>((total + static_cast<int64_t>(p.layer_budgets.size()) / 2) /
+                                     static_cast<int64_t>(p.layer_budgets.size()));
+    return column;
+}
+
+void check_profile_shape(const ModelShape& profile_shape, const std::string& profile_where, const ModelShape& actual,
+                         const std::string& what) {
+    if (!profile_shape.same_as(actual))
+        throw InputError(profile_where + ": the profile was fitted to " + profile_shape.describe() + " (" +
+                         profile_shape.name + "), but " + what + " has " + actual.describe());
+}
+
+}  // namespace kvsim

@@ -1,0 +1,471 @@
+#include "search/search.h"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <random>
+
+#include "base/atomic_file.h"
+#include "base/errors.h"
+#include "base/sha256.h"
+#include "policies/policy.h"
+#include "search/allocation.h"
+#include "sim/qkv_attention.h"
+#include "sim/replay.h"
+#include "sim/sweep.h"
+#include "sim/trace_store.h"
+
+namespace kvsim {
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+// The held-out indices: as listed, or a seeded draw of a fraction (Fisher-Yates on mt19937_64,
+// whose output the C++ standard fixes, so the split is the same on every platform).
+std::vector<int> heldout_indices(const SearchSpec& spec, int count, const std::string& trace) {
+    std::vector<int> heldout = spec.heldout;
+    if (heldout.empty()) {
+        std::vector<int> order(count);
+        for (int i = 0; i < count; ++i) order[i] = i;
+        std::mt19937_64 rng(spec.seed);
+        for (int i = count - 1; i > 0; --i) std::swap(order[i], order[static_cast<int>(rng() % (i + 1))]);
+        const int take = std::max(1, static_cast<int>(std::lround(spec.heldout_fraction * count)));
+        heldout.assign(order.begin(), order.begin() + std::min(take, count));
+    }
+    for (int s : heldout)
+        if (s >= count)
+            throw InputError(spec.split_where + ": sequence " + std::to_string(s) + " is not in " + trace + " (it has " +
+                             std::to_string(count) + ", numbered from 0)");
+    std::sort(heldout.begin(), heldout.end());
+    if (static_cast<int>(heldout.size()) >= count)
+        throw InputError(spec.split_where + ": the split leaves no fitting sequence (" + trace + " has " +
+                         std::to_string(count) + ")");
+    return heldout;
+}
+
+// One unit's objective summed over its steps (lower is better) and the steps it is summed over.
+double error_sum(const StreamMetrics& m, bool output_error) {
+    return output_error ? m.output_rel_error : static_cast<double>(m.steps) - m.retained_mass;
+}
+double step_count(const StreamMetrics& m, bool output_error) {
+    return static_cast<double>(output_error ? m.output_steps : m.steps);
+}
+// The reported objective from a sum of errors: the mean error, or the mean retained mass.
+double objective_value(double errors, double steps, bool output_error) {
+    const double mean = steps > 0 ? errors / steps : 0.0;
+    return output_error ? mean : 1.0 - mean;
+}
+
+std::string format_number(double x) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%.6g", x);
+    return text;
+}
+
+struct Method {
+    std::string name, fit;
+    std::vector<int> layer_budgets, head_budgets;  // head_budgets empty: one budget per layer
+    double fitting_errors = 0;
+};
+
+// Each layer's mean of its heads' budgets, rounded: what the tables show for a head allocation.
+std::vector<int> layer_means(const std::vector<int>& head_budgets, int num_layers, int num_kv_heads) {
+    std::vector<int> out;
+    for (int l = 0; l < num_layers; ++l) {
+        int64_t sum = 0;
+        for (int kv = 0; kv < num_kv_heads; ++kv) sum += head_budgets[static_cast<std::size_t>(l) * num_kv_heads + kv];
+        out.push_back(static_cast<int>((sum + num_kv_heads / 2) / num_kv_heads));
+    }
+    return out;
+}
+
+std::string join(const std::vector<int>& v, const char* sep) {
+    std::string s;
+    for (std::size_t i = 0; i < v.size(); ++i) s += (i ? sep : "") + std::to_string(v[i]);
+    return s;
+}
+
+}  // namespace
+
+SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
+    const auto start = std::chrono::steady_clock::now();
+    const TraceReader reader(run.trace_path);
+    const TraceMetadata& meta = reader.metadata();
+    const bool qkv = meta.kind == TraceKind::qkv;
+    SearchOutcome out;
+    out.trace = run.trace_path;
+    out.objective = spec.objective.empty() ? (qkv ? "output_rel_error" : "retained_mass") : spec.objective;
+    const bool output_error = out.objective == "output_rel_error";
+    if (output_error && !qkv)
+        throw InputError(spec.objective_where + ": output_rel_error needs a Q/K/V trace, but " + run.trace_path +
+                         " records attention only (use objective: retained_mass)");
+    if (meta.head_dim <= 0)
+        throw InputError(run.trace_path + ": the trace records no head size, and byte targets are counted from it");
+
+    // The policy whose budgets are fitted.
+    const PolicyDescriptor* policy = find_policy(spec.policy.name);
+    if (!policy)
+        throw InputError(spec.policy.where + ": unknown policy '" + spec.policy.name + "' (known: " +
+                         known_policy_names() + ")");
+    if (policy->keeps_everything)
+        throw InputError(spec.policy.where + ": " + spec.policy.name + " keeps every token; search fits eviction budgets");
+    const ParamValues params = resolve_params(*policy, spec.policy.params, spec.policy.where);
+
+    // The split.
+    const int count = static_cast<int>(reader.sequences().size());
+    const std::vector<int> heldout = heldout_indices(spec, count, run.trace_path);
+    std::vector<int> fitting;
+    for (int s = 0; s < count; ++s)
+        if (!std::binary_search(heldout.begin(), heldout.end(), s)) fitting.push_back(s);
+    for (int s : fitting) out.fitting_sequences.push_back(reader.sequences()[s].name);
+    for (int s : heldout) out.heldout_sequences.push_back(reader.sequences()[s].name);
+
+    auto fitting_source = open_trace_source(run.trace_path, run.max_steps, fitting);
+    auto heldout_source = open_trace_source(run.trace_path, run.max_steps, heldout);
+    const AttentionShape& shape = fitting_source->shape();
+    const int L = shape.num_layers, K = shape.num_kv_heads;
+    const int head_dim = static_cast<int>(meta.head_dim);
+    out.shape = {meta.model_name, L, shape.num_query_heads, K, head_dim};
+
+    // The budget grid: from the smallest budget the policy accepts to the longest sequence.
+    int64_t longest = 1;
+    for (int64_t last : fitting_source->shape().last_steps) longest = std::max(longest, last);
+    for (int64_t last : heldout_source->shape().last_steps) longest = std::max(longest, last);
+    int lowest = 1;
+    while (policy->check_budget && !policy->check_budget(params, lowest).empty() && lowest < kMaxBudgetTokens) ++lowest;
+    out.grid = spec.grid.empty() ? budget_grid(lowest, static_cast<int>(std::min<int64_t>(longest, kMaxBudgetTokens)))
+                                 : spec.grid;
+    if (policy->check_budget) {
+        const std::string problem = policy->check_budget(params, out.grid.front());
+        if (!problem.empty()) throw InputError(spec.grid_where + ": " + problem + " (the grid's smallest budget)");
+    }
+
+    const int slot_bytes = static_cast<int>(
+        policy->make(params, PolicyContext{out.grid.front(), out.grid.front() + 1, 0, L, 0, K, head_dim})->bytes_per_slot());
+    const ByteModel heldout_bytes(heldout_source->shape().last_steps, head_dim, slot_bytes);
+
+    HarnessOptions harness;
+    const std::string view = run.attention_view.empty() ? (qkv ? "renormalized" : "raw") : run.attention_view;
+    harness.view = view == "raw" ? AttentionView::raw : AttentionView::renormalized;
+    harness.reduce = run.group_reduce;
+    ReplayOptions options;
+    options.harness = harness;
+    options.output_error = output_error;
+    options.memory = qkv;
+
+    // One lockstep pass over the fitting set: every grid budget side by side.
+    PolicyEntry entry = spec.policy;
+    const std::vector<ReplayCombo> grid_combos = expand_sweep({entry}, {}, out.grid);
+    if (run.progress) options.progress = [&](double f) { run.progress(0.7 * f); };
+    const std::vector<ComboResult> measured = replay(*fitting_source, grid_combos, options);
+
+    std::vector<UnitCurve> layer_curves(L), head_curves(static_cast<std::size_t>(L) * K);
+    for (int l = 0; l < L; ++l) {
+        layer_curves[l].name = "layer " + std::to_string(l);
+        for (int kv = 0; kv < K; ++kv)
+            head_curves[static_cast<std::size_t>(l) * K + kv].name =
+                "layer " + std::to_string(l) + ", KV head " + std::to_string(kv);
+    }
+    for (const ComboResult& r : measured) {
+        for (int l = 0; l < L; ++l) layer_curves[l].error.push_back(error_sum(r.by_layer[l], output_error));
+        for (std::size_t u = 0; u < head_curves.size(); ++u) head_curves[u].error.push_back(error_sum(r.by_head[u], output_error));
+    }
+    const double fitting_steps = step_count(measured.front().total, output_error);
+
+    // The methods, per target, all at the same bytes on the held-out sequences.
+    const bool fit_layers = std::find(spec.fits.begin(), spec.fits.end(), "layer_budgets") != spec.fits.end();
+    const bool fit_heads = std::find(spec.fits.begin(), spec.fits.end(), "head_budgets") != spec.fits.end();
+    const PolicyDescriptor* pyramid = find_policy("pyramidkv");
+    int default_ratio = 20;
+    for (const ParamSpec& p : pyramid->params)
+        if (p.name == "pyramid_ratio") default_ratio = static_cast<int>(p.default_value);
+
+    std::vector<std::pair<const SearchTarget*, Method>> methods;
+    std::vector<std::string> curve_notes;
+    for (const SearchTarget& target : spec.targets) {
+        const double bytes = target.compression > 0 ? heldout_bytes.bytes_for_compression(target.compression)
+                                                    : target.bytes_per_token;
+        const double floor_bytes = heldout_bytes.bytes_per_token(out.grid.front());
+        const double ceiling_bytes = heldout_bytes.bytes_per_token(out.grid.back());
+        char detail[160];
+        if (bytes < floor_bytes) {
+            std::snprintf(detail, sizeof detail, "%.4g bytes per token is below the %.4g that budget %d alone holds",
+                          bytes, floor_bytes, out.grid.front());
+            throw InputError(target.where + ": " + target.label + " (" + detail + ": " + spec.policy.name +
+                             "'s recent window, sinks and bookkeeping need at least that)");
+        }
+        if (bytes >= ceiling_bytes) {
+            std::snprintf(detail, sizeof detail, "%.4g bytes per token is at or above the %.4g of keeping every token",
+                          bytes, ceiling_bytes);
+            throw InputError(target.where + ": " + target.label + " (" + detail + "): nothing to fit");
+        }
+        auto layer_method = [&](std::string name, const Allocation& a) {
+            Method m{std::move(name), "layer_budgets", a.budgets, {}, allocation_error(layer_curves, out.grid, a.budgets)};
+            methods.push_back({&target, m});
+        };
+        auto best_shape = [&](auto weights_of, const std::vector<double>& candidates, double& best_value) {
+            Allocation best;
+            double best_error = std::numeric_limits<double>::infinity();
+            for (double c : candidates) {
+                const Allocation a = allocate_by_shape(weights_of(c), out.grid, heldout_bytes, bytes);
+                const double e = allocation_error(layer_curves, out.grid, a.budgets);
+                if (e < best_error) best = a, best_error = e, best_value = c;
+            }
+            return best;
+        };
+        layer_method("uniform", allocate_by_shape(std::vector<double>(L, 1.0), out.grid, heldout_bytes, bytes));
+        if (fit_layers) {
+            layer_method("PyramidKV schedule (ratio " + std::to_string(default_ratio) + ")",
+                         allocate_by_shape(pyramid_weights(L, default_ratio), out.grid, heldout_bytes, bytes));
+            double ratio = 0, slope = 0;
+            const Allocation best_pyramid = best_shape([&](double r) { return pyramid_weights(L, static_cast<int>(r)); },
+                                                       {2, 3, 4, 6, 8, 12, 16, 20, 32, 64}, ratio);
+            layer_method("PyramidKV schedule (best ratio " + format_number(ratio) + ")", best_pyramid);
+            const Allocation best_inverted = best_shape([&](double s) { return inverted_weights(L, s); },
+                                                        {0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9}, slope);
+            layer_method("inverted schedule (best slope " + format_number(slope) + ")", best_inverted);
+            layer_method("fitted layer budgets", allocate_by_marginal_gain(layer_curves, out.grid, heldout_bytes, bytes));
+        }
+        if (fit_heads) {
+            const Allocation a = allocate_by_marginal_gain(head_curves, out.grid, heldout_bytes, bytes);
+            Method m{"fitted head budgets", "head_budgets", layer_means(a.budgets, L, K), a.budgets,
+                     allocation_error(head_curves, out.grid, a.budgets)};
+            methods.push_back({&target, m});
+        }
+    }
+    // How far the measured curves are from diminishing returns: what the greedy had to step over.
+    auto describe_curves = [&](const std::vector<UnitCurve>& curves, const char* what) {
+        std::size_t non_convex = 0, rising = 0, points = 0, above = 0;
+        for (const UnitCurve& c : curves) {
+            const CurveShape shape = curve_shape(c, out.grid, heldout_bytes);
+            non_convex += !shape.above_hull.empty();
+            rising += !shape.rising.empty();
+            above += shape.above_hull.size();
+            points += out.grid.size();
+        }
+        char line[400];
+        std::snprintf(line, sizeof line,
+                      "%zu of %zu %s curves are not convex in bytes (%zu of %zu grid points lie above their lower hull) "
+                      "and %zu rise somewhere as the budget grows: neighbouring budgets differ by noise, so the "
+                      "allocator follows each curve's lower hull and steps over the points above it.",
+                      non_convex, curves.size(), what, above, points, rising);
+        curve_notes.push_back(line);
+    };
+    if (fit_layers) describe_curves(layer_curves, "per-layer");
+    if (fit_heads) describe_curves(head_curves, "per-(layer, KV head)");
+
+    // One pass over the held-out set: every method at every target.
+    std::vector<BudgetColumn> columns;
+    for (const auto& [target, m] : methods) {
+        BudgetColumn column;
+        column.label = m.name + " @ " + target->label;
+        column.where = target->where;
+        column.layer_budgets = m.layer_budgets;
+        column.head_budgets = m.head_budgets;
+        int64_t total = 0;
+        for (int b : m.layer_budgets) total += b;
+        column.budget = static_cast<int>(total / L);
+        columns.push_back(column);
+    }
+    const std::vector<ReplayCombo> heldout_combos = expand_sweep({entry}, {}, columns);
+    if (run.progress) options.progress = [&](double f) { run.progress(0.7 + 0.3 * f); };
+    const std::vector<ComboResult> confirmed = replay(*heldout_source, heldout_combos, options);
+    if (run.progress) run.progress(1.0);
+
+    for (std::size_t i = 0; i < methods.size(); ++i) {
+        const auto& [target, m] = methods[i];
+        const StreamMetrics& total = confirmed[i].total;
+        SearchRecord r;
+        r.method = m.name;
+        r.fit = m.fit;
+        r.target = target->label;
+        r.objective = out.objective;
+        r.fitting = objective_value(m.fitting_errors, fitting_steps, output_error);
+        r.heldout = objective_value(error_sum(total, output_error), step_count(total, output_error), output_error);
+        if (total.context_tokens > 0) {
+            r.bytes_per_token = total.cache_bytes / static_cast<double>(total.context_tokens);
+            r.compression_ratio = total.fp16_bytes / total.cache_bytes;
+        } else {  // an attention-only trace: the byte model, which the memory metric matches
+            double sum = 0;
+            const std::vector<int>& per = m.head_budgets.empty() ? m.layer_budgets : m.head_budgets;
+            for (int b : per) sum += heldout_bytes.bytes_per_token(b);
+            r.bytes_per_token = sum / static_cast<double>(per.size());
+            r.compression_ratio = heldout_bytes.full_fp16_bytes_per_token() / r.bytes_per_token;
+        }
+        r.layer_budgets = m.layer_budgets;
+        r.head_budgets = m.head_budgets;
+        out.records.push_back(r);
+    }
+
+    // Which way the fitted layer profile leans, per target.
+    for (const SearchRecord& r : out.records) {
+        if (r.method != "fitted layer budgets" || L < 2) continue;
+        const int half = L / 2;
+        double early = 0, late = 0;
+        for (int l = 0; l < half; ++l) early += r.layer_budgets[l];
+        for (int l = L - half; l < L; ++l) late += r.layer_budgets[l];
+        early /= half;
+        late /= half;
+        char line[320];
+        std::snprintf(line, sizeof line,
+                      "At %s the fitted layer budgets give the first %d layer(s) %.1f tokens on average and the last "
+                      "%d %.1f: on this model %s layers need more cache (layer by layer: %s).",
+                      r.target.c_str(), half, early, half, late, early > late ? "early" : early < late ? "late" : "no",
+                      join(r.layer_budgets, ", ").c_str());
+        out.notes.push_back(line);
+    }
+    out.notes.insert(out.notes.end(), curve_notes.begin(), curve_notes.end());
+
+    // The profiles of the fitted methods.
+    const std::string trace_sha = sha256_file(run.trace_path);
+    const std::string config_sha = sha256_file(run.config_file);
+    for (const SearchRecord& r : out.records) {
+        if (r.method.rfind("fitted", 0) != 0) continue;
+        Profile p;
+        p.name = meta.model_name + "-" + spec.policy.name + "-" + r.fit + "-" + r.target;
+        p.model = out.shape;
+        p.policy = policy->name;
+        p.params = params;
+        p.method = r.method;
+        p.target = r.target;
+        p.layer_budgets = r.layer_budgets;
+        p.head_budgets = r.head_budgets;
+        p.bytes_per_token = r.bytes_per_token;
+        p.compression_ratio = r.compression_ratio;
+        for (int l = 0; l < L; ++l) {
+            double kept = 0;
+            for (int kv = 0; kv < K; ++kv) {
+                const int b = r.head_budgets.empty() ? r.layer_budgets[l] : r.head_budgets[static_cast<std::size_t>(l) * K + kv];
+                kept += heldout_bytes.bytes_per_token(b) / (4.0 * head_dim + slot_bytes);
+            }
+            p.layer_kept_fraction.push_back(kept / K);
+        }
+        p.objective = out.objective;
+        p.heldout_value = r.heldout;
+        p.heldout_sequences = out.heldout_sequences;
+        p.trace = run.trace_path;
+        p.trace_sha256 = trace_sha;
+        p.config = run.config_file;
+        p.config_sha256 = config_sha;
+        out.profiles.push_back(p);
+    }
+    out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return out;
+}
+
+std::string format_search_table(const SearchOutcome& o) {
+    std::string text = "kvsim search  |  trace " + o.trace + "  |  objective " + o.objective + " (held out: " +
+                       std::to_string(o.heldout_sequences.size()) + " sequences; fitted on " +
+                       std::to_string(o.fitting_sequences.size()) + ")\n";
+    std::string target;
+    std::size_t width = 6;
+    for (const SearchRecord& r : o.records) width = std::max(width, r.method.size());
+    char line[512];
+    for (const SearchRecord& r : o.records) {
+        if (r.target != target) {
+            target = r.target;
+            std::snprintf(line, sizeof line, "\ntarget %s\n  %-*s  %12s  %10s  %11s  %10s  %s\n", target.c_str(),
+                          static_cast<int>(width), "method", o.objective == "output_rel_error" ? "rel error" : "retained",
+                          "fitting", "bytes/token", "compress", "layer budgets");
+            text += line;
+        }
+        std::snprintf(line, sizeof line, "  %-*s  %12.6f  %10.6f  %11.3f  %9.3fx  %s\n", static_cast<int>(width),
+                      r.method.c_str(), r.heldout, r.fitting, r.bytes_per_token, r.compression_ratio,
+                      join(r.layer_budgets, " ").c_str());
+        text += line;
+    }
+    return text;
+}
+
+void write_search_outputs(const SearchOutcome& o, const std::string& dir) {
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    if (ec) throw InputError(dir + ": cannot create output folder (" + ec.message() + ")");
+
+    Json records = Json::array();
+    std::string csv = "method,fit,target,objective,bytes_per_token,compression_ratio,heldout,fitting,delta_ppl,layer_budgets\n";
+    auto quoted = [](const std::string& s) {
+        std::string q = "\"";
+        for (char c : s) q += c == '"' ? std::string("\"\"") : std::string(1, c);
+        return q + "\"";
+    };
+    for (const SearchRecord& r : o.records) {
+        Json j = {{"method", r.method}, {"fit", r.fit}, {"target", r.target}, {"objective", r.objective},
+                  {"bytes_per_token", r.bytes_per_token}, {"compression_ratio", r.compression_ratio},
+                  {"heldout", r.heldout}, {"fitting", r.fitting}};
+        j["delta_ppl"] = std::isfinite(r.delta_ppl) ? Json(r.delta_ppl) : Json(nullptr);
+        j["layer_budgets"] = r.layer_budgets;
+        if (!r.head_budgets.empty()) j["head_budgets"] = r.head_budgets;
+        records.push_back(j);
+        char numbers[200];
+        std::snprintf(numbers, sizeof numbers, "%.17g,%.17g,%.17g,%.17g,", r.bytes_per_token, r.compression_ratio,
+                      r.heldout, r.fitting);
+        csv += quoted(r.method) + "," + r.fit + "," + quoted(r.target) + "," + r.objective + "," + numbers +
+               (std::isfinite(r.delta_ppl) ? format_number(r.delta_ppl) : "") + "," + quoted(join(r.layer_budgets, " ")) + "\n";
+    }
+    Json search = {{"format", "kvsim-search"},
+                   {"version", 1},
+                   {"trace", o.trace},
+                   {"objective", o.objective},
+                   {"model", {{"name", o.shape.name},
+                              {"num_layers", o.shape.num_layers},
+                              {"num_query_heads", o.shape.num_query_heads},
+                              {"num_kv_heads", o.shape.num_kv_heads},
+                              {"head_dim", o.shape.head_dim}}},
+                   {"fitting_sequences", o.fitting_sequences},
+                   {"heldout_sequences", o.heldout_sequences},
+                   {"grid", o.grid},
+                   {"notes", o.notes},
+                   {"seconds", o.seconds},
+                   {"records", records}};
+
+    std::string report = "# kvsim search\n\nTrace `" + o.trace + "`, objective `" + o.objective +
+                         "`. Every figure below is measured on the held-out sequences (" +
+                         std::to_string(o.heldout_sequences.size()) + ": ";
+    for (std::size_t i = 0; i < o.heldout_sequences.size(); ++i) report += (i ? ", " : "") + o.heldout_sequences[i];
+    report += "), at the same bytes per token within each target; the fits saw only the other " +
+              std::to_string(o.fitting_sequences.size()) + ".\n";
+    std::string target;
+    for (const SearchRecord& r : o.records) {
+        if (r.target != target) {
+            target = r.target;
+            report += "\n## Target " + target + "\n\n| method | held-out " + o.objective +
+                      " | fitting | bytes/token | compression | layer budgets |\n|---|---|---|---|---|---|\n";
+        }
+        char row[160];
+        std::snprintf(row, sizeof row, " | %.6f | %.6f | %.3f | %.3fx | ", r.heldout, r.fitting, r.bytes_per_token,
+                      r.compression_ratio);
+        report += "| " + r.method + row + join(r.layer_budgets, " ") + " |\n";
+    }
+    if (!o.notes.empty()) {
+        report += "\n## Notes\n\n";
+        for (const std::string& n : o.notes) report += "- " + n + "\n";
+    }
+
+    // Every file is complete under a temporary name before any takes its real name.
+    std::vector<std::unique_ptr<AtomicFile>> files;
+    auto add = [&](const std::string& name, const std::string& contents) {
+        files.push_back(std::make_unique<AtomicFile>(dir + "/" + name));
+        files.back()->write(contents);
+    };
+    add("search.json", search.dump(2, ' ', false, Json::error_handler_t::replace) + "\n");
+    add("search.csv", csv);
+    add("report.md", report);
+    // profile.json: the first target's finest fit (per head when fitted, else per layer).
+    const Profile* primary = nullptr;
+    for (const Profile& p : o.profiles) {
+        std::string name = "profile-" + (p.head_budgets.empty() ? std::string("layer_budgets") : "head_budgets") + "-" +
+                           p.target + ".json";
+        std::replace(name.begin(), name.end(), '/', '_');
+        add(name, profile_json(p));
+        if (!primary || (p.target == primary->target && !p.head_budgets.empty())) primary = &p;
+    }
+    if (primary) add("profile.json", profile_json(*primary));
+    for (auto& f : files) f->commit();
+}
+
+}  // namespace kvsim

@@ -1,0 +1,67 @@
+// kvsim search: fit per-layer and per-(layer, KV head) budgets of an eviction policy to a memory
+// target from a trace, compare them at equal bytes with the schedules in use (uniform, PyramidKV,
+// the inverted depth schedule), and report every figure on held-out sequences.
+//
+// How: the trace's sequences are split into a fitting and a held-out set. One lockstep replay of
+// the fitting set measures every unit's objective (each layer's, each KV head's) at every budget
+// of a grid side by side; units are independent on a trace, so the objective of any allocation is
+// read off these curves. Allocations are fitted by marginal gain (search/allocation.h), baselines
+// are scaled to the same bytes, and one more replay of the held-out set measures them all.
+#pragma once
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "search/profile.h"
+#include "search/search_spec.h"
+#include "sim/attention_source.h"
+#include "sim/harness.h"
+
+namespace kvsim {
+
+struct SearchRecord {
+    std::string method;      // "uniform", "PyramidKV schedule (ratio 20)", "fitted layer budgets", ...
+    std::string fit;         // the fit it belongs to: layer_budgets or head_budgets
+    std::string target;      // the target's label
+    std::string objective;   // output_rel_error or retained_mass
+    double fitting = 0;      // the objective on the fitting sequences
+    double heldout = 0;      // ... and on the held-out ones, what the tables report
+    double bytes_per_token = 0;    // measured on the held-out sequences
+    double compression_ratio = 0;  // measured on the held-out sequences
+    double delta_ppl = std::numeric_limits<double>::quiet_NaN();  // with the model in the loop
+    std::vector<int> layer_budgets;  // per layer (with head budgets, each layer's mean)
+    std::vector<int> head_budgets;   // per (layer, KV head), empty for a layer allocation
+};
+
+struct SearchOutcome {
+    std::string trace;
+    std::string objective;
+    ModelShape shape;
+    std::vector<std::string> fitting_sequences, heldout_sequences;
+    std::vector<int> grid;
+    std::vector<SearchRecord> records;
+    std::vector<Profile> profiles;     // one per fitted method and target
+    std::vector<std::string> notes;    // non-convex curves, the direction of the layer profile, ...
+    double seconds = 0;
+};
+
+struct SearchRun {
+    std::string config_file;
+    std::string trace_path;
+    int64_t max_steps = 0;
+    std::string attention_view;         // "raw", "renormalized", or "" for the trace kind's default
+    GroupReduce group_reduce = GroupReduce::mean;
+    std::function<void(double)> progress;
+};
+
+SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run);
+
+// The held-out table for a terminal: one block per target, one row per method.
+std::string format_search_table(const SearchOutcome& outcome);
+
+// search.json, search.csv, report.md and the profiles (profile.json is the first target's finest
+// fit; profile-<fit>-<target>.json each), every file written atomically.
+void write_search_outputs(const SearchOutcome& outcome, const std::string& dir);
+
+}  // namespace kvsim

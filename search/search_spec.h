@@ -1,0 +1,42 @@
+// What `kvsim search` is asked to fit: the config's `search:` section, as plain data.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "sim/experiment_spec.h"
+
+namespace kvsim {
+
+// A memory target: a compression ratio against the full fp16 cache, or bytes per token of
+// context per (layer, KV head), counted as kvsim's bytes_per_token metric counts them.
+struct SearchTarget {
+    double compression = 0;      // > 0: "2x"
+    double bytes_per_token = 0;  // > 0: {bytes_per_token: N}
+    std::string label;           // "2x" or "12.5B"
+    std::string where;           // "FILE:LINE: search.target[0]"
+};
+
+struct SearchSpec {
+    std::string where;                  // "FILE:LINE: search"
+    PolicyEntry policy;                 // the eviction policy whose budgets are fitted
+    // Held-out sequences by index, or a fraction of them drawn with a seed (deterministic).
+    std::vector<int> heldout;
+    double heldout_fraction = 0.4;
+    uint64_t seed = 1;
+    std::string split_where;
+    std::vector<SearchTarget> targets;
+    std::string objective;              // output_rel_error or retained_mass; "" for the trace's default
+    std::string objective_where;
+    std::vector<std::string> fits = {"layer_budgets", "head_budgets"};
+    std::string fits_where;
+    std::vector<int> grid;              // budgets measured per unit; empty: chosen from the trace
+    std::string grid_where;
+};
+
+inline const std::vector<std::string>& known_search_fits() {
+    static const std::vector<std::string> fits = {"layer_budgets", "head_budgets"};
+    return fits;
+}
+
+}  // namespace kvsim
