@@ -202,11 +202,12 @@ std::vector<double> inverted_weights(int num_layers, double slope) {
     return w;
 }
 
-std::vector<int> budget_grid(int lowest, int highest) {
+std::vector<int> budget_grid(int lowest, int highest, int units) {
+    const double growth = 1.0 + std::min(0.04, 0.005 * std::max(units, 1));
     std::vector<int> grid;
     for (int b = std::max(lowest, 1); b <= highest;) {
         grid.push_back(b);
-        b = b < 32 ? b + 1 : std::max(b + 1, static_cast<int>(std::floor(b * 1.04)));
+        b = std::max(b + 1, static_cast<int>(std::floor(b * growth)));
     }
     if (grid.empty() || grid.back() != highest) grid.push_back(std::max(highest, std::max(lowest, 1)));
     std::sort(grid.begin(), grid.end());

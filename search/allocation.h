@@ -71,8 +71,9 @@ double allocation_error(const std::vector<UnitCurve>& curves, const std::vector<
 std::vector<double> pyramid_weights(int num_layers, int ratio);        // PyramidKV: deeper layers keep less
 std::vector<double> inverted_weights(int num_layers, double slope);    // early layers keep less, linear in depth
 
-// A budget grid from lowest to highest, dense enough that one step of one unit is a small share
-// of the total: every integer up to 32, then steps of at most 4% (always distinct, ascending).
-std::vector<int> budget_grid(int lowest, int highest);
+// A budget grid from lowest to highest, dense enough that one step of one unit moves the mean
+// bytes of `units` units by at most about 0.5%: every integer while that holds, then steps of
+// min(4%, 0.5% * units) (always distinct, ascending).
+std::vector<int> budget_grid(int lowest, int highest, int units = 8);
 
 }  // namespace kvsim

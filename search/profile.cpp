@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <sstream>
 
@@ -76,7 +77,11 @@ public:
             for (int kv = 0; kv < m.num_kv_heads; ++kv) {
                 const std::string cell = row_key + "[" + std::to_string(kv) + "]";
                 const double v = number(j[l][kv], cell);
-                if (v < lo || v > hi) fail(cell, j[l][kv].dump() + " is outside [" + Json(lo).dump() + ", " + Json(hi).dump() + "]");
+                if (v < lo || v > hi) {
+                    char range[64];
+                    std::snprintf(range, sizeof range, " is outside [%g, %g]", lo, hi);
+                    fail(cell, j[l][kv].dump() + range);
+                }
                 out.push_back(v);
             }
         }

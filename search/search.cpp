@@ -136,8 +136,13 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     for (int64_t last : fitting_source->shape().last_steps) longest = std::max(longest, last);
     for (int64_t last : heldout_source->shape().last_steps) longest = std::max(longest, last);
     int lowest = 1;
-    while (policy->check_budget && !policy->check_budget(params, lowest).empty() && lowest < kMaxBudgetTokens) ++lowest;
-    out.grid = spec.grid.empty() ? budget_grid(lowest, static_cast<int>(std::min<int64_t>(longest, kMaxBudgetTokens)))
+    if (policy->check_budget) {
+        const std::string problem = policy->check_budget(params, static_cast<int>(std::min<int64_t>(longest, kMaxBudgetTokens)));
+        if (!problem.empty())
+            throw InputError(spec.policy.where + ": " + problem + ", the longest sequence's decode steps: nothing to evict");
+    }
+    while (policy->check_budget && !policy->check_budget(params, lowest).empty() && lowest < longest) ++lowest;
+    out.grid = spec.grid.empty() ? budget_grid(lowest, static_cast<int>(std::min<int64_t>(longest, kMaxBudgetTokens)), L)
                                  : spec.grid;
     if (policy->check_budget) {
         const std::string problem = policy->check_budget(params, out.grid.front());
@@ -156,6 +161,28 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     options.harness = harness;
     options.output_error = output_error;
     options.memory = qkv;
+
+    // Every target must lie between what the smallest grid budget holds and the full cache.
+    auto target_bytes = [&](const SearchTarget& target) {
+        return target.compression > 0 ? heldout_bytes.bytes_for_compression(target.compression) : target.bytes_per_token;
+    };
+    for (const SearchTarget& target : spec.targets) {
+        const double bytes = target_bytes(target);
+        const double floor_bytes = heldout_bytes.bytes_per_token(out.grid.front());
+        const double ceiling_bytes = heldout_bytes.bytes_per_token(out.grid.back());
+        char detail[160];
+        if (bytes < floor_bytes) {
+            std::snprintf(detail, sizeof detail, "%.4g bytes per token is below the %.4g that budget %d alone holds",
+                          bytes, floor_bytes, out.grid.front());
+            throw InputError(target.where + ": " + target.label + " (" + detail + ": " + spec.policy.name +
+                             "'s recent window, sinks and bookkeeping need at least that)");
+        }
+        if (bytes >= ceiling_bytes) {
+            std::snprintf(detail, sizeof detail, "%.4g bytes per token is at or above the %.4g of keeping every token",
+                          bytes, ceiling_bytes);
+            throw InputError(target.where + ": " + target.label + " (" + detail + "): nothing to fit");
+        }
+    }
 
     // One lockstep pass over the fitting set: every grid budget side by side.
     PolicyEntry entry = spec.policy;
@@ -187,22 +214,7 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     std::vector<std::pair<const SearchTarget*, Method>> methods;
     std::vector<std::string> curve_notes;
     for (const SearchTarget& target : spec.targets) {
-        const double bytes = target.compression > 0 ? heldout_bytes.bytes_for_compression(target.compression)
-                                                    : target.bytes_per_token;
-        const double floor_bytes = heldout_bytes.bytes_per_token(out.grid.front());
-        const double ceiling_bytes = heldout_bytes.bytes_per_token(out.grid.back());
-        char detail[160];
-        if (bytes < floor_bytes) {
-            std::snprintf(detail, sizeof detail, "%.4g bytes per token is below the %.4g that budget %d alone holds",
-                          bytes, floor_bytes, out.grid.front());
-            throw InputError(target.where + ": " + target.label + " (" + detail + ": " + spec.policy.name +
-                             "'s recent window, sinks and bookkeeping need at least that)");
-        }
-        if (bytes >= ceiling_bytes) {
-            std::snprintf(detail, sizeof detail, "%.4g bytes per token is at or above the %.4g of keeping every token",
-                          bytes, ceiling_bytes);
-            throw InputError(target.where + ": " + target.label + " (" + detail + "): nothing to fit");
-        }
+        const double bytes = target_bytes(target);
         auto layer_method = [&](std::string name, const Allocation& a) {
             Method m{std::move(name), "layer_budgets", a.budgets, {}, allocation_error(layer_curves, out.grid, a.budgets)};
             methods.push_back({&target, m});
@@ -299,6 +311,24 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
         r.layer_budgets = m.layer_budgets;
         r.head_budgets = m.head_budgets;
         out.records.push_back(r);
+    }
+
+    // Equal bytes hold to within one grid step of one unit; say so where that is more than 1%.
+    for (const SearchRecord& r : out.records) {
+        const SearchTarget* target = nullptr;
+        for (const SearchTarget& t : spec.targets)
+            if (t.label == r.target) target = &t;
+        const double wanted = target->compression > 0 ? heldout_bytes.bytes_for_compression(target->compression)
+                                                      : target->bytes_per_token;
+        if (std::abs(r.bytes_per_token / wanted - 1) > 0.01) {
+            char line[300];
+            std::snprintf(line, sizeof line,
+                          "%s at %s holds %.4g bytes per token, %.1f%% from the target's %.4g: at budgets this small one "
+                          "token of one unit is more than 1%% of the bytes.",
+                          r.method.c_str(), r.target.c_str(), r.bytes_per_token, 100 * (r.bytes_per_token / wanted - 1),
+                          wanted);
+            out.notes.push_back(line);
+        }
     }
 
     // Which way the fitted layer profile leans, per target.

@@ -49,6 +49,8 @@ inline PolicyEntry entry(const std::string& name, std::map<std::string, double> 
     return PolicyEntry{name, std::move(params), "test: " + name};
 }
 
+inline bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
 inline std::string temp_dir() {
     const std::string dir = KVSIM_TEST_TMP;
     std::filesystem::create_directories(dir);

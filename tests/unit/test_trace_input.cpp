@@ -46,7 +46,6 @@ struct MemoryLimit {
     ~MemoryLimit() { set_memory_limit_bytes(saved); }
 };
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
 }  // namespace
 

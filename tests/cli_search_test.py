@@ -1,0 +1,150 @@
+"""kvsim search and kvsim export through the command line, on the stories260K trace the repo ships:
+the outputs, the exact round trip of a profile through `kvsim run`, the exports, and every bad
+input as one error line with exit status 2 and nothing written.
+
+Run by meson test as: python3 tests/cli_search_test.py build/kvsim
+"""
+import json
+import os
+import sys
+import unittest
+
+import cli_common
+from cli_common import KvsimTestCase, kvsim, read
+
+TRACE = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data",
+                                     "tinystories-stories260K.h5"))
+SEARCH = """trace: %s
+search:
+  policy: {h2o: {recent_window: 8}}
+  split: {heldout: [3, 4]}
+  target: [2x, 3x]
+  fit: [layer_budgets, head_budgets]
+""" % TRACE
+
+
+class Search(KvsimTestCase):
+
+    def setUp(self):
+        super().setUp()
+        self.out = self.path("out")
+
+    def search(self, text=SEARCH, *extra):
+        return kvsim("search", self.write("search.yaml", text), "--out", self.out, "-q", *extra)
+
+    def test_search_writes_tables_profiles_and_reproducible_figures(self):
+        result = self.search()
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("fitted head budgets", result.stdout)
+        for name in ("search.json", "search.csv", "report.md", "profile.json", "profile-layer_budgets-2x.json",
+                     "profile-head_budgets-3x.json"):
+            self.assertTrue(os.path.exists(os.path.join(self.out, name)), name)
+        search = json.loads(read(os.path.join(self.out, "search.json")))
+        self.assertEqual(search["format"], "kvsim-search")
+        self.assertEqual(search["heldout_sequences"], ["tinystories_sample-3", "tinystories_sample-4"])
+        methods = {(r["method"], r["target"]): r for r in search["records"]}
+        for target in ("2x", "3x"):
+            uniform = methods[("uniform", target)]
+            for (method, t), r in methods.items():
+                if t == target:  # every method of a target at the same bytes, within 1%
+                    self.assertLess(abs(r["bytes_per_token"] / uniform["bytes_per_token"] - 1), 0.01, method)
+        # profile.json is the first target's head-budget fit; replayed on the held-out sequences by
+        # kvsim run, it reproduces the search's held-out figure exactly.
+        profile = json.loads(read(os.path.join(self.out, "profile.json")))
+        self.assertEqual(profile["format"], "kvsim-profile")
+        self.assertEqual(len(profile["head_budgets"]), 5)
+        self.assertEqual(len(profile["head_budgets"][0]), 4)
+        run_dir = self.path("run")
+        config = self.write("replay.yaml", "trace: {path: %s, sequences: [3, 4]}\n"
+                                           "policies: [{profile: %s}]\nmetrics: [output_rel_error, bytes_per_token]\n"
+                                           % (TRACE, os.path.join(self.out, "profile.json")))
+        result = kvsim("run", config, "--out", run_dir, "-q")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        replayed = json.loads(read(os.path.join(run_dir, "results.json")))[0]
+        fitted = methods[("fitted head budgets", "2x")]
+        self.assertEqual(replayed["output_rel_error"], fitted["heldout"])
+        self.assertEqual(replayed["bytes_per_token"], fitted["bytes_per_token"])
+
+        # Exports: per-layer ratios; a DuoAttention folder needs streaming heads.
+        ratios = self.path("ratios.json")
+        result = kvsim("export", os.path.join(self.out, "profile.json"), "--format", "ratios", "-o", ratios)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        values = json.loads(read(ratios))
+        self.assertEqual(len(values), 5)
+        self.assertTrue(all(0 <= v < 1 for v in values))
+        duo = self.path("duo")
+        self.assert_input_error(kvsim("export", os.path.join(self.out, "profile.json"), "--format", "duo", "-o", duo),
+                                "streaming: missing")
+        self.assertFalse(os.path.exists(duo))
+        profile["streaming"] = {"sinks": 4, "recent": 32, "heads": [[1, 0, 0, 0]] * 5, "lambda": [[0.9] * 4] * 5}
+        streaming = self.write("streaming.json", json.dumps(profile))
+        result = kvsim("export", streaming, "--format", "duo", "-o", duo)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertEqual(read(os.path.join(duo, "full_attention_heads.tsv")), "0\t1\t1\t1\n" * 5)
+        self.assertEqual(json.loads(read(os.path.join(duo, "config.json"))),
+                         {"sink_size": 4, "recent_size": 32, "sparsity": 0.25})
+
+    def test_bad_search_configs(self):
+        cases = [
+            ("  target: [2x, 3x]\n", "  target: [1000x]\n", "search.target[0]: 1000x ("),
+            ("  split: {heldout: [3, 4]}\n", "  split: {heldout: [0, 1, 2, 3, 4]}\n", "leaves no fitting sequence"),
+            ("  split: {heldout: [3, 4]}\n", "  split: {heldout: [3, 9]}\n", "sequence 9 is not in"),
+            ("  split: {heldout: [3, 4]}\n", "  split: {heldout_fraction: 1.5}\n", "heldout_fraction: must be between 0 and 1"),
+            ("  fit: [layer_budgets, head_budgets]\n", "  fit: [streaming]\n", "search.fit[0]: unknown fit 'streaming'"),
+            ("  target: [2x, 3x]\n", "  target: [0.5x]\n", "expected a compression ratio above 1"),
+            ("  policy: {h2o: {recent_window: 8}}\n", "  policy: {h2o: {recent_window: 500}}\n",
+             "search.policy.h2o: recent_window = 500 must be less than the budget 456, the longest sequence's"),
+            ("  policy: {h2o: {recent_window: 8}}\n", "  policy: full\n", "full keeps every token"),
+        ]
+        for old, new, fragment in cases:
+            with self.subTest(new=new):
+                self.assertIn(old, SEARCH)
+                self.assert_input_error(self.search(SEARCH.replace(old, new)), fragment)
+        self.assert_input_error(self.search("trace: %s\nsearch: {policy: h2o}\n" % TRACE), "missing key 'target'")
+        self.assert_input_error(self.search("trace: %s\nbudgets: [8]\npolicies: [h2o]\n" % TRACE), "missing key 'search'")
+        # Output error needs Q/K/V; an attention-only trace offers retained mass.
+        attention = self.path("attention.h5")
+        self.assertEqual(kvsim("trace", "synth", "policybook", "-o", attention).returncode, 0)
+        self.assert_input_error(self.search("trace: %s\nsearch: {policy: h2o, target: 2x, objective: output_rel_error}\n"
+                                            % attention), "output_rel_error needs a Q/K/V trace")
+        self.assertFalse(os.path.exists(self.out))  # no failed search wrote anything
+
+    def test_bad_profiles(self):
+        result = self.search(SEARCH.replace("  fit: [layer_budgets, head_budgets]\n", "  fit: [layer_budgets]\n")
+                             .replace("target: [2x, 3x]", "target: 2x"))
+        self.assertEqual(result.returncode, 0, result.stderr)
+        good = json.loads(read(os.path.join(self.out, "profile.json")))
+
+        def replay(profile, name):
+            path = self.write(name, json.dumps(profile) if isinstance(profile, dict) else profile)
+            config = self.write("r.yaml", "trace: %s\npolicies: [{profile: %s}]\n" % (TRACE, path))
+            return kvsim("run", config, "--out", self.path("bad-out"), "-q"), path
+
+        other = dict(good, model=dict(good["model"], num_layers=4), layer_budgets=good["layer_budgets"][:4],
+                     expected=dict(good["expected"], layer_kept_fraction=good["expected"]["layer_kept_fraction"][:4]))
+        result, path = replay(other, "other.json")
+        self.assert_input_error(result, path, "the profile was fitted to 4 layers, 8 query heads, 4 KV heads, head size 8",
+                                "has 5 layers, 8 query heads, 4 KV heads, head size 8")
+        for change, fragment in [
+            (dict(layer_budgets=[-4, 5, 6, 7, 8]), "layer_budgets[0]: -4 is outside"),
+            (dict(layer_budgets=[4, 5, 6]), "layer_budgets: expected 5 entries, got 3"),
+            (dict(layer_budgets=[4, 5.5, 6, 7, 8]), "layer_budgets[1]: expected an integer"),
+            (dict(version=2), "version: 2 is not supported"),
+            (dict(format="other"), "format: expected \"kvsim-profile\""),
+            (dict(head_budgets=[[4, 4, 4, 4]] * 4), "head_budgets: expected 5 entries"),
+            (dict(streaming={"sinks": 4, "recent": 8, "heads": [[0, 1, 0, 0]] * 5, "lambda": [[1.5] * 4] * 5}),
+             "streaming.lambda[0][0]: 1.5 is outside [0, 1]"),
+            (dict(streaming={"sinks": 4, "recent": 8, "heads": [[0, 2, 0, 0]] * 5, "lambda": [[0.5] * 4] * 5}),
+             "streaming.heads[0][1]: 2 is outside"),
+        ]:
+            with self.subTest(fragment=fragment):
+                result, path = replay(dict(good, **change), "bad.json")
+                self.assert_input_error(result, path + ": " + fragment)
+        result, path = replay(json.dumps(good).replace(str(good["layer_budgets"][0]), "NaN", 1), "nan.json")
+        self.assert_input_error(result, path + ": not valid JSON")
+        self.assertFalse(os.path.exists(self.path("bad-out")))
+
+
+if __name__ == "__main__":
+    cli_common.KVSIM = os.path.abspath(sys.argv.pop(1))
+    unittest.main(verbosity=2)

@@ -1,0 +1,268 @@
+// kvsim search on traces where the answer is known: a layer (or KV head) whose attention is wide
+// must get more tokens than one whose attention sits on a single sink token; the byte model must
+// be the memory metric's count exactly; every method is held to the same bytes; profiles and the
+// DuoAttention export read back to what was written.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <random>
+
+#include "base/errors.h"
+#include "helpers.h"
+#include "search/allocation.h"
+#include "search/export.h"
+#include "search/profile.h"
+#include "search/search.h"
+#include "sim/replay.h"
+#include "sim/streaming_heads.h"
+#include "sim/sweep.h"
+#include "sim/trace_store.h"
+
+using namespace kvsim;
+using namespace kvsim::test;
+
+namespace {
+
+constexpr int kDim = 8;
+
+// A Q/K/V trace of `layers` layers and `kv_heads` KV heads (one query head each) whose
+// (layer, KV head) streams are each "wide" (q = 0: uniform attention over every token, so
+// whatever is evicted moves the output) or "narrow" (every query points at token 0's key, so the
+// attention sits on that one sink token).
+std::string write_shaped_trace(const std::string& name, int layers, int kv_heads, const std::vector<bool>& wide,
+                               const std::vector<int64_t>& lengths) {
+    TraceMetadata m;
+    m.kind = TraceKind::qkv;
+    m.model_name = "shaped";
+    m.num_layers = layers;
+    m.num_query_heads = kv_heads;
+    m.num_kv_heads = kv_heads;
+    m.head_dim = kDim;
+    m.source_kind = "synthetic";
+    const std::string path = temp_dir() + "/" + name + ".h5";
+    TraceWriter writer(path, m);
+    std::mt19937 rng(7);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (std::size_t s = 0; s < lengths.size(); ++s) {
+        const int64_t T = lengths[s];
+        const int seq = writer.add_sequence("seq" + std::to_string(s), T);
+        for (int l = 0; l < layers; ++l) {
+            QkvLayer layer;
+            layer.tokens = T;
+            layer.q.assign(T * kv_heads * kDim, 0.0f);
+            layer.k.resize(T * kv_heads * kDim);
+            layer.v.resize(T * kv_heads * kDim);
+            for (float& x : layer.k) x = 0.3f * normal(rng);
+            // Values around a common mean, so a wide head's output error falls smoothly with budget
+            // (the mean of what is kept against the mean of everything).
+            for (float& x : layer.v) x = 1.0f + normal(rng);
+            for (int h = 0; h < kv_heads; ++h) {
+                if (wide[static_cast<std::size_t>(l) * kv_heads + h]) continue;
+                layer.k[(0 * kv_heads + h) * kDim] = 12.0f;  // token 0's key ...
+                for (int64_t t = 0; t < T; ++t) layer.q[(t * kv_heads + h) * kDim] = 12.0f;  // ... is every query's
+            }
+            writer.write_qkv(seq, l, layer, TensorDtype::float32);
+        }
+    }
+    writer.commit();
+    return path;
+}
+
+// StreamingLLM keeps the sink token, so a narrow stream needs almost nothing, and a recent
+// window, whose error on a wide stream falls smoothly with the budget.
+SearchSpec streaming_llm_search(std::vector<std::string> fits, std::vector<std::string> targets) {
+    SearchSpec spec;
+    spec.where = "test: search";
+    spec.policy.name = "streaming_llm";
+    spec.policy.params = {{"sinks", 1}};
+    spec.policy.where = "test: search.policy";
+    spec.heldout = {2};
+    spec.split_where = "test: search.split";
+    for (const std::string& t : targets)
+        spec.targets.push_back({std::stod(t), 0, t, "test: search.target " + t});
+    spec.fits = std::move(fits);
+    return spec;
+}
+
+SearchRun run_on(const std::string& trace) {
+    const std::string config = temp_dir() + "/search-config.yaml";
+    std::ofstream(config) << "# the search's config, hashed into profiles\n";
+    SearchRun run;
+    run.config_file = config;
+    run.trace_path = trace;
+    return run;
+}
+
+const SearchRecord& record(const SearchOutcome& o, const std::string& method, const std::string& target) {
+    for (const SearchRecord& r : o.records)
+        if (r.method == method && r.target == target) return r;
+    FAIL("no record " << method << " @ " << target);
+    throw std::logic_error("unreachable");
+}
+
+}  // namespace
+
+TEST_CASE("the byte model counts exactly what the replay's memory metric measures") {
+    const std::string path = write_shaped_trace("bytes", 1, 2, {true, false}, {70, 41});
+    auto source = open_trace_source(path, 0);
+    ReplayOptions options;
+    options.memory = true;
+    const std::vector<int> budgets = {3, 10, 40, 100};
+    const auto combos = expand_sweep({entry("h2o", {{"recent_window", 2}})}, {}, budgets);
+    const auto results = replay(*source, combos, options);
+    const ByteModel model(source->shape().last_steps, kDim, static_cast<double>(results[0].policy_bytes_per_slot));
+    for (std::size_t i = 0; i < budgets.size(); ++i) {
+        const StreamMetrics& m = results[i].total;
+        INFO("budget " << budgets[i]);
+        CHECK(m.cache_bytes / m.context_tokens == doctest::Approx(model.bytes_per_token(budgets[i])).epsilon(1e-12));
+        CHECK(m.fp16_bytes / m.context_tokens == doctest::Approx(model.full_fp16_bytes_per_token()).epsilon(1e-12));
+    }
+}
+
+TEST_CASE("marginal-gain allocation: the steeper curve gets the bytes, the total stays within the target") {
+    const std::vector<int> grid = budget_grid(2, 60);
+    const ByteModel bytes({60, 60}, kDim, 8);
+    UnitCurve steep{"steep", {}}, flat{"flat", {}};
+    for (int b : grid) {
+        steep.error.push_back(100.0 / b);
+        flat.error.push_back(1.0 / b);
+    }
+    const double target = bytes.bytes_per_token(20);
+    const Allocation a = allocate_by_marginal_gain({steep, flat}, grid, bytes, target);
+    CHECK(a.budgets[0] > a.budgets[1]);
+    CHECK(a.bytes_per_token <= target * (1 + 1e-9));
+    // Nothing that fits is left: one more grid step of either unit would pass the target.
+    for (int u = 0; u < 2; ++u) {
+        const auto next = std::upper_bound(grid.begin(), grid.end(), a.budgets[u]);
+        if (next == grid.end()) continue;
+        const double more = (bytes.bytes_per_token(*next) - bytes.bytes_per_token(a.budgets[u])) / 2;
+        CHECK(a.bytes_per_token + more > target);
+    }
+    // The same curves by brute force over every pair of grid budgets: the greedy is optimal here.
+    double best = INFINITY;
+    for (std::size_t i = 0; i < grid.size(); ++i)
+        for (std::size_t j = 0; j < grid.size(); ++j)
+            if ((bytes.bytes_per_token(grid[i]) + bytes.bytes_per_token(grid[j])) / 2 <= target * (1 + 1e-9))
+                best = std::min(best, steep.error[i] + flat.error[j]);
+    CHECK(a.error == doctest::Approx(best).epsilon(1e-12));
+}
+
+TEST_CASE("shape allocations follow their weights and meet the same bytes") {
+    const std::vector<int> grid = budget_grid(4, 400);
+    const ByteModel bytes({400, 300}, kDim, 8);
+    const double target = bytes.bytes_for_compression(3.0);
+    const Allocation uniform = allocate_by_shape(std::vector<double>(6, 1.0), grid, bytes, target);
+    const Allocation pyramid = allocate_by_shape(pyramid_weights(6, 8), grid, bytes, target);
+    const Allocation inverted = allocate_by_shape(inverted_weights(6, 0.8), grid, bytes, target);
+    for (const Allocation* a : {&uniform, &pyramid, &inverted}) {
+        CHECK(a->bytes_per_token <= target * (1 + 1e-9));
+        CHECK(a->bytes_per_token >= target * 0.99);
+    }
+    CHECK(*std::max_element(uniform.budgets.begin(), uniform.budgets.end()) -
+              *std::min_element(uniform.budgets.begin(), uniform.budgets.end()) <= 8);
+    CHECK(std::is_sorted(pyramid.budgets.rbegin(), pyramid.budgets.rend()));  // deeper layers keep less
+    CHECK(std::is_sorted(inverted.budgets.begin(), inverted.budgets.end()));  // early layers keep less
+    CHECK(pyramid.budgets.front() > 3 * pyramid.budgets.back());
+}
+
+TEST_CASE("search gives a wide-attention layer more cache than a sink-only one, on held-out sequences") {
+    // Layer 0 and 2 wide, layer 1 narrow; three sequences, the last held out. Long enough that one
+    // token of one layer is well under 1% of the bytes (the granularity of equal bytes).
+    const std::string path = write_shaped_trace("layers", 3, 1, {true, false, true}, {400, 360, 380});
+    const SearchOutcome o = run_search(streaming_llm_search({"layer_budgets"}, {"2", "4"}), run_on(path));
+    CHECK(o.heldout_sequences == std::vector<std::string>{"seq2"});
+    for (const char* target : {"2", "4"}) {
+        const SearchRecord& fitted = record(o, "fitted layer budgets", target);
+        const SearchRecord& uniform = record(o, "uniform", target);
+        INFO("target " << std::string(target) << ": fitted " << fitted.layer_budgets[0] << " " << fitted.layer_budgets[1] << " "
+                       << fitted.layer_budgets[2]);
+        CHECK(fitted.layer_budgets[1] < fitted.layer_budgets[0]);
+        CHECK(fitted.layer_budgets[1] < fitted.layer_budgets[2]);
+        CHECK(fitted.heldout < uniform.heldout);
+        // Every method of a target holds the same bytes, within 1%.
+        for (const SearchRecord& r : o.records)
+            if (r.target == target) CHECK(std::abs(r.bytes_per_token / uniform.bytes_per_token - 1) < 0.01);
+    }
+    // Profiles for the fitted method, one per target, carrying what the search measured.
+    REQUIRE(o.profiles.size() == 2);
+    CHECK(o.profiles[0].layer_budgets == record(o, "fitted layer budgets", "2").layer_budgets);
+    CHECK(o.profiles[0].heldout_value == record(o, "fitted layer budgets", "2").heldout);
+    CHECK(o.profiles[0].model.same_as(ModelShape{"", 3, 1, 1, kDim}));
+}
+
+TEST_CASE("head budgets: within a layer, the wide KV head gets more than the narrow one") {
+    const std::string path = write_shaped_trace("heads", 1, 2, {false, true}, {120, 100, 110});
+    const SearchOutcome o = run_search(streaming_llm_search({"head_budgets"}, {"3"}), run_on(path));
+    const SearchRecord& fitted = record(o, "fitted head budgets", "3");
+    REQUIRE(fitted.head_budgets.size() == 2);
+    CHECK(fitted.head_budgets[0] < fitted.head_budgets[1]);
+    CHECK(fitted.heldout < record(o, "uniform", "3").heldout);
+}
+
+TEST_CASE("search refuses what it cannot fit, naming the key") {
+    const std::string path = write_shaped_trace("refuse", 1, 1, {true}, {60, 50});
+    auto error_of = [&](SearchSpec spec) {
+        try {
+            run_search(spec, run_on(path));
+        } catch (const InputError& e) {
+            return std::string(e.what());
+        }
+        return std::string();
+    };
+    SearchSpec spec = streaming_llm_search({"layer_budgets"}, {"2"});
+    spec.heldout = {0, 1};
+    CHECK(contains(error_of(spec), "test: search.split: the split leaves no fitting sequence"));
+    spec.heldout = {5};
+    CHECK(contains(error_of(spec), "test: search.split: sequence 5 is not in"));
+    spec = streaming_llm_search({"layer_budgets"}, {"40"});
+    spec.heldout = {1};
+    CHECK(contains(error_of(spec), "test: search.target 40: 40 ("));
+    CHECK(contains(error_of(spec), "is below the"));
+    spec = streaming_llm_search({"layer_budgets"}, {"2"});
+    spec.heldout = {1};
+    spec.policy.name = "full";
+    CHECK(contains(error_of(spec), "full keeps every token"));
+}
+
+TEST_CASE("a profile round-trips through its JSON, and a DuoAttention export reads back to the same plan") {
+    Profile p;
+    p.name = "round-trip";
+    p.model = {"m", 2, 4, 2, 8};
+    p.policy = "h2o";
+    p.params = {{"recent_window", 4}};
+    p.method = "fitted head budgets";
+    p.target = "2x";
+    p.layer_budgets = {10, 20};
+    p.head_budgets = {9, 11, 18, 22};
+    p.streaming = StreamingHeads{4, 16, {1, 0, 0, 1}, {0.9, 0.99, 0.5, 0.0}};
+    p.layer_kept_fraction = {0.25, 0.5};
+    p.heldout_value = 0.125;
+    const std::string file = temp_dir() + "/round-trip.json";
+    write_profile(p, file);
+    const Profile q = load_profile(file);
+    CHECK(q.name == p.name);
+    CHECK(q.model.same_as(p.model));
+    CHECK(q.params == p.params);
+    CHECK(q.layer_budgets == p.layer_budgets);
+    CHECK(q.head_budgets == p.head_budgets);
+    REQUIRE(q.streaming);
+    CHECK(q.streaming->heads == p.streaming->heads);
+    CHECK(q.streaming->lambda == p.streaming->lambda);
+    CHECK(q.heldout_value == p.heldout_value);
+
+    const std::string dir = temp_dir() + "/duo-export";
+    std::filesystem::remove_all(dir);
+    export_duo_pattern(q, file, dir);
+    const StreamingPlan plan = load_duo_attention_pattern(dir + "/full_attention_heads.tsv", 2, 2, 0.99);
+    for (int l = 0; l < 2; ++l)
+        for (int kv = 0; kv < 2; ++kv) CHECK(plan.is_streaming(l, kv) == (p.streaming->heads[l * 2 + kv] == 1));
+
+    const std::string ratios = temp_dir() + "/ratios.json";
+    export_layer_ratios(q, file, ratios);
+    std::ifstream in(ratios);
+    std::string text((std::istreambuf_iterator<char>(in)), {});
+    CHECK(text == "[0.75,0.5]\n");
+}
