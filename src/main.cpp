@@ -20,6 +20,7 @@
 #include "src/eval.h"
 #include "src/experiment.h"
 #include "src/report.h"
+#include "src/report_plots.h"
 
 namespace {
 
@@ -263,6 +264,10 @@ int main(int argc, char** argv) {
 ;
     eval->add_option("--set", eval_flags.sets, "a grid axis, e.g. h2o.recent_window=8,16 (repeatable)");
 
+    std::string report_dir;
+    CLI::App* report = app.add_subcommand("report", "plots (SVG, PNG, report.md) of a results folder, drawn by gnuplot");
+    report->add_option("dir", report_dir, "folder with results.json, search.json or profile.json")->required();
+
     try {
         app.parse(argc, argv);
         reject_empty_values(app);
@@ -285,6 +290,11 @@ int main(int argc, char** argv) {
         if (*eval) return run_eval_command(eval_flags, eval_input);
         if (*synth) return trace_synth(synth_generator, synth_name, synth_dtype, synth_out);
         if (*info) return trace_info(info_path);
+        if (*report) {
+            const int figures = write_report_plots(report_dir);
+            std::printf("wrote %s/plots/report.md (%d figures)\n", report_dir.c_str(), figures);
+            return 0;
+        }
         if (*policies) {
             for (const PolicyDescriptor& p : policy_registry()) {
                 std::printf("%-15s %s\n", p.name.c_str(), p.paper.c_str());
