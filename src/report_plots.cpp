@@ -92,6 +92,7 @@ void require_format(const Json& file, const std::string& format, const std::stri
 
 struct Figure {
     std::string name;     // file stem: NAME.dat, NAME.gp, NAME.svg, NAME.png
+    std::string title;    // above the plot, and the image's alt text in report.md
     std::string caption;  // one line under the figure in report.md
     std::string data;     // NAME.dat
     std::string plot;     // gnuplot commands; they read NAME.dat
@@ -156,7 +157,7 @@ struct Series {
 std::vector<Point> pareto_front(const std::vector<Series>& lines, Better better) {
     std::vector<Point> all;
     for (const Series& s : lines)
-        for (const Point& p : s.points) all.push_back({p.x, p.y, s.label + " @ " + p.tag});
+        for (const Point& p : s.points) all.push_back({p.x, p.y, p.tag.empty() ? s.label : s.label + " @ " + p.tag});
     const auto is_better = [better](double a, double b) { return better == Better::higher ? a > b : a < b; };
     std::stable_sort(all.begin(), all.end(), [&](const Point& a, const Point& b) {
         return a.x != b.x ? a.x < b.x : is_better(a.y, b.y);
@@ -167,11 +168,12 @@ std::vector<Point> pareto_front(const std::vector<Series>& lines, Better better)
     return front;
 }
 
-// One line per series of `metric` against memory, the Pareto front circled when the metric's
-// direction is known. Series without points are left out; no points at all, no figure.
+// One line per series (`line_kind`: policy, method) of `metric` against memory, the Pareto front
+// circled when the metric's direction is known. Series without points are left out; no points at
+// all, no figure.
 std::vector<Figure> line_figure(const std::string& name, const std::string& source, std::vector<Series> lines,
-                                const std::string& metric, const std::string& y_label, const std::string& x_key,
-                                const std::string& x_label) {
+                                const std::string& line_kind, const std::string& metric, const std::string& y_label,
+                                const std::string& x_key, const std::string& x_label) {
     std::erase_if(lines, [](const Series& s) { return s.points.empty(); });
     if (lines.empty()) return {};
     Figure f;
@@ -207,10 +209,12 @@ std::vector<Figure> line_figure(const std::string& name, const std::string& sour
     f.data += blocks;
     f.plot = "set xlabel " + gnuplot_string(x_label) + "\nset ylabel " + gnuplot_string(y_label) +
              "\nset key outside right top Left reverse\nset grid\n" + f.plot + "\n";
-    f.caption = char(std::toupper(static_cast<unsigned char>(y_label[0]))) + y_label.substr(1) + " against " + x_label + ", one line per " + (source == "search.json" ? "method" : "policy") +
-                (better == Better::unknown ? "." : "; circles mark the Pareto front (" +
-                                                       std::string(better == Better::higher ? "higher" : "lower") +
-                                                       " is better, at least memory).");
+    f.caption = y_label + " against " + x_label + ", one line per " + line_kind;
+    f.caption[0] = static_cast<char>(std::toupper(static_cast<unsigned char>(f.caption[0])));
+    if (better != Better::unknown)
+        f.caption += std::string("; circles mark the Pareto front (") +
+                     (better == Better::higher ? "higher" : "lower") + " is better, at least memory)";
+    f.caption += ".";
     return {f};
 }
 
@@ -229,27 +233,31 @@ Figure heat_map(const std::string& name, const std::string& key, const std::vect
             f.data += std::to_string(head) + " " + std::to_string(layer) + " " + number(rows[layer][head]) + "\n";
         f.data += "\n";
     }
-    f.plot = "set xlabel \"KV head\"\nset ylabel \"layer\"\nset xtics 1\nset ytics 1\nset yrange [" + std::to_string(rows.size()) + " - 0.5:-0.5]\n" +
-             "set xrange [-0.5:" + std::to_string(heads) + " - 0.5]\n" +
+    const std::string data = "\"" + name + ".dat\"";
+    f.plot = "set xlabel \"KV head\"\nset ylabel \"layer\"\nset xtics 1\nset ytics 1\n"
+             "set xrange [-0.5:" + std::to_string(heads) + " - 0.5]\n"
+             "set yrange [" + std::to_string(rows.size()) + " - 0.5:-0.5]  # layer 0 at the top, as in the file\n"
              "set palette defined (0 \"#ffffcc\", 0.5 \"#fd8d3c\", 1 \"#bd0026\")\n" +
              (unit_range ? "set cbrange [0:1]\n" : "") +
              // One box per cell rather than `with image`, which cannot leave a missing cell blank.
-             "set datafile missing \"NaN\"\nplot \"" + name +
-             ".dat\" using 1:2:(0.5):(0.5):3 with boxxyerror fillstyle solid noborder linecolor palette notitle";
+             "set datafile missing \"NaN\"\n"
+             "plot " + data + " using 1:2:(0.5):(0.5):3 with boxxyerror fillstyle solid noborder linecolor palette "
+             "notitle";
     if (rows.size() * heads <= 256)
-        f.plot += ", \\\n     \"" + name + ".dat\" using 1:2:(sprintf(\"%.3g\", $3)) with labels textcolor rgb \"black\" notitle";
+        f.plot += ", \\\n     " + data + " using 1:2:(sprintf(\"%.3g\", $3)) with labels textcolor rgb \"black\" "
+                  "notitle";
     f.plot += "\n";
     return f;
 }
 
 // The wrapper every .gp file shares: the figure drawn once as SVG, then again as PNG.
-std::string figure_script(const Figure& f, const std::string& title) {
+std::string figure_script(const Figure& f) {
     const std::string size = "size 960,540";
     return "# kvsim report: " + one_line(f.caption) + "\n" +
            "# To restyle, edit this file and run `gnuplot " + f.name + ".gp` in this folder: it reads " + f.name +
            ".dat\n# and redraws " + f.name + ".svg and " + f.name + ".png.\n" +
            "set terminal svg " + size + " dynamic noenhanced font \"sans,12\" background rgb \"white\"\n" +
-           "set output \"" + f.name + ".svg\"\nset title " + gnuplot_string(title) + "\n" + f.plot +
+           "set output \"" + f.name + ".svg\"\nset title " + gnuplot_string(f.title) + "\n" + f.plot +
            "set terminal pngcairo " + size + " noenhanced font \"sans,11\" background rgb \"white\"\n" +
            "set output \"" + f.name + ".png\"\nreplot\nunset output\n";
 }
@@ -260,7 +268,6 @@ struct Section {
     std::string source;        // results.json, search.json, profile.json
     std::string note;          // a line under the section heading
     std::vector<Figure> figures;
-    std::vector<std::string> titles;
 };
 
 Section results_figures(const std::string& path) {
@@ -285,7 +292,7 @@ Section results_figures(const std::string& path) {
         row.bytes = optional_number(r, "bytes_per_token", where);
         row.tag = optional_string(r, "budget_label", where);
         if (row.tag.empty()) row.tag = optional_string(r, "budget_profile", where);
-        if (row.tag.empty()) row.tag = std::isnan(row.budget) ? "" : number(row.budget);
+        if (row.tag.empty() && row.budget > 0) row.tag = number(row.budget);  // 0: a policy without a budget
         for (const char* m : metrics) row.values.push_back(optional_number(r, m, where));
         if (layer >= 0) continue;  // per-layer records would stack under their whole-trace record
         rows.push_back(std::move(row));
@@ -294,8 +301,9 @@ Section results_figures(const std::string& path) {
     // every configuration stores a token alike.
     const bool by_bytes = std::any_of(rows.begin(), rows.end(), [](const Row& r) { return !std::isnan(r.bytes); });
     const std::string x_key = by_bytes ? "bytes_per_token" : "budget";
-    const std::string x_label = by_bytes ? "bytes per token (per layer and KV head)" : "budget (tokens per layer and KV head)";
-    Section section{"results.json", std::to_string(rows.size()) + " whole-trace records", {}, {}};
+    const std::string x_label =
+        by_bytes ? "bytes per token (per layer and KV head)" : "budget (tokens per layer and KV head)";
+    Section section{"results.json", std::to_string(rows.size()) + " whole-trace records", {}};
     for (std::size_t m = 0; m < std::size(metrics); ++m) {
         std::vector<Series> lines;
         for (const Row& row : rows) {
@@ -304,9 +312,9 @@ Section results_figures(const std::string& path) {
             const double x = by_bytes ? row.bytes : row.budget;
             if (!std::isnan(x) && !std::isnan(row.values[m])) line->points.push_back({x, row.values[m], row.tag});
         }
-        for (Figure& f : line_figure(std::string("results-") + metrics[m], "results.json", lines, metrics[m],
-                                     readable(metrics[m]), x_key, x_label)) {
-            section.titles.push_back(readable(metrics[m]) + " against " + (by_bytes ? "memory" : "budget"));
+        for (Figure& f : line_figure(std::string("results-") + metrics[m], "results.json", lines, "policy",
+                                     metrics[m], readable(metrics[m]), x_key, x_label)) {
+            f.title = readable(metrics[m]) + " against " + (by_bytes ? "memory" : "budget");
             section.figures.push_back(std::move(f));
         }
     }
@@ -335,11 +343,13 @@ Section search_figures(const std::string& path) {
         if (line == lines.end()) line = lines.insert(lines.end(), Series{method, {}});
         if (!std::isnan(bytes) && !std::isnan(heldout)) line->points.push_back({bytes, heldout, target});
     }
-    Section section{"search.json", std::to_string(records->size()) + " records, objective " + objective, {}, {}};
-    section.figures = line_figure("search-heldout", "search.json", lines, objective,
-                                  "held-out " + readable(objective), "bytes_per_token",
-                                  "bytes per token (per layer and KV head)");
-    if (!section.figures.empty()) section.titles.push_back("held-out " + readable(objective) + " against memory");
+    Section section{"search.json", std::to_string(records->size()) + " records, objective " + objective, {}};
+    for (Figure& f : line_figure("search-heldout", "search.json", lines, "method", objective,
+                                 "held-out " + readable(objective), "bytes_per_token",
+                                 "bytes per token (per layer and KV head)")) {
+        f.title = "held-out " + readable(objective) + " against memory";
+        section.figures.push_back(std::move(f));
+    }
     return section;
 }
 
@@ -374,13 +384,14 @@ Section profile_figures(const std::string& path) {
     if (model == file.end() || !model->is_object()) throw InputError(path + ": 'model' is not an object");
     const int layers = required_count(*model, "num_layers", path + ": 'model'");
     const int heads = required_count(*model, "num_kv_heads", path + ": 'model'");
-    Section section{"profile.json", "", {}, {}};
+    Section section{"profile.json", "", {}};
     const std::string of = name.empty() ? "" : " of " + name;
 
     if (const auto budgets = file.find("layer_budgets"); budgets != file.end() && !budgets->is_null()) {
         if (!budgets->is_array() || budgets->size() != static_cast<std::size_t>(layers))
             throw InputError(path + ": 'layer_budgets' is not a list of " + std::to_string(layers) + " numbers");
-        Figure f{"profile-layer_budgets", "Tokens kept per layer (layer_budgets)" + of + ".", "", ""};
+        Figure f{"profile-layer_budgets", "layer budgets" + of, "Tokens kept per layer (layer_budgets)" + of + ".",
+                 "", ""};
         f.data = "# kvsim report: layer_budgets from profile.json\n# columns: layer, budget (tokens)\n";
         for (int layer = 0; layer < layers; ++layer) {
             const Json& b = (*budgets)[layer];
@@ -390,16 +401,16 @@ Section profile_figures(const std::string& path) {
         }
         f.plot = "set xlabel \"layer\"\nset ylabel \"budget (tokens per KV head)\"\nset xtics 1\nset xrange [-0.5:" +
                  std::to_string(layers) + " - 0.5]\nset yrange [0:*]\nset grid ytics\nset boxwidth 0.8\n" +
-                 "set offsets 0, 0, graph 0.05, 0\nset style fill solid 0.6\nplot \"" + f.name + ".dat\" using 1:2 with boxes notitle\n";
+                 "set offsets 0, 0, graph 0.05, 0\nset style fill solid 0.6\n"
+                 "plot \"" + f.name + ".dat\" using 1:2 with boxes notitle\n";
         section.figures.push_back(f);
-        section.titles.push_back("layer budgets" + of);
     }
     auto add_heat_map = [&](const Json& value, const std::string& key, bool unit_range, const std::string& what) {
         std::string stem = key;
         std::replace(stem.begin(), stem.end(), '.', '-');
         section.figures.push_back(heat_map("profile-" + stem, key, per_head(value, key, path, layers, heads),
                                            unit_range, what + " per (layer, KV head)" + of + "."));
-        section.titles.push_back(key + of);
+        section.figures.back().title = key + of;
     };
     if (const auto budgets = file.find("head_budgets"); budgets != file.end() && !budgets->is_null())
         add_heat_map(*budgets, "head_budgets", false, "Tokens kept (head_budgets)");
@@ -426,13 +437,14 @@ Section profile_figures(const std::string& path) {
         const double bytes = optional_number(*expected, "bytes_per_token", path + ": 'expected'");
         const double ratio = optional_number(*expected, "compression_ratio", path + ": 'expected'");
         if (!std::isnan(bytes)) section.note += "expected " + number(bytes) + " bytes per token";
-        if (!std::isnan(ratio)) section.note += (section.note.empty() ? "expected " : ", ") + number(ratio) + "x compression";
+        if (!std::isnan(ratio))
+            section.note += (section.note.empty() ? "expected " : ", ") + number(ratio) + "x compression";
     }
     if (const auto heldout = file.find("heldout"); heldout != file.end() && heldout->is_object()) {
         const double value = optional_number(*heldout, "value", path + ": 'heldout'");
         const std::string objective = optional_string(*heldout, "objective", path + ": 'heldout'");
         if (!std::isnan(value))
-            section.note += (section.note.empty() ? "" : "; ") + std::string("held-out ") + objective + " " + number(value);
+            section.note += (section.note.empty() ? "held-out " : "; held-out ") + objective + " " + number(value);
     }
     if (!name.empty()) section.note = name + (section.note.empty() ? "" : ": " + section.note);
     return section;
@@ -545,9 +557,8 @@ std::string report_page(const std::string& dir, const std::vector<Section>& sect
         if (s.figures.empty()) continue;
         page += "\n## " + s.source + "\n\n";
         if (!s.note.empty()) page += one_line(s.note) + ".\n\n";
-        for (std::size_t i = 0; i < s.figures.size(); ++i)
-            page += "![" + one_line(s.titles[i]) + "](" + s.figures[i].name + ".svg)\n\n" + one_line(s.figures[i].caption) +
-                    "\n\n";
+        for (const Figure& f : s.figures)
+            page += "![" + one_line(f.title) + "](" + f.name + ".svg)\n\n" + one_line(f.caption) + "\n\n";
     }
     return page;
 }
@@ -561,9 +572,11 @@ int write_report_plots(const std::string& dir) {
     // Read and check every input before anything is written.
     std::vector<Section> sections;
     const fs::path folder(dir);
-    if (fs::exists(folder / "results.json", error)) sections.push_back(results_figures((folder / "results.json").string()));
-    if (fs::exists(folder / "search.json", error)) sections.push_back(search_figures((folder / "search.json").string()));
-    if (fs::exists(folder / "profile.json", error)) sections.push_back(profile_figures((folder / "profile.json").string()));
+    using Reader = Section (*)(const std::string& path);
+    const std::pair<const char*, Reader> inputs[] = {
+        {"results.json", results_figures}, {"search.json", search_figures}, {"profile.json", profile_figures}};
+    for (const auto& [file, read] : inputs)
+        if (fs::exists(folder / file, error)) sections.push_back(read((folder / file).string()));
     if (sections.empty()) throw InputError(dir + ": no results.json, search.json or profile.json to plot");
     int figures = 0;
     for (const Section& s : sections) figures += static_cast<int>(s.figures.size());
@@ -578,10 +591,9 @@ int write_report_plots(const std::string& dir) {
     StagingFolder staging(folder);
     std::vector<std::string> scripts;
     for (const Section& s : sections) {
-        for (std::size_t i = 0; i < s.figures.size(); ++i) {
-            const Figure& f = s.figures[i];
+        for (const Figure& f : s.figures) {
             write_file_atomically((staging.path() / (f.name + ".dat")).string(), f.data);
-            write_file_atomically((staging.path() / (f.name + ".gp")).string(), figure_script(f, s.titles[i]));
+            write_file_atomically((staging.path() / (f.name + ".gp")).string(), figure_script(f));
             scripts.push_back(f.name + ".gp");
         }
     }

@@ -208,6 +208,16 @@ class Report(KvsimTestCase):
         self.assert_figure(plots, "profile-head_budgets")
         self.assertEqual(sorted(os.listdir(folder)), ["plots", "profile.json"])
 
+    @NEEDS_GNUPLOT
+    def test_a_killed_report_s_staging_folder_is_removed_by_the_next(self):
+        folder = self.results_folder(profile=PROFILE)
+        stale = os.path.join(folder, ".plots.tmp-999999999")  # above any pid_max: no such process
+        os.makedirs(os.path.join(stale, "sub"))
+        self.write("results/.plots.tmp-999999999/sub/half.svg", "<svg")
+        result = kvsim("report", folder)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertEqual(sorted(os.listdir(folder)), ["plots", "profile.json"])
+
     def test_no_gnuplot_is_one_error_line(self):
         folder = self.results_folder(records=PARETO_RECORDS)
         result = subprocess.run([cli_common.KVSIM, "report", folder], capture_output=True, text=True,
