@@ -66,7 +66,8 @@ std::string optional_string(const Json& object, const std::string& key, const st
 }
 
 std::string required_string(const Json& object, const std::string& key, const std::string& where) {
-    if (!object.contains(key)) throw InputError(where + ": '" + key + "' is missing");
+    const auto it = object.find(key);
+    if (it == object.end() || it->is_null()) throw InputError(where + ": '" + key + "' is missing");
     return optional_string(object, key, where);
 }
 
@@ -287,7 +288,10 @@ Section results_figures(const std::string& path) {
         if (!r.is_object()) throw InputError(where + ": not a JSON object");
         const double layer = optional_number(r, "layer", where);
         Row row;
-        row.label = r.contains("label") ? required_string(r, "label", where) : required_string(r, "policy", where);
+        const std::string policy = optional_string(r, "policy", where);
+        row.label = optional_string(r, "label", where);
+        if (row.label.empty()) row.label = policy;
+        if (row.label.empty()) throw InputError(where + ": 'label' is missing");
         row.budget = optional_number(r, "budget", where);
         row.bytes = optional_number(r, "bytes_per_token", where);
         row.tag = optional_string(r, "budget_label", where);
@@ -428,9 +432,13 @@ Section profile_figures(const std::string& path) {
     }
     if (const auto tiers = file.find("tiers"); tiers != file.end() && !tiers->is_null()) {
         if (!tiers->is_object()) throw InputError(path + ": 'tiers' is not an object");
-        for (const auto& [tier, shares] : tiers->items())
+        for (const auto& [tier, shares] : tiers->items()) {
+            // The key names the figure's files and goes into its gnuplot script: plain names only.
+            if (tier.empty() || tier.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789_") != std::string::npos)
+                throw InputError(path + ": 'tiers' has a key '" + one_line(tier) + "' that is not a plain name");
             add_heat_map(shares, "tiers." + tier, true, "Share of tokens held at " + tier.substr(0, tier.find('_')) +
                                                             " (tiers." + tier + ")");
+        }
     }
     // What the profile promises, for the section's heading line.
     if (const auto expected = file.find("expected"); expected != file.end() && expected->is_object()) {

@@ -271,6 +271,7 @@ class Report(KvsimTestCase):
              [profile + ": 'tiers.fp16_share' row 0 is not a list of 4 values (one per KV head)"]),
             (dict(PROFILE, streaming={"lambda": [[0.9, 0.9, "x", 0.9]] * 5}),
              [profile + ": 'streaming.lambda' row 0, KV head 2 is not a number"]),
+            (dict(PROFILE, tiers={"../fp16": [[0.3] * 4] * 5}), [profile + ": 'tiers' has a key '../fp16'"]),
             (dict(PROFILE, model={"num_layers": 5}), [profile + ": 'model': 'num_kv_heads' is missing"]),
             (dict(PROFILE, layer_budgets=[1, 2]), [profile + ": 'layer_budgets' is not a list of 5 numbers"]),
         ]:
@@ -279,10 +280,9 @@ class Report(KvsimTestCase):
                 self.assert_input_error(kvsim("report", folder), *fragments)
                 self.assert_nothing_written(folder)
 
+    @NEEDS_GNUPLOT  # the check comes after the one for gnuplot
     def test_a_file_where_the_plots_folder_goes_is_refused(self):
         folder = self.results_folder(records=PARETO_RECORDS)
-        if not HAVE_GNUPLOT:
-            self.skipTest("gnuplot is not installed: the check comes after the one for gnuplot")
         self.write("results/plots", "not a folder")
         result = kvsim("report", folder)
         self.assertEqual(result.returncode, 2, result.stderr)
