@@ -123,6 +123,13 @@ std::string number(double x) {
     return std::isnan(x) ? "NaN" : text;
 }
 
+// Four significant digits, for prose (report.md); the .dat files keep ten.
+std::string short_number(double x) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%.4g", x);
+    return text;
+}
+
 enum class Better { higher, lower, unknown };
 
 // Which way a metric improves; unknown metrics get no Pareto front.
@@ -444,15 +451,15 @@ Section profile_figures(const std::string& path) {
     if (const auto expected = file.find("expected"); expected != file.end() && expected->is_object()) {
         const double bytes = optional_number(*expected, "bytes_per_token", path + ": 'expected'");
         const double ratio = optional_number(*expected, "compression_ratio", path + ": 'expected'");
-        if (!std::isnan(bytes)) section.note += "expected " + number(bytes) + " bytes per token";
+        if (!std::isnan(bytes)) section.note += "expected " + short_number(bytes) + " bytes per token";
         if (!std::isnan(ratio))
-            section.note += (section.note.empty() ? "expected " : ", ") + number(ratio) + "x compression";
+            section.note += (section.note.empty() ? "expected " : ", ") + short_number(ratio) + "x compression";
     }
     if (const auto heldout = file.find("heldout"); heldout != file.end() && heldout->is_object()) {
         const double value = optional_number(*heldout, "value", path + ": 'heldout'");
         const std::string objective = optional_string(*heldout, "objective", path + ": 'heldout'");
         if (!std::isnan(value))
-            section.note += (section.note.empty() ? "held-out " : "; held-out ") + objective + " " + number(value);
+            section.note += (section.note.empty() ? "held-out " : "; held-out ") + objective + " " + short_number(value);
     }
     if (!name.empty()) section.note = name + (section.note.empty() ? "" : ": " + section.note);
     return section;
