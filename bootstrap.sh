@@ -4,9 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
+# gnuplot-nox draws `kvsim report`'s figures (its rendering tests skip without it).
 packages=(g++ meson ninja-build pkg-config python3 libyaml-cpp-dev libeigen3-dev libtbb-dev libhdf5-dev
           libcli11-dev doctest-dev nettle-dev
-          nlohmann-json3-dev)
+          nlohmann-json3-dev gnuplot-nox)
 missing=()
 for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -23,6 +23,7 @@
 #include "src/progress.h"
 #include "search/export.h"
 #include "search/search.h"
+#include "src/report_plots.h"
 
 namespace {
 
@@ -322,6 +323,10 @@ int main(int argc, char** argv) {
         ->check(CLI::IsMember({"duo", "ratios"}));
     exporter->add_option("-o,--output", export_out, "output folder (duo) or file (ratios)")->required();
 
+    std::string report_dir;
+    CLI::App* report = app.add_subcommand("report", "plots (SVG, PNG, report.md) of a results folder, drawn by gnuplot");
+    report->add_option("dir", report_dir, "folder with results.json, search.json or profile.json")->required();
+
     try {
         app.parse(argc, argv);
         reject_empty_values(app);
@@ -346,6 +351,11 @@ int main(int argc, char** argv) {
         if (*exporter) return run_export(export_profile, export_format, export_out);
         if (*synth) return trace_synth(synth_generator, synth_name, synth_dtype, synth_out);
         if (*info) return trace_info(info_path);
+        if (*report) {
+            const int figures = write_report_plots(report_dir);
+            std::printf("wrote %s/plots/report.md (%d figures)\n", report_dir.c_str(), figures);
+            return 0;
+        }
         if (*policies) {
             for (const PolicyDescriptor& p : policy_registry()) {
                 std::printf("%-15s %s\n", p.name.c_str(), p.paper.c_str());
