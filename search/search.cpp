@@ -123,6 +123,7 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
         if (!std::binary_search(heldout.begin(), heldout.end(), s)) fitting.push_back(s);
     for (int s : fitting) out.fitting_sequences.push_back(reader.sequences()[s].name);
     for (int s : heldout) out.heldout_sequences.push_back(reader.sequences()[s].name);
+    out.heldout_indices = heldout;
 
     auto fitting_source = open_trace_source(run.trace_path, run.max_steps, fitting);
     auto heldout_source = open_trace_source(run.trace_path, run.max_steps, heldout);
@@ -398,13 +399,15 @@ std::string format_search_table(const SearchOutcome& o) {
     for (const SearchRecord& r : o.records) {
         if (r.target != target) {
             target = r.target;
-            std::snprintf(line, sizeof line, "\ntarget %s\n  %-*s  %12s  %10s  %11s  %10s  %s\n", target.c_str(),
+            std::snprintf(line, sizeof line, "\ntarget %s\n  %-*s  %12s  %10s  %11s  %10s  %9s  %s\n", target.c_str(),
                           static_cast<int>(width), "method", o.objective == "output_rel_error" ? "rel error" : "retained",
-                          "fitting", "bytes/token", "compress", "layer budgets");
+                          "fitting", "bytes/token", "compress", "ΔPPL", "layer budgets");
             text += line;
         }
-        std::snprintf(line, sizeof line, "  %-*s  %12.6f  %10.6f  %11.3f  %9.3fx  %s\n", static_cast<int>(width),
-                      r.method.c_str(), r.heldout, r.fitting, r.bytes_per_token, r.compression_ratio,
+        char delta[32] = "-";
+        if (std::isfinite(r.delta_ppl)) std::snprintf(delta, sizeof delta, "%+.4f", r.delta_ppl);
+        std::snprintf(line, sizeof line, "  %-*s  %12.6f  %10.6f  %11.3f  %9.3fx  %9s  %s\n", static_cast<int>(width),
+                      r.method.c_str(), r.heldout, r.fitting, r.bytes_per_token, r.compression_ratio, delta,
                       join(r.layer_budgets, " ").c_str());
         text += line;
     }
@@ -464,11 +467,13 @@ void write_search_outputs(const SearchOutcome& o, const std::string& dir) {
         if (r.target != target) {
             target = r.target;
             report += "\n## Target " + target + "\n\n| method | held-out " + o.objective +
-                      " | fitting | bytes/token | compression | layer budgets |\n|---|---|---|---|---|---|\n";
+                      " | fitting | bytes/token | compression | ΔPPL (held out) | layer budgets |\n|---|---|---|---|---|---|---|\n";
         }
-        char row[160];
-        std::snprintf(row, sizeof row, " | %.6f | %.6f | %.3f | %.3fx | ", r.heldout, r.fitting, r.bytes_per_token,
-                      r.compression_ratio);
+        char delta[32] = "-";
+        if (std::isfinite(r.delta_ppl)) std::snprintf(delta, sizeof delta, "%+.4f", r.delta_ppl);
+        char row[200];
+        std::snprintf(row, sizeof row, " | %.6f | %.6f | %.3f | %.3fx | %s | ", r.heldout, r.fitting, r.bytes_per_token,
+                      r.compression_ratio, delta);
         report += "| " + r.method + row + join(r.layer_budgets, " ") + " |\n";
     }
     if (!o.notes.empty()) {

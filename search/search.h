@@ -39,6 +39,7 @@ struct SearchOutcome {
     std::string objective;
     ModelShape shape;
     std::vector<std::string> fitting_sequences, heldout_sequences;
+    std::vector<int> heldout_indices;  // the held-out sequences' indices in the trace
     std::vector<int> grid;
     std::vector<SearchRecord> records;
     std::vector<Profile> profiles;     // one per fitted method and target

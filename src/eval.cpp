@@ -217,7 +217,32 @@ EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>&
 
     const LoadedInput input = load_model_input(options.input);
     const model::LlamaModel& loaded = input.model;
-    const TokenizedText& text = input.text;
+    // The sequences evaluated: all, or those asked for, checked against the tokens expected.
+    TokenizedText text = input.text;
+    std::vector<std::size_t> original(text.sequences.size());
+    std::iota(original.begin(), original.end(), std::size_t{0});
+    if (!options.sequences.empty()) {
+        TokenizedText selected = text;
+        selected.sequences.clear();
+        original.clear();
+        for (std::size_t i = 0; i < options.sequences.size(); ++i) {
+            const int index = options.sequences[i];
+            if (index < 0 || index >= static_cast<int>(text.sequences.size()))
+                throw InputError(options.sequences_where + ": sequence " + std::to_string(index) + " is not in " +
+                                 options.input.text_path + " (it splits into " + std::to_string(text.sequences.size()) +
+                                 ")");
+            const std::vector<int>& tokens = text.sequences[index];
+            if (i < options.expected_tokens.size() && !options.expected_tokens[i].empty() &&
+                !std::equal(tokens.begin(), tokens.end(), options.expected_tokens[i].begin(), options.expected_tokens[i].end()))
+                throw InputError(options.input.text_path + ": sequence " + std::to_string(index) + " tokenizes to " +
+                                 std::to_string(tokens.size()) + " tokens that differ from the trace's " +
+                                 std::to_string(options.expected_tokens[i].size()) +
+                                 " (" + options.sequences_where + "; give the text, --split-on and --max-tokens the trace was captured with)");
+            selected.sequences.push_back(tokens);
+            original.push_back(static_cast<std::size_t>(index));
+        }
+        text = std::move(selected);
+    }
     const int limit = input.context_limit;
     const model::LlamaConfig& mc = loaded.config();
     for (const BudgetColumn& column : config.layer_budget_profiles)
@@ -296,7 +321,7 @@ EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>&
                     out.bytes_per_slot = hooks.bytes_per_slot();
                 }
             } catch (const model::NonFiniteError& error) {
-                throw error.in_sequence(text.sequence_name(options.input.text_path, s));
+                throw error.in_sequence(input.text.sequence_name(options.input.text_path, original[s]));
             }
         }
         ++done;

@@ -16,6 +16,12 @@ namespace kvsim {
 struct EvalOptions {
     ModelInput input;
     bool show_progress = true;
+    // Only these sequences of the text (indices), e.g. a search's held-out set; empty: all. With
+    // expected_tokens (one list per selected sequence, as a trace stores them), each sequence
+    // must tokenize to exactly those tokens.
+    std::vector<int> sequences;
+    std::vector<std::vector<int32_t>> expected_tokens;
+    std::string sequences_where;  // the key that chose them, for errors
 };
 
 struct EvalResult {

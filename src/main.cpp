@@ -23,6 +23,7 @@
 #include "src/progress.h"
 #include "search/export.h"
 #include "search/search.h"
+#include "src/search_confirm.h"
 #include "src/report_plots.h"
 
 namespace {
@@ -156,7 +157,7 @@ int run_eval_command(const ReplayFlags& flags, const ModelInput& input) {
     return 0;
 }
 
-int run_search_command(const ReplayFlags& flags) {
+int run_search_command(const ReplayFlags& flags, const ModelInput& confirm) {
     const CommandSetup setup = set_up(flags);
     const ExperimentConfig& config = setup.config;
     if (!config.search) throw InputError(config.file + ": missing key 'search' (what kvsim search fits)");
@@ -177,8 +178,13 @@ int run_search_command(const ReplayFlags& flags) {
                                                       : GroupReduce::mean;
     ProgressBar bar(!flags.quiet);
     run.progress = [&bar](double fraction) { bar.update(fraction); };
-    const SearchOutcome outcome = run_search(*config.search, run);
+    SearchOutcome outcome = run_search(*config.search, run);
     bar.finish();
+    if (!confirm.model_path.empty() || !confirm.text_path.empty()) {
+        if (confirm.model_path.empty() || confirm.text_path.empty())
+            throw InputError("--model and --text: confirmation in the loop needs both");
+        confirm_in_the_loop(outcome, *config.search, confirm, config.file, !flags.quiet);
+    }
     write_search_outputs(outcome, setup.out_dir);
     std::cout << format_search_table(outcome);
     if (!outcome.notes.empty()) {
@@ -312,8 +318,16 @@ int main(int argc, char** argv) {
     eval->add_option("--set", eval_flags.sets, "a grid axis, e.g. h2o.recent_window=8,16 (repeatable)");
 
     ReplayFlags search_flags;
+    ModelInput search_confirm;
     CLI::App* search = app.add_subcommand("search", "fit per-layer and per-head budgets to a memory target from a trace");
     add_replay_flags(search, search_flags);
+    search->add_option("--model", search_confirm.model_path, "GGUF model: confirm every method's ΔPPL in the loop");
+    search->add_option("--text", search_confirm.text_path, "the text the trace was captured from (with --model)");
+    search->add_option("--split-on", search_confirm.split_on, "separator between sequences, as at capture");
+    search->add_option("--max-tokens", search_confirm.max_tokens, "tokens per sequence, as at capture")
+        ->check(CLI::Range(2, 1 << 30));
+    search->add_option("--context", search_confirm.context, "the model's trained context, as at capture")
+        ->check(CLI::Range(2, 1 << 30));
 
     std::string export_profile, export_format, export_out;
     CLI::App* exporter = app.add_subcommand("export", "write a fitted profile in a form other tools load");
@@ -347,7 +361,7 @@ int main(int argc, char** argv) {
         if (*sweep) return run_replay(sweep_flags, true);
         if (*capture) return run_capture(capture_input, capture_dtype, capture_out);
         if (*eval) return run_eval_command(eval_flags, eval_input);
-        if (*search) return run_search_command(search_flags);
+        if (*search) return run_search_command(search_flags, search_confirm);
         if (*exporter) return run_export(export_profile, export_format, export_out);
         if (*synth) return trace_synth(synth_generator, synth_name, synth_dtype, synth_out);
         if (*info) return trace_info(info_path);

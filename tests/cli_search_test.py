@@ -12,6 +12,9 @@ import unittest
 import cli_common
 from cli_common import KvsimTestCase, kvsim, read
 
+SHARED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared")
+MODEL = os.path.join(SHARED, "models", "stories260K", "stories260K.gguf")
+STORIES = os.path.join(SHARED, "text", "tinystories_sample.txt")
 TRACE = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data",
                                      "tinystories-stories260K.h5"))
 SEARCH = """trace: %s
@@ -83,6 +86,35 @@ class Search(KvsimTestCase):
         self.assertEqual(read(os.path.join(duo, "full_attention_heads.tsv")), "0\t1\t1\t1\n" * 5)
         self.assertEqual(json.loads(read(os.path.join(duo, "config.json"))),
                          {"sink_size": 4, "recent_size": 32, "sparsity": 0.25})
+
+    @unittest.skipUnless(os.path.exists(MODEL), "../shared/models/stories260K is not present")
+    def test_confirmation_in_the_loop(self):
+        one_target = SEARCH.replace("target: [2x, 3x]", "target: 2x")
+        result = self.search(one_target, "--model", MODEL, "--text", STORIES, "--split-on", "<|endoftext|>",
+                             "--context", "512")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        records = json.loads(read(os.path.join(self.out, "search.json")))["records"]
+        self.assertEqual(len(records), 6)
+        for r in records:
+            self.assertIsInstance(r["delta_ppl"], float, r["method"])
+        # The fitted profiles lose less perplexity than uniform at the same bytes.
+        delta = {r["method"]: r["delta_ppl"] for r in records}
+        self.assertLess(delta["fitted head budgets"], delta["uniform"])
+        self.assertIn("the proxy's ranking", result.stdout)
+        # The text must be the one the trace was captured from, split the same way.
+        out = self.out
+        self.out = self.path("mismatch")
+        unsplit = self.search(one_target, "--model", MODEL, "--text", STORIES, "--context", "512")
+        self.assertEqual(unsplit.returncode, 2, unsplit.stderr)  # a truncation warning, then the error
+        self.assertIn("kvsim: error: ", unsplit.stderr.strip().splitlines()[-1])
+        self.assertIn("sequence 3 is not in " + STORIES, unsplit.stderr.strip().splitlines()[-1])
+        cut = self.search(one_target, "--model", MODEL, "--text", STORIES, "--split-on", "<|endoftext|>",
+                          "--max-tokens", "100")
+        self.assertEqual(cut.returncode, 2, cut.stderr)  # truncation warnings, then the error
+        self.assertIn("sequence 3 tokenizes to 100 tokens that differ from the trace's 425",
+                      cut.stderr.strip().splitlines()[-1])
+        self.assertFalse(os.path.exists(self.out))
+        self.out = out
 
     def test_bad_search_configs(self):
         cases = [

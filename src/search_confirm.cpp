@@ -1,0 +1,84 @@
+#include "src/search_confirm.h"
+
+#include <cmath>
+#include <cstdio>
+#include <map>
+
+#include "base/errors.h"
+#include "sim/trace_store.h"
+#include "src/eval.h"
+
+namespace kvsim {
+
+void confirm_in_the_loop(SearchOutcome& outcome, const SearchSpec& spec, const ModelInput& input,
+                         const std::string& config_file, bool show_progress) {
+    const TraceReader reader(outcome.trace);
+    EvalOptions options;
+    options.input = input;
+    options.show_progress = show_progress;
+    options.sequences = outcome.heldout_indices;
+    options.sequences_where = spec.split_where + " (held-out sequences)";
+    for (int s : outcome.heldout_indices) options.expected_tokens.push_back(reader.read_tokens(s));
+
+    // One policy entry per method and target, each at its own budgets.
+    ExperimentConfig config;
+    config.file = config_file;
+    config.metrics = {"ppl", "delta_ppl"};
+    std::map<std::string, std::size_t> record_of;  // column label -> record
+    for (std::size_t i = 0; i < outcome.records.size(); ++i) {
+        const SearchRecord& r = outcome.records[i];
+        PolicyEntry entry = spec.policy;
+        BudgetColumn column;
+        column.label = r.method + " @ " + r.target;
+        column.where = spec.where;
+        column.layer_budgets = r.layer_budgets;
+        column.head_budgets = r.head_budgets;
+        int64_t total = 0;
+        for (int b : r.layer_budgets) total += b;
+        column.budget = static_cast<int>(total / static_cast<int64_t>(r.layer_budgets.size()));
+        entry.profile_budgets = {column};
+        entry.profile_shape = outcome.shape;
+        config.policies.push_back(entry);
+        record_of[column.label] = i;
+    }
+    const EvalResult result = run_eval(config, {}, options);
+    for (const ResultRecord& r : result.records) {
+        const auto open = r.label.rfind(" [");
+        if (r.policy == "full" || open == std::string::npos) continue;
+        const std::string column = r.label.substr(open + 2, r.label.size() - open - 3);
+        const auto it = record_of.find(column);
+        if (it == record_of.end()) throw std::logic_error("confirm_in_the_loop: no record for " + r.label);
+        outcome.records[it->second].delta_ppl = r.delta_ppl;
+    }
+
+    // Per target: did the proxy order the methods as the model's own perplexity does?
+    std::vector<std::string> lines;
+    for (const SearchTarget& target : spec.targets) {
+        std::vector<double> proxy, delta;
+        const SearchRecord *best_proxy = nullptr, *best_delta = nullptr;
+        const bool lower_better = outcome.objective == "output_rel_error";
+        for (const SearchRecord& r : outcome.records) {
+            if (r.target != target.label) continue;
+            proxy.push_back(lower_better ? r.heldout : -r.heldout);  // both: lower is better
+            delta.push_back(r.delta_ppl);
+            if (!best_proxy || proxy.back() < (lower_better ? best_proxy->heldout : -best_proxy->heldout)) best_proxy = &r;
+            if (!best_delta || r.delta_ppl < best_delta->delta_ppl) best_delta = &r;
+        }
+        const double rho = spearman(proxy, delta);
+        char line[600];
+        std::snprintf(line, sizeof line,
+                      "At %s with %s in the loop (full-cache PPL %.4f on the held-out sequences): the proxy's best is "
+                      "%s (ΔPPL %+.4f), the model's best is %s (ΔPPL %+.4f); Spearman rank correlation between held-out "
+                      "%s and ΔPPL across the %zu methods %+.3f: the proxy's ranking %s.",
+                      target.label.c_str(), input.model_path.c_str(), result.full_ppl, best_proxy->method.c_str(),
+                      best_proxy->delta_ppl, best_delta->method.c_str(), best_delta->delta_ppl, outcome.objective.c_str(),
+                      proxy.size(), rho,
+                      best_proxy == best_delta && rho >= 0.8 ? "held"
+                      : best_proxy == best_delta             ? "held for the winner but not throughout"
+                                                             : "did not hold");
+        lines.push_back(line);
+    }
+    outcome.notes.insert(outcome.notes.begin(), lines.begin(), lines.end());
+}
+
+}  // namespace kvsim

@@ -1,0 +1,15 @@
+// Search proposes; the model confirms. Runs `kvsim eval` on the held-out sequences for every
+// method and target of a search (the fitted profiles and the baselines, at the same bytes), puts
+// each one's rise in perplexity beside its proxy figure, and says whether the proxy's ranking held.
+#pragma once
+#include "search/search.h"
+#include "src/model_text.h"
+
+namespace kvsim {
+
+// Fills delta_ppl of every record and appends one note per target. The text must split into the
+// trace's sequences: each held-out sequence must tokenize to the tokens the trace stores.
+void confirm_in_the_loop(SearchOutcome& outcome, const SearchSpec& spec, const ModelInput& input,
+                         const std::string& config_file, bool show_progress);
+
+}  // namespace kvsim
