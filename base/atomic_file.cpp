@@ -115,4 +115,19 @@ void write_file_atomically(const std::string& path, const std::string& contents)
     file.commit();
 }
 
+TempFolder::TempFolder(const std::string& what) {
+    std::error_code ec;
+    const std::filesystem::path folder =
+        std::filesystem::temp_directory_path(ec) / ("kvsim-" + what + "-" + std::to_string(::getpid()));
+    if (ec) throw InputError("cannot find a temporary folder (" + ec.message() + "); set TMPDIR");
+    std::filesystem::create_directories(folder, ec);
+    if (ec) throw InputError(folder.string() + ": cannot create a temporary folder (" + ec.message() + ")");
+    path_ = folder.string();
+}
+
+TempFolder::~TempFolder() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+}
+
 }  // namespace kvsim

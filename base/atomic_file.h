@@ -27,6 +27,20 @@ private:
     bool committed_ = false;
 };
 
+// A private folder under the system's temporary directory ("kvsim-<what>-<pid>"), removed with
+// everything in it when the object goes: scratch files another component reads by path.
+class TempFolder {
+public:
+    explicit TempFolder(const std::string& what);
+    ~TempFolder();
+    TempFolder(const TempFolder&) = delete;
+    TempFolder& operator=(const TempFolder&) = delete;
+    const std::string& path() const { return path_; }
+
+private:
+    std::string path_;
+};
+
 // Writes `contents` to `path` atomically; throws InputError naming the path on failure.
 void write_file_atomically(const std::string& path, const std::string& contents);
 

@@ -115,7 +115,7 @@ std::string profile_json(const Profile& p) {
     j["policy"] = {{"name", p.policy}, {"params", params}};
     j["method"] = p.method;
     j["target"] = p.target;
-    j["layer_budgets"] = p.layer_budgets;
+    if (!p.layer_budgets.empty()) j["layer_budgets"] = p.layer_budgets;
     if (!p.head_budgets.empty()) j["head_budgets"] = rows_of(p.head_budgets, L, K);
     if (p.streaming) {
         std::vector<int> heads(p.streaming->heads.begin(), p.streaming->heads.end());
@@ -124,9 +124,8 @@ std::string profile_json(const Profile& p) {
                           {"heads", rows_of(heads, L, K)},
                           {"lambda", rows_of(p.streaming->lambda, L, K)}};
     }
-    j["expected"] = {{"bytes_per_token", p.bytes_per_token},
-                     {"compression_ratio", p.compression_ratio},
-                     {"layer_kept_fraction", p.layer_kept_fraction}};
+    j["expected"] = {{"bytes_per_token", p.bytes_per_token}, {"compression_ratio", p.compression_ratio}};
+    if (!p.layer_kept_fraction.empty()) j["expected"]["layer_kept_fraction"] = p.layer_kept_fraction;
     j["heldout"] = {{"objective", p.objective}, {"value", p.heldout_value}, {"sequences", p.heldout_sequences}};
     j["source"] = {{"trace", p.trace},
                    {"trace_sha256", p.trace_sha256},
@@ -175,10 +174,14 @@ Profile load_profile(const std::string& path) {
     if (root.contains("target")) p.target = r.string(root["target"], "target");
 
     const int L = p.model.num_layers;
-    const Json& layers = r.list(r.at(root, "layer_budgets", ""), "layer_budgets", static_cast<std::size_t>(L));
-    for (int l = 0; l < L; ++l)
-        p.layer_budgets.push_back(static_cast<int>(
-            r.integer(layers[l], "layer_budgets[" + std::to_string(l) + "]", 1, kMaxBudgetTokens)));
+    // Budgets, unless the profile streams heads instead (then every other head keeps its cache).
+    if (root.contains("layer_budgets") || !root.contains("streaming")) {
+        const Json& layers = r.list(r.at(root, "layer_budgets", ""), "layer_budgets", static_cast<std::size_t>(L));
+        for (int l = 0; l < L; ++l)
+            p.layer_budgets.push_back(static_cast<int>(
+                r.integer(layers[l], "layer_budgets[" + std::to_string(l) + "]", 1, kMaxBudgetTokens)));
+    }
+    if (root.contains("head_budgets") && p.layer_budgets.empty()) r.fail("head_budgets", "needs layer_budgets beside it");
     if (root.contains("head_budgets")) {
         const std::vector<double> heads = r.table(root["head_budgets"], "head_budgets", p.model, 1, kMaxBudgetTokens);
         for (std::size_t i = 0; i < heads.size(); ++i) {

@@ -14,6 +14,7 @@
 #include "base/sha256.h"
 #include "policies/policy.h"
 #include "search/allocation.h"
+#include "search/streaming_fit.h"
 #include "sim/qkv_attention.h"
 #include "sim/replay.h"
 #include "sim/sweep.h"
@@ -89,6 +90,14 @@ std::string join(const std::vector<int>& v, const char* sep) {
     return s;
 }
 
+// What a record keeps, for tables: its layer budgets, or how many heads stream.
+std::string budgets_text(const SearchRecord& r) {
+    if (r.streaming_heads.empty()) return join(r.layer_budgets, " ");
+    const auto streaming = std::count(r.streaming_heads.begin(), r.streaming_heads.end(), uint8_t{1});
+    return std::to_string(streaming) + " of " + std::to_string(r.streaming_heads.size()) + " heads stream (sinks " +
+           std::to_string(r.streaming_sinks) + ", recent " + std::to_string(r.streaming_recent) + ")";
+}
+
 }  // namespace
 
 SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
@@ -103,6 +112,9 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     if (output_error && !qkv)
         throw InputError(spec.objective_where + ": output_rel_error needs a Q/K/V trace, but " + run.trace_path +
                          " records attention only (use objective: retained_mass)");
+    if (!qkv && std::find(spec.fits.begin(), spec.fits.end(), "streaming") != spec.fits.end())
+        throw InputError(spec.fits_where + ": streaming heads are fitted by their output error, which needs a Q/K/V "
+                                           "trace, but " + run.trace_path + " records attention only");
     if (meta.head_dim <= 0)
         throw InputError(run.trace_path + ": the trace records no head size, and byte targets are counted from it");
 
@@ -314,6 +326,23 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
         out.records.push_back(r);
     }
 
+    // Streaming heads with fitted lambdas, at the same targets.
+    if (std::find(spec.fits.begin(), spec.fits.end(), "streaming") != spec.fits.end()) {
+        const TempFolder scratch("search");  // the probe plans streaming_attention reads
+        StreamingFitInput input{&spec, fitting_source.get(), heldout_source.get(), out.shape, harness, scratch.path()};
+        fit_streaming_heads(input, out);
+    }
+
+    // One block per target in the tables: the targets in the config's order, methods as they came.
+    std::stable_sort(out.records.begin(), out.records.end(), [&](const SearchRecord& a, const SearchRecord& b) {
+        auto rank = [&](const std::string& label) {
+            for (std::size_t i = 0; i < spec.targets.size(); ++i)
+                if (spec.targets[i].label == label) return i;
+            return spec.targets.size();
+        };
+        return rank(a.target) < rank(b.target);
+    });
+
     // Equal bytes hold to within one grid step of one unit; say so where that is more than 1%.
     for (const SearchRecord& r : out.records) {
         const SearchTarget* target = nullptr;
@@ -323,11 +352,13 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
                                                       : target->bytes_per_token;
         if (std::abs(r.bytes_per_token / wanted - 1) > 0.01) {
             char line[300];
-            std::snprintf(line, sizeof line,
-                          "%s at %s holds %.4g bytes per token, %.1f%% from the target's %.4g: at budgets this small one "
-                          "token of one unit is more than 1%% of the bytes.",
+            std::snprintf(line, sizeof line, "%s at %s holds %.4g bytes per token, %.1f%% from the target's %.4g: %s",
                           r.method.c_str(), r.target.c_str(), r.bytes_per_token, 100 * (r.bytes_per_token / wanted - 1),
-                          wanted);
+                          wanted,
+                          r.streaming_heads.empty()
+                              ? "at budgets this small one token of one unit is more than 1% of the bytes."
+                              : "a head streams whole or not at all, so the bytes move in steps of one head, and the "
+                                "next head would pass the target.");
             out.notes.push_back(line);
         }
     }
@@ -408,7 +439,7 @@ std::string format_search_table(const SearchOutcome& o) {
         if (std::isfinite(r.delta_ppl)) std::snprintf(delta, sizeof delta, "%+.4f", r.delta_ppl);
         std::snprintf(line, sizeof line, "  %-*s  %12.6f  %10.6f  %11.3f  %9.3fx  %9s  %s\n", static_cast<int>(width),
                       r.method.c_str(), r.heldout, r.fitting, r.bytes_per_token, r.compression_ratio, delta,
-                      join(r.layer_budgets, " ").c_str());
+                      budgets_text(r).c_str());
         text += line;
     }
     return text;
@@ -433,12 +464,16 @@ void write_search_outputs(const SearchOutcome& o, const std::string& dir) {
         j["delta_ppl"] = std::isfinite(r.delta_ppl) ? Json(r.delta_ppl) : Json(nullptr);
         j["layer_budgets"] = r.layer_budgets;
         if (!r.head_budgets.empty()) j["head_budgets"] = r.head_budgets;
+        if (!r.streaming_heads.empty()) {
+            j["streaming_heads"] = std::vector<int>(r.streaming_heads.begin(), r.streaming_heads.end());
+            j["lambda"] = r.lambda;
+        }
         records.push_back(j);
         char numbers[200];
         std::snprintf(numbers, sizeof numbers, "%.17g,%.17g,%.17g,%.17g,", r.bytes_per_token, r.compression_ratio,
                       r.heldout, r.fitting);
         csv += quoted(r.method) + "," + r.fit + "," + quoted(r.target) + "," + r.objective + "," + numbers +
-               (std::isfinite(r.delta_ppl) ? format_number(r.delta_ppl) : "") + "," + quoted(join(r.layer_budgets, " ")) + "\n";
+               (std::isfinite(r.delta_ppl) ? format_number(r.delta_ppl) : "") + "," + quoted(budgets_text(r)) + "\n";
     }
     Json search = {{"format", "kvsim-search"},
                    {"version", 1},
@@ -474,7 +509,7 @@ void write_search_outputs(const SearchOutcome& o, const std::string& dir) {
         char row[200];
         std::snprintf(row, sizeof row, " | %.6f | %.6f | %.3f | %.3fx | %s | ", r.heldout, r.fitting, r.bytes_per_token,
                       r.compression_ratio, delta);
-        report += "| " + r.method + row + join(r.layer_budgets, " ") + " |\n";
+        report += "| " + r.method + row + budgets_text(r) + " |\n";
     }
     if (!o.notes.empty()) {
         report += "\n## Notes\n\n";
@@ -493,11 +528,12 @@ void write_search_outputs(const SearchOutcome& o, const std::string& dir) {
     // profile.json: the first target's finest fit (per head when fitted, else per layer).
     const Profile* primary = nullptr;
     for (const Profile& p : o.profiles) {
-        std::string name = "profile-" + (p.head_budgets.empty() ? std::string("layer_budgets") : "head_budgets") + "-" +
-                           p.target + ".json";
+        const std::string fit = p.streaming ? "streaming" : p.head_budgets.empty() ? "layer_budgets" : "head_budgets";
+        std::string name = "profile-" + fit + "-" + p.target + ".json";
         std::replace(name.begin(), name.end(), '/', '_');
         add(name, profile_json(p));
-        if (!primary || (p.target == primary->target && !p.head_budgets.empty())) primary = &p;
+        if (!primary || (p.target == primary->target && !p.head_budgets.empty() && primary->head_budgets.empty()))
+            primary = &p;
     }
     if (primary) add("profile.json", profile_json(*primary));
     for (auto& f : files) f->commit();

@@ -32,6 +32,10 @@ struct SearchRecord {
     double delta_ppl = std::numeric_limits<double>::quiet_NaN();  // with the model in the loop
     std::vector<int> layer_budgets;  // per layer (with head budgets, each layer's mean)
     std::vector<int> head_budgets;   // per (layer, KV head), empty for a layer allocation
+    // Streaming heads (fit: streaming): which (layer, KV head) streams, and its lambda.
+    std::vector<uint8_t> streaming_heads;
+    std::vector<double> lambda;
+    int streaming_sinks = 0, streaming_recent = 0;
 };
 
 struct SearchOutcome {

@@ -32,10 +32,14 @@ struct SearchSpec {
     std::string fits_where;
     std::vector<int> grid;              // budgets measured per unit; empty: chosen from the trace
     std::string grid_where;
+    // fit: streaming: the tokens a streaming head keeps exactly.
+    int streaming_sinks = 4;
+    int streaming_recent = 64;
+    std::string streaming_where;
 };
 
 inline const std::vector<std::string>& known_search_fits() {
-    static const std::vector<std::string> fits = {"layer_budgets", "head_budgets"};
+    static const std::vector<std::string> fits = {"layer_budgets", "head_budgets", "streaming"};
     return fits;
 }
 

@@ -203,10 +203,14 @@ int64_t StreamingPlan::streaming_count() const {
 
 StreamingPlan load_streaming_profile(const std::string& path, int num_layers, int num_kv_heads,
                                      double default_lambda) {
-    const YAML::Node root = load_yaml_file(path);
+    const YAML::Node file = load_yaml_file(path);
     auto fail = [&](const std::string& what) -> void { throw InputError(path + ": " + what); };
-    if (!root.IsMap() || !root["streaming"]) fail("missing key 'streaming' (one row of 0/1 per layer)");
-    const YAML::Node rows = root["streaming"];
+    // A kvsim profile.json (JSON is YAML) keeps the same rows under streaming.heads and .lambda.
+    const bool profile_json = file.IsMap() && file["format"] && file["streaming"] && file["streaming"].IsMap();
+    const YAML::Node root = profile_json ? file["streaming"] : file;
+    const char* rows_key = profile_json ? "heads" : "streaming";
+    if (!root.IsMap() || !root[rows_key]) fail("missing key 'streaming' (one row of 0/1 per layer)");
+    const YAML::Node rows = root[rows_key];
     if (!rows.IsSequence() || static_cast<int>(rows.size()) != num_layers)
         fail("streaming: " + std::to_string(rows.IsSequence() ? rows.size() : 0) + " rows, but the trace has " +
              std::to_string(num_layers) + " layers");

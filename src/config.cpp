@@ -110,7 +110,15 @@ public:
     SearchSpec search_spec(const YAML::Node& node) const {
         SearchSpec spec;
         spec.where = where(node, "search");
-        only_keys(node, "search", {"policy", "split", "target", "objective", "fit", "grid"});
+        only_keys(node, "search", {"policy", "split", "target", "objective", "fit", "grid", "streaming"});
+        spec.streaming_where = spec.where + ".streaming";
+        if (const YAML::Node streaming = node["streaming"]) {
+            spec.streaming_where = where(streaming, "search.streaming");
+            only_keys(streaming, "search.streaming", {"sinks", "recent"});
+            if (streaming["sinks"]) spec.streaming_sinks = int32(streaming["sinks"], "search.streaming.sinks", 0, kMaxBudgetTokens);
+            if (streaming["recent"])
+                spec.streaming_recent = int32(streaming["recent"], "search.streaming.recent", 1, kMaxBudgetTokens);
+        }
         const YAML::Node policy = node["policy"];
         if (!policy) fail(node, "search", "missing key 'policy' (the eviction policy whose budgets are fitted)");
         auto [name, params] = named_item(policy, "search.policy");
@@ -209,7 +217,7 @@ public:
                 const std::string name = string(fit[i], key);
                 const auto& known = known_search_fits();
                 if (std::find(known.begin(), known.end(), name) == known.end())
-                    fail(fit[i], key, "unknown fit '" + name + "' (this kvsim fits: layer_budgets, head_budgets)");
+                    fail(fit[i], key, "unknown fit '" + name + "' (this kvsim fits: layer_budgets, head_budgets, streaming)");
                 if (std::find(spec.fits.begin(), spec.fits.end(), name) != spec.fits.end())
                     fail(fit[i], key, "'" + name + "' is listed twice");
                 spec.fits.push_back(name);
@@ -373,8 +381,14 @@ ExperimentConfig load_config(const std::string& path) {
             entry.name = profile.policy;
             entry.params = profile.params;
             entry.where = p.where(policies[i], key + ".profile") + " (" + file + ")";
-            entry.profile_budgets.push_back(profile_column(profile, entry.where));
             entry.profile_shape = profile.model;
+            if (profile.streaming) {  // streaming_attention reads the heads and lambdas from the file itself
+                if (profile.policy != "streaming_attention")
+                    p.fail(item, key + ".profile", file + ": a profile with streaming heads is for streaming_attention");
+                entry.files["profile"] = file;
+            } else {
+                entry.profile_budgets.push_back(profile_column(profile, entry.where));
+            }
             config.policies.push_back(entry);
             continue;
         }
@@ -403,7 +417,7 @@ ExperimentConfig load_config(const std::string& path) {
 
     // Budgets: from the config, or every policy brings its own (a fitted profile).
     const bool all_profiles = std::all_of(config.policies.begin(), config.policies.end(),
-                                          [](const PolicyEntry& e) { return !e.profile_budgets.empty(); });
+                                          [](const PolicyEntry& e) { return e.profile_shape.num_layers > 0; });
     if (!budgets && !root["layer_budgets"] && !all_profiles && !config.search)
         throw InputError(path + ": missing key 'budgets'");
 

@@ -252,7 +252,7 @@ EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>&
                              std::to_string(mc.n_layers) + " layers");
 
     for (const PolicyEntry& entry : config.policies)
-        if (!entry.profile_budgets.empty())
+        if (entry.profile_shape.num_layers > 0)
             check_profile_shape(entry.profile_shape, entry.where,
                                 ModelShape{options.input.model_path, mc.n_layers, mc.n_heads, mc.n_kv_heads, mc.head_dim},
                                 "model " + options.input.model_path);

@@ -65,7 +65,7 @@ void check_against_trace(const ExperimentConfig& config, const AttentionSource& 
                              " per-layer budgets, but trace " + source.description() + " has " +
                              std::to_string(shape.num_layers) + " layers");
     for (const PolicyEntry& entry : config.policies) {
-        if (entry.profile_budgets.empty()) continue;
+        if (entry.profile_shape.num_layers == 0) continue;
         ModelShape actual{source.description(), shape.num_layers, shape.num_query_heads, shape.num_kv_heads,
                           entry.profile_shape.head_dim};  // an attention-only trace records no head size
         if (const auto* qkv = dynamic_cast<const QkvSource*>(&source)) actual.head_dim = qkv->qkv_shape().head_dim;

@@ -3,8 +3,11 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
+#include <memory>
 
+#include "base/atomic_file.h"
 #include "base/errors.h"
+#include "search/streaming_fit.h"
 #include "sim/trace_store.h"
 #include "src/eval.h"
 
@@ -25,8 +28,24 @@ void confirm_in_the_loop(SearchOutcome& outcome, const SearchSpec& spec, const M
     config.file = config_file;
     config.metrics = {"ppl", "delta_ppl"};
     std::map<std::string, std::size_t> record_of;  // column label -> record
+    // Streaming plans are files streaming_attention reads; they live until the eval is done.
+    const TempFolder scratch("confirm");
+    std::vector<std::unique_ptr<StreamingPlanFile>> plans;
     for (std::size_t i = 0; i < outcome.records.size(); ++i) {
         const SearchRecord& r = outcome.records[i];
+        if (!r.streaming_heads.empty()) {
+            const std::string name = "confirm-" + std::to_string(i);
+            plans.push_back(std::make_unique<StreamingPlanFile>(scratch.path(), name, outcome.shape.num_layers,
+                                                                outcome.shape.num_kv_heads, r.streaming_heads, r.lambda));
+            PolicyEntry entry;
+            entry.name = "streaming_attention";
+            entry.params = {{"sinks", r.streaming_sinks}, {"recent", r.streaming_recent}};
+            entry.files = {{"profile", plans.back()->path()}};
+            entry.where = spec.streaming_where;
+            config.policies.push_back(entry);
+            record_of["profile=" + name + ".yaml"] = i;
+            continue;
+        }
         PolicyEntry entry = spec.policy;
         BudgetColumn column;
         column.label = r.method + " @ " + r.target;
@@ -43,10 +62,16 @@ void confirm_in_the_loop(SearchOutcome& outcome, const SearchSpec& spec, const M
     }
     const EvalResult result = run_eval(config, {}, options);
     for (const ResultRecord& r : result.records) {
-        const auto open = r.label.rfind(" [");
-        if (r.policy == "full" || open == std::string::npos) continue;
-        const std::string column = r.label.substr(open + 2, r.label.size() - open - 3);
-        const auto it = record_of.find(column);
+        if (r.label == "full") continue;
+        // A budget row is labelled "policy [column]"; a streaming row names its plan file.
+        std::string key;
+        const auto plan = r.label.find("profile=confirm-");
+        if (plan != std::string::npos) {
+            key = r.label.substr(plan, r.label.find(".yaml", plan) + 5 - plan);
+        } else if (const auto open = r.label.rfind(" ["); open != std::string::npos) {
+            key = r.label.substr(open + 2, r.label.size() - open - 3);
+        }
+        const auto it = record_of.find(key);
         if (it == record_of.end()) throw std::logic_error("confirm_in_the_loop: no record for " + r.label);
         outcome.records[it->second].delta_ppl = r.delta_ppl;
     }

@@ -87,6 +87,30 @@ class Search(KvsimTestCase):
         self.assertEqual(json.loads(read(os.path.join(duo, "config.json"))),
                          {"sink_size": 4, "recent_size": 32, "sparsity": 0.25})
 
+    def test_streaming_heads_profile_replays_exactly(self):
+        text = (SEARCH.replace("fit: [layer_budgets, head_budgets]", "fit: [streaming]\n  streaming: {sinks: 4, recent: 16}")
+                .replace("target: [2x, 3x]", "target: 2x"))
+        result = self.search(text)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("streaming heads, fitted lambdas", result.stdout)
+        profile_path = os.path.join(self.out, "profile-streaming-2x.json")
+        profile = json.loads(read(profile_path))
+        self.assertEqual(profile["policy"]["name"], "streaming_attention")
+        self.assertEqual(len(profile["streaming"]["lambda"]), 5)
+        record = [r for r in json.loads(read(os.path.join(self.out, "search.json")))["records"]
+                  if r["method"] == "streaming heads, fitted lambdas"][0]
+        config = self.write("replay.yaml", "trace: {path: %s, sequences: [3, 4]}\npolicies: [{profile: %s}]\n"
+                                           "metrics: [output_rel_error, bytes_per_token]\n" % (TRACE, profile_path))
+        result = kvsim("run", config, "--out", self.path("run"), "-q")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        replayed = json.loads(read(os.path.join(self.path("run"), "results.json")))[0]
+        self.assertEqual(replayed["output_rel_error"], record["heldout"])
+        self.assertEqual(replayed["bytes_per_token"], record["bytes_per_token"])
+        duo = self.path("duo")
+        self.assertEqual(kvsim("export", profile_path, "--format", "duo", "-o", duo).returncode, 0)
+        gates = [row.split("\t") for row in read(os.path.join(duo, "full_attention_heads.tsv")).splitlines()]
+        self.assertEqual([[1 - int(g) for g in row] for row in gates], profile["streaming"]["heads"])
+
     @unittest.skipUnless(os.path.exists(MODEL), "../shared/models/stories260K is not present")
     def test_confirmation_in_the_loop(self):
         one_target = SEARCH.replace("target: [2x, 3x]", "target: 2x")
@@ -122,7 +146,9 @@ class Search(KvsimTestCase):
             ("  split: {heldout: [3, 4]}\n", "  split: {heldout: [0, 1, 2, 3, 4]}\n", "leaves no fitting sequence"),
             ("  split: {heldout: [3, 4]}\n", "  split: {heldout: [3, 9]}\n", "sequence 9 is not in"),
             ("  split: {heldout: [3, 4]}\n", "  split: {heldout_fraction: 1.5}\n", "heldout_fraction: must be between 0 and 1"),
-            ("  fit: [layer_budgets, head_budgets]\n", "  fit: [streaming]\n", "search.fit[0]: unknown fit 'streaming'"),
+            ("  fit: [layer_budgets, head_budgets]\n", "  fit: [tiers]\n", "search.fit[0]: unknown fit 'tiers'"),
+            ("  fit: [layer_budgets, head_budgets]\n", "  fit: [streaming]\n",
+             "search.target[1]: 3x with streaming heads: 10.67 bytes per token, but every head streaming holds"),
             ("  target: [2x, 3x]\n", "  target: [0.5x]\n", "expected a compression ratio above 1"),
             ("  policy: {h2o: {recent_window: 8}}\n", "  policy: {h2o: {recent_window: 500}}\n",
              "search.policy.h2o: recent_window = 500 must be less than the budget 456, the longest sequence's"),

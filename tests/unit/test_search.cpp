@@ -28,22 +28,26 @@ namespace {
 
 constexpr int kDim = 8;
 
+TraceMetadata one_query_head_per_kv_head(const std::string& name, int layers, int kv_heads) {
+    TraceMetadata m;
+    m.kind = TraceKind::qkv;
+    m.model_name = name;
+    m.num_layers = layers;
+    m.num_query_heads = kv_heads;
+    m.num_kv_heads = kv_heads;
+    m.head_dim = kDim;
+    m.source_kind = "synthetic";
+    return m;
+}
+
 // A Q/K/V trace of `layers` layers and `kv_heads` KV heads (one query head each) whose
 // (layer, KV head) streams are each "wide" (q = 0: uniform attention over every token, so
 // whatever is evicted moves the output) or "narrow" (every query points at token 0's key, so the
 // attention sits on that one sink token).
 std::string write_shaped_trace(const std::string& name, int layers, int kv_heads, const std::vector<bool>& wide,
                                const std::vector<int64_t>& lengths) {
-    TraceMetadata m;
-    m.kind = TraceKind::qkv;
-    m.model_name = "shaped";
-    m.num_layers = layers;
-    m.num_query_heads = kv_heads;
-    m.num_kv_heads = kv_heads;
-    m.head_dim = kDim;
-    m.source_kind = "synthetic";
     const std::string path = temp_dir() + "/" + name + ".h5";
-    TraceWriter writer(path, m);
+    TraceWriter writer(path, one_query_head_per_kv_head("shaped", layers, kv_heads));
     std::mt19937 rng(7);
     std::normal_distribution<float> normal(0.0f, 1.0f);
     for (std::size_t s = 0; s < lengths.size(); ++s) {
@@ -200,6 +204,63 @@ TEST_CASE("head budgets: within a layer, the wide KV head gets more than the nar
     REQUIRE(fitted.head_budgets.size() == 2);
     CHECK(fitted.head_budgets[0] < fitted.head_budgets[1]);
     CHECK(fitted.heldout < record(o, "uniform", "3").heldout);
+}
+
+// Two KV heads: head 0 attends uniformly over its whole past (q = 0); head 1's logits fall
+// linearly with distance, q.k / sqrt(d) = -rate (t - j), so its attention decays by exp(-rate)
+// per step, the decay a linear state's lambda models.
+std::string write_memory_trace(const std::string& name, const std::vector<int64_t>& lengths, float rate) {
+    const std::string path = temp_dir() + "/" + name + ".h5";
+    TraceWriter writer(path, one_query_head_per_kv_head("memory", 1, 2));
+    std::mt19937 rng(11);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    const float scale = std::sqrt(static_cast<float>(kDim));
+    for (std::size_t s = 0; s < lengths.size(); ++s) {
+        const int64_t T = lengths[s];
+        const int seq = writer.add_sequence("seq" + std::to_string(s), T);
+        QkvLayer layer;
+        layer.tokens = T;
+        layer.q.assign(T * 2 * kDim, 0.0f);
+        layer.k.assign(T * 2 * kDim, 0.0f);
+        layer.v.resize(T * 2 * kDim);
+        for (float& x : layer.v) x = 1.0f + normal(rng);
+        for (int64_t t = 0; t < T; ++t) {
+            for (int c = 2; c < kDim; ++c) layer.k[(t * 2 + 0) * kDim + c] = 0.1f * normal(rng);
+            // head 1: q_t = (1, -t) * rate * sqrt(d), k_j = (j, 1): q.k / sqrt(d) = -rate (t - j)
+            layer.q[(t * 2 + 1) * kDim + 0] = rate * scale;
+            layer.q[(t * 2 + 1) * kDim + 1] = -rate * scale * static_cast<float>(t);
+            layer.k[(t * 2 + 1) * kDim + 0] = static_cast<float>(t);
+            layer.k[(t * 2 + 1) * kDim + 1] = 1.0f;
+        }
+        writer.write_qkv(seq, 0, layer, TensorDtype::float32);
+    }
+    writer.commit();
+    return path;
+}
+
+TEST_CASE("streaming heads: the fitted lambda follows how fast a head's attention decays") {
+    SearchSpec spec = streaming_llm_search({"streaming"}, {"2"});
+    spec.streaming_sinks = 1;
+    spec.streaming_recent = 4;
+    spec.streaming_where = "test: search.streaming";
+    std::vector<double> decayed;
+    for (float rate : {3.0f / 64, 8.0f / 64}) {
+        const std::string path = write_memory_trace("memory", {160, 140, 150}, rate);
+        const SearchOutcome o = run_search(spec, run_on(path));
+        const SearchRecord& fitted = record(o, "streaming heads, fitted lambdas", "2");
+        const SearchRecord& published = record(o, "streaming heads, lambda 0.99", "2");
+        REQUIRE(fitted.lambda.size() == 2);
+        INFO("rate " << rate << ": lambdas " << fitted.lambda[0] << " " << fitted.lambda[1]);
+        CHECK(fitted.lambda[0] > 0.99);  // uniform attention: the state must remember everything
+        CHECK(fitted.lambda[1] == doctest::Approx(std::exp(-rate)).epsilon(0.03));  // the head's own decay
+        CHECK(fitted.heldout <= published.heldout);
+        CHECK(fitted.bytes_per_token == published.bytes_per_token);  // the same heads stream
+        REQUIRE(o.profiles.size() == 1);
+        REQUIRE(o.profiles[0].streaming);
+        CHECK(o.profiles[0].streaming->lambda == fitted.lambda);
+        decayed.push_back(fitted.lambda[1]);
+    }
+    CHECK(decayed[1] < decayed[0]);  // faster decay, smaller lambda
 }
 
 TEST_CASE("search refuses what it cannot fit, naming the key") {
