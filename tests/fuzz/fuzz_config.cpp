@@ -1,5 +1,5 @@
-// Fuzzes the YAML loaders (experiment config, per-layer budget profile, streaming-head profile)
-// and the flag parsers. Bad input may only ever be an InputError; anything else escaping (a YAML
+// Fuzzes the YAML loaders (experiment config with its search section, per-layer budget profile,
+// streaming-head profile), the profile.json reader and the flag parsers. Bad input may only ever be an InputError; anything else escaping (a YAML
 // exception, bad_alloc, a crash, a sanitizer report) is a bug the fuzzer reports.
 #include <unistd.h>
 
@@ -10,6 +10,7 @@
 #include "base/errors.h"
 #include "base/size_limits.h"
 #include "sim/streaming_heads.h"
+#include "search/profile.h"
 #include "src/config.h"
 
 namespace {
@@ -42,6 +43,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         (void)kvsim::budget_columns(config);
     });
     expect_only_input_errors([] { (void)kvsim::load_budget_profile(scratch_file()); });
+    expect_only_input_errors([] {
+        const kvsim::Profile profile = kvsim::load_profile(scratch_file());
+        if (!profile.layer_budgets.empty()) (void)kvsim::profile_column(profile, "fuzz");
+    });
     expect_only_input_errors([] { (void)kvsim::load_streaming_profile(scratch_file(), 3, 2, 0.99); });
     expect_only_input_errors([] { (void)kvsim::load_duo_attention_pattern(scratch_file(), 3, 2, 0.99); });
     expect_only_input_errors([&] { (void)kvsim::parse_budget_list(text, "--budgets"); });
