@@ -51,6 +51,12 @@ class Search(KvsimTestCase):
             for (method, t), r in methods.items():
                 if t == target:  # every method of a target at the same bytes, within 1%
                     self.assertLess(abs(r["bytes_per_token"] / uniform["bytes_per_token"] - 1), 0.01, method)
+        # The same search on one thread: the same records and profile, bit for bit.
+        one = self.path("one-thread")
+        result = kvsim("search", self.path("search.yaml"), "--out", one, "-q", "--threads", "1")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertEqual(json.loads(read(os.path.join(one, "search.json")))["records"], search["records"])
+        self.assertEqual(read(os.path.join(one, "profile.json")), read(os.path.join(self.out, "profile.json")))
         # profile.json is the first target's head-budget fit; replayed on the held-out sequences by
         # kvsim run, it reproduces the search's held-out figure exactly.
         profile = json.loads(read(os.path.join(self.out, "profile.json")))
