@@ -83,7 +83,9 @@ int main(int argc, char** argv) {
 
     SearchSpec search;
     search.where = "bench: search";
-    search.policy = {"h2o", {{"recent_window", 32}}, "bench: search.policy"};
+    search.policy.name = "h2o";
+    search.policy.params = {{"recent_window", 32}};
+    search.policy.where = "bench: search.policy";
     search.heldout = {2};
     search.split_where = "bench: search.split";
     search.targets = {{2.0, 0, "2x", "bench: target 2x"}, {4.0, 0, "4x", "bench: target 4x"}};

@@ -50,7 +50,7 @@ int budget_for_compression(double ratio, int64_t sequence_length) {
 std::vector<ReplayCombo> expand_sweep(const std::vector<PolicyEntry>& policies, const std::vector<GridAxis>& grid,
                                       const std::vector<int>& budgets) {
     std::vector<BudgetColumn> columns;
-    for (int b : budgets) columns.push_back({std::to_string(b), b, {}, "budgets"});
+    for (int b : budgets) columns.push_back({std::to_string(b), b, {}, "budgets", 0, {}});
     return expand_sweep(policies, grid, columns);
 }
 
@@ -104,7 +104,7 @@ std::vector<ReplayCombo> expand_sweep(const std::vector<PolicyEntry>& policies, 
                     if (!problem.empty()) throw InputError(entry.where + ": " + label + ": " + problem);
                 }
                 combos.push_back({policy, values, 0, {}, 0, kEveryBudget, label, quantize, entry.files, entry.where,
-                                  param_where});
+                                  param_where, {}});
             } else for (const BudgetColumn& column : columns) {
                 // A profile must suit its smallest layer budget.
                 const std::vector<int>& per = column.head_budgets.empty() ? column.layer_budgets : column.head_budgets;

@@ -496,11 +496,11 @@ BudgetColumn load_budget_profile(const std::string& path) {
 
 std::vector<BudgetColumn> budget_columns(const ExperimentConfig& config) {
     std::vector<BudgetColumn> columns;
-    for (int b : config.budgets) columns.push_back({std::to_string(b), b, {}, config.file + ": budgets"});
+    for (int b : config.budgets) columns.push_back({std::to_string(b), b, {}, config.file + ": budgets", 0, {}});
     for (double ratio : config.compression_budgets) {
         char label[32];
         std::snprintf(label, sizeof label, "%gx", ratio);
-        columns.push_back({label, 1, {}, config.file + ": budgets", ratio});
+        columns.push_back({label, 1, {}, config.file + ": budgets", ratio, {}});
     }
     columns.insert(columns.end(), config.layer_budget_profiles.begin(), config.layer_budget_profiles.end());
     return columns;
