@@ -320,7 +320,12 @@ int main(int argc, char** argv) {
     ReplayFlags search_flags;
     ModelInput search_confirm;
     CLI::App* search = app.add_subcommand("search", "fit per-layer and per-head budgets to a memory target from a trace");
-    add_replay_flags(search, search_flags);
+    search->add_option("config", search_flags.config, "config with a search: section (YAML)")->required();
+    search->add_option("--out", search_flags.out,
+                       "folder for search.json, search.csv, report.md and the profiles (default: the config's output.dir)");
+    search->add_option("--threads", search_flags.threads, "worker threads (default: all cores); results do not depend on it")
+        ->check(CLI::Range(1, 1024));
+    search->add_flag("-q,--quiet", search_flags.quiet, "no progress bar or timing line");
     search->add_option("--model", search_confirm.model_path, "GGUF model: confirm every method's ΔPPL in the loop");
     search->add_option("--text", search_confirm.text_path, "the text the trace was captured from (with --model)");
     search->add_option("--split-on", search_confirm.split_on, "separator between sequences, as at capture");

@@ -165,6 +165,8 @@ class Search(KvsimTestCase):
                 self.assertIn(old, SEARCH)
                 self.assert_input_error(self.search(SEARCH.replace(old, new)), fragment)
         self.assert_input_error(self.search("trace: %s\nsearch: {policy: h2o}\n" % TRACE), "missing key 'target'")
+        # A flag search does not honour is refused, not ignored.
+        self.assertEqual(self.search(SEARCH, "--format", "csv").returncode, 2)
         self.assert_input_error(self.search("trace: %s\nbudgets: [8]\npolicies: [h2o]\n" % TRACE), "missing key 'search'")
         # Output error needs Q/K/V; an attention-only trace offers retained mass.
         attention = self.path("attention.h5")
