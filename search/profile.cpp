@@ -145,6 +145,8 @@ Profile load_profile(const std::string& path) {
         root = Json::parse(text.str());
     } catch (const Json::parse_error& e) {
         throw InputError(path + ": not valid JSON (byte " + std::to_string(e.byte) + ")");
+    } catch (const Json::exception&) {  // a number past double's range (out_of_range 406)
+        throw InputError(path + ": not valid JSON (a number past double's range)");
     }
     ProfileReader r(path, root);
     if (!root.is_object()) r.fail("(top level)", "expected a JSON object");

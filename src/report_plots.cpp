@@ -42,8 +42,9 @@ Json read_json(const std::string& path) {
     text << in.rdbuf();
     try {
         return Json::parse(text.str());
-    } catch (const Json::parse_error& e) {
-        // nlohmann's message starts with "[json.exception.parse_error.101] "; the rest is the news.
+    } catch (const Json::exception& e) {
+        // nlohmann's message starts with "[json.exception.parse_error.101] " (or out_of_range.406
+        // for a number past double's range); the rest is the news.
         const std::string what = e.what();
         const auto start = what.find("] ");
         throw InputError(path + ": invalid JSON: " + (start == std::string::npos ? what : what.substr(start + 2)));

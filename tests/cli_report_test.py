@@ -233,6 +233,7 @@ class Report(KvsimTestCase):
         results = os.path.join(folder, "results.json")
         cases = [
             ("[{\"label\": \"a\",", [results + ": invalid JSON"]),
+            ("[{\"label\": \"a\", \"budget\": 1" + "3" * 400 + "}]", [results + ": invalid JSON"]),  # past double
             ("{\"label\": \"a\"}", [results + ": not a JSON list of records"]),
             (json.dumps(PARETO_RECORDS[:3] + [dict(record("b", 10, 0.5, 0.1), bytes_per_token="10")]),
              [results + ": record 3: 'bytes_per_token' is not a number"]),

@@ -208,6 +208,9 @@ class Search(KvsimTestCase):
                 self.assert_input_error(result, path + ": " + fragment)
         result, path = replay(json.dumps(good).replace(str(good["layer_budgets"][0]), "NaN", 1), "nan.json")
         self.assert_input_error(result, path + ": not valid JSON")
+        # Found by fuzz_config: a number past double's range escaped as nlohmann's out_of_range.
+        result, path = replay(json.dumps(good).replace(str(good["layer_budgets"][0]), "1" + "3" * 400, 1), "huge.json")
+        self.assert_input_error(result, path + ": not valid JSON (a number past double's range)")
         self.assertFalse(os.path.exists(self.path("bad-out")))
 
 
