@@ -14,19 +14,30 @@ ByteModel::ByteModel(std::vector<int64_t> last_steps, int head_dim, double slot_
     if (context_tokens_ <= 0) throw std::invalid_argument("ByteModel: no decode steps");
 }
 
-double ByteModel::bytes_per_token(int budget) const {
+double ByteModel::kept_share(int budget) const {
     double held = 0;  // sum over sequences and steps t = 1..T of min(t, budget) + 1
     for (int64_t T : last_steps_) {
         const double m = static_cast<double>(std::min<int64_t>(budget, T));
         held += m * (m + 1) / 2.0 + (static_cast<double>(T) - m) * budget + static_cast<double>(T);
     }
-    return (4.0 * head_dim_ + slot_bytes_) * held / context_tokens_;
+    return held / context_tokens_;
+}
+
+double ByteModel::bytes_per_token(int budget) const {
+    return (4.0 * head_dim_ + slot_bytes_) * kept_share(budget);
 }
 
 namespace {
 
 // Slack for comparing sums of bytes: far below one token's bytes, far above rounding.
 constexpr double kByteSlack = 1e-9;
+
+// Each grid budget's bytes per token.
+std::vector<double> grid_bytes(const std::vector<int>& grid, const ByteModel& bytes) {
+    std::vector<double> x(grid.size());
+    for (std::size_t i = 0; i < grid.size(); ++i) x[i] = bytes.bytes_per_token(grid[i]);
+    return x;
+}
 
 // Indices of the lower convex hull of (x, y) from the first point, kept while y falls.
 std::vector<std::size_t> falling_lower_hull(const std::vector<double>& x, const std::vector<double>& y) {
@@ -50,8 +61,7 @@ std::vector<std::size_t> falling_lower_hull(const std::vector<double>& x, const 
 }  // namespace
 
 CurveShape curve_shape(const UnitCurve& curve, const std::vector<int>& grid, const ByteModel& bytes) {
-    std::vector<double> x(grid.size());
-    for (std::size_t i = 0; i < grid.size(); ++i) x[i] = bytes.bytes_per_token(grid[i]);
+    const std::vector<double> x = grid_bytes(grid, bytes);
     const std::vector<std::size_t> hull = falling_lower_hull(x, curve.error);
     CurveShape shape;
     for (std::size_t i = 1; i < grid.size(); ++i) {
@@ -64,8 +74,7 @@ CurveShape curve_shape(const UnitCurve& curve, const std::vector<int>& grid, con
 Allocation allocate_by_marginal_gain(const std::vector<UnitCurve>& curves, const std::vector<int>& grid,
                                      const ByteModel& bytes, double target_bytes_per_token) {
     const std::size_t units = curves.size(), points = grid.size();
-    std::vector<double> x(points);
-    for (std::size_t i = 0; i < points; ++i) x[i] = bytes.bytes_per_token(grid[i]);
+    const std::vector<double> x = grid_bytes(grid, bytes);
     const double capacity = target_bytes_per_token * static_cast<double>(units) * (1 + kByteSlack);
 
     std::vector<std::vector<std::size_t>> hulls(units);
@@ -128,8 +137,7 @@ Allocation allocate_by_marginal_gain(const std::vector<UnitCurve>& curves, const
 Allocation allocate_by_shape(const std::vector<double>& weights, const std::vector<int>& grid,
                              const ByteModel& bytes, double target_bytes_per_token) {
     const std::size_t units = weights.size(), points = grid.size();
-    std::vector<double> x(points);
-    for (std::size_t i = 0; i < points; ++i) x[i] = bytes.bytes_per_token(grid[i]);
+    const std::vector<double> x = grid_bytes(grid, bytes);
     const double capacity = target_bytes_per_token * static_cast<double>(units) * (1 + kByteSlack);
     const double mean_weight = std::accumulate(weights.begin(), weights.end(), 0.0) / static_cast<double>(units);
     auto snapped = [&](double budget) {  // the largest grid index at or below budget (0 at least)

@@ -20,9 +20,9 @@ public:
     // last_steps: per sequence, the last decode step replayed (steps 1..last are measured).
     ByteModel(std::vector<int64_t> last_steps, int head_dim, double slot_bytes);
     double bytes_per_token(int budget) const;
+    // The share of the context's tokens held at a budget (the current token counted as held).
+    double kept_share(int budget) const;
     double full_fp16_bytes_per_token() const { return 4.0 * head_dim_; }  // the uncompressed cache
-    // The target in bytes per token of a compression ratio against the full fp16 cache.
-    double bytes_for_compression(double ratio) const { return full_fp16_bytes_per_token() / ratio; }
 
 private:
     std::vector<int64_t> last_steps_;

@@ -246,16 +246,7 @@ Profile load_profile(const std::string& path) {
 }
 
 BudgetColumn profile_column(const Profile& p, const std::string& where) {
-    BudgetColumn column;
-    column.label = p.name;
-    column.where = where;
-    column.layer_budgets = p.layer_budgets;
-    column.head_budgets = p.head_budgets;
-    int64_t total = 0;
-    for (int b : p.layer_budgets) total += b;
-    column.budget = static_cast<int>((total + static_cast<int64_t>(p.layer_budgets.size()) / 2) /
-                                     static_cast<int64_t>(p.layer_budgets.size()));
-    return column;
+    return profile_budget_column(p.name, where, p.layer_budgets, p.head_budgets);
 }
 
 void check_profile_shape(const ModelShape& profile_shape, const std::string& profile_where, const ModelShape& actual,

@@ -71,6 +71,7 @@ struct Method {
     std::string name, fit;
     std::vector<int> layer_budgets, head_budgets;  // head_budgets empty: one budget per layer
     double fitting_errors = 0;
+    double model_bytes = 0;  // bytes per token on the held-out sequences, by the byte model
 };
 
 // Each layer's mean of its heads' budgets, rounded: what the tables show for a head allocation.
@@ -109,10 +110,12 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     out.trace = run.trace_path;
     out.objective = spec.objective.empty() ? (qkv ? "output_rel_error" : "retained_mass") : spec.objective;
     const bool output_error = out.objective == "output_rel_error";
+    auto fits = [&](const char* name) { return std::find(spec.fits.begin(), spec.fits.end(), name) != spec.fits.end(); };
+    const bool fit_layers = fits("layer_budgets"), fit_heads = fits("head_budgets"), fit_streaming = fits("streaming");
     if (output_error && !qkv)
         throw InputError(spec.objective_where + ": output_rel_error needs a Q/K/V trace, but " + run.trace_path +
                          " records attention only (use objective: retained_mass)");
-    if (!qkv && std::find(spec.fits.begin(), spec.fits.end(), "streaming") != spec.fits.end())
+    if (!qkv && fit_streaming)
         throw InputError(spec.fits_where + ": streaming heads are fitted by their output error, which needs a Q/K/V "
                                            "trace, but " + run.trace_path + " records attention only");
     if (meta.head_dim <= 0)
@@ -166,21 +169,16 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
         policy->make(params, PolicyContext{out.grid.front(), out.grid.front() + 1, 0, L, 0, K, head_dim})->bytes_per_slot());
     const ByteModel heldout_bytes(heldout_source->shape().last_steps, head_dim, slot_bytes);
 
-    HarnessOptions harness;
-    const std::string view = run.attention_view.empty() ? (qkv ? "renormalized" : "raw") : run.attention_view;
-    harness.view = view == "raw" ? AttentionView::raw : AttentionView::renormalized;
-    harness.reduce = run.group_reduce;
+    const HarnessOptions harness = named_harness_options(run.attention_view, run.group_reduce, qkv, 0);
     ReplayOptions options;
     options.harness = harness;
     options.output_error = output_error;
     options.memory = qkv;
 
     // Every target must lie between what the smallest grid budget holds and the full cache.
-    auto target_bytes = [&](const SearchTarget& target) {
-        return target.compression > 0 ? heldout_bytes.bytes_for_compression(target.compression) : target.bytes_per_token;
-    };
+    const double full_fp16 = heldout_bytes.full_fp16_bytes_per_token();
     for (const SearchTarget& target : spec.targets) {
-        const double bytes = target_bytes(target);
+        const double bytes = target.bytes(full_fp16);
         const double floor_bytes = heldout_bytes.bytes_per_token(out.grid.front());
         const double ceiling_bytes = heldout_bytes.bytes_per_token(out.grid.back());
         char detail[160];
@@ -217,19 +215,16 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     const double fitting_steps = step_count(measured.front().total, output_error);
 
     // The methods, per target, all at the same bytes on the held-out sequences.
-    const bool fit_layers = std::find(spec.fits.begin(), spec.fits.end(), "layer_budgets") != spec.fits.end();
-    const bool fit_heads = std::find(spec.fits.begin(), spec.fits.end(), "head_budgets") != spec.fits.end();
-    const PolicyDescriptor* pyramid = find_policy("pyramidkv");
-    int default_ratio = 20;
-    for (const ParamSpec& p : pyramid->params)
-        if (p.name == "pyramid_ratio") default_ratio = static_cast<int>(p.default_value);
+    const int default_ratio =
+        static_cast<int>(resolve_params(*find_policy("pyramidkv"), {}, "pyramidkv").at("pyramid_ratio"));
 
     std::vector<std::pair<const SearchTarget*, Method>> methods;
     std::vector<std::string> curve_notes;
     for (const SearchTarget& target : spec.targets) {
-        const double bytes = target_bytes(target);
+        const double bytes = target.bytes(full_fp16);
         auto layer_method = [&](std::string name, const Allocation& a) {
-            Method m{std::move(name), "layer_budgets", a.budgets, {}, allocation_error(layer_curves, out.grid, a.budgets)};
+            Method m{std::move(name), "layer_budgets", a.budgets, {}, allocation_error(layer_curves, out.grid, a.budgets),
+                     a.bytes_per_token};
             methods.push_back({&target, m});
         };
         auto best_shape = [&](auto weights_of, const std::vector<double>& candidates, double& best_value) {
@@ -258,7 +253,7 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
         if (fit_heads) {
             const Allocation a = allocate_by_marginal_gain(head_curves, out.grid, heldout_bytes, bytes);
             Method m{"fitted head budgets", "head_budgets", layer_means(a.budgets, L, K), a.budgets,
-                     allocation_error(head_curves, out.grid, a.budgets)};
+                     allocation_error(head_curves, out.grid, a.budgets), a.bytes_per_token};
             methods.push_back({&target, m});
         }
     }
@@ -285,17 +280,9 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
 
     // One pass over the held-out set: every method at every target.
     std::vector<BudgetColumn> columns;
-    for (const auto& [target, m] : methods) {
-        BudgetColumn column;
-        column.label = m.name + " @ " + target->label;
-        column.where = target->where;
-        column.layer_budgets = m.layer_budgets;
-        column.head_budgets = m.head_budgets;
-        int64_t total = 0;
-        for (int b : m.layer_budgets) total += b;
-        column.budget = static_cast<int>(total / L);
-        columns.push_back(column);
-    }
+    for (const auto& [target, m] : methods)
+        columns.push_back(profile_budget_column(m.name + " @ " + target->label, target->where, m.layer_budgets,
+                                                m.head_budgets));
     const std::vector<ReplayCombo> heldout_combos = expand_sweep({entry}, {}, columns);
     if (run.progress) options.progress = [&](double f) { run.progress(0.7 + 0.3 * f); };
     const std::vector<ComboResult> confirmed = replay(*heldout_source, heldout_combos, options);
@@ -315,11 +302,8 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
             r.bytes_per_token = total.cache_bytes / static_cast<double>(total.context_tokens);
             r.compression_ratio = total.fp16_bytes / total.cache_bytes;
         } else {  // an attention-only trace: the byte model, which the memory metric matches
-            double sum = 0;
-            const std::vector<int>& per = m.head_budgets.empty() ? m.layer_budgets : m.head_budgets;
-            for (int b : per) sum += heldout_bytes.bytes_per_token(b);
-            r.bytes_per_token = sum / static_cast<double>(per.size());
-            r.compression_ratio = heldout_bytes.full_fp16_bytes_per_token() / r.bytes_per_token;
+            r.bytes_per_token = m.model_bytes;
+            r.compression_ratio = full_fp16 / r.bytes_per_token;
         }
         r.layer_budgets = m.layer_budgets;
         r.head_budgets = m.head_budgets;
@@ -327,7 +311,7 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     }
 
     // Streaming heads with fitted lambdas, at the same targets.
-    if (std::find(spec.fits.begin(), spec.fits.end(), "streaming") != spec.fits.end()) {
+    if (fit_streaming) {
         const TempFolder scratch("search");  // the probe plans streaming_attention reads
         StreamingFitInput input{&spec, fitting_source.get(), heldout_source.get(), out.shape, harness, scratch.path()};
         fit_streaming_heads(input, out);
@@ -348,8 +332,7 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
         const SearchTarget* target = nullptr;
         for (const SearchTarget& t : spec.targets)
             if (t.label == r.target) target = &t;
-        const double wanted = target->compression > 0 ? heldout_bytes.bytes_for_compression(target->compression)
-                                                      : target->bytes_per_token;
+        const double wanted = target->bytes(full_fp16);
         if (std::abs(r.bytes_per_token / wanted - 1) > 0.01) {
             char line[300];
             std::snprintf(line, sizeof line, "%s at %s holds %.4g bytes per token, %.1f%% from the target's %.4g: %s",
@@ -402,7 +385,7 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
             double kept = 0;
             for (int kv = 0; kv < K; ++kv) {
                 const int b = r.head_budgets.empty() ? r.layer_budgets[l] : r.head_budgets[static_cast<std::size_t>(l) * K + kv];
-                kept += heldout_bytes.bytes_per_token(b) / (4.0 * head_dim + slot_bytes);
+                kept += heldout_bytes.kept_share(b);
             }
             p.layer_kept_fraction.push_back(kept / K);
         }

@@ -56,7 +56,7 @@ struct SearchRun {
     std::string trace_path;
     int64_t max_steps = 0;
     std::string attention_view;         // "raw", "renormalized", or "" for the trace kind's default
-    GroupReduce group_reduce = GroupReduce::mean;
+    std::string group_reduce = "mean";  // "mean", "max" or "sum"
     std::function<void(double)> progress;
 };
 

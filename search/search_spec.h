@@ -15,6 +15,10 @@ struct SearchTarget {
     double bytes_per_token = 0;  // > 0: {bytes_per_token: N}
     std::string label;           // "2x" or "12.5B"
     std::string where;           // "FILE:LINE: search.target[0]"
+    // The target in bytes per token, given what a full fp16 cache holds per token (4 * head size).
+    double bytes(double full_fp16_bytes_per_token) const {
+        return compression > 0 ? full_fp16_bytes_per_token / compression : bytes_per_token;
+    }
 };
 
 struct SearchSpec {

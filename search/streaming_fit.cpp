@@ -166,7 +166,7 @@ void fit_streaming_heads(const StreamingFitInput& in, SearchOutcome& out) {
     std::vector<Plan> chosen;
     std::vector<const SearchTarget*> chosen_target;
     for (const SearchTarget& target : spec.targets) {
-        const double wanted = target.compression > 0 ? full_fp16 / target.compression : target.bytes_per_token;
+        const double wanted = target.bytes(full_fp16);
         std::vector<uint8_t> streams(units, 0);
         double sum = std::accumulate(bytes[1].head_bytes.begin(), bytes[1].head_bytes.end(), 0.0);
         for (std::size_t u : order) {

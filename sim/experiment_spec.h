@@ -40,6 +40,17 @@ struct BudgetColumn {
     std::vector<int> head_budgets;
 };
 
+// The column of a per-layer profile (non-empty layer_budgets), with per-(layer, KV head) budgets
+// when it has them; its scalar budget is the layers' mean, rounded, for the tables.
+inline BudgetColumn profile_budget_column(std::string label, std::string where, std::vector<int> layer_budgets,
+                                          std::vector<int> head_budgets = {}) {
+    int64_t total = 0;
+    for (int b : layer_budgets) total += b;
+    const auto layers = static_cast<int64_t>(layer_budgets.size());
+    const int mean = static_cast<int>((total + layers / 2) / layers);
+    return {std::move(label), mean, std::move(layer_budgets), std::move(where), 0, std::move(head_budgets)};
+}
+
 // A policy as the config names it, with the parameters the config gives (defaults come later).
 struct PolicyEntry {
     std::string name;

@@ -25,6 +25,16 @@ Harness::Harness(std::unique_ptr<Policy> policy, int budget, int64_t sequence_le
     if (tiered_) policy_->assign_tiers(0, kept_, key_tier_, value_tier_);  // position 0 as step 0 left it
 }
 
+HarnessOptions named_harness_options(const std::string& attention_view, const std::string& group_reduce,
+                                     bool values_known, int prefill_tokens) {
+    HarnessOptions options;
+    const std::string view = attention_view.empty() ? (values_known ? "renormalized" : "raw") : attention_view;
+    options.view = view == "raw" ? AttentionView::raw : AttentionView::renormalized;
+    options.reduce = group_reduce == "max" ? GroupReduce::max : group_reduce == "sum" ? GroupReduce::sum : GroupReduce::mean;
+    options.prefill_tokens = prefill_tokens;
+    return options;
+}
+
 void combine_group_rows(std::span<const float* const> rows, int64_t t, GroupReduce reduce, float* out) {
     std::copy(rows[0], rows[0] + t, out);
     for (std::size_t h = 1; h < rows.size(); ++h) {

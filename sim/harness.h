@@ -58,6 +58,13 @@ struct HarnessOptions {
     int prefill_tokens = 0;  // positions 0..N-1 enter unevicted; then one compression to budget
 };
 
+// The options a config names (its keys already checked): attention_view "raw", "renormalized",
+// or "" for the default, which is what the model really computes after eviction (renormalized)
+// wherever values are known (a Q/K/V trace, the model in the loop) and the reference harness's
+// raw view on attention traces; group_reduce "mean", "max" or "sum".
+HarnessOptions named_harness_options(const std::string& attention_view, const std::string& group_reduce,
+                                     bool values_known, int prefill_tokens);
+
 // What one step shows the harness of one KV head: its query heads' rows (t weights each), their
 // weights on their own position, their top-k positions, and (raw view) the combined row.
 struct GroupStep {

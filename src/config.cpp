@@ -92,18 +92,11 @@ public:
 
     // A per-layer budget profile: a non-empty list of budgets >= 1.
     BudgetColumn layer_profile(const YAML::Node& list, const std::string& key, std::string label) const {
-        BudgetColumn column;
-        column.label = std::move(label);
-        column.where = where(list, key);
         if (!list.IsSequence() || list.size() == 0) fail(list, key, "expected a non-empty list of per-layer budgets");
-        int64_t total = 0;
-        for (std::size_t i = 0; i < list.size(); ++i) {
-            const std::string item = key + "[" + std::to_string(i) + "]";
-            column.layer_budgets.push_back(int32(list[i], item, 1, kMaxBudgetTokens));
-            total += column.layer_budgets.back();
-        }
-        column.budget = static_cast<int>((total + static_cast<int64_t>(list.size()) / 2) / list.size());
-        return column;
+        std::vector<int> budgets;
+        for (std::size_t i = 0; i < list.size(); ++i)
+            budgets.push_back(int32(list[i], key + "[" + std::to_string(i) + "]", 1, kMaxBudgetTokens));
+        return profile_budget_column(std::move(label), where(list, key), std::move(budgets));
     }
 
     // search: {policy, split, target, objective, fit, grid}

@@ -263,13 +263,9 @@ EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>&
                              " leaves no decode step in sequence " + std::to_string(i) + " of " +
                              options.input.text_path + " (" + std::to_string(text.sequences[i].size()) + " tokens)");
 
-    HarnessOptions harness;
     // In the loop the policy is shown what the model computes: renormalized unless asked otherwise.
-    harness.view = config.attention_view == "raw" ? AttentionView::raw : AttentionView::renormalized;
-    harness.reduce = config.group_reduce == "max"   ? GroupReduce::max
-                     : config.group_reduce == "sum" ? GroupReduce::sum
-                                                    : GroupReduce::mean;
-    harness.prefill_tokens = config.prefill_tokens;
+    const HarnessOptions harness =
+        named_harness_options(config.attention_view, config.group_reduce, /*values_known=*/true, config.prefill_tokens);
 
     EvalResult result;
     result.description = std::filesystem::path(options.input.model_path).filename().string() + " on " +

@@ -24,17 +24,8 @@ std::unique_ptr<AttentionSource> open_source(const TraceRef& trace) {
 }
 
 HarnessOptions harness_options(const ExperimentConfig& config, const AttentionSource& source) {
-    HarnessOptions options;
-    // Attention traces default to the reference harness's raw view; Q/K/V traces to what the
-    // model really computes after eviction.
     const bool qkv = dynamic_cast<const QkvSource*>(&source) != nullptr;
-    const std::string view = config.attention_view.empty() ? (qkv ? "renormalized" : "raw") : config.attention_view;
-    options.view = view == "raw" ? AttentionView::raw : AttentionView::renormalized;
-    options.reduce = config.group_reduce == "max"   ? GroupReduce::max
-                     : config.group_reduce == "sum" ? GroupReduce::sum
-                                                    : GroupReduce::mean;
-    options.prefill_tokens = config.prefill_tokens;
-    return options;
+    return named_harness_options(config.attention_view, config.group_reduce, qkv, config.prefill_tokens);
 }
 
 // Quantisation groups must fit the trace's head size.

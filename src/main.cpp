@@ -173,9 +173,7 @@ int run_search_command(const ReplayFlags& flags, const ModelInput& confirm) {
     run.trace_path = config.trace.path;
     run.max_steps = config.trace.max_steps;
     run.attention_view = config.attention_view;
-    run.group_reduce = config.group_reduce == "max" ? GroupReduce::max
-                       : config.group_reduce == "sum" ? GroupReduce::sum
-                                                      : GroupReduce::mean;
+    run.group_reduce = config.group_reduce;
     ProgressBar bar(!flags.quiet);
     run.progress = [&bar](double fraction) { bar.update(fraction); };
     SearchOutcome outcome = run_search(*config.search, run);

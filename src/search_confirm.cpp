@@ -47,14 +47,8 @@ void confirm_in_the_loop(SearchOutcome& outcome, const SearchSpec& spec, const M
             continue;
         }
         PolicyEntry entry = spec.policy;
-        BudgetColumn column;
-        column.label = r.method + " @ " + r.target;
-        column.where = spec.where;
-        column.layer_budgets = r.layer_budgets;
-        column.head_budgets = r.head_budgets;
-        int64_t total = 0;
-        for (int b : r.layer_budgets) total += b;
-        column.budget = static_cast<int>(total / static_cast<int64_t>(r.layer_budgets.size()));
+        const BudgetColumn column =
+            profile_budget_column(r.method + " @ " + r.target, spec.where, r.layer_budgets, r.head_budgets);
         entry.profile_budgets = {column};
         entry.profile_shape = outcome.shape;
         config.policies.push_back(entry);

@@ -157,7 +157,7 @@ TEST_CASE("marginal-gain allocation: the steeper curve gets the bytes, the total
 TEST_CASE("shape allocations follow their weights and meet the same bytes") {
     const std::vector<int> grid = budget_grid(4, 400);
     const ByteModel bytes({400, 300}, kDim, 8);
-    const double target = bytes.bytes_for_compression(3.0);
+    const double target = bytes.full_fp16_bytes_per_token() / 3.0;
     const Allocation uniform = allocate_by_shape(std::vector<double>(6, 1.0), grid, bytes, target);
     const Allocation pyramid = allocate_by_shape(pyramid_weights(6, 8), grid, bytes, target);
     const Allocation inverted = allocate_by_shape(inverted_weights(6, 0.8), grid, bytes, target);
