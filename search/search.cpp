@@ -115,6 +115,9 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     if (output_error && !qkv)
         throw InputError(spec.objective_where + ": output_rel_error needs a Q/K/V trace, but " + run.trace_path +
                          " records attention only (use objective: retained_mass)");
+    if (fit_streaming && qkv && !output_error)
+        throw InputError(spec.objective_where + ": streaming heads are fitted and reported by their output error; "
+                                                "with fit: [streaming] the objective must be output_rel_error");
     if (!qkv && fit_streaming)
         throw InputError(spec.fits_where + ": streaming heads are fitted by their output error, which needs a Q/K/V "
                                            "trace, but " + run.trace_path + " records attention only");

@@ -165,6 +165,11 @@ class Search(KvsimTestCase):
                 self.assertIn(old, SEARCH)
                 self.assert_input_error(self.search(SEARCH.replace(old, new)), fragment)
         self.assert_input_error(self.search("trace: %s\nsearch: {policy: h2o}\n" % TRACE), "missing key 'target'")
+        # Streaming records are output errors; they may not sit in a table of retained mass.
+        self.assert_input_error(
+            self.search(SEARCH.replace("  fit: [layer_budgets, head_budgets]\n",
+                                       "  fit: [streaming]\n  objective: retained_mass\n")),
+            "search.objective: streaming heads are fitted and reported by their output error")
         # A flag search does not honour is refused, not ignored.
         self.assertEqual(self.search(SEARCH, "--format", "csv").returncode, 2)
         self.assert_input_error(self.search("trace: %s\nbudgets: [8]\npolicies: [h2o]\n" % TRACE), "missing key 'search'")
