@@ -120,6 +120,16 @@ TempFolder::TempFolder(const std::string& what) {
     const std::filesystem::path folder =
         std::filesystem::temp_directory_path(ec) / ("kvsim-" + what + "-" + std::to_string(::getpid()));
     if (ec) throw InputError("cannot find a temporary folder (" + ec.message() + "); set TMPDIR");
+    // The folders of earlier runs that were killed before they could remove theirs.
+    const std::string prefix = "kvsim-" + what + "-";
+    for (const auto& entry : std::filesystem::directory_iterator(folder.parent_path(), ec)) {
+        const std::string name = entry.path().filename().string();
+        if (name.rfind(prefix, 0) != 0 || name.size() == prefix.size() ||
+            name.find_first_not_of("0123456789", prefix.size()) != std::string::npos)
+            continue;
+        std::error_code ignored;
+        if (process_is_gone(std::stol(name.substr(prefix.size())))) std::filesystem::remove_all(entry.path(), ignored);
+    }
     std::filesystem::create_directories(folder, ec);
     if (ec) throw InputError(folder.string() + ": cannot create a temporary folder (" + ec.message() + ")");
     path_ = folder.string();

@@ -28,7 +28,9 @@ private:
 };
 
 // A private folder under the system's temporary directory ("kvsim-<what>-<pid>"), removed with
-// everything in it when the object goes: scratch files another component reads by path.
+// everything in it when the object goes: scratch files another component reads by path. A run
+// killed before that (SIGTERM, SIGKILL) leaves its folder; the next one of the same kind removes
+// the folders of processes that are gone.
 class TempFolder {
 public:
     explicit TempFolder(const std::string& what);

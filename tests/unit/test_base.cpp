@@ -95,4 +95,25 @@ TEST_CASE("atomic files: the temporary name, commit, and the leftovers of dead p
     CHECK(std::filesystem::exists(dir / ".notes.tmp-abc"));
     CHECK(std::filesystem::exists(dir / "plain.tmp-1"));
     CHECK_THROWS_AS(AtomicFile(""), InputError);
+
+    // A temporary folder goes with its object; one a killed run left is removed by the next run
+    // of the same kind, while a live process's stays.
+    const std::filesystem::path temp = std::filesystem::temp_directory_path();
+    const std::filesystem::path dead = temp / ("kvsim-basetest-" + std::to_string(child));
+    const std::filesystem::path live = temp / "kvsim-basetest-1";  // init: always running
+    std::filesystem::create_directories(dead);
+    std::filesystem::create_directories(live);
+    touch(dead / "plan.yaml");
+    std::string made;
+    {
+        const TempFolder folder("basetest");
+        made = folder.path();
+        CHECK(made == (temp / ("kvsim-basetest-" + std::to_string(::getpid()))).string());
+        CHECK(std::filesystem::is_directory(made));
+        touch(std::filesystem::path(made) / "plan.yaml");
+        CHECK_FALSE(std::filesystem::exists(dead));
+        CHECK(std::filesystem::exists(live));
+    }
+    CHECK_FALSE(std::filesystem::exists(made));
+    std::filesystem::remove_all(live);
 }
