@@ -55,7 +55,7 @@ PolicyDescriptor streaming_attention_descriptor() {
         "streaming_attention",
         "Xiao et al. 2024, DuoAttention (retrieval and streaming heads); streaming heads keep a decayed linear state",
         {{"sinks", 4, true, 0, "first tokens a streaming head keeps exactly"},
-         {"recent", 64, true, 1, "most recent tokens a streaming head keeps exactly"},
+         {"recent", 64, true, 0, "most recent tokens a streaming head keeps exactly (0: the state holds every token)"},
          {"lambda", 0.99, false, 0, "per-step decay of the linear state"},
          {"gate_threshold", 0.5, false, 0, "pattern file: a gate above it keeps a retrieval head"},
          {"pattern", 0, false, 0, "DuoAttention full_attention_heads.tsv: one row per layer, a gate per KV head "

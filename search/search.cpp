@@ -330,23 +330,39 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
         return rank(a.target) < rank(b.target);
     });
 
-    // Equal bytes hold to within one grid step of one unit; say so where that is more than 1%.
-    for (const SearchRecord& r : out.records) {
+    // Equal bytes hold to within one grid step of one unit; say so where that is more than 1%, once
+    // for the methods of a target that hold the same bytes.
+    std::vector<std::pair<std::size_t, std::string>> off_target;  // first record, the methods' names
+    for (std::size_t i = 0; i < out.records.size(); ++i) {
+        const SearchRecord& r = out.records[i];
         const SearchTarget* target = nullptr;
         for (const SearchTarget& t : spec.targets)
             if (t.label == r.target) target = &t;
-        const double wanted = target->bytes(full_fp16);
-        if (std::abs(r.bytes_per_token / wanted - 1) > 0.01) {
-            char line[300];
-            std::snprintf(line, sizeof line, "%s at %s holds %.4g bytes per token, %.1f%% from the target's %.4g: %s",
-                          r.method.c_str(), r.target.c_str(), r.bytes_per_token, 100 * (r.bytes_per_token / wanted - 1),
-                          wanted,
-                          r.streaming_heads.empty()
-                              ? "at budgets this small one token of one unit is more than 1% of the bytes."
-                              : "a head streams whole or not at all, so the bytes move in steps of one head, and the "
-                                "next head would pass the target.");
-            out.notes.push_back(line);
-        }
+        if (std::abs(r.bytes_per_token / target->bytes(full_fp16) - 1) <= 0.01) continue;
+        auto same = std::find_if(off_target.begin(), off_target.end(), [&](const auto& o) {
+            const SearchRecord& f = out.records[o.first];
+            return f.target == r.target && f.bytes_per_token == r.bytes_per_token &&
+                   f.streaming_heads.empty() == r.streaming_heads.empty();
+        });
+        if (same == off_target.end())
+            off_target.push_back({i, r.method});
+        else
+            same->second += "; " + r.method;
+    }
+    for (const auto& [first, names] : off_target) {
+        const SearchRecord& r = out.records[first];
+        double wanted = 0;
+        for (const SearchTarget& t : spec.targets)
+            if (t.label == r.target) wanted = t.bytes(full_fp16);
+        char line[300];
+        std::snprintf(line, sizeof line, " at %s hold%s %.4g bytes per token, %.1f%% from the target's %.4g: %s",
+                      r.target.c_str(), names.find("; ") == std::string::npos ? "s" : "", r.bytes_per_token,
+                      100 * (r.bytes_per_token / wanted - 1), wanted,
+                      r.streaming_heads.empty()
+                          ? "at budgets this small one token of one unit is more than 1% of the bytes."
+                          : "a head streams whole or not at all, so the bytes move in steps of one head, and the "
+                            "next head would pass the target.");
+        out.notes.push_back(names + line);
     }
 
     // Which way the fitted layer profile leans, per target.

@@ -40,6 +40,9 @@ struct SearchSpec {
     int streaming_sinks = 4;
     int streaming_recent = 64;
     std::string streaming_where;
+    // A DuoAttention pattern file (full_attention_heads.tsv) to compare with: its gates rank the
+    // heads that stream; empty: no such baseline.
+    std::string streaming_pattern;
 };
 
 inline const std::vector<std::string>& known_search_fits() {

@@ -10,6 +10,7 @@
 #include "base/errors.h"
 #include "policies/policy.h"
 #include "sim/replay.h"
+#include "sim/streaming_heads.h"
 #include "sim/sweep.h"
 
 namespace kvsim {
@@ -112,6 +113,83 @@ std::string format_lambda(double x) {
 
 }  // namespace
 
+namespace {
+
+struct LambdaFit {
+    std::vector<double> lambda, error;  // per (layer, KV head): the lambda, and the error at it
+};
+
+// Golden-section search of every head's lambda at once, every head streaming under `plans`' sinks
+// and recent window; then the bracket's middle against its ends (a unimodal search never probes
+// 0 or 1). `extra` are measured in the last pass, beside the candidates (their results follow).
+LambdaFit fit_lambdas(PlanReplay& plans, AttentionSource& source, std::size_t units, const std::vector<Plan>& extra,
+                      std::vector<PlanResult>& extra_results) {
+    const std::vector<uint8_t> every_head(units, 1);
+    std::vector<double> low(units, 0.0), high(units, 1.0);
+    for (int step = 0; step < kGoldenSteps; ++step) {
+        Plan left{"probe-left", every_head, {}}, right{"probe-right", every_head, {}};
+        for (std::size_t u = 0; u < units; ++u) {
+            left.lambda.push_back(high[u] - kGolden * (high[u] - low[u]));
+            right.lambda.push_back(low[u] + kGolden * (high[u] - low[u]));
+        }
+        const std::vector<PlanResult> r = plans.run(source, {left, right});
+        for (std::size_t u = 0; u < units; ++u) {  // keep the part of the bracket around the lower probe
+            if (r[0].head_error[u] <= r[1].head_error[u])
+                high[u] = right.lambda[u];
+            else
+                low[u] = left.lambda[u];
+        }
+    }
+    Plan middle{"probe-middle", every_head, {}};
+    for (std::size_t u = 0; u < units; ++u) middle.lambda.push_back((low[u] + high[u]) / 2);
+    std::vector<Plan> last = {middle, Plan{"probe-zero", every_head, std::vector<double>(units, 0.0)},
+                              Plan{"probe-one", every_head, std::vector<double>(units, 1.0)}};
+    last.insert(last.end(), extra.begin(), extra.end());
+    const std::vector<PlanResult> ends = plans.run(source, last);
+    extra_results.assign(ends.begin() + 3, ends.end());
+    LambdaFit fit{std::vector<double>(units), std::vector<double>(units)};
+    for (std::size_t u = 0; u < units; ++u) {
+        std::size_t best = 0;
+        for (std::size_t c = 1; c < 3; ++c)
+            if (ends[c].head_error[u] < ends[best].head_error[u]) best = c;
+        fit.lambda[u] = last[best].lambda[u];
+        fit.error[u] = ends[best].head_error[u];
+    }
+    return fit;
+}
+
+// The heads that stream to bring the cache to `wanted` bytes per token, taken in `order`.
+std::vector<uint8_t> heads_for_target(const std::vector<std::size_t>& order, const PlanResult& streaming,
+                                      const PlanResult& full, double wanted, const SearchTarget& target,
+                                      const std::string& why) {
+    const std::size_t units = order.size();
+    std::vector<uint8_t> streams(units, 0);
+    double sum = std::accumulate(full.head_bytes.begin(), full.head_bytes.end(), 0.0);
+    for (std::size_t u : order) {
+        if (sum <= wanted * static_cast<double>(units)) break;
+        streams[u] = 1;
+        sum += streaming.head_bytes[u] - full.head_bytes[u];
+    }
+    if (sum > wanted * static_cast<double>(units) * (1 + 1e-9)) {
+        char detail[200];
+        std::snprintf(detail, sizeof detail,
+                      "%.4g bytes per token, but every head streaming holds %.4g (its sinks, recent window and state)",
+                      wanted, sum / static_cast<double>(units));
+        throw InputError(target.where + ": " + target.label + " with streaming heads: " + detail + why);
+    }
+    return streams;
+}
+
+// Head order by a per-head key, ascending, ties by index.
+std::vector<std::size_t> ascending_order(const std::vector<double>& key) {
+    std::vector<std::size_t> order(key.size());
+    std::iota(order.begin(), order.end(), std::size_t{0});
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return key[a] < key[b]; });
+    return order;
+}
+
+}  // namespace
+
 void fit_streaming_heads(const StreamingFitInput& in, SearchOutcome& out) {
     const SearchSpec& spec = *in.spec;
     const int L = in.shape.num_layers, K = in.shape.num_kv_heads;
@@ -122,93 +200,83 @@ void fit_streaming_heads(const StreamingFitInput& in, SearchOutcome& out) {
     PlanReplay plans(in, params);
     const std::vector<uint8_t> every_head(units, 1), no_head(units, 0);
 
-    // Golden-section search of every head's lambda at once, on the fitting sequences.
-    std::vector<double> low(units, 0.0), high(units, 1.0);
-    for (int step = 0; step < kGoldenSteps; ++step) {
-        Plan left{"probe-left", every_head, {}}, right{"probe-right", every_head, {}};
-        for (std::size_t u = 0; u < units; ++u) {
-            left.lambda.push_back(high[u] - kGolden * (high[u] - low[u]));
-            right.lambda.push_back(low[u] + kGolden * (high[u] - low[u]));
-        }
-        const std::vector<PlanResult> r = plans.run(*in.fitting, {left, right});
-        for (std::size_t u = 0; u < units; ++u) {  // keep the part of the bracket around the lower probe
-            if (r[0].head_error[u] <= r[1].head_error[u])
-                high[u] = right.lambda[u];
-            else
-                low[u] = left.lambda[u];
-        }
-    }
-    // The bracket's middle against its ends (a unimodal search never probes 0 or 1) and 0.99.
-    Plan middle{"probe-middle", every_head, {}};
-    for (std::size_t u = 0; u < units; ++u) middle.lambda.push_back((low[u] + high[u]) / 2);
-    const Plan zero{"probe-zero", every_head, std::vector<double>(units, 0.0)};
-    const Plan one{"probe-one", every_head, std::vector<double>(units, 1.0)};
-    const Plan published{"probe-0.99", every_head, std::vector<double>(units, 0.99)};
-    const std::vector<PlanResult> ends = plans.run(*in.fitting, {middle, zero, one, published});
-    std::vector<double> lambda(units), fitted_error(units), error_099 = ends[3].head_error;
-    for (std::size_t u = 0; u < units; ++u) {
-        const double candidates[3] = {middle.lambda[u], 0.0, 1.0};
-        std::size_t best = 0;
-        for (std::size_t c = 1; c < 3; ++c)
-            if (ends[c].head_error[u] < ends[best].head_error[u]) best = c;
-        lambda[u] = candidates[best];
-        fitted_error[u] = ends[best].head_error[u];
-    }
+    // The published calibration: each head's lambda fitted against the full softmax output with
+    // nothing kept exactly (no sinks, no window: the state must reproduce every token), then
+    // deployed with the sinks and window. Its lambdas are measured beside the fitted ones below.
+    const ParamValues calibration_params = resolve_params(*policy, {{"sinks", 0}, {"recent", 0}}, spec.streaming_where);
+    PlanReplay calibration_plans(in, calibration_params);
+    std::vector<PlanResult> unused;
+    const LambdaFit calibrated = fit_lambdas(calibration_plans, *in.fitting, units, {}, unused);
+
+    // Each head's own lambda with its sinks and window, on the fitting sequences; 0.99 and the
+    // calibrated lambdas measured in the same last pass.
+    std::vector<PlanResult> baselines;
+    const LambdaFit fitted = fit_lambdas(plans, *in.fitting, units,
+                                         {Plan{"probe-0.99", every_head, std::vector<double>(units, 0.99)},
+                                          Plan{"probe-calibrated", every_head, calibrated.lambda}},
+                                         baselines);
+    const std::vector<double>& lambda = fitted.lambda;
+    const std::vector<double>& fitted_error = fitted.error;
+    const std::vector<double>& error_099 = baselines[0].head_error;
+    const std::vector<double>& error_calibrated = baselines[1].head_error;
 
     // What each head holds on the held-out sequences when it streams and when it keeps its cache.
     const std::vector<PlanResult> bytes = plans.run(*in.heldout, {Plan{"bytes-streaming", every_head, lambda},
                                                                   Plan{"bytes-full", no_head, lambda}});
     const double full_fp16 = 4.0 * in.shape.head_dim;
-    std::vector<std::size_t> order(units);
-    std::iota(order.begin(), order.end(), std::size_t{0});
-    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return fitted_error[a] < fitted_error[b]; });
+    const std::vector<std::size_t> order = ascending_order(fitted_error);
+    // DuoAttention's gates rank its heads: the lowest gate streams first.
+    std::vector<std::size_t> duo_order;
+    if (!spec.streaming_pattern.empty())
+        duo_order = ascending_order(load_duo_attention_gates(spec.streaming_pattern, L, K));
 
-    std::vector<Plan> chosen;
-    std::vector<const SearchTarget*> chosen_target;
+    struct Chosen {
+        Plan plan;
+        const SearchTarget* target;
+        std::string method;
+        const std::vector<double>* fitting_error;  // per head, on the fitting sequences
+    };
+    std::vector<Chosen> chosen;
+    const std::string why = "; lower search.streaming.recent or drop streaming from search.fit";
     for (const SearchTarget& target : spec.targets) {
         const double wanted = target.bytes(full_fp16);
-        std::vector<uint8_t> streams(units, 0);
-        double sum = std::accumulate(bytes[1].head_bytes.begin(), bytes[1].head_bytes.end(), 0.0);
-        for (std::size_t u : order) {
-            if (sum <= wanted * static_cast<double>(units)) break;
-            streams[u] = 1;
-            sum += bytes[0].head_bytes[u] - bytes[1].head_bytes[u];
-        }
-        if (sum > wanted * static_cast<double>(units) * (1 + 1e-9)) {
-            char detail[200];
-            std::snprintf(detail, sizeof detail,
-                          "%.4g bytes per token, but every head streaming holds %.4g (its sinks, recent window and state)",
-                          wanted, sum / static_cast<double>(units));
-            throw InputError(target.where + ": " + target.label + " with streaming heads: " + detail +
-                             "; lower search.streaming.recent or drop streaming from search.fit");
-        }
-        chosen.push_back({"fitted-" + target.label, streams, lambda});
-        chosen.push_back({"published-" + target.label, streams, std::vector<double>(units, 0.99)});
-        chosen_target.push_back(&target);
-        chosen_target.push_back(&target);
+        const std::vector<uint8_t> streams = heads_for_target(order, bytes[0], bytes[1], wanted, target, why);
+        chosen.push_back({{"fitted-" + target.label, streams, lambda}, &target, "streaming heads, fitted lambdas",
+                          &fitted_error});
+        chosen.push_back({{"published-" + target.label, streams, std::vector<double>(units, 0.99)}, &target,
+                          "streaming heads, lambda 0.99", &error_099});
+        chosen.push_back({{"calibrated-" + target.label, streams, calibrated.lambda}, &target,
+                          "streaming heads, lambda calibrated on the full softmax", &error_calibrated});
+        if (!duo_order.empty())
+            chosen.push_back({{"duo-" + target.label, heads_for_target(duo_order, bytes[0], bytes[1], wanted, target, why),
+                               lambda},
+                              &target, "streaming heads from the DuoAttention pattern, fitted lambdas", &fitted_error});
     }
-    const std::vector<PlanResult> confirmed = plans.run(*in.heldout, chosen);
+    std::vector<Plan> chosen_plans;
+    for (const Chosen& c : chosen) chosen_plans.push_back(c.plan);
+    const std::vector<PlanResult> confirmed = plans.run(*in.heldout, chosen_plans);
 
     for (std::size_t i = 0; i < chosen.size(); ++i) {
-        const bool fitted = i % 2 == 0;
+        const Chosen& c = chosen[i];
+        const bool fitted_method = c.plan.name.rfind("fitted-", 0) == 0;
         SearchRecord r;
-        r.method = fitted ? "streaming heads, fitted lambdas" : "streaming heads, lambda 0.99";
+        r.method = c.method;
         r.fit = "streaming";
-        r.target = chosen_target[i]->label;
+        r.target = c.target->label;
         r.objective = "output_rel_error";
         double fitting = 0;
         for (std::size_t u = 0; u < units; ++u)
-            if (chosen[i].streaming[u]) fitting += fitted ? fitted_error[u] : error_099[u];
+            if (c.plan.streaming[u]) fitting += (*c.fitting_error)[u];
         r.fitting = fitting / static_cast<double>(units);
         r.heldout = confirmed[i].error;
         r.bytes_per_token = confirmed[i].bytes_per_token;
         r.compression_ratio = confirmed[i].compression_ratio;
-        r.streaming_heads = chosen[i].streaming;
-        r.lambda = chosen[i].lambda;
+        r.streaming_heads = c.plan.streaming;
+        r.lambda = c.plan.lambda;
         r.streaming_sinks = static_cast<int>(params.at("sinks"));
         r.streaming_recent = static_cast<int>(params.at("recent"));
         out.records.push_back(r);
-        if (!fitted) continue;
+        if (!fitted_method) continue;
         Profile p;
         p.name = in.shape.name + "-streaming_attention-streaming-" + r.target;
         p.model = in.shape;
@@ -226,23 +294,29 @@ void fit_streaming_heads(const StreamingFitInput& in, SearchOutcome& out) {
     }
 
     // What the fitted lambdas are, and what they buy against 0.99 head by head.
-    double mean_fitted = 0, mean_099 = 0;
+    double mean_fitted = 0, mean_099 = 0, mean_calibrated = 0;
     int better = 0;
     for (std::size_t u = 0; u < units; ++u) {
         mean_fitted += fitted_error[u];
         mean_099 += error_099[u];
+        mean_calibrated += error_calibrated[u];
         better += fitted_error[u] < error_099[u];
     }
-    std::vector<double> sorted = lambda;
+    std::vector<double> sorted = lambda, sorted_calibrated = calibrated.lambda;
     std::sort(sorted.begin(), sorted.end());
-    char line[500];
+    std::sort(sorted_calibrated.begin(), sorted_calibrated.end());
+    char line[800];
     std::snprintf(line, sizeof line,
-                  "Streaming heads (sinks %d, recent %d): fitted lambdas range %s to %s (median %s); every head "
-                  "streaming, the fitting-set output error is %.4f at the fitted lambdas and %.4f at 0.99 (%d of %zu "
-                  "heads do better with their own).",
+                  "Streaming heads (sinks %d, recent %d): fitted lambdas range %s to %s (median %s); calibrated on the "
+                  "full softmax (no token kept exactly) they range %s to %s (median %s). Every head streaming, the "
+                  "fitting-set output error is %.4f at the fitted lambdas, %.4f at the calibrated ones and %.4f at "
+                  "0.99 (%d of %zu heads do better with their own than with 0.99).",
                   static_cast<int>(params.at("sinks")), static_cast<int>(params.at("recent")),
                   format_lambda(sorted.front()).c_str(), format_lambda(sorted.back()).c_str(),
-                  format_lambda(sorted[sorted.size() / 2]).c_str(), mean_fitted / units, mean_099 / units, better, units);
+                  format_lambda(sorted[sorted.size() / 2]).c_str(), format_lambda(sorted_calibrated.front()).c_str(),
+                  format_lambda(sorted_calibrated.back()).c_str(),
+                  format_lambda(sorted_calibrated[sorted_calibrated.size() / 2]).c_str(), mean_fitted / units,
+                  mean_calibrated / units, mean_099 / units, better, units);
     out.notes.push_back(line);
 }
 

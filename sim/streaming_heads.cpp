@@ -260,11 +260,9 @@ StreamingPlan load_streaming_profile(const std::string& path, int num_layers, in
     return plan;
 }
 
-StreamingPlan load_duo_attention_pattern(const std::string& path, int num_layers, int num_kv_heads,
-                                         double default_lambda, double threshold) {
+std::vector<double> load_duo_attention_gates(const std::string& path, int num_layers, int num_kv_heads) {
     if (num_layers < 1 || num_kv_heads < 1)
-        throw std::invalid_argument("load_duo_attention_pattern: the model needs >= 1 layer and KV head");
-    check_lambda(default_lambda);
+        throw std::invalid_argument("load_duo_attention_gates: the model needs >= 1 layer and KV head");
 
     require_regular_file(path);
     std::ifstream in(path);
@@ -275,11 +273,8 @@ StreamingPlan load_duo_attention_pattern(const std::string& path, int num_layers
     if (in.bad()) throw InputError(path + ": read error");
     while (!lines.empty() && is_blank(lines.back())) lines.pop_back();
 
-    StreamingPlan plan;
-    plan.num_layers = num_layers;
-    plan.num_kv_heads = num_kv_heads;
-    plan.streaming.reserve(static_cast<std::size_t>(num_layers) * num_kv_heads);
-    plan.lambda.assign(static_cast<std::size_t>(num_layers) * num_kv_heads, default_lambda);
+    std::vector<double> all_gates;
+    all_gates.reserve(static_cast<std::size_t>(num_layers) * num_kv_heads);
 
     // Rows are checked in file order, cells before the row's count, so a header row or a stray
     // word is reported where it is rather than as a count mismatch.
@@ -308,12 +303,22 @@ StreamingPlan load_duo_attention_pattern(const std::string& path, int num_layers
         if (static_cast<int>(gates.size()) != num_kv_heads)
             throw InputError(where + " has " + count_of(gates.size(), "gate", "gates") + ", but the trace has " +
                              count_of(num_kv_heads, "KV head", "KV heads"));
-        if (static_cast<int>(r) < num_layers)
-            for (double g : gates) plan.streaming.push_back(g > threshold ? 0 : 1);
+        if (static_cast<int>(r) < num_layers) all_gates.insert(all_gates.end(), gates.begin(), gates.end());
     }
     if (static_cast<int>(lines.size()) != num_layers)
         throw InputError(path + ": " + count_of(lines.size(), "row", "rows") + ", but the trace has " +
                          count_of(num_layers, "layer", "layers"));
+    return all_gates;
+}
+
+StreamingPlan load_duo_attention_pattern(const std::string& path, int num_layers, int num_kv_heads,
+                                         double default_lambda, double threshold) {
+    check_lambda(default_lambda);
+    StreamingPlan plan;
+    plan.num_layers = num_layers;
+    plan.num_kv_heads = num_kv_heads;
+    for (double g : load_duo_attention_gates(path, num_layers, num_kv_heads)) plan.streaming.push_back(g > threshold ? 0 : 1);
+    plan.lambda.assign(plan.streaming.size(), default_lambda);
     return plan;
 }
 

@@ -119,5 +119,8 @@ StreamingPlan load_streaming_profile(const std::string& path, int num_layers, in
 
 StreamingPlan load_duo_attention_pattern(const std::string& path, int num_layers, int num_kv_heads,
                                          double default_lambda, double threshold = 0.5);
+// The pattern file's gates as written, [layer * num_kv_heads + kv]: what ranks heads by how much
+// DuoAttention's training wanted them to keep their cache. The same checks as above.
+std::vector<double> load_duo_attention_gates(const std::string& path, int num_layers, int num_kv_heads);
 
 }  // namespace kvsim

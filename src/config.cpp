@@ -17,6 +17,8 @@
 namespace kvsim {
 namespace {
 
+std::string resolve_against(const std::string& config_path, const std::string& relative);
+
 class ConfigParser {
 public:
     explicit ConfigParser(std::string file) : file_(std::move(file)) {}
@@ -107,7 +109,9 @@ public:
         spec.streaming_where = spec.where + ".streaming";
         if (const YAML::Node streaming = node["streaming"]) {
             spec.streaming_where = where(streaming, "search.streaming");
-            only_keys(streaming, "search.streaming", {"sinks", "recent"});
+            only_keys(streaming, "search.streaming", {"sinks", "recent", "pattern"});
+            if (streaming["pattern"])
+                spec.streaming_pattern = resolve_against(file_, string(streaming["pattern"], "search.streaming.pattern"));
             if (streaming["sinks"]) spec.streaming_sinks = int32(streaming["sinks"], "search.streaming.sinks", 0, kMaxBudgetTokens);
             if (streaming["recent"])
                 spec.streaming_recent = int32(streaming["recent"], "search.streaming.recent", 1, kMaxBudgetTokens);

@@ -117,6 +117,22 @@ class Search(KvsimTestCase):
         gates = [row.split("\t") for row in read(os.path.join(duo, "full_attention_heads.tsv")).splitlines()]
         self.assertEqual([[1 - int(g) for g in row] for row in gates], profile["streaming"]["heads"])
 
+        # Baselines: lambdas calibrated on the full softmax, and a DuoAttention pattern's heads.
+        records = json.loads(read(os.path.join(self.out, "search.json")))["records"]
+        calibrated = [r for r in records if r["method"] == "streaming heads, lambda calibrated on the full softmax"][0]
+        self.assertEqual(calibrated["streaming_heads"], record["streaming_heads"])
+        self.assertNotEqual(calibrated["lambda"], record["lambda"])
+        self.assertTrue(all(0 <= x <= 1 for x in calibrated["lambda"]))
+        # The pattern exported from the fitted profile picks the same heads, so the same figure.
+        with_pattern = text.replace("streaming: {sinks: 4, recent: 16}", "streaming: {sinks: 4, recent: 16, pattern: %s}"
+                                    % os.path.join(duo, "full_attention_heads.tsv"))
+        result = kvsim("search", self.write("pattern.yaml", with_pattern), "--out", self.path("pattern"), "-q")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        duo_record = [r for r in json.loads(read(os.path.join(self.path("pattern"), "search.json")))["records"]
+                      if r["method"] == "streaming heads from the DuoAttention pattern, fitted lambdas"][0]
+        self.assertEqual(duo_record["heldout"], record["heldout"])
+        self.assertEqual(duo_record["streaming_heads"], record["streaming_heads"])
+
     @unittest.skipUnless(os.path.exists(MODEL), "../shared/models/stories260K is not present")
     def test_confirmation_in_the_loop(self):
         one_target = SEARCH.replace("target: [2x, 3x]", "target: 2x")
