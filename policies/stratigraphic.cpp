@@ -15,6 +15,7 @@
 #include <string>
 
 #include "policies/policy.h"
+#include "sim/tier_shares.h"
 
 namespace kvsim {
 namespace {
@@ -257,7 +258,10 @@ PolicyDescriptor stratigraphic_descriptor() {
              {"anchor_percentile", 99, false, 0, "importance percentile at or above which a token is an anchor"},
              {"anchor_max_frac", 0.05, false, 0, "most anchors, as a fraction of held tokens"},
              {"rezone_every", 1, true, 1, "steps between re-zonings"},
-             {"value_group", 128, true, 1, "channels sharing a per-token value scale"}},
+             {"value_group", 128, true, 1, "channels sharing a per-token value scale"},
+             {"profile", 0, false, 0, "per-(layer, KV head) shares instead of surface, slope, int8_share and "
+                                      "int4_share: a profile.json or YAML with tiers: {fp16, int8, int4}, one row "
+                                      "per layer", false, true}},
             [](const ParamValues& p, const PolicyContext& ctx) -> std::unique_ptr<Policy> {
                 const double depth = ctx.num_layers > 1 ? static_cast<double>(ctx.layer) / (ctx.num_layers - 1) : 1.0;
                 const double slope = p.at("slope");
@@ -265,6 +269,13 @@ PolicyDescriptor stratigraphic_descriptor() {
                 params.fp16_share = p.at("surface") * ((1 - slope) + slope * depth);
                 params.int8_share = p.at("int8_share");
                 params.int4_share = p.at("int4_share");
+                if (ctx.files && ctx.files->count("profile")) {  // a few hundred bytes, read per head at start
+                    const TierShares shares = load_tier_shares(ctx.files->at("profile"), ctx.num_layers, ctx.num_kv_heads);
+                    const std::size_t i = shares.index(ctx.layer, ctx.kv_head);
+                    params.fp16_share = shares.fp16[i];
+                    params.int8_share = shares.int8[i];
+                    params.int4_share = shares.int4[i];
+                }
                 params.sinks = param_int(p, "sinks");
                 params.recent = param_int(p, "recent");
                 params.anchor_percentile = p.at("anchor_percentile");

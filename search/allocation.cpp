@@ -71,66 +71,87 @@ CurveShape curve_shape(const UnitCurve& curve, const std::vector<int>& grid, con
     return shape;
 }
 
-Allocation allocate_by_marginal_gain(const std::vector<UnitCurve>& curves, const std::vector<int>& grid,
-                                     const ByteModel& bytes, double target_bytes_per_token) {
-    const std::size_t units = curves.size(), points = grid.size();
-    const std::vector<double> x = grid_bytes(grid, bytes);
-    const double capacity = target_bytes_per_token * static_cast<double>(units) * (1 + kByteSlack);
+std::vector<std::size_t> choose_by_marginal_gain(const std::vector<UnitOptions>& units, double target_bytes_per_token) {
+    const std::size_t count = units.size();
+    const double capacity = target_bytes_per_token * static_cast<double>(count) * (1 + kByteSlack);
 
-    std::vector<std::vector<std::size_t>> hulls(units);
-    std::vector<std::size_t> at(units, 0);  // index into the unit's hull
-    std::vector<std::size_t> chosen(units, 0);  // grid index
-    double used = x[0] * static_cast<double>(units);
-    for (std::size_t u = 0; u < units; ++u) {
-        const std::vector<double>& y = curves[u].error;
-        if (y.size() != points) throw std::invalid_argument("allocate_by_marginal_gain: curve and grid differ in size");
-        hulls[u] = falling_lower_hull(x, y);
+    // Per unit, its options in ascending bytes (ties in their given order), and the lower hull.
+    std::vector<std::vector<std::size_t>> order(count), hulls(count);
+    std::vector<std::vector<double>> x(count), y(count);
+    std::vector<std::size_t> at(count, 0);      // index into the unit's hull
+    std::vector<std::size_t> chosen(count, 0);  // index into the unit's order
+    double used = 0;
+    for (std::size_t u = 0; u < count; ++u) {
+        const UnitOptions& o = units[u];
+        if (o.bytes.empty() || o.bytes.size() != o.error.size())
+            throw std::invalid_argument("choose_by_marginal_gain: a unit without options, or bytes and errors differ in size");
+        order[u].resize(o.bytes.size());
+        std::iota(order[u].begin(), order[u].end(), std::size_t{0});
+        std::stable_sort(order[u].begin(), order[u].end(),
+                         [&](std::size_t a, std::size_t b) { return o.bytes[a] < o.bytes[b]; });
+        for (std::size_t i : order[u]) x[u].push_back(o.bytes[i]), y[u].push_back(o.error[i]);
+        hulls[u] = falling_lower_hull(x[u], y[u]);
+        used += x[u][0];
     }
 
     // Hull steps, best gain per byte first, while they fit. A step that does not fit now never
     // will (the room only shrinks), so its unit stops there.
-    std::vector<bool> blocked(units, false);
+    std::vector<bool> blocked(count, false);
     for (;;) {
-        std::size_t best = units;
+        std::size_t best = count;
         double best_slope = 0;
-        for (std::size_t u = 0; u < units; ++u) {
+        for (std::size_t u = 0; u < count; ++u) {
             if (blocked[u] || at[u] + 1 >= hulls[u].size()) continue;
             const std::size_t i = hulls[u][at[u]], j = hulls[u][at[u] + 1];
-            const double slope = (curves[u].error[j] - curves[u].error[i]) / (x[j] - x[i]);
-            if (best == units || slope < best_slope) best = u, best_slope = slope;
+            const double slope = (y[u][j] - y[u][i]) / (x[u][j] - x[u][i]);
+            if (best == count || slope < best_slope) best = u, best_slope = slope;
         }
-        if (best == units) break;
+        if (best == count) break;
         const std::size_t i = hulls[best][at[best]], j = hulls[best][at[best] + 1];
-        if (used + x[j] - x[i] > capacity) {
+        if (used + x[best][j] - x[best][i] > capacity) {
             blocked[best] = true;
             continue;
         }
-        used += x[j] - x[i];
+        used += x[best][j] - x[best][i];
         ++at[best];
         chosen[best] = j;
     }
     // What is left: any single upgrade that fits and cuts error, best per byte first.
     for (;;) {
-        std::size_t best_u = units, best_j = 0;
+        std::size_t best_u = count, best_j = 0;
         double best_slope = 0;
-        for (std::size_t u = 0; u < units; ++u)
-            for (std::size_t j = chosen[u] + 1; j < points; ++j) {
-                const double cost = x[j] - x[chosen[u]], gain = curves[u].error[j] - curves[u].error[chosen[u]];
+        for (std::size_t u = 0; u < count; ++u)
+            for (std::size_t j = chosen[u] + 1; j < x[u].size(); ++j) {
+                const double cost = x[u][j] - x[u][chosen[u]], gain = y[u][j] - y[u][chosen[u]];
                 if (used + cost > capacity || gain >= 0) continue;
-                if (best_u == units || gain / cost < best_slope) best_u = u, best_j = j, best_slope = gain / cost;
+                if (best_u == count || gain / cost < best_slope) best_u = u, best_j = j, best_slope = gain / cost;
             }
-        if (best_u == units) break;
-        used += x[best_j] - x[chosen[best_u]];
+        if (best_u == count) break;
+        used += x[best_u][best_j] - x[best_u][chosen[best_u]];
         chosen[best_u] = best_j;
     }
+    std::vector<std::size_t> result(count);
+    for (std::size_t u = 0; u < count; ++u) result[u] = order[u][chosen[u]];
+    return result;
+}
 
+Allocation allocate_by_marginal_gain(const std::vector<UnitCurve>& curves, const std::vector<int>& grid,
+                                     const ByteModel& bytes, double target_bytes_per_token) {
+    const std::vector<double> x = grid_bytes(grid, bytes);
+    std::vector<UnitOptions> units;
+    for (const UnitCurve& c : curves) {
+        if (c.error.size() != grid.size())
+            throw std::invalid_argument("allocate_by_marginal_gain: curve and grid differ in size");
+        units.push_back({x, c.error});
+    }
+    const std::vector<std::size_t> chosen = choose_by_marginal_gain(units, target_bytes_per_token);
     Allocation result;
-    for (std::size_t u = 0; u < units; ++u) {
+    for (std::size_t u = 0; u < curves.size(); ++u) {
         result.budgets.push_back(grid[chosen[u]]);
         result.error += curves[u].error[chosen[u]];
         result.bytes_per_token += x[chosen[u]];
     }
-    result.bytes_per_token /= static_cast<double>(units);
+    result.bytes_per_token /= static_cast<double>(curves.size());
     return result;
 }
 

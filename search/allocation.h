@@ -49,6 +49,14 @@ struct Allocation {
 Allocation allocate_by_marginal_gain(const std::vector<UnitCurve>& curves, const std::vector<int>& grid,
                                      const ByteModel& bytes, double target_bytes_per_token);
 
+// The same greedy over any options: per unit, options with their bytes per token and error (in
+// any order); returns each unit's chosen option, from its cheapest, so that the units' mean bytes
+// stay within the target. What a tier profile is fitted with (options: zone shares).
+struct UnitOptions {
+    std::vector<double> bytes, error;
+};
+std::vector<std::size_t> choose_by_marginal_gain(const std::vector<UnitOptions>& units, double target_bytes_per_token);
+
 // Where a curve departs from diminishing returns: grid budgets above its lower convex hull (the
 // greedy steps over them) and budgets where the objective rises although the cache grew.
 struct CurveShape {

@@ -124,6 +124,10 @@ std::string profile_json(const Profile& p) {
                           {"heads", rows_of(heads, L, K)},
                           {"lambda", rows_of(p.streaming->lambda, L, K)}};
     }
+    if (p.tiers)
+        j["tiers"] = {{"fp16", rows_of(p.tiers->fp16, L, K)},
+                      {"int8", rows_of(p.tiers->int8, L, K)},
+                      {"int4", rows_of(p.tiers->int4, L, K)}};
     j["expected"] = {{"bytes_per_token", p.bytes_per_token}, {"compression_ratio", p.compression_ratio}};
     if (!p.layer_kept_fraction.empty()) j["expected"]["layer_kept_fraction"] = p.layer_kept_fraction;
     j["heldout"] = {{"objective", p.objective}, {"value", p.heldout_value}, {"sequences", p.heldout_sequences}};
@@ -177,7 +181,7 @@ Profile load_profile(const std::string& path) {
 
     const int L = p.model.num_layers;
     // Budgets, unless the profile streams heads instead (then every other head keeps its cache).
-    if (root.contains("layer_budgets") || !root.contains("streaming")) {
+    if (root.contains("layer_budgets") || !(root.contains("streaming") || root.contains("tiers"))) {
         const Json& layers = r.list(r.at(root, "layer_budgets", ""), "layer_budgets", static_cast<std::size_t>(L));
         for (int l = 0; l < L; ++l)
             p.layer_budgets.push_back(static_cast<int>(
@@ -205,6 +209,17 @@ Profile load_profile(const std::string& path) {
         }
         heads.lambda = r.table(r.at(s, "lambda", "streaming"), "streaming.lambda", p.model, 0, 1);
         p.streaming = heads;
+    }
+    if (root.contains("tiers")) {
+        const Json& t = root["tiers"];
+        TierShares shares;
+        shares.num_layers = L;
+        shares.num_kv_heads = p.model.num_kv_heads;
+        shares.fp16 = r.table(r.at(t, "fp16", "tiers"), "tiers.fp16", p.model, 0, 1);
+        shares.int8 = r.table(r.at(t, "int8", "tiers"), "tiers.int8", p.model, 0, 1);
+        shares.int4 = r.table(r.at(t, "int4", "tiers"), "tiers.int4", p.model, 0, 1);
+        check_tier_shares(shares, path + ": tiers");
+        p.tiers = shares;
     }
     if (root.contains("expected")) {
         const Json& e = root["expected"];

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "sim/experiment_spec.h"
+#include "sim/tier_shares.h"
 
 namespace kvsim {
 
@@ -32,6 +33,7 @@ struct Profile {
     std::vector<int> layer_budgets;          // per layer (with head budgets: each layer's mean)
     std::vector<int> head_budgets;           // per (layer, KV head), layer * num_kv_heads + kv; may be empty
     std::optional<StreamingHeads> streaming;
+    std::optional<TierShares> tiers;         // per-head zone shares of a tiered cache (stratigraphic)
     // What the search expects and measured: bytes per token of context per (layer, KV head), the
     // compression against a full fp16 cache, and each layer's share of tokens kept.
     double bytes_per_token = 0;

@@ -15,6 +15,7 @@
 #include "policies/policy.h"
 #include "search/allocation.h"
 #include "search/streaming_fit.h"
+#include "search/tier_fit.h"
 #include "sim/qkv_attention.h"
 #include "sim/replay.h"
 #include "sim/sweep.h"
@@ -93,6 +94,15 @@ std::string join(const std::vector<int>& v, const char* sep) {
 
 // What a record keeps, for tables: its layer budgets, or how many heads stream.
 std::string budgets_text(const SearchRecord& r) {
+    if (r.tiers.num_layers > 0) {
+        double f = 0, e = 0, q = 0;
+        for (std::size_t u = 0; u < r.tiers.fp16.size(); ++u) f += r.tiers.fp16[u], e += r.tiers.int8[u], q += r.tiers.int4[u];
+        const double n = static_cast<double>(r.tiers.fp16.size());
+        char text[160];
+        std::snprintf(text, sizeof text, "mean shares FP16 %.3f, INT8 %.3f, INT4 %.3f (sinks %d, recent %d)", f / n,
+                      e / n, q / n, static_cast<int>(r.tier_params.at("sinks")), static_cast<int>(r.tier_params.at("recent")));
+        return text;
+    }
     if (r.streaming_heads.empty()) return join(r.layer_budgets, " ");
     const auto streaming = std::count(r.streaming_heads.begin(), r.streaming_heads.end(), uint8_t{1});
     return std::to_string(streaming) + " of " + std::to_string(r.streaming_heads.size()) + " heads stream (sinks " +
@@ -112,6 +122,7 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     const bool output_error = out.objective == "output_rel_error";
     auto fits = [&](const char* name) { return std::find(spec.fits.begin(), spec.fits.end(), name) != spec.fits.end(); };
     const bool fit_layers = fits("layer_budgets"), fit_heads = fits("head_budgets"), fit_streaming = fits("streaming");
+    const bool fit_tiers = fits("tiers"), fit_budgets = fit_layers || fit_heads;
     if (output_error && !qkv)
         throw InputError(spec.objective_where + ": output_rel_error needs a Q/K/V trace, but " + run.trace_path +
                          " records attention only (use objective: retained_mass)");
@@ -120,6 +131,13 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
                                                 "with fit: [streaming] the objective must be output_rel_error");
     if (!qkv && fit_streaming)
         throw InputError(spec.fits_where + ": streaming heads are fitted by their output error, which needs a Q/K/V "
+                                           "trace, but " + run.trace_path + " records attention only");
+    if (fit_tiers && qkv && !output_error)
+        throw InputError(spec.objective_where + ": tier profiles are fitted and reported by their output error "
+                                                "(precision leaves retained mass unchanged); with fit: [tiers] the "
+                                                "objective must be output_rel_error");
+    if (!qkv && fit_tiers)
+        throw InputError(spec.fits_where + ": tier profiles are fitted by their output error, which needs a Q/K/V "
                                            "trace, but " + run.trace_path + " records attention only");
     if (meta.head_dim <= 0)
         throw InputError(run.trace_path + ": the trace records no head size, and byte targets are counted from it");
@@ -185,7 +203,7 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
         const double floor_bytes = heldout_bytes.bytes_per_token(out.grid.front());
         const double ceiling_bytes = heldout_bytes.bytes_per_token(out.grid.back());
         char detail[160];
-        if (bytes < floor_bytes) {
+        if (fit_budgets && bytes < floor_bytes) {
             std::snprintf(detail, sizeof detail, "%.4g bytes per token is below the %.4g that budget %d alone holds",
                           bytes, floor_bytes, out.grid.front());
             throw InputError(target.where + ": " + target.label + " (" + detail + ": " + spec.policy.name +
@@ -198,126 +216,136 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
         }
     }
 
-    // One lockstep pass over the fitting set: every grid budget side by side.
-    PolicyEntry entry = spec.policy;
-    const std::vector<ReplayCombo> grid_combos = expand_sweep({entry}, {}, out.grid);
-    if (run.progress) options.progress = [&](double f) { run.progress(0.7 * f); };
-    const std::vector<ComboResult> measured = replay(*fitting_source, grid_combos, options);
-
-    std::vector<UnitCurve> layer_curves(L), head_curves(static_cast<std::size_t>(L) * K);
-    for (int l = 0; l < L; ++l) {
-        layer_curves[l].name = "layer " + std::to_string(l);
-        for (int kv = 0; kv < K; ++kv)
-            head_curves[static_cast<std::size_t>(l) * K + kv].name =
-                "layer " + std::to_string(l) + ", KV head " + std::to_string(kv);
-    }
-    for (const ComboResult& r : measured) {
-        for (int l = 0; l < L; ++l) layer_curves[l].error.push_back(error_sum(r.by_layer[l], output_error));
-        for (std::size_t u = 0; u < head_curves.size(); ++u) head_curves[u].error.push_back(error_sum(r.by_head[u], output_error));
-    }
-    const double fitting_steps = step_count(measured.front().total, output_error);
-
-    // The methods, per target, all at the same bytes on the held-out sequences.
-    const int default_ratio =
-        static_cast<int>(resolve_params(*find_policy("pyramidkv"), {}, "pyramidkv").at("pyramid_ratio"));
-
-    std::vector<std::pair<const SearchTarget*, Method>> methods;
+    // Budget fits: per-unit curves from one fitting pass, every method in one held-out pass.
     std::vector<std::string> curve_notes;
-    for (const SearchTarget& target : spec.targets) {
-        const double bytes = target.bytes(full_fp16);
-        auto layer_method = [&](std::string name, const Allocation& a) {
-            Method m{std::move(name), "layer_budgets", a.budgets, {}, allocation_error(layer_curves, out.grid, a.budgets),
-                     a.bytes_per_token};
-            methods.push_back({&target, m});
-        };
-        auto best_shape = [&](auto weights_of, const std::vector<double>& candidates, double& best_value) {
-            Allocation best;
-            double best_error = std::numeric_limits<double>::infinity();
-            for (double c : candidates) {
-                const Allocation a = allocate_by_shape(weights_of(c), out.grid, heldout_bytes, bytes);
-                const double e = allocation_error(layer_curves, out.grid, a.budgets);
-                if (e < best_error) best = a, best_error = e, best_value = c;
+    PolicyEntry entry = spec.policy;
+    if (fit_budgets) {
+        // One lockstep pass over the fitting set: every grid budget side by side.
+        const std::vector<ReplayCombo> grid_combos = expand_sweep({entry}, {}, out.grid);
+        if (run.progress) options.progress = [&](double f) { run.progress(0.7 * f); };
+        const std::vector<ComboResult> measured = replay(*fitting_source, grid_combos, options);
+
+        std::vector<UnitCurve> layer_curves(L), head_curves(static_cast<std::size_t>(L) * K);
+        for (int l = 0; l < L; ++l) {
+            layer_curves[l].name = "layer " + std::to_string(l);
+            for (int kv = 0; kv < K; ++kv)
+                head_curves[static_cast<std::size_t>(l) * K + kv].name =
+                    "layer " + std::to_string(l) + ", KV head " + std::to_string(kv);
+        }
+        for (const ComboResult& r : measured) {
+            for (int l = 0; l < L; ++l) layer_curves[l].error.push_back(error_sum(r.by_layer[l], output_error));
+            for (std::size_t u = 0; u < head_curves.size(); ++u) head_curves[u].error.push_back(error_sum(r.by_head[u], output_error));
+        }
+        const double fitting_steps = step_count(measured.front().total, output_error);
+
+        // The methods, per target, all at the same bytes on the held-out sequences.
+        const int default_ratio =
+            static_cast<int>(resolve_params(*find_policy("pyramidkv"), {}, "pyramidkv").at("pyramid_ratio"));
+
+        std::vector<std::pair<const SearchTarget*, Method>> methods;
+        for (const SearchTarget& target : spec.targets) {
+            const double bytes = target.bytes(full_fp16);
+            auto layer_method = [&](std::string name, const Allocation& a) {
+                Method m{std::move(name), "layer_budgets", a.budgets, {}, allocation_error(layer_curves, out.grid, a.budgets),
+                         a.bytes_per_token};
+                methods.push_back({&target, m});
+            };
+            auto best_shape = [&](auto weights_of, const std::vector<double>& candidates, double& best_value) {
+                Allocation best;
+                double best_error = std::numeric_limits<double>::infinity();
+                for (double c : candidates) {
+                    const Allocation a = allocate_by_shape(weights_of(c), out.grid, heldout_bytes, bytes);
+                    const double e = allocation_error(layer_curves, out.grid, a.budgets);
+                    if (e < best_error) best = a, best_error = e, best_value = c;
+                }
+                return best;
+            };
+            layer_method("uniform", allocate_by_shape(std::vector<double>(L, 1.0), out.grid, heldout_bytes, bytes));
+            if (fit_layers) {
+                layer_method("PyramidKV schedule (ratio " + std::to_string(default_ratio) + ")",
+                             allocate_by_shape(pyramid_weights(L, default_ratio), out.grid, heldout_bytes, bytes));
+                double ratio = 0, slope = 0;
+                const Allocation best_pyramid = best_shape([&](double r) { return pyramid_weights(L, static_cast<int>(r)); },
+                                                           {2, 3, 4, 6, 8, 12, 16, 20, 32, 64}, ratio);
+                layer_method("PyramidKV schedule (best ratio " + format_number(ratio) + ")", best_pyramid);
+                const Allocation best_inverted = best_shape([&](double s) { return inverted_weights(L, s); },
+                                                            {0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9}, slope);
+                layer_method("inverted schedule (best slope " + format_number(slope) + ")", best_inverted);
+                layer_method("fitted layer budgets", allocate_by_marginal_gain(layer_curves, out.grid, heldout_bytes, bytes));
             }
-            return best;
+            if (fit_heads) {
+                const Allocation a = allocate_by_marginal_gain(head_curves, out.grid, heldout_bytes, bytes);
+                Method m{"fitted head budgets", "head_budgets", layer_means(a.budgets, L, K), a.budgets,
+                         allocation_error(head_curves, out.grid, a.budgets), a.bytes_per_token};
+                methods.push_back({&target, m});
+            }
+        }
+        // How far the measured curves are from diminishing returns: what the greedy had to step over.
+        auto describe_curves = [&](const std::vector<UnitCurve>& curves, const char* what) {
+            std::size_t non_convex = 0, rising = 0, points = 0, above = 0;
+            for (const UnitCurve& c : curves) {
+                const CurveShape shape = curve_shape(c, out.grid, heldout_bytes);
+                non_convex += !shape.above_hull.empty();
+                rising += !shape.rising.empty();
+                above += shape.above_hull.size();
+                points += out.grid.size();
+            }
+            char line[400];
+            std::snprintf(line, sizeof line,
+                          "%zu of %zu %s curves are not convex in bytes (%zu of %zu grid points lie above their lower hull) "
+                          "and %zu rise somewhere as the budget grows: neighbouring budgets differ by noise, so the "
+                          "allocator follows each curve's lower hull and steps over the points above it.",
+                          non_convex, curves.size(), what, above, points, rising);
+            curve_notes.push_back(line);
         };
-        layer_method("uniform", allocate_by_shape(std::vector<double>(L, 1.0), out.grid, heldout_bytes, bytes));
-        if (fit_layers) {
-            layer_method("PyramidKV schedule (ratio " + std::to_string(default_ratio) + ")",
-                         allocate_by_shape(pyramid_weights(L, default_ratio), out.grid, heldout_bytes, bytes));
-            double ratio = 0, slope = 0;
-            const Allocation best_pyramid = best_shape([&](double r) { return pyramid_weights(L, static_cast<int>(r)); },
-                                                       {2, 3, 4, 6, 8, 12, 16, 20, 32, 64}, ratio);
-            layer_method("PyramidKV schedule (best ratio " + format_number(ratio) + ")", best_pyramid);
-            const Allocation best_inverted = best_shape([&](double s) { return inverted_weights(L, s); },
-                                                        {0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9}, slope);
-            layer_method("inverted schedule (best slope " + format_number(slope) + ")", best_inverted);
-            layer_method("fitted layer budgets", allocate_by_marginal_gain(layer_curves, out.grid, heldout_bytes, bytes));
-        }
-        if (fit_heads) {
-            const Allocation a = allocate_by_marginal_gain(head_curves, out.grid, heldout_bytes, bytes);
-            Method m{"fitted head budgets", "head_budgets", layer_means(a.budgets, L, K), a.budgets,
-                     allocation_error(head_curves, out.grid, a.budgets), a.bytes_per_token};
-            methods.push_back({&target, m});
-        }
-    }
-    // How far the measured curves are from diminishing returns: what the greedy had to step over.
-    auto describe_curves = [&](const std::vector<UnitCurve>& curves, const char* what) {
-        std::size_t non_convex = 0, rising = 0, points = 0, above = 0;
-        for (const UnitCurve& c : curves) {
-            const CurveShape shape = curve_shape(c, out.grid, heldout_bytes);
-            non_convex += !shape.above_hull.empty();
-            rising += !shape.rising.empty();
-            above += shape.above_hull.size();
-            points += out.grid.size();
-        }
-        char line[400];
-        std::snprintf(line, sizeof line,
-                      "%zu of %zu %s curves are not convex in bytes (%zu of %zu grid points lie above their lower hull) "
-                      "and %zu rise somewhere as the budget grows: neighbouring budgets differ by noise, so the "
-                      "allocator follows each curve's lower hull and steps over the points above it.",
-                      non_convex, curves.size(), what, above, points, rising);
-        curve_notes.push_back(line);
-    };
-    if (fit_layers) describe_curves(layer_curves, "per-layer");
-    if (fit_heads) describe_curves(head_curves, "per-(layer, KV head)");
+        if (fit_layers) describe_curves(layer_curves, "per-layer");
+        if (fit_heads) describe_curves(head_curves, "per-(layer, KV head)");
 
-    // One pass over the held-out set: every method at every target.
-    std::vector<BudgetColumn> columns;
-    for (const auto& [target, m] : methods)
-        columns.push_back(profile_budget_column(m.name + " @ " + target->label, target->where, m.layer_budgets,
-                                                m.head_budgets));
-    const std::vector<ReplayCombo> heldout_combos = expand_sweep({entry}, {}, columns);
-    if (run.progress) options.progress = [&](double f) { run.progress(0.7 + 0.3 * f); };
-    const std::vector<ComboResult> confirmed = replay(*heldout_source, heldout_combos, options);
-    if (run.progress) run.progress(1.0);
+        // One pass over the held-out set: every method at every target.
+        std::vector<BudgetColumn> columns;
+        for (const auto& [target, m] : methods)
+            columns.push_back(profile_budget_column(m.name + " @ " + target->label, target->where, m.layer_budgets,
+                                                    m.head_budgets));
+        const std::vector<ReplayCombo> heldout_combos = expand_sweep({entry}, {}, columns);
+        if (run.progress) options.progress = [&](double f) { run.progress(0.7 + 0.3 * f); };
+        const std::vector<ComboResult> confirmed = replay(*heldout_source, heldout_combos, options);
+        if (run.progress) run.progress(1.0);
 
-    for (std::size_t i = 0; i < methods.size(); ++i) {
-        const auto& [target, m] = methods[i];
-        const StreamMetrics& total = confirmed[i].total;
-        SearchRecord r;
-        r.method = m.name;
-        r.fit = m.fit;
-        r.target = target->label;
-        r.objective = out.objective;
-        r.fitting = objective_value(m.fitting_errors, fitting_steps, output_error);
-        r.heldout = objective_value(error_sum(total, output_error), step_count(total, output_error), output_error);
-        if (total.context_tokens > 0) {
-            r.bytes_per_token = total.cache_bytes / static_cast<double>(total.context_tokens);
-            r.compression_ratio = total.fp16_bytes / total.cache_bytes;
-        } else {  // an attention-only trace: the byte model, which the memory metric matches
-            r.bytes_per_token = m.model_bytes;
-            r.compression_ratio = full_fp16 / r.bytes_per_token;
+        for (std::size_t i = 0; i < methods.size(); ++i) {
+            const auto& [target, m] = methods[i];
+            const StreamMetrics& total = confirmed[i].total;
+            SearchRecord r;
+            r.method = m.name;
+            r.fit = m.fit;
+            r.target = target->label;
+            r.objective = out.objective;
+            r.fitting = objective_value(m.fitting_errors, fitting_steps, output_error);
+            r.heldout = objective_value(error_sum(total, output_error), step_count(total, output_error), output_error);
+            if (total.context_tokens > 0) {
+                r.bytes_per_token = total.cache_bytes / static_cast<double>(total.context_tokens);
+                r.compression_ratio = total.fp16_bytes / total.cache_bytes;
+            } else {  // an attention-only trace: the byte model, which the memory metric matches
+                r.bytes_per_token = m.model_bytes;
+                r.compression_ratio = full_fp16 / r.bytes_per_token;
+            }
+            r.layer_budgets = m.layer_budgets;
+            r.head_budgets = m.head_budgets;
+            out.records.push_back(r);
         }
-        r.layer_budgets = m.layer_budgets;
-        r.head_budgets = m.head_budgets;
-        out.records.push_back(r);
+
     }
 
     // Streaming heads with fitted lambdas, at the same targets.
     if (fit_streaming) {
         const TempFolder scratch("search");  // the probe plans streaming_attention reads
-        StreamingFitInput input{&spec, fitting_source.get(), heldout_source.get(), out.shape, harness, scratch.path()};
+        FitInput input{&spec, fitting_source.get(), heldout_source.get(), out.shape, harness, scratch.path()};
         fit_streaming_heads(input, out);
+    }
+    // Tier profiles for stratigraphic, at the same targets.
+    if (fit_tiers) {
+        const TempFolder scratch("search");  // the plans stratigraphic reads
+        FitInput input{&spec, fitting_source.get(), heldout_source.get(), out.shape, harness, scratch.path()};
+        fit_tier_profiles(input, out);
     }
 
     // One block per target in the tables: the targets in the config's order, methods as they came.
@@ -388,7 +416,7 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     const std::string trace_sha = sha256_file(run.trace_path);
     const std::string config_sha = sha256_file(run.config_file);
     for (const SearchRecord& r : out.records) {
-        if (r.method.rfind("fitted", 0) != 0) continue;
+        if (r.method.rfind("fitted", 0) != 0 || r.fit == "tiers") continue;  // tier profiles come with their fit
         Profile p;
         p.name = meta.model_name + "-" + spec.policy.name + "-" + r.fit + "-" + r.target;
         p.model = out.shape;
@@ -470,6 +498,12 @@ void write_search_outputs(const SearchOutcome& o, const std::string& dir) {
             j["streaming_heads"] = std::vector<int>(r.streaming_heads.begin(), r.streaming_heads.end());
             j["lambda"] = r.lambda;
         }
+        if (r.tiers.num_layers > 0) {
+            j["tiers"] = Json::parse(tier_shares_json(r.tiers));
+            Json params = Json::object();
+            for (const auto& [name, value] : r.tier_params) params[name] = value;
+            j["tier_params"] = params;
+        }
         records.push_back(j);
         char numbers[200];
         std::snprintf(numbers, sizeof numbers, "%.17g,%.17g,%.17g,%.17g,", r.bytes_per_token, r.compression_ratio,
@@ -530,7 +564,7 @@ void write_search_outputs(const SearchOutcome& o, const std::string& dir) {
     // profile.json: the first target's finest fit (per head when fitted, else per layer).
     const Profile* primary = nullptr;
     for (const Profile& p : o.profiles) {
-        const std::string fit = p.streaming ? "streaming" : p.head_budgets.empty() ? "layer_budgets" : "head_budgets";
+        const std::string fit = p.streaming ? "streaming" : p.tiers ? "tiers" : p.head_budgets.empty() ? "layer_budgets" : "head_budgets";
         std::string name = "profile-" + fit + "-" + p.target + ".json";
         std::replace(name.begin(), name.end(), '/', '_');
         add(name, profile_json(p));

@@ -15,6 +15,7 @@
 
 #include "search/profile.h"
 #include "search/search_spec.h"
+#include "sim/tier_shares.h"
 #include "sim/attention_source.h"
 #include "sim/harness.h"
 
@@ -36,6 +37,10 @@ struct SearchRecord {
     std::vector<uint8_t> streaming_heads;
     std::vector<double> lambda;
     int streaming_sinks = 0, streaming_recent = 0;
+    // Tier profiles (fit: tiers): the stratigraphic parameters and the per-head zone shares
+    // replayed (tiers.num_layers is 0 for every other record).
+    ParamValues tier_params;
+    TierShares tiers;
 };
 
 struct SearchOutcome {
@@ -61,6 +66,16 @@ struct SearchRun {
 };
 
 SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run);
+
+// What a fit beside the budget fits (streaming heads, tier profiles) replays with.
+struct FitInput {
+    const SearchSpec* spec = nullptr;
+    AttentionSource* fitting = nullptr;
+    AttentionSource* heldout = nullptr;
+    ModelShape shape;
+    HarnessOptions harness;
+    std::string scratch_folder;  // where plan files are written (and removed with it)
+};
 
 // The held-out table for a terminal: one block per target, one row per method.
 std::string format_search_table(const SearchOutcome& outcome);

@@ -1,6 +1,7 @@
 // What `kvsim search` is asked to fit: the config's `search:` section, as plain data.
 #pragma once
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -43,10 +44,14 @@ struct SearchSpec {
     // A DuoAttention pattern file (full_attention_heads.tsv) to compare with: its gates rank the
     // heads that stream; empty: no such baseline.
     std::string streaming_pattern;
+    // fit: tiers: stratigraphic's parameters (sinks, recent, anchors; surface, slope, int8_share
+    // and int4_share shape the published baseline), as given; defaults fill the rest.
+    std::map<std::string, double> tier_params;
+    std::string tiers_where;
 };
 
 inline const std::vector<std::string>& known_search_fits() {
-    static const std::vector<std::string> fits = {"layer_budgets", "head_budgets", "streaming"};
+    static const std::vector<std::string> fits = {"layer_budgets", "head_budgets", "streaming", "tiers"};
     return fits;
 }
 

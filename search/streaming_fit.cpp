@@ -63,7 +63,7 @@ struct PlanResult {
 
 class PlanReplay {
 public:
-    PlanReplay(const StreamingFitInput& in, const ParamValues& params) : in_(in), params_(params) {}
+    PlanReplay(const FitInput& in, const ParamValues& params) : in_(in), params_(params) {}
 
     // Every plan side by side in one lockstep pass over `source`.
     std::vector<PlanResult> run(AttentionSource& source, const std::vector<Plan>& plans) {
@@ -101,7 +101,7 @@ public:
     }
 
 private:
-    const StreamingFitInput& in_;
+    const FitInput& in_;
     ParamValues params_;
 };
 
@@ -190,7 +190,7 @@ std::vector<std::size_t> ascending_order(const std::vector<double>& key) {
 
 }  // namespace
 
-void fit_streaming_heads(const StreamingFitInput& in, SearchOutcome& out) {
+void fit_streaming_heads(const FitInput& in, SearchOutcome& out) {
     const SearchSpec& spec = *in.spec;
     const int L = in.shape.num_layers, K = in.shape.num_kv_heads;
     const std::size_t units = static_cast<std::size_t>(L) * K;

@@ -31,17 +31,8 @@ private:
     std::string path_;
 };
 
-struct StreamingFitInput {
-    const SearchSpec* spec = nullptr;
-    AttentionSource* fitting = nullptr;
-    AttentionSource* heldout = nullptr;
-    ModelShape shape;
-    HarnessOptions harness;
-    std::string scratch_folder;  // where the probe plans are written (and removed)
-};
-
 // Appends one record per target and method ("streaming heads, fitted lambdas", "streaming heads,
 // lambda 0.99"), the fitted profiles, and notes (the fitted lambdas, their error against 0.99's).
-void fit_streaming_heads(const StreamingFitInput& input, SearchOutcome& outcome);
+void fit_streaming_heads(const FitInput& input, SearchOutcome& outcome);
 
 }  // namespace kvsim

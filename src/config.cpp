@@ -105,7 +105,17 @@ public:
     SearchSpec search_spec(const YAML::Node& node) const {
         SearchSpec spec;
         spec.where = where(node, "search");
-        only_keys(node, "search", {"policy", "split", "target", "objective", "fit", "grid", "streaming"});
+        only_keys(node, "search", {"policy", "split", "target", "objective", "fit", "grid", "streaming", "tiers"});
+        spec.tiers_where = spec.where + ".tiers";
+        if (const YAML::Node tiers = node["tiers"]) {  // stratigraphic's parameters for fit: tiers
+            spec.tiers_where = where(tiers, "search.tiers");
+            if (!tiers.IsMap()) fail(tiers, "search.tiers", "expected a map of stratigraphic parameters, e.g. {recent: 16}");
+            for (const auto& kv : tiers) {
+                const std::string param = string(kv.first, "search.tiers");
+                if (param == "profile") fail(kv.second, "search.tiers.profile", "the tier search writes the profile; it reads none");
+                spec.tier_params[param] = number(kv.second, "search.tiers." + param);
+            }
+        }
         spec.streaming_where = spec.where + ".streaming";
         if (const YAML::Node streaming = node["streaming"]) {
             spec.streaming_where = where(streaming, "search.streaming");
@@ -214,7 +224,7 @@ public:
                 const std::string name = string(fit[i], key);
                 const auto& known = known_search_fits();
                 if (std::find(known.begin(), known.end(), name) == known.end())
-                    fail(fit[i], key, "unknown fit '" + name + "' (this kvsim fits: layer_budgets, head_budgets, streaming)");
+                    fail(fit[i], key, "unknown fit '" + name + "' (this kvsim fits: layer_budgets, head_budgets, streaming, tiers)");
                 if (std::find(spec.fits.begin(), spec.fits.end(), name) != spec.fits.end())
                     fail(fit[i], key, "'" + name + "' is listed twice");
                 spec.fits.push_back(name);
@@ -382,6 +392,10 @@ ExperimentConfig load_config(const std::string& path) {
             if (profile.streaming) {  // streaming_attention reads the heads and lambdas from the file itself
                 if (profile.policy != "streaming_attention")
                     p.fail(item, key + ".profile", file + ": a profile with streaming heads is for streaming_attention");
+                entry.files["profile"] = file;
+            } else if (profile.tiers) {  // so does stratigraphic its per-head zone shares
+                if (profile.policy != "stratigraphic")
+                    p.fail(item, key + ".profile", file + ": a profile with tier shares is for stratigraphic");
                 entry.files["profile"] = file;
             } else {
                 entry.profile_budgets.push_back(profile_column(profile, entry.where));

@@ -1,5 +1,6 @@
 #include "src/search_confirm.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <map>
@@ -8,6 +9,7 @@
 #include "base/atomic_file.h"
 #include "base/errors.h"
 #include "search/streaming_fit.h"
+#include "search/tier_fit.h"
 #include "sim/trace_store.h"
 #include "src/eval.h"
 
@@ -46,6 +48,17 @@ void confirm_in_the_loop(SearchOutcome& outcome, const SearchSpec& spec, const M
             record_of["profile=" + name + ".yaml"] = i;
             continue;
         }
+        if (r.tiers.num_layers > 0) {  // a tier profile: stratigraphic reads its shares from a plan
+            const std::string name = "confirm-" + std::to_string(i);
+            PolicyEntry entry;
+            entry.name = "stratigraphic";
+            entry.params = r.tier_params;
+            entry.files = {{"profile", write_tier_plan(scratch.path(), name, r.tiers)}};
+            entry.where = spec.tiers_where;
+            config.policies.push_back(entry);
+            record_of["profile=" + name + ".json"] = i;
+            continue;
+        }
         PolicyEntry entry = spec.policy;
         const BudgetColumn column =
             profile_budget_column(r.method + " @ " + r.target, spec.where, r.layer_budgets, r.head_budgets);
@@ -61,7 +74,8 @@ void confirm_in_the_loop(SearchOutcome& outcome, const SearchSpec& spec, const M
         std::string key;
         const auto plan = r.label.find("profile=confirm-");
         if (plan != std::string::npos) {
-            key = r.label.substr(plan, r.label.find(".yaml", plan) + 5 - plan);
+            const std::size_t end = std::min(r.label.find(".yaml", plan), r.label.find(".json", plan));
+            key = r.label.substr(plan, end + 5 - plan);
         } else if (const auto open = r.label.rfind(" ["); open != std::string::npos) {
             key = r.label.substr(open + 2, r.label.size() - open - 3);
         }

@@ -133,19 +133,62 @@ class Search(KvsimTestCase):
         self.assertEqual(duo_record["heldout"], record["heldout"])
         self.assertEqual(duo_record["streaming_heads"], record["streaming_heads"])
 
+    def test_tier_profile_replays_exactly(self):
+        text = SEARCH.replace("fit: [layer_budgets, head_budgets]", "fit: [tiers]\n  tiers: {recent: 16}")
+        result = self.search(text)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        records = json.loads(read(os.path.join(self.out, "search.json")))["records"]
+        for target in ("2x", "3x"):
+            fitted = [r for r in records if r["target"] == target and r["method"] == "fitted tier profile"][0]
+            published = [r for r in records if r["target"] == target and r["method"].startswith("published shares")][0]
+            for r in (fitted, published):  # the same bytes, within 1%, and per-head shares that fit
+                self.assertLess(abs(r["bytes_per_token"] / (32 / int(target[0])) - 1), 0.01, r["method"])
+                self.assertEqual(len(r["tiers"]["fp16"]), 5)
+                for f, e, q in zip(sum(r["tiers"]["fp16"], []), sum(r["tiers"]["int8"], []), sum(r["tiers"]["int4"], [])):
+                    self.assertLessEqual(f + e + q, 1 + 1e-9)
+            # Heads differ: a fitted profile that gave every head the same shares fitted nothing.
+            self.assertGreater(len({tuple(row) for row in fitted["tiers"]["int8"]}), 1)
+            profile_path = os.path.join(self.out, "profile-tiers-%s.json" % target)
+            profile = json.loads(read(profile_path))
+            self.assertEqual(profile["policy"]["name"], "stratigraphic")
+            self.assertEqual(profile["tiers"], fitted["tiers"])
+            config = self.write("replay.yaml", "trace: {path: %s, sequences: [3, 4]}\npolicies: [{profile: %s}]\n"
+                                               "metrics: [output_rel_error, bytes_per_token]\n" % (TRACE, profile_path))
+            run = self.path("run-" + target)
+            result = kvsim("run", config, "--out", run, "-q")
+            self.assertEqual(result.returncode, 0, result.stderr)
+            replayed = json.loads(read(os.path.join(run, "results.json")))[0]
+            self.assertEqual(replayed["output_rel_error"], fitted["heldout"])
+            self.assertEqual(replayed["bytes_per_token"], fitted["bytes_per_token"])
+        # stratigraphic reads the shares itself, from a profile or a plain YAML file.
+        plan = self.write("plan.yaml", "tiers:\n  fp16: %s\n  int8: %s\n  int4: %s\n"
+                          % ([[0.1] * 4] * 5, [[0.3] * 4] * 5, [[0.2] * 4] * 5))
+        config = self.write("plan-run.yaml", "trace: %s\nbudgets: [64]\npolicies: [{stratigraphic: {recent: 16, profile: %s}}]\n"
+                                             "metrics: [output_rel_error]\n" % (TRACE, plan))
+        self.assertEqual(kvsim("run", config, "--out", self.path("plan-run"), "-q").returncode, 0)
+        bad = self.write("bad-plan.yaml", "tiers:\n  fp16: %s\n  int8: %s\n  int4: %s\n"
+                         % ([[0.5] * 4] * 5, [[0.3] * 4] * 5, [[0.4] * 4] * 5))
+        config = self.write("bad-plan-run.yaml", "trace: %s\nbudgets: [64]\npolicies: [{stratigraphic: {profile: %s}}]\n" % (TRACE, bad))
+        self.assert_input_error(kvsim("run", config, "--out", self.path("bad-plan-run"), "-q"),
+                                bad + ": tiers[0][0]: the shares fp16 + int8 + int4 sum to 1.2 > 1")
+
     @unittest.skipUnless(os.path.exists(MODEL), "../shared/models/stories260K is not present")
     def test_confirmation_in_the_loop(self):
-        one_target = SEARCH.replace("target: [2x, 3x]", "target: 2x")
+        one_target = (SEARCH.replace("target: [2x, 3x]", "target: 2x")
+                      .replace("fit: [layer_budgets, head_budgets]", "fit: [layer_budgets, head_budgets, tiers]\n"
+                               "  tiers: {recent: 16}"))
         result = self.search(one_target, "--model", MODEL, "--text", STORIES, "--split-on", "<|endoftext|>",
                              "--context", "512")
         self.assertEqual(result.returncode, 0, result.stderr)
         records = json.loads(read(os.path.join(self.out, "search.json")))["records"]
-        self.assertEqual(len(records), 6)
+        self.assertEqual(len(records), 8)
         for r in records:
             self.assertIsInstance(r["delta_ppl"], float, r["method"])
         # The fitted profiles lose less perplexity than uniform at the same bytes.
         delta = {r["method"]: r["delta_ppl"] for r in records}
         self.assertLess(delta["fitted head budgets"], delta["uniform"])
+        published = [m for m in delta if m.startswith("published shares")][0]
+        self.assertLess(delta["fitted tier profile"], delta[published])
         self.assertIn("the proxy's ranking", result.stdout)
         # The text must be the one the trace was captured from, split the same way.
         out = self.out
@@ -168,7 +211,15 @@ class Search(KvsimTestCase):
             ("  split: {heldout: [3, 4]}\n", "  split: {heldout: [0, 1, 2, 3, 4]}\n", "leaves no fitting sequence"),
             ("  split: {heldout: [3, 4]}\n", "  split: {heldout: [3, 9]}\n", "sequence 9 is not in"),
             ("  split: {heldout: [3, 4]}\n", "  split: {heldout_fraction: 1.5}\n", "heldout_fraction: must be between 0 and 1"),
-            ("  fit: [layer_budgets, head_budgets]\n", "  fit: [tiers]\n", "search.fit[0]: unknown fit 'tiers'"),
+            ("  fit: [layer_budgets, head_budgets]\n", "  fit: [layers]\n", "search.fit[0]: unknown fit 'layers'"),
+            ("  fit: [layer_budgets, head_budgets]\n", "  fit: [tiers]\n  tiers: {recent: 200}\n",
+             "search.target[0]: 2x for fit: tiers ("),
+            ("  fit: [layer_budgets, head_budgets]\n", "  fit: [tiers]\n  tiers: {profile: x.json}\n",
+             "search.tiers.profile: the tier search writes the profile"),
+            ("  fit: [layer_budgets, head_budgets]\n", "  fit: [tiers]\n  tiers: {surface: 0.9}\n",
+             "search.tiers: shares sum to 1.45 > 1"),
+            ("  fit: [layer_budgets, head_budgets]\n", "  fit: [tiers]\n  objective: retained_mass\n",
+             "search.objective: tier profiles are fitted and reported by their output error"),
             ("  fit: [layer_budgets, head_budgets]\n", "  fit: [streaming]\n",
              "search.target[1]: 3x with streaming heads: 10.67 bytes per token, but every head streaming holds"),
             ("  target: [2x, 3x]\n", "  target: [0.5x]\n", "expected a compression ratio above 1"),
@@ -223,6 +274,13 @@ class Search(KvsimTestCase):
              "streaming.lambda[0][0]: 1.5 is outside [0, 1]"),
             (dict(streaming={"sinks": 4, "recent": 8, "heads": [[0, 2, 0, 0]] * 5, "lambda": [[0.5] * 4] * 5}),
              "streaming.heads[0][1]: 2 is outside"),
+            (dict(tiers={"fp16": [[0.1] * 4] * 5, "int8": [[1.5] * 4] * 5, "int4": [[0.1] * 4] * 5}),
+             "tiers.int8[0][0]: 1.5 is outside"),
+            (dict(tiers={"fp16": [[0.6] * 4] * 5, "int8": [[0.3] * 4] * 5, "int4": [[0.2] * 4] * 5}),
+             "tiers[0][0]: the shares fp16 + int8 + int4 sum to 1.1 > 1"),
+            (dict(tiers={"fp16": [[0.1] * 4] * 5, "int8": [[0.1] * 4] * 5}), "tiers.int4: missing"),
+            (dict(tiers={"fp16": [[0.1] * 4] * 5, "int8": [[0.1] * 4] * 5, "int4": [[0.1] * 4] * 5}),
+             "a profile with tier shares is for stratigraphic"),
         ]:
             with self.subTest(fragment=fragment):
                 result, path = replay(dict(good, **change), "bad.json")

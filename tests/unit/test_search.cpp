@@ -154,6 +154,36 @@ TEST_CASE("marginal-gain allocation: the steeper curve gets the bytes, the total
     CHECK(a.error == doctest::Approx(best).epsilon(1e-12));
 }
 
+TEST_CASE("marginal-gain choice over options in any order matches brute force on convex curves") {
+    // Three units, ten options each at 1..10 bytes in a scrambled order, errors c / bytes (convex,
+    // falling): with equal byte steps the greedy is optimal, whatever order the options come in.
+    const double scale[3] = {1.0, 4.0, 9.0};
+    const int order[10] = {7, 2, 9, 0, 5, 3, 8, 1, 6, 4};
+    std::vector<UnitOptions> units(3);
+    for (int u = 0; u < 3; ++u)
+        for (int i : order) {
+            units[u].bytes.push_back(i + 1.0);
+            units[u].error.push_back(scale[u] / (i + 1.0));
+        }
+    for (double target : {1.0, 2.5, 4.0, 7.0, 10.0}) {
+        const std::vector<std::size_t> pick = choose_by_marginal_gain(units, target);
+        double error = 0, bytes = 0;
+        for (int u = 0; u < 3; ++u) error += units[u].error[pick[u]], bytes += units[u].bytes[pick[u]];
+        double best = INFINITY;
+        for (int a = 0; a < 10; ++a)
+            for (int b = 0; b < 10; ++b)
+                for (int c = 0; c < 10; ++c)
+                    if ((units[0].bytes[a] + units[1].bytes[b] + units[2].bytes[c]) / 3 <= target * (1 + 1e-9))
+                        best = std::min(best, units[0].error[a] + units[1].error[b] + units[2].error[c]);
+        INFO("target " << target);
+        CHECK(bytes / 3 <= target * (1 + 1e-9));
+        CHECK(error == doctest::Approx(best).epsilon(1e-12));
+    }
+    // The unit whose error falls fastest gets the most bytes.
+    const std::vector<std::size_t> pick = choose_by_marginal_gain(units, 5.0);
+    CHECK(units[2].bytes[pick[2]] > units[0].bytes[pick[0]]);
+}
+
 TEST_CASE("shape allocations follow their weights and meet the same bytes") {
     const std::vector<int> grid = budget_grid(4, 400);
     const ByteModel bytes({400, 300}, kDim, 8);

@@ -1,0 +1,284 @@
+#include "search/tier_fit.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdio>
+
+#include "base/atomic_file.h"
+#include "base/errors.h"
+#include "policies/policy.h"
+#include "search/allocation.h"
+#include "sim/replay.h"
+#include "sim/sweep.h"
+
+namespace kvsim {
+
+std::string write_tier_plan(const std::string& folder, const std::string& name, const TierShares& shares) {
+    const std::string path = folder + "/" + name + ".json";
+    write_file_atomically(path, "{\"tiers\": " + tier_shares_json(shares) + "}\n");
+    return path;
+}
+
+namespace {
+
+// Candidate zone shares (FP16, INT8, INT4) of one head: every mix of these that sums to at most 1.
+// Coarse on purpose: each is one combination of a lockstep pass, and the allocation picks among
+// them per head.
+std::vector<std::array<double, 3>> candidate_shares() {
+    std::vector<std::array<double, 3>> out;
+    for (double f : {0.0, 0.1, 0.2, 0.35, 0.5})
+        for (double e : {0.0, 0.15, 0.3, 0.5})
+            for (double q : {0.0, 0.2, 0.4})
+                if (f + e + q <= 1 + 1e-12) out.push_back({f, e, q});
+    return out;
+}
+
+// The published shape scaled by `scale`: stratigraphic's own per-layer FP16 share (surface, less
+// by the depth slope toward the first layer) and its INT8 and INT4 shares, each times the scale.
+TierShares published_shares(const ParamValues& p, double scale, int L, int K) {
+    TierShares s;
+    s.num_layers = L;
+    s.num_kv_heads = K;
+    const double slope = p.at("slope");
+    for (int l = 0; l < L; ++l) {
+        const double depth = L > 1 ? static_cast<double>(l) / (L - 1) : 1.0;
+        for (int kv = 0; kv < K; ++kv) {
+            s.fp16.push_back(scale * p.at("surface") * ((1 - slope) + slope * depth));
+            s.int8.push_back(scale * p.at("int8_share"));
+            s.int4.push_back(scale * p.at("int4_share"));
+        }
+    }
+    return s;
+}
+
+TierShares uniform_shares(const std::array<double, 3>& c, int L, int K) {
+    const std::size_t units = static_cast<std::size_t>(L) * K;
+    return TierShares{L, K, std::vector<double>(units, c[0]), std::vector<double>(units, c[1]),
+                      std::vector<double>(units, c[2])};
+}
+
+std::string format_share(double x) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%.3g", x);
+    return text;
+}
+
+struct TierResult {
+    std::vector<double> head_error;  // summed output error per (layer, KV head)
+    std::vector<double> head_bytes;  // bytes per token of context per (layer, KV head)
+    double error_sum = 0, steps = 0, bytes_per_token = 0, compression_ratio = 0;
+};
+
+// Every plan side by side in one lockstep pass; `output_error` false measures bytes only.
+std::vector<TierResult> replay_plans(const FitInput& in, const ParamValues& params, AttentionSource& source,
+                                     const std::vector<TierShares>& plans, bool output_error) {
+    std::vector<PolicyEntry> entries;
+    for (std::size_t i = 0; i < plans.size(); ++i) {
+        PolicyEntry e;
+        e.name = "stratigraphic";
+        e.params = params;
+        e.files = {{"profile", write_tier_plan(in.scratch_folder, "tiers-" + std::to_string(i), plans[i])}};
+        e.where = in.spec->tiers_where;
+        entries.push_back(e);
+    }
+    ReplayOptions options;
+    options.harness = in.harness;
+    options.output_error = output_error;
+    options.memory = true;
+    const std::vector<ComboResult> results = replay(source, expand_sweep(entries, {}, std::vector<int>{1}), options);
+    std::vector<TierResult> out;
+    for (const ComboResult& r : results) {
+        TierResult t;
+        for (const StreamMetrics& m : r.by_head) {
+            t.head_error.push_back(m.output_rel_error);
+            t.head_bytes.push_back(m.context_tokens ? m.cache_bytes / static_cast<double>(m.context_tokens) : 0.0);
+        }
+        t.error_sum = r.total.output_rel_error;
+        t.steps = static_cast<double>(r.total.output_steps);
+        t.bytes_per_token = r.total.cache_bytes / static_cast<double>(r.total.context_tokens);
+        t.compression_ratio = r.total.fp16_bytes / r.total.cache_bytes;
+        out.push_back(t);
+    }
+    return out;
+}
+
+}  // namespace
+
+void fit_tier_profiles(const FitInput& in, SearchOutcome& out) {
+    const SearchSpec& spec = *in.spec;
+    const int L = in.shape.num_layers, K = in.shape.num_kv_heads;
+    const std::size_t units = static_cast<std::size_t>(L) * K;
+    const PolicyDescriptor* policy = find_policy("stratigraphic");
+    const ParamValues params = resolve_params(*policy, spec.tier_params, spec.tiers_where);
+    if (const std::string problem = policy->check_budget(params, 1); !problem.empty())
+        throw InputError(spec.tiers_where + ": " + problem);
+    const double full_fp16 = 4.0 * in.shape.head_dim;
+
+    // The candidates for every head, and the published shape on a ladder of scales.
+    const std::vector<std::array<double, 3>> candidates = candidate_shares();
+    const double published_sum = params.at("surface") + params.at("int8_share") + params.at("int4_share");
+    std::vector<double> scales;
+    for (int i = 1; i <= 40; ++i) {
+        const double s = 0.05 * i;
+        if (s * published_sum > 1 + 1e-12) break;
+        scales.push_back(s);
+    }
+    if (published_sum > 0 && std::find(scales.begin(), scales.end(), 1.0) == scales.end()) scales.push_back(1.0);
+    std::vector<TierShares> plans;
+    for (const auto& c : candidates) plans.push_back(uniform_shares(c, L, K));
+    for (double s : scales) plans.push_back(published_shares(params, s, L, K));
+
+    // Bytes on the held-out sequences (what the target holds them to), errors on the fitting ones.
+    const std::vector<TierResult> bytes = replay_plans(in, params, *in.heldout, plans, false);
+    const std::vector<TierShares> candidate_plans(plans.begin(), plans.begin() + static_cast<std::ptrdiff_t>(candidates.size()));
+
+    struct Chosen {
+        std::string method;
+        const SearchTarget* target;
+        TierShares shares;
+        double fitting_error = 0;  // summed over the fitting steps; NaN until measured
+    };
+    std::vector<Chosen> chosen;
+    std::vector<TierShares> baselines;  // measured on the fitting set below
+    std::vector<std::size_t> baseline_of;
+    std::vector<std::string> lines;
+    for (const SearchTarget& target : spec.targets) {
+        const double wanted = target.bytes(full_fp16);
+        double cheapest = 0;
+        for (std::size_t u = 0; u < units; ++u) {
+            double least = bytes[0].head_bytes[u];
+            for (std::size_t c = 1; c < candidates.size(); ++c) least = std::min(least, bytes[c].head_bytes[u]);
+            cheapest += least;
+        }
+        if (cheapest > wanted * static_cast<double>(units) * (1 + 1e-9)) {
+            char detail[240];
+            std::snprintf(detail, sizeof detail,
+                          "%.4g bytes per token is below the %.4g stratigraphic holds with every share 0 (its sinks, "
+                          "recent window and anchors at FP16)",
+                          wanted, cheapest / static_cast<double>(units));
+            throw InputError(target.where + ": " + target.label + " for fit: tiers (" + detail +
+                             "); lower search.tiers.recent or drop tiers from search.fit");
+        }
+        // The published shape: the scale whose bytes meet the target, between two measured ones.
+        const std::size_t first_scale = candidates.size();
+        std::size_t below = scales.size();
+        for (std::size_t i = 0; i < scales.size(); ++i)
+            if (bytes[first_scale + i].bytes_per_token <= wanted) below = i;
+        if (below == scales.size() || below + 1 == scales.size()) {
+            char line[300];
+            std::snprintf(line, sizeof line,
+                          "At %s the published shares and slope have no baseline: scaled from %.2f to %.2f they hold "
+                          "%.4g to %.4g bytes per token, which does not bracket the target's %.4g.",
+                          target.label.c_str(), scales.front(), scales.back(), bytes[first_scale].bytes_per_token,
+                          bytes[first_scale + scales.size() - 1].bytes_per_token, wanted);
+            lines.push_back(line);
+            continue;
+        }
+        const double b0 = bytes[first_scale + below].bytes_per_token, b1 = bytes[first_scale + below + 1].bytes_per_token;
+        const double scale = scales[below] + (b1 > b0 ? (wanted - b0) / (b1 - b0) : 0.0) * (scales[below + 1] - scales[below]);
+        baselines.push_back(published_shares(params, scale, L, K));
+        baseline_of.push_back(chosen.size());
+        chosen.push_back({"published shares and slope (scaled x" + format_share(scale) + ")", &target,
+                          baselines.back(), 0});
+    }
+
+    // Errors: every candidate and each target's scaled baseline, on the fitting sequences.
+    std::vector<TierShares> fitting_plans = candidate_plans;
+    fitting_plans.insert(fitting_plans.end(), baselines.begin(), baselines.end());
+    const std::vector<TierResult> errors = replay_plans(in, params, *in.fitting, fitting_plans, true);
+    const double fitting_steps = errors.front().steps;
+    for (std::size_t b = 0; b < baselines.size(); ++b)
+        chosen[baseline_of[b]].fitting_error = errors[candidates.size() + b].error_sum;
+
+    // The fitted profile per target: one candidate per head by marginal gain.
+    for (const SearchTarget& target : spec.targets) {
+        std::vector<UnitOptions> options(units);
+        for (std::size_t u = 0; u < units; ++u)
+            for (std::size_t c = 0; c < candidates.size(); ++c) {
+                options[u].bytes.push_back(bytes[c].head_bytes[u]);
+                options[u].error.push_back(errors[c].head_error[u]);
+            }
+        const std::vector<std::size_t> pick = choose_by_marginal_gain(options, target.bytes(full_fp16));
+        TierShares shares{L, K, {}, {}, {}};
+        double fitting_error = 0;
+        for (std::size_t u = 0; u < units; ++u) {
+            shares.fp16.push_back(candidates[pick[u]][0]);
+            shares.int8.push_back(candidates[pick[u]][1]);
+            shares.int4.push_back(candidates[pick[u]][2]);
+            fitting_error += errors[pick[u]].head_error[u];
+        }
+        chosen.push_back({"fitted tier profile", &target, shares, fitting_error});
+    }
+    // Targets in the config's order, the fitted profile first.
+    std::stable_sort(chosen.begin(), chosen.end(), [&](const Chosen& a, const Chosen& b) {
+        if (a.target != b.target) return a.target < b.target;
+        return a.method == "fitted tier profile" && b.method != "fitted tier profile";
+    });
+
+    // Every method on the held-out sequences, and the published shares unscaled for the notes.
+    std::vector<TierShares> confirm_plans;
+    for (const Chosen& c : chosen) confirm_plans.push_back(c.shares);
+    const bool has_published = published_sum > 0 && published_sum <= 1 + 1e-12;
+    if (has_published) confirm_plans.push_back(published_shares(params, 1.0, L, K));
+    const std::vector<TierResult> confirmed = replay_plans(in, params, *in.heldout, confirm_plans, true);
+
+    for (std::size_t i = 0; i < chosen.size(); ++i) {
+        const Chosen& c = chosen[i];
+        SearchRecord r;
+        r.method = c.method;
+        r.fit = "tiers";
+        r.target = c.target->label;
+        r.objective = "output_rel_error";
+        r.fitting = fitting_steps > 0 ? c.fitting_error / fitting_steps : 0.0;
+        r.heldout = confirmed[i].steps > 0 ? confirmed[i].error_sum / confirmed[i].steps : 0.0;
+        r.bytes_per_token = confirmed[i].bytes_per_token;
+        r.compression_ratio = confirmed[i].compression_ratio;
+        r.tier_params = params;
+        r.tiers = c.shares;
+        out.records.push_back(r);
+        if (c.method != "fitted tier profile") continue;
+        Profile p;
+        p.name = in.shape.name + "-stratigraphic-tiers-" + r.target;
+        p.model = in.shape;
+        p.policy = "stratigraphic";
+        p.params = params;
+        p.method = r.method;
+        p.target = r.target;
+        p.tiers = r.tiers;
+        p.bytes_per_token = r.bytes_per_token;
+        p.compression_ratio = r.compression_ratio;
+        p.objective = r.objective;
+        p.heldout_value = r.heldout;
+        p.heldout_sequences = out.heldout_sequences;
+        out.profiles.push_back(p);
+
+        // Where the fitted profile spends its bytes, layer by layer.
+        std::string per_layer;
+        for (int l = 0; l < L; ++l) {
+            double f = 0, e = 0, q = 0;
+            for (int kv = 0; kv < K; ++kv) {
+                const std::size_t u = r.tiers.index(l, kv);
+                f += r.tiers.fp16[u], e += r.tiers.int8[u], q += r.tiers.int4[u];
+            }
+            per_layer += (l ? "; " : "") + std::to_string(l) + ": " + format_share(f / K) + "/" + format_share(e / K) +
+                         "/" + format_share(q / K);
+        }
+        lines.push_back("At " + r.target + " the fitted tier profile's mean FP16/INT8/INT4 shares per layer are " +
+                        per_layer + ".");
+    }
+    if (has_published) {
+        const TierResult& p = confirmed.back();
+        char line[400];
+        std::snprintf(line, sizeof line,
+                      "The published shares unscaled (surface %s, slope %s, INT8 %s, INT4 %s) hold %.4g bytes per "
+                      "token (%.2fx) on the held-out sequences, output error %.4f.",
+                      format_share(params.at("surface")).c_str(), format_share(params.at("slope")).c_str(),
+                      format_share(params.at("int8_share")).c_str(), format_share(params.at("int4_share")).c_str(),
+                      p.bytes_per_token, p.compression_ratio, p.steps > 0 ? p.error_sum / p.steps : 0.0);
+        lines.push_back(line);
+    }
+    out.notes.insert(out.notes.end(), lines.begin(), lines.end());
+}
+
+}  // namespace kvsim
