@@ -396,13 +396,15 @@ Section profile_figures(const std::string& path) {
     if (model == file.end() || !model->is_object()) throw InputError(path + ": 'model' is not an object");
     const int layers = required_count(*model, "num_layers", path + ": 'model'");
     const int heads = required_count(*model, "num_kv_heads", path + ": 'model'");
-    Section section{"profile.json", "", {}};
+    // profile.json, or one of a search's profile-<fit>-<target>.json: its stem names the figures.
+    const std::string prefix = fs::path(path).stem().string();
+    Section section{fs::path(path).filename().string(), "", {}};
     const std::string of = name.empty() ? "" : " of " + name;
 
     if (const auto budgets = file.find("layer_budgets"); budgets != file.end() && !budgets->is_null()) {
         if (!budgets->is_array() || budgets->size() != static_cast<std::size_t>(layers))
             throw InputError(path + ": 'layer_budgets' is not a list of " + std::to_string(layers) + " numbers");
-        Figure f{"profile-layer_budgets", "layer budgets" + of, "Tokens kept per layer (layer_budgets)" + of + ".",
+        Figure f{prefix + "-layer_budgets", "layer budgets" + of, "Tokens kept per layer (layer_budgets)" + of + ".",
                  "", ""};
         f.data = "# kvsim report: layer_budgets from profile.json\n# columns: layer, budget (tokens)\n";
         for (int layer = 0; layer < layers; ++layer) {
@@ -420,7 +422,7 @@ Section profile_figures(const std::string& path) {
     auto add_heat_map = [&](const Json& value, const std::string& key, bool unit_range, const std::string& what) {
         std::string stem = key;
         std::replace(stem.begin(), stem.end(), '.', '-');
-        section.figures.push_back(heat_map("profile-" + stem, key, per_head(value, key, path, layers, heads),
+        section.figures.push_back(heat_map(prefix + "-" + stem, key, per_head(value, key, path, layers, heads),
                                            unit_range, what + " per (layer, KV head)" + of + "."));
         section.figures.back().title = key + of;
     };
@@ -593,6 +595,16 @@ int write_report_plots(const std::string& dir) {
         {"results.json", results_figures}, {"search.json", search_figures}, {"profile.json", profile_figures}};
     for (const auto& [file, read] : inputs)
         if (fs::exists(folder / file, error)) sections.push_back(read((folder / file).string()));
+    // A search folder also holds a profile per fit and target (profile-tiers-2x.json, ...).
+    std::vector<std::string> more_profiles;
+    for (const auto& entry : fs::directory_iterator(folder, error)) {
+        const std::string file = entry.path().filename().string();
+        if (file.rfind("profile-", 0) == 0 && entry.path().extension() == ".json" && entry.is_regular_file(error) &&
+            file.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.") == std::string::npos)
+            more_profiles.push_back(entry.path().string());
+    }
+    std::sort(more_profiles.begin(), more_profiles.end());
+    for (const std::string& path : more_profiles) sections.push_back(profile_figures(path));
     if (sections.empty()) throw InputError(dir + ": no results.json, search.json or profile.json to plot");
     int figures = 0;
     for (const Section& s : sections) figures += static_cast<int>(s.figures.size());

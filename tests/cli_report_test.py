@@ -193,6 +193,17 @@ class Report(KvsimTestCase):
         self.assertIn("stories260K-h2o-2x", report)
         self.assertEqual(report.count("!["), 1 + len(PROFILE_FIGURES))
 
+        # A search folder's profile per fit and target is drawn too, named by its file.
+        tiers = {"fp16": [[0.1, 0.2, 0.0, 0.35]] * 5, "int8": [[0.3] * 4] * 5, "int4": [[0.2] * 4] * 5}
+        with open(os.path.join(folder, "profile-tiers-2x.json"), "w") as f:
+            json.dump(dict(PROFILE, name="stories260K-stratigraphic-tiers-2x", tiers=tiers), f)
+        result = kvsim("report", folder)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        for zone in ("fp16", "int8", "int4"):
+            self.assert_figure(plots, "profile-tiers-2x-tiers-" + zone)
+        self.assertIn("\n3 0 0.35\n", read(os.path.join(plots, "profile-tiers-2x-tiers-fp16.dat")))
+        self.assertIn("stories260K-stratigraphic-tiers-2x", read(os.path.join(plots, "report.md")))
+
     @NEEDS_GNUPLOT
     def test_the_scripts_redraw_by_hand_and_a_new_report_replaces_the_old(self):
         folder = self.results_folder(profile=PROFILE)
