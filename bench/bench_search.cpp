@@ -39,25 +39,7 @@ int main(int argc, char** argv) {
 
     // Three sequences of the generator with different seeds, float16 as capture would store them.
     auto start = Clock::now();
-    {
-        TraceMetadata m;
-        m.kind = TraceKind::qkv;
-        m.model_name = "llama-1b-shaped synthetic";
-        m.num_layers = spec.num_layers;
-        m.num_query_heads = spec.num_query_heads;
-        m.num_kv_heads = spec.num_kv_heads;
-        m.head_dim = spec.head_dim;
-        m.source_kind = "synthetic";
-        TraceWriter writer(trace, m);
-        for (int s = 0; s < 3; ++s) {
-            SyntheticQkvSpec seq = spec;
-            seq.seed = spec.seed + static_cast<uint32_t>(s);
-            const int id = writer.add_sequence("synthetic-" + std::to_string(s), tokens);
-            for (int layer = 0; layer < spec.num_layers; ++layer)
-                writer.write_qkv(id, layer, generate_synthetic_qkv_layer(seq, layer), TensorDtype::float16);
-        }
-        writer.commit();
-    }
+    write_synthetic_qkv_trace(spec, trace, TensorDtype::float16, 3);
     std::printf("trace: 3 sequences x %lld tokens, %d layers, %d/%d heads, head size %d; written in %.1f s\n",
                 static_cast<long long>(tokens), spec.num_layers, spec.num_query_heads, spec.num_kv_heads, spec.head_dim,
                 seconds_since(start));

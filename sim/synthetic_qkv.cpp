@@ -149,7 +149,8 @@ std::unique_ptr<AttentionSource> make_synthetic_qkv_source(const SyntheticQkvSpe
     return std::make_unique<SyntheticQkvSource>(spec, max_steps);
 }
 
-void write_synthetic_qkv_trace(const SyntheticQkvSpec& spec, const std::string& path, TensorDtype dtype) {
+void write_synthetic_qkv_trace(const SyntheticQkvSpec& spec, const std::string& path, TensorDtype dtype,
+                               int sequences) {
     TraceMetadata m;
     m.kind = TraceKind::qkv;
     m.model_name = "synthetic Llama-shaped Q/K/V (sinks + RoPE recency + heavy hitters)";
@@ -161,9 +162,13 @@ void write_synthetic_qkv_trace(const SyntheticQkvSpec& spec, const std::string& 
     m.source_generator = "synthetic-qkv/" + spec.name;
     m.source_seed = spec.seed;
     TraceWriter writer(path, m);
-    const int sequence = writer.add_sequence(spec.name, spec.tokens);
-    for (int layer = 0; layer < spec.num_layers; ++layer)
-        writer.write_qkv(sequence, layer, generate_synthetic_qkv_layer(spec, layer), dtype);
+    for (int s = 0; s < sequences; ++s) {
+        SyntheticQkvSpec one = spec;
+        one.seed = spec.seed + static_cast<uint32_t>(s);
+        const int sequence = writer.add_sequence(sequences == 1 ? spec.name : spec.name + "-" + std::to_string(s), spec.tokens);
+        for (int layer = 0; layer < spec.num_layers; ++layer)
+            writer.write_qkv(sequence, layer, generate_synthetic_qkv_layer(one, layer), dtype);
+    }
     writer.commit();
 }
 

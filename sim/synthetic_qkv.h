@@ -33,7 +33,9 @@ QkvLayer generate_synthetic_qkv_layer(const SyntheticQkvSpec& spec, int layer);
 
 std::unique_ptr<AttentionSource> make_synthetic_qkv_source(const SyntheticQkvSpec& spec, int64_t max_steps);
 
-// Writes the trace as a qkv-kind HDF5 file (float16 or float32), a layer at a time.
-void write_synthetic_qkv_trace(const SyntheticQkvSpec& spec, const std::string& path, TensorDtype dtype);
+// Writes the trace as a qkv-kind HDF5 file (float16 or float32), a layer at a time. With
+// sequences > 1, sequence s is generated with seed spec.seed + s and named "<name>-<s>".
+void write_synthetic_qkv_trace(const SyntheticQkvSpec& spec, const std::string& path, TensorDtype dtype,
+                               int sequences = 1);
 
 }  // namespace kvsim
