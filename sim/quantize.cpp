@@ -14,8 +14,6 @@ namespace kvsim {
 
 namespace {
 
-constexpr float kFp16Max = 65504.0f;
-
 // Channels sharing one per-token scale: a value_group of head_dim or more means the whole head.
 int channel_group(int value_group, int head_dim) { return std::min(value_group, head_dim); }
 
@@ -99,23 +97,10 @@ int quant_qmax(int bits) {
     throw std::invalid_argument("quantize: bits must be 4 or 8, got " + std::to_string(bits));
 }
 
-float round_to_fp16(float x) {
-    if (std::isnan(x)) return x;
-    return static_cast<float>(Eigen::half(std::clamp(x, -kFp16Max, kFp16Max)));
-}
-
-float quant_scale(float max_abs, int bits) {
-    const float scale = round_to_fp16(max_abs / static_cast<float>(quant_qmax(bits)));
-    // A scale that rounds to 0 cannot be divided by: treat the group as zero. A positive fp16
-    // subnormal scale is still a normal float and keeps x / scale finite (then clamped).
-    return scale > 0.0f ? scale : 0.0f;
-}
+float quant_scale(float max_abs, int bits) { return group_scale(max_abs, quant_qmax(bits)); }
 
 float quant_roundtrip(float x_fp16, float scale, int qmax) {
-    if (scale == 0.0f) return x_fp16 * 0.0f;  // 0 for finite input; NaN stays NaN
-    const float bound = static_cast<float>(qmax);
-    const float q = std::clamp(std::round(x_fp16 / scale), -bound, bound);  // std::round: half away from zero
-    return q * scale;
+    return dequantize_level(quant_level(x_fp16, scale, qmax), scale);
 }
 
 float roundtrip_group(const float* in, float* out, int64_t count, int64_t stride, int bits) {

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "sim/cache_math.h"
 #include "sim/trace_store.h"
 
 namespace kvsim {
@@ -39,9 +40,8 @@ struct DequantizedKV {
 // Throws std::invalid_argument for other bit widths.
 int quant_qmax(int bits);
 
-// x rounded to the nearest fp16 (round to nearest even). Saturates at +-65504 rather than
-// overflowing to infinity, so one out-of-range activation cannot turn its whole group into NaN.
-float round_to_fp16(float x);
+// round_to_fp16 (nearest even, saturating at +-65504) and the per-value arithmetic below come
+// from sim/cache_math.h, which the runtime's CPU and CUDA backends share.
 
 // The fp16-stored scale of a group whose largest fp16 magnitude is max_abs: fp16(max_abs / qmax),
 // or 0 when that rounds to 0 (the group then dequantises to 0).

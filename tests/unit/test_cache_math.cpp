@@ -1,0 +1,83 @@
+// sim/cache_math.h: the shared fp16 conversion against Eigen's (an independent implementation),
+// and the online softmax against the two-pass one.
+#include <doctest/doctest.h>
+
+#include <Eigen/Core>
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "sim/cache_math.h"
+
+using namespace kvsim;
+
+TEST_CASE("fp16 conversion: every half round-trips, and floats round as Eigen::half rounds them") {
+    for (uint32_t h = 0; h < 0x10000u; ++h) {
+        const uint16_t bits = static_cast<uint16_t>(h);
+        const float f = half_bits_to_float(bits);
+        const Eigen::half reference = Eigen::numext::bit_cast<Eigen::half>(bits);
+        if (std::isnan(f)) {
+            CHECK(std::isnan(static_cast<float>(reference)));
+            continue;
+        }
+        REQUIRE(f == static_cast<float>(reference));
+        REQUIRE(float_to_half_bits(f) == bits);
+    }
+    // Random bit patterns over the whole float range, plus every float near the boundaries: the
+    // subnormal threshold, the overflow threshold and the ties.
+    std::mt19937 rng(7);
+    std::vector<uint32_t> patterns;
+    for (int i = 0; i < 2000000; ++i) patterns.push_back(rng());
+    for (uint32_t centre : {0x33000000u, 0x33800000u, 0x38800000u, 0x387fc000u, 0x477fe000u, 0x477ff000u, 0x3f800000u})
+        for (uint32_t d = 0; d < 5000; ++d) patterns.push_back(centre - 2500 + d);
+    int checked = 0;
+    for (uint32_t u : patterns) {
+        const float f = bits_float(u);
+        if (std::isnan(f)) continue;
+        const uint16_t mine = float_to_half_bits(f);
+        const uint16_t eigen = Eigen::numext::bit_cast<uint16_t>(Eigen::half(f));
+        if (mine != eigen) FAIL("float bits " << u << ": ours " << mine << ", Eigen " << eigen);
+        ++checked;
+    }
+    CHECK(checked > 1900000);
+    CHECK(round_to_fp16(1e6f) == 65504.0f);  // saturates instead of overflowing
+    CHECK(round_to_fp16(-1e6f) == -65504.0f);
+    CHECK(std::isnan(round_to_fp16(NAN)));
+}
+
+TEST_CASE("quantisation levels: half away from zero, clamped, zero scale gives zero") {
+    const float scale = group_scale(1.0f, 7);
+    CHECK(scale == round_to_fp16(1.0f / 7.0f));
+    CHECK(quant_level(2.5f * scale, scale, 7) == 3.0f);   // a tie rounds away from zero
+    CHECK(quant_level(-2.5f * scale, scale, 7) == -3.0f);
+    CHECK(quant_level(100.0f, scale, 7) == 7.0f);
+    CHECK(quant_level(-100.0f, scale, 7) == -7.0f);
+    CHECK(group_scale(0.0f, 127) == 0.0f);
+    CHECK(dequantize_level(quant_level(0.3f, 0.0f, 127), 0.0f) == 0.0f);
+}
+
+TEST_CASE("online softmax: the same weights and output as the two-pass softmax, within float rounding") {
+    std::mt19937 rng(3);
+    std::normal_distribution<float> normal(0.0f, 3.0f);
+    const int n = 500, d = 8;
+    std::vector<float> scores(n), values(n * d);
+    for (float& s : scores) s = normal(rng);
+    for (float& v : values) v = normal(rng);
+    OnlineSoftmax online;
+    std::vector<double> acc(d, 0.0);
+    for (int j = 0; j < n; ++j) {
+        float w = 0;
+        const float rescale = online.add(scores[j], w);
+        for (int i = 0; i < d; ++i) acc[i] = acc[i] * rescale + w * values[j * d + i];
+    }
+    double peak = -INFINITY, total = 0;
+    for (float s : scores) peak = std::max<double>(peak, s);
+    for (float s : scores) total += std::exp(s - peak);
+    CHECK(online.maximum == static_cast<float>(peak));
+    CHECK(online.sum == doctest::Approx(total).epsilon(1e-5));
+    for (int i = 0; i < d; ++i) {
+        double reference = 0;
+        for (int j = 0; j < n; ++j) reference += std::exp(scores[j] - peak) / total * values[j * d + i];
+        CHECK(acc[i] / online.sum == doctest::Approx(reference).epsilon(1e-5));
+    }
+}
