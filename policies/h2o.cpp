@@ -25,12 +25,14 @@ private:
 }  // namespace
 
 PolicyDescriptor h2o_descriptor() {
-    return {"h2o", "Zhang et al. 2023, H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs (NeurIPS)",
+    PolicyDescriptor d{"h2o", "Zhang et al. 2023, H2O: Heavy-Hitter Oracle for Efficient Generative Inference of LLMs (NeurIPS)",
             {{"recent_window", 32, true, 0, "most recent tokens never evicted"}},
             [](const ParamValues& p, const PolicyContext& ctx) -> std::unique_ptr<Policy> {
                 return std::make_unique<H2O>(ctx.capacity, param_int(p, "recent_window"));
             },
             check_recent_window_fits};
+    d.scored = true;
+    return d;
 }
 
 }  // namespace kvsim

@@ -33,6 +33,13 @@ struct TierFormat {
     bool operator==(const TierFormat&) const = default;
 };
 
+// What a scored policy holds, slot by slot: for selection across the KV heads of a layer.
+struct HeldScores {
+    std::vector<int32_t> position;  // ascending
+    std::vector<double> score;      // lower is evicted first; NaN lowest of all
+    std::vector<uint8_t> protect;   // 1: never evicted (counts against the head's budget)
+};
+
 class Policy {
 public:
     virtual ~Policy() = default;
@@ -62,6 +69,18 @@ public:
     // A streaming head's decayed linear state, which stands for the tokens it let go; nullptr for
     // every other policy. The harness feeds it each token's key and value and reads its output.
     virtual StreamingHeadState* linear_state() const { return nullptr; }
+
+    // --- Cross-head selection (Ada-KV, policies/adakv.h): scored eviction policies override these. ---
+
+    // How far evict(budget) brings the cache down: the budget, or a policy's own share of it
+    // (PyramidKV's layer share).
+    virtual int eviction_target(int budget) const { return budget; }
+    // Each held position (ascending), its score in the policy's own eviction order and whether it
+    // is protected (a recent window, a token not yet observed): false for a policy without scores.
+    virtual bool held_scores(HeldScores& out) { (void)out; return false; }
+    // Brings the cache down to exactly `keep` positions (fewer only where protection allows no
+    // more), by the policy's own order, whatever its eviction_target would be.
+    virtual void evict_to(int keep, std::vector<int32_t>& victims) { evict(keep, victims); }
 };
 
 // Removes the entries at `slots` (ascending indices) from `column`, keeping the order of the
@@ -126,6 +145,9 @@ struct PolicyDescriptor {
     bool keeps_everything = false;
     // Null when the budget alone sizes the policy's memory.
     std::function<ParamMemory(const ParamValues&, const PolicyContext&)> param_memory = nullptr;
+    // A scored eviction policy (policies/scored_eviction.h): it reports held_scores, so Ada-KV can
+    // select across the KV heads of a layer by its scores.
+    bool scored = false;
 };
 
 // The quantisation composed with an eviction policy: {evict: h2o, quantize: {bits: 4, older_than: 128}}.

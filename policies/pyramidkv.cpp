@@ -36,7 +36,7 @@ private:
 }  // namespace
 
 PolicyDescriptor pyramidkv_descriptor() {
-    return {"pyramidkv", "Cai et al. 2024, PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling",
+    PolicyDescriptor d{"pyramidkv", "Cai et al. 2024, PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information Funneling",
             {{"pyramid_ratio", 4, true, 1, "budget of the first layer over that of the last"},
              {"recent_window", 32, true, 0, "most recent tokens never evicted"},
              {"obs_window", 16, true, 1, "steps of attention summed into the score"},
@@ -50,6 +50,8 @@ PolicyDescriptor pyramidkv_descriptor() {
                                                    param_int(p, "obs_window"), param_int(p, "pool_kernel"));
             },
             check_recent_window_fits, false, snapkv_memory};
+    d.scored = true;
+    return d;
 }
 
 }  // namespace kvsim

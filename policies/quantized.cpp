@@ -31,6 +31,9 @@ public:
     std::size_t bytes_per_slot() const override { return inner_->bytes_per_slot(); }
     bool sizes_itself() const override { return inner_->sizes_itself(); }
     const TierFormat* tier_format() const override { return &format_; }
+    int eviction_target(int budget) const override { return inner_->eviction_target(budget); }
+    bool held_scores(HeldScores& out) override { return inner_->held_scores(out); }
+    void evict_to(int keep, std::vector<int32_t>& victims) override { inner_->evict_to(keep, victims); }
 
     void assign_tiers(int32_t t, std::span<const int32_t> held, std::span<uint8_t> key_tier,
                       std::span<uint8_t> value_tier) override {

@@ -28,12 +28,14 @@ private:
 }  // namespace
 
 PolicyDescriptor scissorhands_descriptor() {
-    return {"scissorhands", "Liu et al. 2023, Scissorhands: Persistence of Importance for KV Cache Compression (NeurIPS)",
+    PolicyDescriptor d{"scissorhands", "Liu et al. 2023, Scissorhands: Persistence of Importance for KV Cache Compression (NeurIPS)",
             {{"recent_window", 32, true, 0, "most recent tokens never evicted"}},
             [](const ParamValues& p, const PolicyContext& ctx) -> std::unique_ptr<Policy> {
                 return std::make_unique<Scissorhands>(ctx.capacity, param_int(p, "recent_window"));
             },
             check_recent_window_fits};
+    d.scored = true;
+    return d;
 }
 
 }  // namespace kvsim

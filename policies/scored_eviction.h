@@ -18,6 +18,15 @@ constexpr Score kNotEvictable = std::numeric_limits<Score>::has_infinity
                                     ? std::numeric_limits<Score>::infinity()
                                     : std::numeric_limits<Score>::max();
 
+// a < b in the eviction order: every NaN first, then the numbers as < orders them; ties go to
+// the lower position. One order for a head's own eviction and for Ada-KV's across heads.
+template <class Score>
+bool evicted_before(Score a, Score b) {
+    if constexpr (std::numeric_limits<Score>::has_quiet_NaN)
+        if (a != a) return b == b;
+    return a < b;
+}
+
 template <class Score>
 class ScoredEviction : public Policy {
 public:
@@ -38,9 +47,11 @@ public:
     // evictable slots (all but the protected recent tail, which includes the slot admitted this
     // step) and take the smallest score; strict < sends ties to the lower position. Scores with
     // NaN (a policy fed NaN attention; the replay refuses such input) still give slots in range.
-    void evict(int budget, std::vector<int32_t>& victims) final {
+    void evict(int budget, std::vector<int32_t>& victims) final { evict_to(eviction_target(budget), victims); }
+
+    void evict_to(int keep, std::vector<int32_t>& victims) final {
         const std::size_t size = positions_.size();
-        const std::size_t target = static_cast<std::size_t>(std::max(eviction_target(budget), 0));
+        const std::size_t target = static_cast<std::size_t>(std::max(keep, 0));
         if (size <= target) return;
         const std::size_t needed = size - target;
         const std::size_t evictable_end = size - std::min<std::size_t>(std::max(recent_window_, 0), size);
@@ -75,6 +86,22 @@ public:
         return sizeof(int32_t) + state_bytes_per_slot();
     }
 
+    // The scores evict() ranks by; the recent window and kNotEvictable slots are protected.
+    bool held_scores(HeldScores& out) final {
+        const std::size_t size = positions_.size();
+        const std::span<const Score> all = scores();
+        if (all.size() < size) throw std::logic_error("has fewer scores than cached positions");
+        const std::size_t evictable_end = size - std::min<std::size_t>(std::max(recent_window_, 0), size);
+        out.position.assign(positions_.begin(), positions_.end());
+        out.score.resize(size);
+        out.protect.resize(size);
+        for (std::size_t i = 0; i < size; ++i) {
+            out.score[i] = static_cast<double>(all[i]);  // int32 votes convert exactly
+            out.protect[i] = i >= evictable_end || all[i] == kNotEvictable<Score>;
+        }
+        return true;
+    }
+
 protected:
     // Updates the existing slots' state from this step's attention (index-aligned).
     virtual void observe(std::span<const float> attn) = 0;
@@ -85,19 +112,9 @@ protected:
     // Removes the state of the evicted slots (ascending indices), keeping order.
     virtual void drop_state(std::span<const std::size_t> evicted) = 0;
     virtual std::size_t state_bytes_per_slot() const = 0;
-    // How far evict() brings the cache down; PyramidKV gives each layer its own share.
-    virtual int eviction_target(int budget) const { return budget; }
-
     std::size_t size() const { return positions_.size(); }
 
 private:
-    // a < b in the eviction order: every NaN first, then the numbers as < orders them.
-    static bool evicted_before(Score a, Score b) {
-        if constexpr (std::numeric_limits<Score>::has_quiet_NaN)
-            if (a != a) return b == b;
-        return a < b;
-    }
-
     // Up to `needed` slots of [0, evictable_end), each time the first one lowest in the eviction
     // order; a kNotEvictable score is never taken.
     void select_total(const Score* score, std::size_t evictable_end, std::size_t needed) {

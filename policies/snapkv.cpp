@@ -60,7 +60,7 @@ ParamMemory snapkv_memory(const ParamValues& p, const PolicyContext& ctx) {
 }
 
 PolicyDescriptor snapkv_descriptor() {
-    return {"snapkv", "Li et al. 2024, SnapKV: LLM Knows What You are Looking for Before Generation (NeurIPS)",
+    PolicyDescriptor d{"snapkv", "Li et al. 2024, SnapKV: LLM Knows What You are Looking for Before Generation (NeurIPS)",
             {{"recent_window", 32, true, 0, "most recent tokens never evicted"},
              {"obs_window", 16, true, 1, "steps of attention summed into the score"},
              {"pool_kernel", 7, true, 1, "width of the max-pooling over neighbouring cached tokens", true}},
@@ -69,6 +69,8 @@ PolicyDescriptor snapkv_descriptor() {
                                                 param_int(p, "obs_window"), param_int(p, "pool_kernel"));
             },
             check_recent_window_fits, false, snapkv_memory};
+    d.scored = true;
+    return d;
 }
 
 }  // namespace kvsim

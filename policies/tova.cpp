@@ -27,11 +27,13 @@ private:
 }  // namespace
 
 PolicyDescriptor tova_descriptor() {
-    return {"tova", "Oren et al. 2024, Transformers are Multi-State RNNs (TOVA)", {},
+    PolicyDescriptor d{"tova", "Oren et al. 2024, Transformers are Multi-State RNNs (TOVA)", {},
             [](const ParamValues&, const PolicyContext& ctx) -> std::unique_ptr<Policy> {
                 return std::make_unique<Tova>(ctx.capacity);
             },
             nullptr};
+    d.scored = true;
+    return d;
 }
 
 }  // namespace kvsim
