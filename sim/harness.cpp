@@ -116,6 +116,28 @@ void Harness::fail(int32_t t, const std::string& what) const {
 }
 
 void Harness::step(const GroupStep& s) {
+    observe(s);
+    // During a prefill the cache grows freely; after its last token it is compressed once.
+    if (s.t + 1 >= options_.prefill_tokens &&
+        (kept_.size() > static_cast<std::size_t>(budget_) || policy_->sizes_itself()))
+        evict(s.t, budget_, false);
+    assign_tiers(s.t);
+}
+
+void Harness::evict_to(int32_t t, int keep) {
+    if (t + 1 >= options_.prefill_tokens && kept_.size() > static_cast<std::size_t>(std::max(keep, 0)))
+        evict(t, keep, true);
+    assign_tiers(t);
+}
+
+void Harness::assign_tiers(int32_t t) {
+    if (tiered_) {
+        key_tier_[t] = value_tier_[t] = 0;
+        policy_->assign_tiers(t, kept_, key_tier_, value_tier_);
+    }
+}
+
+void Harness::observe(const GroupStep& s) {
     const int32_t t = s.t;
     const std::size_t held = kept_.size(), group = s.rows.size();
     // Decode steps are measured; prompt steps (a prefill) only feed the policy.
@@ -202,26 +224,21 @@ void Harness::step(const GroupStep& s) {
     }
     kept_.push_back(t);
     is_kept_[t] = 1;
-
-    // During a prefill the cache grows freely; after its last token it is compressed once.
-    if (t + 1 >= options_.prefill_tokens &&
-        (kept_.size() > static_cast<std::size_t>(budget_) || policy_->sizes_itself()))
-        evict(t);
-    if (tiered_) {
-        key_tier_[t] = value_tier_[t] = 0;
-        policy_->assign_tiers(t, kept_, key_tier_, value_tier_);
-    }
 }
 
-void Harness::evict(int32_t t) {
+// `exact`: down to `budget` by Policy::evict_to (a budget chosen for this step), else Policy::evict.
+void Harness::evict(int32_t t, int budget, bool exact) {
     victims_.clear();
     try {
-        policy_->evict(budget_, victims_);
+        if (exact)
+            policy_->evict_to(budget, victims_);
+        else
+            policy_->evict(budget, victims_);
     } catch (const std::logic_error& e) {
         fail(t, e.what());
     }
     // A self-sizing policy is asked every step; a call counts when it evicted something.
-    if (!victims_.empty() || kept_.size() > static_cast<std::size_t>(budget_)) ++metrics_.eviction_calls;
+    if (!victims_.empty() || kept_.size() > static_cast<std::size_t>(budget)) ++metrics_.eviction_calls;
     victim_slots_.clear();
     for (int32_t v : victims_) {
         if (v < 0 || v > t || !is_kept_[v]) fail(t, "evicted position " + std::to_string(v) + " which it does not hold");
@@ -230,9 +247,9 @@ void Harness::evict(int32_t t) {
     }
     std::sort(victim_slots_.begin(), victim_slots_.end());
     erase_slots(kept_, victim_slots_);
-    if (kept_.size() > static_cast<std::size_t>(budget_))
+    if (kept_.size() > static_cast<std::size_t>(budget))
         fail(t, "left " + std::to_string(kept_.size()) + " positions cached, over the budget of " +
-                    std::to_string(budget_));
+                    std::to_string(budget));
 }
 
 }  // namespace kvsim

@@ -94,11 +94,18 @@ public:
             std::string label, std::string where);
 
     void step(const GroupStep& s);
+    // A step in two halves, for heads that share one budget (Ada-KV): observe() measures the step,
+    // shows the policy its attention and admits the token; evict_to() then brings the cache down
+    // to `keep` positions (Policy::evict_to) once a prefill is over, and assigns tiers.
+    void observe(const GroupStep& s);
+    void evict_to(int32_t t, int keep);
     // Enables the value-level metrics; `values` must outlive the steps that use it.
     void set_values(const CacheValues& values);
 
     const StreamMetrics& metrics() const { return metrics_; }
     const Policy& policy() const { return *policy_; }
+    Policy& policy() { return *policy_; }
+    int budget() const { return budget_; }
     const std::vector<int32_t>& kept() const { return kept_; }
     // The attention outputs (query heads of the group x head_dim) of the cache this harness held
     // at its last measured step, when the output-error metric is on.
@@ -106,7 +113,8 @@ public:
 
 private:
     [[noreturn]] void fail(int32_t t, const std::string& what) const;
-    void evict(int32_t t);
+    void evict(int32_t t, int budget, bool exact);
+    void assign_tiers(int32_t t);
 
     std::unique_ptr<Policy> policy_;
     int budget_;
