@@ -59,6 +59,9 @@ struct PolicyEntry {
     std::map<std::string, std::string> files;  // file parameters: name -> path
     bool quantized = false;                  // {evict: NAME, quantize: {...}}
     std::map<std::string, double> quantize;  // bits, older_than, key_group, value_group
+    bool adakv = false;                      // {evict: NAME, adakv: {floor: 0.2}}: Ada-KV across KV heads
+    std::map<std::string, double> adakv_params;  // floor
+    std::string adakv_where;                 // "FILE:LINE: policies[2].adakv"
     // {profile: FILE}: a fitted profile brings its own budgets (its one column) and the shape
     // of the model it was fitted to.
     std::vector<BudgetColumn> profile_budgets;  // empty, or the profile's one column

@@ -21,7 +21,7 @@ public:
         : source_(source), shape_(source.shape()), combos_(combos), options_(options),
           query_heads_(shape_.num_query_heads), kv_heads_(shape_.num_kv_heads), group_(shape_.group_size()),
           k_(options.heavy_hitter_k), raw_view_(options.harness.view == AttentionView::raw),
-          qkv_(dynamic_cast<QkvSource*>(&source)), combined_(kv_heads_) {
+          qkv_(dynamic_cast<QkvSource*>(&source)), jobs_(layer_jobs()), combined_(kv_heads_) {
         // Value-level metrics need the values: only a Q/K/V source has them.
         if ((options.output_error || options.memory) && !qkv_)
             throw InputError(source.description() +
@@ -134,7 +134,8 @@ private:
     PolicyContext context(const ReplayCombo& c, int s, int layer, int kv) const {
         const int64_t length = shape_.sequence_lengths[s];
         const int budget = c.budget_for(layer, kv, kv_heads_, length);
-        const int capacity = static_cast<int>(std::min<int64_t>(std::max(budget, options_.harness.prefill_tokens), length)) + 1;
+        const int most = c.capacity_budget(layer, kv, kv_heads_, length);
+        const int capacity = static_cast<int>(std::min<int64_t>(std::max(most, options_.harness.prefill_tokens), length)) + 1;
         return PolicyContext{budget, capacity, layer, shape_.num_layers, kv, kv_heads_, head_dim_};
     }
 
@@ -195,8 +196,13 @@ private:
             recorded_self_ = !block_.self_weight.empty();
             if (!raw_view_ && !recorded_self_) self_weight_from_row_sums(block_);
             shared_work(first, end, length);
-            tbb::parallel_for(std::size_t{0}, harnesses.size(),
-                              [&](std::size_t job) { advance(harnesses[job], static_cast<int>(job / combos_.size()), first, end); });
+            tbb::parallel_for(std::size_t{0}, jobs_.size(), [&](std::size_t j) {
+                const Job& job = jobs_[j];
+                if (job.kv >= 0)
+                    advance(harnesses[job.kv * combos_.size() + job.combo], job.kv, first, end);
+                else
+                    advance_layer(harnesses, job.combo, first, end);
+            });
             steps_done_ += end - first;
             first = end;
             if (options_.progress) options_.progress(static_cast<double>(steps_done_) / total_steps_);
@@ -254,41 +260,87 @@ private:
 
     // One (KV head, combination) through the block's steps.
     void advance(Harness& harness, int kv, int64_t first, int64_t end) const {
-        const int64_t rows = end - first;
-        const std::size_t group = static_cast<std::size_t>(group_);
+        StepArrays arrays;
+        for (int64_t i = 0; i < end - first; ++i) harness.step(group_step(kv, first, end, i, arrays));
+    }
+
+    // An Ada-KV combination: every KV head of the layer through the block's steps together. Per
+    // step each head observes and admits, the allocation shares the layer's total among them by
+    // their scores, then each evicts down to its share.
+    void advance_layer(std::vector<Harness>& harnesses, std::size_t c, int64_t first, int64_t end) const {
+        const std::size_t combinations = combos_.size();
+        std::vector<Policy*> policies(kv_heads_);
+        std::vector<int> shares(kv_heads_), keep(kv_heads_);
+        for (int kv = 0; kv < kv_heads_; ++kv) {
+            Harness& harness = harnesses[kv * combinations + c];
+            policies[kv] = &harness.policy();
+            shares[kv] = harness.policy().eviction_target(harness.budget());
+        }
+        AdaKvAllocator allocator(*combos_[c].adakv);
+        StepArrays arrays;
+        for (int64_t i = 0; i < end - first; ++i) {
+            const int32_t t = static_cast<int32_t>(first + i);
+            for (int kv = 0; kv < kv_heads_; ++kv)
+                harnesses[kv * combinations + c].observe(group_step(kv, first, end, i, arrays));
+            if (t + 1 >= options_.harness.prefill_tokens) allocator.allocate(policies, shares, keep);
+            for (int kv = 0; kv < kv_heads_; ++kv) harnesses[kv * combinations + c].evict_to(t, keep[kv]);
+        }
+    }
+
+    // What step first + i of the block shows KV head kv; `arrays` hold what its spans point to.
+    struct StepArrays {
         const float* rows_of_group[64];
         std::span<const int32_t> heavy_of_group[64];
         float self_of_group[64];
         const float* queries_of_group[64];
         const float* full_of_group[64];
-        for (int64_t i = 0; i < rows; ++i) {
-            const int64_t t = first + i;
-            for (int h = 0; h < group_; ++h) {
-                const int head = kv * group_ + h;
-                const int64_t job_row = head * rows + i;
-                rows_of_group[h] = block_.row(head, t);
-                heavy_of_group[h] = {heavy_.data() + job_row * block_k_, static_cast<std::size_t>(heavy_count_[job_row])};
-                if (!raw_view_ || recorded_self_) self_of_group[h] = block_.self_weight[head][i];
-                if (options_.output_error) {
-                    queries_of_group[h] = layer_values_->q.data() + (t * query_heads_ + head) * head_dim_;
-                    full_of_group[h] = full_output_.data() + job_row * head_dim_;
-                }
-            }
-            GroupStep step;
-            step.t = static_cast<int32_t>(t);
-            step.rows = {rows_of_group, group};
-            step.heavy = {heavy_of_group, group};
-            if (!raw_view_) step.self_weight = {self_of_group, group};
-            if (recorded_self_) step.own_weight = {self_of_group, group};
+    };
+    GroupStep group_step(int kv, int64_t first, int64_t end, int64_t i, StepArrays& arrays) const {
+        const int64_t rows = end - first;
+        const std::size_t group = static_cast<std::size_t>(group_);
+        auto& [rows_of_group, heavy_of_group, self_of_group, queries_of_group, full_of_group] = arrays;
+        const int64_t t = first + i;
+        for (int h = 0; h < group_; ++h) {
+            const int head = kv * group_ + h;
+            const int64_t job_row = head * rows + i;
+            rows_of_group[h] = block_.row(head, t);
+            heavy_of_group[h] = {heavy_.data() + job_row * block_k_, static_cast<std::size_t>(heavy_count_[job_row])};
+            if (!raw_view_ || recorded_self_) self_of_group[h] = block_.self_weight[head][i];
             if (options_.output_error) {
-                step.queries = {queries_of_group, group};
-                step.full_output = {full_of_group, group};
+                queries_of_group[h] = layer_values_->q.data() + (t * query_heads_ + head) * head_dim_;
+                full_of_group[h] = full_output_.data() + job_row * head_dim_;
             }
-            if (raw_view_)
-                step.combined = group_ > 1 ? combined_[kv].data() + attention_row_offset(t) - attention_row_offset(first)
-                                           : rows_of_group[0];
-            harness.step(step);
         }
+        GroupStep step;
+        step.t = static_cast<int32_t>(t);
+        step.rows = {rows_of_group, group};
+        step.heavy = {heavy_of_group, group};
+        if (!raw_view_) step.self_weight = {self_of_group, group};
+        if (recorded_self_) step.own_weight = {self_of_group, group};
+        if (options_.output_error) {
+            step.queries = {queries_of_group, group};
+            step.full_output = {full_of_group, group};
+        }
+        if (raw_view_)
+            step.combined = group_ > 1 ? combined_[kv].data() + attention_row_offset(t) - attention_row_offset(first)
+                                       : rows_of_group[0];
+        return step;
+    }
+
+    // A layer's jobs: one per (KV head, combination), except that an Ada-KV combination's heads
+    // step together, as one job (kv -1).
+    struct Job {
+        std::size_t combo;
+        int kv;
+    };
+    std::vector<Job> layer_jobs() const {
+        std::vector<Job> jobs;
+        for (std::size_t c = 0; c < combos_.size(); ++c)
+            if (combos_[c].adakv) jobs.push_back({c, -1});
+        for (int kv = 0; kv < kv_heads_; ++kv)
+            for (std::size_t c = 0; c < combos_.size(); ++c)
+                if (!combos_[c].adakv) jobs.push_back({c, kv});
+        return jobs;
     }
 
     AttentionSource& source_;
@@ -300,6 +352,7 @@ private:
     QkvSource* qkv_;
     int head_dim_ = 0;
     int64_t total_steps_ = 0, steps_done_ = 0;
+    std::vector<Job> jobs_;
 
     AttentionBlock block_;
     int block_k_ = 0;  // heavy hitters per row in this block: k, or fewer where rows are shorter

@@ -5,6 +5,7 @@
 // owns its state and results are summed in a fixed order, so they do not depend on the number of
 // threads.
 #pragma once
+#include <algorithm>
 #include <functional>
 #include <map>
 #include <optional>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "base/size_limits.h"
+#include "policies/adakv.h"
 #include "policies/policy.h"
 #include "sim/attention_source.h"
 #include "sim/harness.h"
@@ -32,6 +34,9 @@ struct ReplayCombo {
     std::string where;                          // the config entry, e.g. "FILE:LINE: policies[2].snapkv"
     std::map<std::string, std::string> param_where;  // where a parameter's value was set, by name
     std::vector<int> head_budgets;  // per (layer, KV head), layer * num_kv_heads + kv; overrides the rest
+    // {evict: ..., adakv: {...}}: the layer's KV heads share the sum of their budgets (Ada-KV), so
+    // they replay together, step by step, as one job.
+    std::optional<AdaKvRule> adakv;
 
     // The config key of a parameter ("...policies[2].snapkv.obs_window", "--set snapkv.obs_window").
     std::string key_of(const std::string& param) const {
@@ -45,6 +50,13 @@ struct ReplayCombo {
         if (compression > 0) return budget_for_compression(compression, sequence_length);
         if (!head_budgets.empty()) return head_budgets.at(static_cast<std::size_t>(layer) * num_kv_heads + kv);
         return layer_budgets.empty() ? budget : layer_budgets.at(layer);
+    }
+    // The most positions one KV head may hold: its budget, or with Ada-KV the layer's total.
+    int capacity_budget(int layer, int kv, int num_kv_heads, int64_t sequence_length) const {
+        if (!adakv) return budget_for(layer, kv, num_kv_heads, sequence_length);
+        int64_t total = 0;
+        for (int h = 0; h < num_kv_heads; ++h) total += budget_for(layer, h, num_kv_heads, sequence_length);
+        return static_cast<int>(std::min<int64_t>(total, sequence_length));
     }
     // Bytes one instance takes that its parameters size: InputError naming the parameter's key when
     // they are over the memory limit, before anything is allocated.

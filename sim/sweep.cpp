@@ -66,6 +66,9 @@ std::vector<ReplayCombo> expand_sweep(const std::vector<PolicyEntry>& policies, 
     std::set<std::string> labels;
     for (const PolicyEntry& entry : policies) {
         const PolicyDescriptor* policy = find_policy(entry.name);
+        if (!policy && entry.name == adakv_descriptor().name)
+            throw InputError(entry.where + ": adakv shares a layer's budget among its KV heads by a scored policy's "
+                                           "scores: write {evict: h2o, adakv: {floor: 0.2}}");
         if (!policy)
             throw InputError(entry.where + ": unknown policy '" + entry.name + "' (known: " + known_policy_names() + ")");
         std::vector<const GridAxis*> axes;
@@ -87,11 +90,19 @@ std::vector<ReplayCombo> expand_sweep(const std::vector<PolicyEntry>& policies, 
             check_file_params(*policy, entry.files, entry.where);
             std::optional<QuantizeRule> quantize;
             if (entry.quantized) quantize = resolve_quantize(entry.quantize, entry.where + ".quantize");
+            std::optional<AdaKvRule> adakv;
+            if (entry.adakv) {
+                if (!policy->scored)
+                    throw InputError(entry.where + ": adakv selects by a scored eviction policy's scores (h2o, "
+                                                   "scissorhands, tova, snapkv, pyramidkv); " + entry.name + " has none");
+                adakv = resolve_adakv(entry.adakv_params, entry.adakv_where);
+            }
             std::string label = policy_label(*policy, given);
             for (const auto& [name, path] : entry.files) {  // files name the row too
                 const std::string file = name + "=" + std::filesystem::path(path).filename().string();
                 label = label.back() == ')' ? label.substr(0, label.size() - 1) + "," + file + ")" : label + "(" + file + ")";
             }
+            if (adakv) label += "+" + adakv_label(*adakv);
             if (quantize) label += "+" + quantize_label(*quantize);
             // A profile's row is named by the profile, and holds at its own budgets only.
             const bool profile = !entry.profile_budgets.empty();
@@ -118,7 +129,7 @@ std::vector<ReplayCombo> expand_sweep(const std::vector<PolicyEntry>& policies, 
                 }
                 combos.push_back({policy, values, column.budget, column.layer_budgets, column.compression,
                                   profile ? std::string("profile") : column.label, label, quantize, entry.files,
-                                  entry.where, param_where, column.head_budgets});
+                                  entry.where, param_where, column.head_budgets, adakv});
             }
             std::size_t a = axes.size();
             while (a > 0 && ++index[a - 1] == axes[a - 1]->values.size()) index[--a] = 0;

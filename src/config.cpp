@@ -368,15 +368,20 @@ ExperimentConfig load_config(const std::string& path) {
         p.fail(policies, "policies", "expected a non-empty list of policies");
     for (std::size_t i = 0; i < policies.size(); ++i) {
         const std::string key = "policies[" + std::to_string(i) + "]";
-        // {evict: h2o, quantize: {bits: 4, older_than: 128}}: an eviction policy and a quantisation.
+        // {evict: h2o, quantize: {bits: 4, older_than: 128}}: an eviction policy and a quantisation;
+        // {evict: h2o, adakv: {floor: 0.2}}: its budget shared across a layer's KV heads (either or both).
         YAML::Node item = policies[i];
-        YAML::Node quantize;
+        YAML::Node quantize, adakv;  // a default Node is a defined null: has_quantize, has_adakv say which
         const bool composed = item.IsMap() && item["evict"];
+        const bool has_quantize = composed && item["quantize"], has_adakv = composed && item["adakv"];
         if (composed) {
-            p.only_keys(item, key, {"evict", "quantize"});
+            p.only_keys(item, key, {"evict", "quantize", "adakv"});
             quantize = item["quantize"];
-            if (!quantize) p.fail(item, key, "'evict' needs a 'quantize' map beside it (or list the policy alone)");
-            if (!quantize.IsMap()) p.fail(quantize, key + ".quantize", "expected a map, e.g. {bits: 4, older_than: 128}");
+            adakv = item["adakv"];
+            if (!has_quantize && !has_adakv)
+                p.fail(item, key, "'evict' needs a 'quantize' or 'adakv' map beside it (or list the policy alone)");
+            if (has_quantize && !quantize.IsMap()) p.fail(quantize, key + ".quantize", "expected a map, e.g. {bits: 4, older_than: 128}");
+            if (has_adakv && !adakv.IsMap() && !adakv.IsNull()) p.fail(adakv, key + ".adakv", "expected a map, e.g. {floor: 0.2}");
             item = item["evict"];
         }
         auto [name, params] = p.named_item(item, key);
@@ -404,7 +409,7 @@ ExperimentConfig load_config(const std::string& path) {
             continue;
         }
         PolicyEntry entry;
-        if (composed) {
+        if (has_quantize) {
             entry.quantized = true;
             for (const auto& kv : quantize)
                 entry.quantize[p.string(kv.first, key + ".quantize")] =
@@ -412,6 +417,14 @@ ExperimentConfig load_config(const std::string& path) {
         }
         entry.name = name;
         entry.where = p.where(policies[i], key + "." + name);
+        if (has_adakv) {
+            entry.adakv = true;
+            entry.adakv_where = entry.where + ".adakv";
+            if (adakv.IsMap())
+                for (const auto& kv : adakv)
+                    entry.adakv_params[p.string(kv.first, key + ".adakv")] =
+                        p.number(kv.second, key + "." + name + ".adakv." + kv.first.as<std::string>());
+        }
         if (params && !params.IsNull()) {
             if (!params.IsMap()) p.fail(params, key + "." + name, "expected a map of parameters");
             for (const auto& kv : params) {

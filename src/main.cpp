@@ -9,6 +9,7 @@
 #include <memory>
 
 #include "kvsim_version.h"
+#include "policies/adakv.h"
 #include "sim/attention_source.h"
 #include "sim/synthetic_qkv.h"
 #include "sim/trace_store.h"
@@ -374,7 +375,11 @@ int main(int argc, char** argv) {
             return 0;
         }
         if (*policies) {
-            for (const PolicyDescriptor& p : policy_registry()) {
+            std::vector<const PolicyDescriptor*> listed;
+            for (const PolicyDescriptor& p : policy_registry()) listed.push_back(&p);
+            listed.push_back(&adakv_descriptor());  // wraps a scored policy: {evict: h2o, adakv: {...}}
+            for (const PolicyDescriptor* d : listed) {
+                const PolicyDescriptor& p = *d;
                 std::printf("%-15s %s\n", p.name.c_str(), p.paper.c_str());
                 for (const ParamSpec& s : p.params) {
                     if (s.file)

@@ -120,6 +120,36 @@ class Cli(KvsimTestCase):
         self.assert_input_error(kvsim("run", config, "--out", out), "cut.h5")
         self.assertFalse(os.path.exists(out))
 
+    def test_adakv_wraps_a_scored_policy(self):
+        listed = kvsim("policies")
+        self.assertIn("adakv", listed.stdout)
+        self.assertIn("Feng et al. 2024", listed.stdout)
+        out = os.path.join(self.dir, "out")
+        base = "trace: {synthetic: qkv, name: tiny-256}\nbudgets: [24]\nmetrics: [output_rel_error, bytes_per_token]\npolicies:\n"
+        good = self.write("ada.yaml", base + "  - {evict: {h2o: {recent_window: 4}}, adakv: {floor: 0.5}}\n"
+                                             "  - {evict: {snapkv: {recent_window: 4}}, adakv: {}, quantize: {bits: 8}}\n")
+        one = kvsim("run", good, "--format", "json", "--threads", "1", "--out", os.path.join(self.dir, "a"), "-q")
+        two = kvsim("run", good, "--format", "json", "--threads", "2", "--out", os.path.join(self.dir, "b"), "-q")
+        self.assertEqual(one.returncode, 0, one.stderr)
+        self.assertEqual(one.stdout, two.stdout)
+        labels = [r["label"] for r in json.loads(one.stdout)]
+        self.assertEqual(labels, ["h2o(recent_window=4)+adakv(floor=0.5)", "snapkv(recent_window=4)+adakv+int8"])
+        floor = self.write("floor.yaml", base + "  - {evict: h2o, adakv: {floor: 1.5}}\n")
+        self.assert_input_error(kvsim("run", floor, "--out", out),
+                                "floor.yaml:5: policies[0].h2o.adakv.floor: must be between 0 and 1, got 1.5")
+        unknown = self.write("unknown.yaml", base + "  - {evict: lru, adakv: {}}\n")
+        self.assert_input_error(kvsim("run", unknown, "--out", out), "unknown.yaml:5: policies[0].lru", "unknown policy 'lru'")
+        unscored = self.write("unscored.yaml", base + "  - {evict: sliding_window, adakv: {floor: 0.2}}\n")
+        self.assert_input_error(kvsim("run", unscored, "--out", out), "unscored.yaml:5: policies[0].sliding_window",
+                                "adakv selects by a scored eviction policy's scores")
+        key = self.write("key.yaml", base + "  - {evict: h2o, adakv: {flor: 0.2}}\n")
+        self.assert_input_error(kvsim("run", key, "--out", out), "key.yaml:5: policies[0].h2o.adakv",
+                                "unknown parameter 'flor' for policy adakv")
+        alone = self.write("alone.yaml", base + "  - adakv\n")
+        self.assert_input_error(kvsim("run", alone, "--out", out), "alone.yaml:5: policies[0].adakv",
+                                "write {evict: h2o, adakv: {floor: 0.2}}")
+        self.assertFalse(os.path.exists(out))
+
     def test_bad_precision_inputs(self):
         out = os.path.join(self.dir, "out")
         base = "trace: {synthetic: qkv, name: tiny-256}\nbudgets: [48]\npolicies:\n"
