@@ -12,6 +12,7 @@
 #include <cmath>
 #include <filesystem>
 #include <numeric>
+#include <optional>
 #include <thread>
 
 #include "sim/heavy_hitters.h"
@@ -46,11 +47,20 @@ public:
             key_[layer].resize(config_.kv_dim());
             for (int kv = 0; kv < config_.n_kv_heads; ++kv) {
                 const int budget = combo.budget_for(layer, kv, config_.n_kv_heads, length);
-                const int capacity = std::min(std::max(budget, options.prefill_tokens), length) + 1;
+                const int most = combo.capacity_budget(layer, kv, config_.n_kv_heads, length);
+                const int capacity = std::min(std::max(most, options.prefill_tokens), length) + 1;
                 harnesses_.emplace_back(
                     combo.make({budget, capacity, layer, config_.n_layers, kv, config_.n_kv_heads, config_.head_dim}),
                     budget, length, options, combo.label,
                     " (layer " + std::to_string(layer) + ", KV head " + std::to_string(kv) + ")");
+            }
+        }
+        if (combo.adakv) {  // the heads of a layer step together: the model calls them in order, per position
+            adakv_.emplace(*combo.adakv);
+            prefill_tokens_ = options.prefill_tokens;
+            for (Harness& h : harnesses_) {
+                layer_policies_.push_back(&h.policy());
+                shares_.push_back(h.policy().eviction_target(h.budget()));
             }
         }
         const Policy& probe = harnesses_.front().policy();
@@ -85,7 +95,7 @@ public:
         mask_.assign(pos + 1, 0);
         for (int32_t p : harness.kept()) mask_[p] = 1;
         mask_[pos] = 1;
-        harness.step(group_step(layer, kv, pos, nullptr));
+        step(layer, kv, pos, nullptr);
         return mask_.data();
     }
 
@@ -95,7 +105,7 @@ public:
         const int width = group_ * config_.head_dim;
         full_output_.assign(out, out + width);
         Harness& harness = harnesses_[layer * config_.n_kv_heads + kv];
-        harness.step(group_step(layer, kv, pos, full_output_.data()));
+        step(layer, kv, pos, full_output_.data());
         const std::span<const float> simulated = harness.last_outputs();
         std::copy(simulated.begin(), simulated.end(), out);
         return true;
@@ -109,6 +119,23 @@ public:
     std::size_t bytes_per_slot() const { return harnesses_.front().policy().bytes_per_slot(); }
 
 private:
+    // One (layer, KV head) step. With Ada-KV each head observes and admits; after the layer's last
+    // head (the model calls them in order) the allocation shares the layer's total among them and
+    // each evicts down to its share, as a replay does. Outputs are measured before eviction.
+    void step(int layer, int kv, int pos, const float* full_output) {
+        Harness& harness = harnesses_[layer * config_.n_kv_heads + kv];
+        if (!adakv_) {
+            harness.step(group_step(layer, kv, pos, full_output));
+            return;
+        }
+        harness.observe(group_step(layer, kv, pos, full_output));
+        if (kv + 1 < config_.n_kv_heads) return;
+        const std::size_t first = static_cast<std::size_t>(layer) * config_.n_kv_heads, heads = config_.n_kv_heads;
+        if (pos + 1 >= prefill_tokens_)
+            adakv_->allocate(std::span(layer_policies_).subspan(first, heads), std::span(shares_).subspan(first, heads), keep_);
+        for (int h = 0; h < config_.n_kv_heads; ++h) harnesses_[first + h].evict_to(pos, keep_[h]);
+    }
+
     // The full-cache attention of each query head of the group: what the proxies measure.
     GroupStep group_step(int layer, int kv, int pos, const float* full_output) {
         const int d = config_.head_dim;
@@ -178,6 +205,11 @@ private:
     std::vector<const float*> row_ptrs_, query_ptrs_, full_ptrs_;
     std::vector<std::span<const int32_t>> heavy_spans_;
     std::vector<uint8_t> mask_;
+    // Ada-KV: the allocation, every harness's policy and uniform share, and a step's keeps.
+    std::optional<AdaKvAllocator> adakv_;
+    int prefill_tokens_ = 0;
+    std::vector<Policy*> layer_policies_;
+    std::vector<int> shares_, keep_;
 };
 
 std::vector<double> average_ranks(const std::vector<double>& v) {
