@@ -73,6 +73,7 @@ struct Method {
     std::vector<int> layer_budgets, head_budgets;  // head_budgets empty: one budget per layer
     double fitting_errors = 0;
     double model_bytes = 0;  // bytes per token on the held-out sequences, by the byte model
+    bool adakv = false;      // Ada-KV at these budgets: the layer's heads share its total
 };
 
 // Each layer's mean of its heads' budgets, rounded: what the tables show for a head allocation.
@@ -278,7 +279,35 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
                 Method m{"fitted head budgets", "head_budgets", layer_means(a.budgets, L, K), a.budgets,
                          allocation_error(head_curves, out.grid, a.budgets), a.bytes_per_token};
                 methods.push_back({&target, m});
+                // Ada-KV's head allocation, chosen per step by the policy's scores rather than fitted:
+                // uniform's per-layer totals, so the same bytes; its fitting error is measured below.
+                // Only a scored policy has scores to share a layer's budget by.
+                if (policy->scored) {
+                    const Allocation u = allocate_by_shape(std::vector<double>(L, 1.0), out.grid, heldout_bytes, bytes);
+                    Method ada{"Ada-KV (floor " + format_number(kSearchAdaKvFloor) + ")", "head_budgets", u.budgets,
+                               {}, 0, u.bytes_per_token, true};
+                    methods.push_back({&target, ada});
+                }
             }
+        }
+        // Ada-KV's rows: the policy wrapped in Ada-KV, measured on the fitting sequences in one pass.
+        PolicyEntry ada_entry = entry;
+        ada_entry.adakv = true;
+        ada_entry.adakv_params = {{"floor", kSearchAdaKvFloor}};
+        ada_entry.adakv_where = spec.fits_where;
+        if (fit_heads && policy->scored) {
+            std::vector<ReplayCombo> ada_combos;
+            for (const auto& [target, m] : methods)
+                if (m.adakv)
+                    for (ReplayCombo& c : expand_sweep({ada_entry}, {}, {profile_budget_column(m.name + " @ " + target->label,
+                                                                                              target->where, m.layer_budgets)}))
+                        ada_combos.push_back(std::move(c));
+            ReplayOptions ada_options = options;
+            ada_options.progress = nullptr;
+            const std::vector<ComboResult> ada_fitting = replay(*fitting_source, ada_combos, ada_options);
+            std::size_t next = 0;
+            for (auto& [target, m] : methods)
+                if (m.adakv) m.fitting_errors = error_sum(ada_fitting[next++].total, output_error);
         }
         // How far the measured curves are from diminishing returns: what the greedy had to step over.
         auto describe_curves = [&](const std::vector<UnitCurve>& curves, const char* what) {
@@ -302,11 +331,12 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
         if (fit_heads) describe_curves(head_curves, "per-(layer, KV head)");
 
         // One pass over the held-out set: every method at every target.
-        std::vector<BudgetColumn> columns;
+        std::vector<ReplayCombo> heldout_combos;
         for (const auto& [target, m] : methods)
-            columns.push_back(profile_budget_column(m.name + " @ " + target->label, target->where, m.layer_budgets,
-                                                    m.head_budgets));
-        const std::vector<ReplayCombo> heldout_combos = expand_sweep({entry}, {}, columns);
+            for (ReplayCombo& c : expand_sweep({m.adakv ? ada_entry : entry}, {},
+                                               {profile_budget_column(m.name + " @ " + target->label, target->where,
+                                                                      m.layer_budgets, m.head_budgets)}))
+                heldout_combos.push_back(std::move(c));
         if (run.progress) options.progress = [&](double f) { run.progress(0.7 + 0.3 * f); };
         const std::vector<ComboResult> confirmed = replay(*heldout_source, heldout_combos, options);
         if (run.progress) run.progress(1.0);
@@ -330,6 +360,7 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
             }
             r.layer_budgets = m.layer_budgets;
             r.head_budgets = m.head_budgets;
+            r.adakv = m.adakv;
             out.records.push_back(r);
         }
 

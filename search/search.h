@@ -21,6 +21,9 @@
 
 namespace kvsim {
 
+// The safeguard of the Ada-KV baseline that fit: [head_budgets] reports (Feng et al.'s default).
+inline constexpr double kSearchAdaKvFloor = 0.2;
+
 struct SearchRecord {
     std::string method;      // "uniform", "PyramidKV schedule (ratio 20)", "fitted layer budgets", ...
     std::string fit;         // the fit it belongs to: layer_budgets or head_budgets
@@ -33,6 +36,7 @@ struct SearchRecord {
     double delta_ppl = std::numeric_limits<double>::quiet_NaN();  // with the model in the loop
     std::vector<int> layer_budgets;  // per layer (with head budgets, each layer's mean)
     std::vector<int> head_budgets;   // per (layer, KV head), empty for a layer allocation
+    bool adakv = false;              // Ada-KV (floor kSearchAdaKvFloor) at layer_budgets' per-layer totals
     // Streaming heads (fit: streaming): which (layer, KV head) streams, and its lambda.
     std::vector<uint8_t> streaming_heads;
     std::vector<double> lambda;

@@ -64,6 +64,11 @@ void confirm_in_the_loop(SearchOutcome& outcome, const SearchSpec& spec, const M
             profile_budget_column(r.method + " @ " + r.target, spec.where, r.layer_budgets, r.head_budgets);
         entry.profile_budgets = {column};
         entry.profile_shape = outcome.shape;
+        if (r.adakv) {  // Ada-KV at the uniform budgets: its row in the loop too
+            entry.adakv = true;
+            entry.adakv_params = {{"floor", kSearchAdaKvFloor}};
+            entry.adakv_where = spec.where;
+        }
         config.policies.push_back(entry);
         record_of[column.label] = i;
     }

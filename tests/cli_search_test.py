@@ -51,6 +51,17 @@ class Search(KvsimTestCase):
             for (method, t), r in methods.items():
                 if t == target:  # every method of a target at the same bytes, within 1%
                     self.assertLess(abs(r["bytes_per_token"] / uniform["bytes_per_token"] - 1), 0.01, method)
+        # Ada-KV's head allocation beside the fitted one: uniform's layer totals, so uniform's bytes,
+        # measured on both sets.
+        for target in ("2x", "3x"):
+            ada, uniform = methods[("Ada-KV (floor 0.2)", target)], methods[("uniform", target)]
+            self.assertEqual(ada["fit"], "head_budgets")
+            self.assertEqual(ada["layer_budgets"], uniform["layer_budgets"])
+            self.assertLess(abs(ada["bytes_per_token"] / uniform["bytes_per_token"] - 1), 0.002)
+            self.assertNotEqual(ada["heldout"], uniform["heldout"])
+            self.assertGreater(ada["fitting"], 0)
+        self.assertIn("| Ada-KV (floor 0.2) |", read(os.path.join(self.out, "report.md")))
+        self.assertIn('"Ada-KV (floor 0.2)",head_budgets,"2x"', read(os.path.join(self.out, "search.csv")))
         # The same search on one thread: the same records and profile, bit for bit.
         one = self.path("one-thread")
         result = kvsim("search", self.path("search.yaml"), "--out", one, "-q", "--threads", "1")
@@ -181,7 +192,7 @@ class Search(KvsimTestCase):
                              "--context", "512")
         self.assertEqual(result.returncode, 0, result.stderr)
         records = json.loads(read(os.path.join(self.out, "search.json")))["records"]
-        self.assertEqual(len(records), 8)
+        self.assertEqual(len(records), 9)  # Ada-KV's row too: it runs in the loop as well
         for r in records:
             self.assertIsInstance(r["delta_ppl"], float, r["method"])
         # The fitted profiles lose less perplexity than uniform at the same bytes.
@@ -204,6 +215,24 @@ class Search(KvsimTestCase):
                       cut.stderr.strip().splitlines()[-1])
         self.assertFalse(os.path.exists(self.out))
         self.out = out
+
+    @unittest.skipUnless(os.path.exists(MODEL), "../shared/models/stories260K is not present")
+    def test_adakv_in_the_loop(self):
+        # The model calls a layer's KV heads in order, so Ada-KV steps them together in the loop too;
+        # at floor 1 it is H2O exactly, with or without quantised tiers.
+        config = self.write("eval.yaml", "budgets: [64]\nmetrics: [ppl, delta_ppl]\npolicies:\n"
+                                         "  - h2o: {recent_window: 8}\n"
+                                         "  - {evict: {h2o: {recent_window: 8}}, adakv: {floor: 1}}\n"
+                                         "  - {evict: {h2o: {recent_window: 8}}, adakv: {floor: 0.2}}\n"
+                                         "  - {evict: {h2o: {recent_window: 8}}, quantize: {bits: 4}}\n"
+                                         "  - {evict: {h2o: {recent_window: 8}}, adakv: {floor: 1}, quantize: {bits: 4}}\n")
+        result = kvsim("eval", config, "--model", MODEL, "--text", STORIES, "--split-on", "<|endoftext|>",
+                       "--context", "512", "--format", "json", "--out", self.path("eval"), "-q")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        ppl = {r["label"]: r["ppl"] for r in json.loads(result.stdout)}
+        self.assertEqual(ppl["h2o(recent_window=8)+adakv(floor=1)"], ppl["h2o(recent_window=8)"])
+        self.assertEqual(ppl["h2o(recent_window=8)+adakv(floor=1)+int4"], ppl["h2o(recent_window=8)+int4"])
+        self.assertNotEqual(ppl["h2o(recent_window=8)+adakv"], ppl["h2o(recent_window=8)"])
 
     def test_bad_search_configs(self):
         cases = [
