@@ -1,9 +1,10 @@
 // Lockstep replay: one pass over a trace drives every (policy, parameters, budget) combination
 // side by side. Each block of steps of a layer is read (or computed from Q and K) once, and its
 // shared per-step work (each query head's heavy hitters, each KV head's combined row) is done
-// once; then every (KV head, combination) pair advances through the block in parallel. Each pair
-// owns its state and results are summed in a fixed order, so they do not depend on the number of
-// threads.
+// once; then every (KV head, combination) pair advances through the block in parallel, except
+// that an Ada-KV combination's KV heads, which share their layer's budget, advance together as one
+// job. Each job owns its state and results are summed in a fixed order, so they do not depend on
+// the number of threads.
 #pragma once
 #include <algorithm>
 #include <functional>
