@@ -60,8 +60,10 @@ public:
 };
 
 enum class AttentionView {
-    raw,          // the full-cache softmax restricted to kept positions (the reference harness)
-    renormalized  // the softmax over kept positions only: what the model computes after eviction
+    raw,           // the full-cache softmax restricted to kept positions (the reference harness)
+    renormalized,  // the softmax over kept positions only: what the model computes after eviction
+    cached         // the same, computed from the cache as held (keys at their tiers): what a runtime
+                   // serving the policy can compute, and what kvsim's runtime computes (Q/K/V only)
 };
 
 // max_steps > 0 truncates every sequence to its first max_steps decode steps (an exact prefix).

@@ -29,7 +29,7 @@ HarnessOptions named_harness_options(const std::string& attention_view, const st
                                      bool values_known, int prefill_tokens) {
     HarnessOptions options;
     const std::string view = attention_view.empty() ? (values_known ? "renormalized" : "raw") : attention_view;
-    options.view = view == "raw" ? AttentionView::raw : AttentionView::renormalized;
+    options.view = view == "raw" ? AttentionView::raw : view == "cached" ? AttentionView::cached : AttentionView::renormalized;
     options.reduce = group_reduce == "max" ? GroupReduce::max : group_reduce == "sum" ? GroupReduce::sum : GroupReduce::mean;
     options.prefill_tokens = prefill_tokens;
     return options;
@@ -62,11 +62,44 @@ void Harness::set_values(const CacheValues& values) {
 
 // Output error and memory of the cache as the model reads it at this step: what the policy held
 // after the last eviction, plus the current token at fp16.
-void Harness::measure_values(const GroupStep& s) {
+// The cache's attention output for each query head of the group (into last_outputs_), and with
+// the cached view each head's weights on the attended positions (into cached_weights_).
+void Harness::attend_cached(const GroupStep& s) {
     const int32_t t = s.t;
     const int d = values_.head_dim;
     StreamingHeadState* state = policy_->linear_state();
     if (state) {
+        // The state takes every token up to this one; it folds what leaves its window itself.
+        const std::size_t stride = static_cast<std::size_t>(values_.num_kv_heads) * d;
+        for (; state_next_ <= t; ++state_next_) {
+            const std::size_t at = state_next_ * stride + static_cast<std::size_t>(values_.kv_head) * d;
+            state->admit(state_next_, values_.arrays->k[0] + at, values_.arrays->v[0] + at);
+        }
+    }
+    attended_.assign(kept_.begin(), kept_.end());
+    attended_.push_back(t);
+    key_tier_[t] = value_tier_[t] = 0;
+    const bool want_weights = options_.view == AttentionView::cached;
+    last_outputs_.resize(s.queries.size() * d);
+    cached_weights_.assign(want_weights ? s.queries.size() * attended_.size() : 0, 0.0f);
+    for (std::size_t h = 0; h < s.queries.size(); ++h) {
+        float* out = last_outputs_.data() + h * d;
+        if (state)  // a streaming head shows its policy no weights: it keeps by position
+            state->output(s.queries[h], out);
+        else
+            cached_attention_output(s.queries[h], attended_, key_tier_, value_tier_, *values_.arrays, values_.kv_head,
+                                    values_.num_kv_heads, d, scratch_, out,
+                                    want_weights ? cached_weights_.data() + h * attended_.size() : nullptr);
+    }
+    attended_step_ = t;
+}
+
+void Harness::measure_values(const GroupStep& s) {
+    const int32_t t = s.t;
+    const int d = values_.head_dim;
+    StreamingHeadState* state = policy_->linear_state();
+    if (values_.output_error && attended_step_ != t) attend_cached(s);
+    if (state && !values_.output_error) {
         // The state takes every token up to this one; it folds what leaves its window itself.
         const std::size_t stride = static_cast<std::size_t>(values_.num_kv_heads) * d;
         for (; state_next_ <= t; ++state_next_) {
@@ -84,25 +117,15 @@ void Harness::measure_values(const GroupStep& s) {
         metrics_.context_tokens += t + 1;
     }
     if (values_.output_error) {
-        attended_.assign(kept_.begin(), kept_.end());
-        attended_.push_back(t);
-        key_tier_[t] = value_tier_[t] = 0;
-        output_.resize(d);
-        last_outputs_.resize(s.queries.size() * d);
         for (std::size_t h = 0; h < s.queries.size(); ++h) {
-            if (state)
-                state->output(s.queries[h], output_.data());
-            else
-                cached_attention_output(s.queries[h], attended_, key_tier_, value_tier_, *values_.arrays,
-                                        values_.kv_head, values_.num_kv_heads, d, scratch_, output_.data());
-            std::copy(output_.begin(), output_.end(), last_outputs_.begin() + h * d);
+            const float* cached = last_outputs_.data() + h * d;
             const float* full = s.full_output[h];
             double diff = 0, norm_full = 0, norm_out = 0, dot = 0;
             for (int i = 0; i < d; ++i) {
-                diff += double(output_[i] - full[i]) * (output_[i] - full[i]);
+                diff += double(cached[i] - full[i]) * (cached[i] - full[i]);
                 norm_full += double(full[i]) * full[i];
-                norm_out += double(output_[i]) * output_[i];
-                dot += double(output_[i]) * full[i];
+                norm_out += double(cached[i]) * cached[i];
+                dot += double(cached[i]) * full[i];
             }
             metrics_.output_rel_error += norm_full > 0 ? std::sqrt(diff / norm_full) : std::sqrt(diff);
             metrics_.output_cosine += (norm_full > 0 && norm_out > 0) ? dot / std::sqrt(norm_full * norm_out) : 1.0;
@@ -143,6 +166,13 @@ void Harness::observe(const GroupStep& s) {
     // Decode steps are measured; prompt steps (a prefill) only feed the policy.
     const bool measured = t >= options_.prefill_tokens;
 
+    // The cached view shows the policy the attention of the cache as held: computed first.
+    const bool cached_view = options_.view == AttentionView::cached;
+    if (cached_view) {
+        if (!values_.arrays || s.queries.size() != group)
+            throw std::logic_error("the cached attention view needs the trace's values and queries");
+        attend_cached(s);
+    }
     // Retained mass per query head: the full-cache weight on kept positions, before eviction.
     // The renormalized view needs the same weights again, so they are gathered once, head by head.
     const bool renormalized = options_.view == AttentionView::renormalized;
@@ -174,7 +204,17 @@ void Harness::observe(const GroupStep& s) {
 
     // What the policy sees, index-aligned with kept_.
     attn_.resize(held);
-    if (!renormalized) {
+    if (cached_view) {
+        // Each head's weights on the held positions (the current token is last), averaged over
+        // the group in head order: the runtime's arithmetic (src/runtime/head_cache.cpp).
+        std::fill(attn_.begin(), attn_.end(), 0.0f);
+        if (!cached_weights_.empty()) {
+            const std::size_t n = held + 1;
+            for (std::size_t h = 0; h < group; ++h)
+                for (std::size_t j = 0; j < held; ++j) attn_[j] += cached_weights_[h * n + j];
+            for (std::size_t j = 0; j < held; ++j) attn_[j] /= static_cast<float>(group);
+        }
+    } else if (!renormalized) {
         // The full softmax restricted to the positions held, not renormalised.
         for (std::size_t j = 0; j < held; ++j) attn_[j] = s.combined[kept_[j]];
     } else {

@@ -136,11 +136,14 @@ private:
     CacheValues values_;
     double key_bytes_[3] = {}, value_bytes_[3] = {};
     std::vector<int32_t> attended_;  // kept_ plus the current token
-    std::vector<float> output_, last_outputs_;
+    std::vector<float> last_outputs_;
     Eigen::ArrayXf scratch_;
     int64_t state_next_ = 0;  // the next position a streaming head's linear state takes
 
     void measure_values(const GroupStep& s);
+    void attend_cached(const GroupStep& s);
+    std::vector<float> cached_weights_;  // cached view: [head][attended position] weights
+    int64_t attended_step_ = -1;         // the step last_outputs_ holds
 };
 
 }  // namespace kvsim

@@ -127,9 +127,18 @@ double value_bytes(Tier tier, int head_dim, const TierFormat* format) {
     return head_dim * bits / 8.0 + 2.0 * ((head_dim + group - 1) / group);
 }
 
+float softmax_numerators(Eigen::ArrayXf& scores) {
+    // Elementwise, on Eigen's aligned storage: the same values whatever the caller or thread.
+    scores = (scores - scores.maxCoeff()).exp();
+    double total = 0;
+    for (Eigen::Index j = 0; j < scores.size(); ++j) total += scores[j];
+    return static_cast<float>(1.0 / total);
+}
+
 void cached_attention_output(const float* q, std::span<const int32_t> held, std::span<const uint8_t> key_tier,
                              std::span<const uint8_t> value_tier, const TierArrays& arrays, int kv_head,
-                             int num_kv_heads, int head_dim, Eigen::ArrayXf& scratch, float* out) {
+                             int num_kv_heads, int head_dim, Eigen::ArrayXf& scratch, float* out,
+                             float* weights) {
     const Eigen::Index n = static_cast<Eigen::Index>(held.size());
     scratch.resize(n);
     const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
@@ -138,16 +147,13 @@ void cached_attention_output(const float* q, std::span<const int32_t> held, std:
         const float* k = arrays.k[key_tier[p]] + (static_cast<int64_t>(p) * num_kv_heads + kv_head) * head_dim;
         scratch[j] = fixed_order_dot(q, k, head_dim) * scale;
     }
-    // Elementwise, on Eigen's aligned storage: the same values whatever the caller or thread.
-    scratch = (scratch - scratch.maxCoeff()).exp();
-    double total = 0;
-    for (Eigen::Index j = 0; j < n; ++j) total += scratch[j];
-    const float inv_total = static_cast<float>(1.0 / total);
+    const float inv_total = softmax_numerators(scratch);
     std::fill(out, out + head_dim, 0.0f);
     for (Eigen::Index j = 0; j < n; ++j) {
         const int32_t p = held[j];
         const float* v = arrays.v[value_tier[p]] + (static_cast<int64_t>(p) * num_kv_heads + kv_head) * head_dim;
         const float w = scratch[j] * inv_total;
+        if (weights) weights[j] = w;
         for (int i = 0; i < head_dim; ++i) out[i] += w * v[i];
     }
 }

@@ -50,10 +50,17 @@ double value_bytes(Tier tier, int head_dim, const TierFormat* format);
 
 // The attention output of one query head over the cached positions `held` (ascending, the current
 // token included), with each position's key and value read from its tier: softmax of
-// q.k / sqrt(d) over held only (renormalised), weighted sum of v. out has head_dim floats.
+// q.k / sqrt(d) over held only (renormalised), weighted sum of v. out has head_dim floats;
+// weights, when given, receives the softmax weight of each held position (held.size() floats).
 void cached_attention_output(const float* q, std::span<const int32_t> held, std::span<const uint8_t> key_tier,
                              std::span<const uint8_t> value_tier, const TierArrays& arrays, int kv_head,
-                             int num_kv_heads, int head_dim, Eigen::ArrayXf& scratch, float* out);
+                             int num_kv_heads, int head_dim, Eigen::ArrayXf& scratch, float* out,
+                             float* weights = nullptr);
+
+// The softmax of `scores` (q.k / sqrt(d), one per cached token) as cached_attention_output computes
+// it: scores become exp(score - max) in place; returns 1 / their sum, so weight j is
+// scores[j] * (returned value). Shared with the runtime's CPU backend, which must match it bit for bit.
+float softmax_numerators(Eigen::ArrayXf& scores);
 
 // A dot product whose summation order depends only on n (not on alignment or the caller).
 float fixed_order_dot(const float* a, const float* b, int n);

@@ -346,7 +346,7 @@ private:
     AttentionSource& source_;
     const AttentionShape& shape_;
     const std::vector<ReplayCombo>& combos_;
-    const ReplayOptions& options_;
+    ReplayOptions options_;  // a copy: the cached view turns the output on
     const int query_heads_, kv_heads_, group_, k_;
     const bool raw_view_;
     QkvSource* qkv_;

@@ -295,6 +295,9 @@ EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>&
                              " leaves no decode step in sequence " + std::to_string(i) + " of " +
                              options.input.text_path + " (" + std::to_string(text.sequences[i].size()) + " tokens)");
 
+    if (config.attention_view == "cached")
+        throw InputError(config.file + ": attention_view: cached is a replay view (the policy shown attention computed "
+                                       "from its own cache); in kvsim eval use renormalized or raw");
     // In the loop the policy is shown what the model computes: renormalized unless asked otherwise.
     const HarnessOptions harness =
         named_harness_options(config.attention_view, config.group_reduce, /*values_known=*/true, config.prefill_tokens);

@@ -1,0 +1,206 @@
+#include "src/runtime/head_cache.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+#include "sim/precision.h"
+#include "sim/streaming_heads.h"
+
+namespace kvsim::runtime {
+
+HeadCache::HeadCache(const HeadPlan& plan, PolicyMaker make_policy)
+    : plan_(plan), make_policy_(std::move(make_policy)), capacity_(plan.budget + 1) {
+    policy_ = make_policy_();
+    format_ = policy_->tier_format();
+    const int d = plan_.head_dim;
+    if (format_ && !format_->per_token_keys)
+        throw std::invalid_argument("per-channel (KIVI) key groups are not in the runtime yet: only per-token tiers");
+    for (int tier = 0; tier < 3; ++tier) {
+        if (tier > 0 && !format_) break;
+        const int group = !format_ ? d
+                          : (tier == 1 && format_->int8_value_group) ? format_->int8_value_group
+                                                                      : format_->value_group;
+        // Streaming heads keep their exact tokens in the state's own buffers: no slots.
+        const int rows = policy_->linear_state() ? 0 : capacity_;
+        keys_[tier].plan(tier, rows, d, group);
+        values_[tier].plan(tier, rows, d, group);
+        key_bytes_[tier] = key_bytes(static_cast<Tier>(tier), d, format_);
+        value_bytes_[tier] = value_bytes(static_cast<Tier>(tier), d, format_);
+    }
+    positions_.reserve(capacity_);
+    slot_of_.reserve(capacity_);
+    free_slots_.reserve(capacity_);
+    key_tier_.assign(plan_.max_context, 0);
+    value_tier_.assign(plan_.max_context, 0);
+    new_key_tier_.assign(plan_.max_context, 0);
+    new_value_tier_.assign(plan_.max_context, 0);
+    key_row_.resize(d);
+    value_row_.resize(d);
+    attn_.reserve(capacity_);
+    weights_.reserve(static_cast<std::size_t>(plan_.group) * (capacity_ + 1));
+    scores_.resize(capacity_ + 1);
+    start();
+}
+
+void HeadCache::start() {
+    // Both point into the policy, which reset() rebuilds.
+    state_ = policy_->linear_state();
+    format_ = policy_->tier_format();
+    positions_.clear();
+    slot_of_.clear();
+    free_slots_.clear();
+    for (int s = capacity_ - 1; s >= 0; --s) free_slots_.push_back(s);
+    std::fill(key_tier_.begin(), key_tier_.end(), uint8_t{0});
+    std::fill(value_tier_.begin(), value_tier_.end(), uint8_t{0});
+    attending_bytes_ = 0;
+}
+
+void HeadCache::reset() {
+    policy_ = make_policy_();  // a policy starts holding position 0, as the harness's does
+    start();
+}
+
+void HeadCache::fail(int32_t t, const std::string& what) const {
+    throw std::logic_error("layer " + std::to_string(plan_.layer) + ", KV head " + std::to_string(plan_.kv_head) +
+                           ", position " + std::to_string(t) + ": " + what);
+}
+
+std::size_t HeadCache::reserved_bytes() const {
+    std::size_t bytes = 0;
+    for (int tier = 0; tier < 3; ++tier) bytes += keys_[tier].reserved_bytes() + values_[tier].reserved_bytes();
+    return bytes;
+}
+
+// A held token moves to a coarser tier: requantised from what the cache holds now (a token that
+// sank to INT8 reaches INT4 from its INT8 form, as the simulator's int4_from_int8 tiers do).
+void HeadCache::sink(std::size_t i, uint8_t key_tier, uint8_t value_tier) {
+    const int slot = slot_of_[i];
+    const int32_t p = positions_[i];
+    // With int4_from_int8, a token that falls from FP16 straight to INT4 passes through its INT8
+    // form, as the simulator's INT4 tier is built from its INT8 one.
+    auto move = [&](TierStore* stores, uint8_t from, uint8_t to, std::vector<float>& row) {
+        stores[from].read(slot, row.data());
+        if (from == 0 && to == 2 && format_->int4_from_int8) {
+            stores[1].write(slot, row.data());
+            stores[1].read(slot, row.data());
+        }
+        stores[to].write(slot, row.data());
+    };
+    if (key_tier != key_tier_[p]) move(keys_, key_tier_[p], key_tier, key_row_);
+    if (value_tier != value_tier_[p]) move(values_, value_tier_[p], value_tier, value_row_);
+}
+
+void HeadCache::decode(int32_t t, const float* q, const float* k, const float* v, float* out) {
+    const int d = plan_.head_dim, group = plan_.group;
+    const std::size_t held = positions_.size();
+    const int slot_bytes = static_cast<int>(policy_->bytes_per_slot());
+
+    if (state_) {
+        // A streaming head: the state takes every token and folds what leaves its window.
+        state_->admit(t, k, v);
+        for (int h = 0; h < group; ++h) state_->output(q + static_cast<std::size_t>(h) * d, out + static_cast<std::size_t>(h) * d);
+        attending_bytes_ = state_->bytes() + static_cast<double>(slot_bytes) * static_cast<double>(held + 1);
+    } else {
+        // 1. t enters at FP16, in a free slot (held <= budget, so one is free).
+        if (free_slots_.empty()) fail(t, "no free slot: the policy holds more than its budget");
+        const int slot = free_slots_.back();
+        free_slots_.pop_back();
+        keys_[0].write(slot, k);
+        values_[0].write(slot, v);
+        key_tier_[t] = value_tier_[t] = 0;
+
+        // 2. Attention over held positions and t: the two-pass softmax of the simulator
+        // (sim/precision.cpp), reading each row from its tier.
+        const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+        const Eigen::Index n = static_cast<Eigen::Index>(held + 1);
+        weights_.resize(static_cast<std::size_t>(group) * n);
+        for (int h = 0; h < group; ++h) {
+            const float* qh = q + static_cast<std::size_t>(h) * d;
+            scores_.resize(n);
+            for (Eigen::Index j = 0; j < n; ++j) {
+                const bool current = j == n - 1;
+                const int row = current ? slot : slot_of_[j];
+                keys_[current ? 0 : key_tier_[positions_[j]]].read(row, key_row_.data());
+                scores_[j] = fixed_order_dot(qh, key_row_.data(), d) * scale;
+            }
+            const float inv_total = softmax_numerators(scores_);
+            float* o = out + static_cast<std::size_t>(h) * d;
+            std::fill(o, o + d, 0.0f);
+            for (Eigen::Index j = 0; j < n; ++j) {
+                const bool current = j == n - 1;
+                values_[current ? 0 : value_tier_[positions_[j]]].read(current ? slot : slot_of_[j], value_row_.data());
+                const float w = scores_[j] * inv_total;
+                weights_[static_cast<std::size_t>(h) * n + j] = w;
+                for (int i = 0; i < d; ++i) o[i] += w * value_row_[i];
+            }
+        }
+        double bytes = key_bytes_[0] + value_bytes_[0];
+        for (int32_t p : positions_) bytes += key_bytes_[key_tier_[p]] + value_bytes_[value_tier_[p]];
+        attending_bytes_ = bytes + static_cast<double>(slot_bytes) * static_cast<double>(held + 1);
+
+        positions_.push_back(t);
+        slot_of_.push_back(slot);
+    }
+
+    if (t == 0) {  // the policy was built holding position 0; its tier as step 0 left it
+        if (state_) positions_.push_back(0), slot_of_.push_back(-1);
+        assign_tiers(0);
+        return;
+    }
+    // 3. What the policy sees: each query head's weights on the held positions, averaged over the
+    // group (the renormalised view computed from the cache itself; zeros for a streaming head).
+    attn_.assign(held, 0.0f);
+    if (!state_) {
+        const std::size_t n = held + 1;
+        for (int h = 0; h < group; ++h)
+            for (std::size_t j = 0; j < held; ++j) attn_[j] += weights_[h * n + j];
+        for (std::size_t j = 0; j < held; ++j) attn_[j] /= static_cast<float>(group);
+    } else {
+        positions_.push_back(t);  // a streaming head's policy holds positions like any other
+        slot_of_.push_back(-1);
+    }
+    policy_->on_decode_step(t, attn_);
+    if (positions_.size() > static_cast<std::size_t>(plan_.budget) || policy_->sizes_itself()) {
+        victims_.clear();
+        policy_->evict(plan_.budget, victims_);
+        // Victims ascend, as positions do: one merge pass.
+        std::size_t out_index = 0, next_victim = 0;
+        for (std::size_t i = 0; i < positions_.size(); ++i) {
+            if (next_victim < victims_.size() && positions_[i] == victims_[next_victim]) {
+                if (slot_of_[i] >= 0) free_slots_.push_back(slot_of_[i]);
+                ++next_victim;
+                continue;
+            }
+            positions_[out_index] = positions_[i];
+            slot_of_[out_index] = slot_of_[i];
+            ++out_index;
+        }
+        if (next_victim != victims_.size()) fail(t, "evicted a position it does not hold, or out of order");
+        positions_.resize(out_index);
+        slot_of_.resize(out_index);
+        if (positions_.size() > static_cast<std::size_t>(plan_.budget))
+            fail(t, "left " + std::to_string(positions_.size()) + " positions, over its budget of " +
+                        std::to_string(plan_.budget));
+    }
+    assign_tiers(t);
+}
+
+void HeadCache::assign_tiers(int32_t t) {
+    if (!format_) return;
+    // The policy writes the tier of every held position; a change may only sink a token.
+    for (int32_t p : positions_) new_key_tier_[p] = key_tier_[p], new_value_tier_[p] = value_tier_[p];
+    policy_->assign_tiers(t, positions_, new_key_tier_, new_value_tier_);
+    for (std::size_t i = 0; i < positions_.size(); ++i) {
+        const int32_t p = positions_[i];
+        const uint8_t key = new_key_tier_[p], value = new_value_tier_[p];
+        if (key == key_tier_[p] && value == value_tier_[p]) continue;
+        if (key < key_tier_[p] || value < value_tier_[p] || key > 2 || value > 2)
+            fail(t, "moved position " + std::to_string(p) + " to a finer or unknown tier (a token only sinks)");
+        sink(i, key, value);
+        key_tier_[p] = key;
+        value_tier_[p] = value;
+    }
+}
+
+}  // namespace kvsim::runtime

@@ -1,0 +1,76 @@
+// One (layer, KV head) of the runtime's cache: the profile's policy instance (the same policy
+// objects the simulator replays, so selection is written once), the positions it holds with
+// their tiers, and their keys and values in real tiered storage (tier_store.h); or, for a
+// streaming head, the decayed linear state of sim/streaming_heads.h with its exact tokens.
+//
+// A decode step at position t, as the simulator's harness orders it (sim/harness.cpp):
+//   1. t's key and value enter at FP16;
+//   2. attention of the group's query heads over the held positions and t: the output, and the
+//      weights the policy is shown (each head's softmax over what is held, averaged over the group);
+//   3. the policy observes those weights and admits t; it evicts down to its budget; tiers are
+//      reassigned, and a token that sinks is requantised from what the cache holds.
+#pragma once
+#include <Eigen/Core>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "policies/policy.h"
+#include "src/runtime/tier_store.h"
+
+namespace kvsim::runtime {
+
+struct HeadPlan {
+    int layer = 0, kv_head = 0, num_layers = 1, num_kv_heads = 1;
+    int group = 1;         // query heads per KV head
+    int head_dim = 0;
+    int budget = 0;        // tokens held after each step's eviction
+    int max_context = 0;
+};
+
+class HeadCache {
+public:
+    using PolicyMaker = std::function<std::unique_ptr<Policy>()>;
+    HeadCache(const HeadPlan& plan, PolicyMaker make_policy);
+
+    void reset();
+    // One decode step; q: the group's queries (group x head_dim), out: their outputs. Throws
+    // std::logic_error when the policy breaks its contract.
+    void decode(int32_t t, const float* q, const float* k, const float* v, float* out);
+
+    const std::vector<int32_t>& held() const { return positions_; }
+    uint8_t key_tier_of(std::size_t i) const { return key_tier_[positions_[i]]; }
+    // Bytes while attending at the last step (held tokens at their tiers, the current token at
+    // FP16, bookkeeping per slot, a streaming head's state), counted as the simulator counts them.
+    double attending_bytes() const { return attending_bytes_; }
+    std::size_t reserved_bytes() const;
+
+private:
+    void start();
+    void sink(std::size_t i, uint8_t key_tier, uint8_t value_tier);
+    void assign_tiers(int32_t t);
+    [[noreturn]] void fail(int32_t t, const std::string& what) const;
+
+    HeadPlan plan_;
+    PolicyMaker make_policy_;
+    std::unique_ptr<Policy> policy_;
+    StreamingHeadState* state_ = nullptr;  // owned by the policy; null unless a streaming head
+    const TierFormat* format_ = nullptr;
+    int capacity_ = 0;                      // slots: budget + 1
+    TierStore keys_[3], values_[3];        // per tier, `capacity_` rows each
+    std::vector<int32_t> positions_;       // held, ascending
+    std::vector<int> slot_of_;             // index-aligned with positions_
+    std::vector<int> free_slots_;
+    std::vector<uint8_t> key_tier_, value_tier_;  // by position, as the policy assigns them
+    std::vector<uint8_t> new_key_tier_, new_value_tier_;  // what assign_tiers writes, checked
+    std::vector<int32_t> victims_;
+    std::vector<float> key_row_, value_row_, attn_;
+    Eigen::ArrayXf scores_;
+    std::vector<float> weights_;           // group x (held + 1)
+    double key_bytes_[3] = {}, value_bytes_[3] = {};
+    double attending_bytes_ = 0;
+};
+
+}  // namespace kvsim::runtime

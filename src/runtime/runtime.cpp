@@ -1,0 +1,205 @@
+// The C API of kvsim_runtime.h over the CPU backend: one HeadCache per (layer, KV head), planned
+// from the profile once, stepped in parallel over KV heads (each head owns its state, so results
+// do not depend on the number of threads).
+#include "src/runtime/kvsim_runtime.h"
+
+#include <tbb/parallel_for.h>
+
+#include <cmath>
+#include <exception>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "base/errors.h"
+#include "base/size_limits.h"
+#include "policies/policy.h"
+#include "search/profile.h"
+#include "src/runtime/head_cache.h"
+
+struct kvsim_rt {
+    kvsim_model_shape shape{};
+    int group = 1;
+    kvsim::Profile profile;
+    kvsim::ParamValues params;
+    std::map<std::string, std::string> files;
+    std::vector<std::unique_ptr<kvsim::runtime::HeadCache>> heads;  // [layer * num_kv_heads + kv]
+    std::vector<int32_t> next_position;  // per layer
+    std::string error;
+};
+
+namespace {
+
+thread_local std::string create_error;
+
+using kvsim::runtime::HeadCache;
+using kvsim::runtime::HeadPlan;
+
+kvsim_status fail(kvsim_rt* rt, kvsim_status status, const std::string& what) {
+    rt->error = what;
+    return status;
+}
+
+bool all_finite(const float* x, std::size_t n) {
+    for (std::size_t i = 0; i < n; ++i)
+        if (!std::isfinite(x[i])) return false;
+    return true;
+}
+
+std::unique_ptr<kvsim_rt> plan(const char* profile_path, const kvsim_model_shape& shape, const std::string& backend) {
+    using namespace kvsim;
+    if (backend != "cpu")
+        throw InputError("backend '" + backend + "': this build of kvsim_runtime has the cpu backend only");
+    if (shape.num_layers < 1 || shape.num_query_heads < 1 || shape.num_kv_heads < 1 || shape.head_dim < 1 ||
+        shape.max_context < 1 || shape.num_query_heads % shape.num_kv_heads != 0)
+        throw InputError("model shape: layers, query heads, KV heads, head size and max_context must be >= 1, and "
+                         "query heads a multiple of KV heads");
+    auto rt = std::make_unique<kvsim_rt>();
+    rt->shape = shape;
+    rt->group = shape.num_query_heads / shape.num_kv_heads;
+    rt->profile = load_profile(profile_path);
+    const Profile& p = rt->profile;
+    check_profile_shape(p.model, profile_path,
+                        ModelShape{"", shape.num_layers, shape.num_query_heads, shape.num_kv_heads, shape.head_dim},
+                        "the engine's model");
+    const PolicyDescriptor* policy = find_policy(p.policy);
+    if (!policy) throw InputError(std::string(profile_path) + ": policy.name: unknown policy '" + p.policy + "'");
+    rt->params = resolve_params(*policy, p.params, std::string(profile_path) + ": policy.params");
+    if (p.streaming || p.tiers) rt->files["profile"] = profile_path;  // the policy reads its heads' plan itself
+
+    const int L = shape.num_layers, K = shape.num_kv_heads;
+    uint64_t reserved = 0;
+    for (int layer = 0; layer < L; ++layer)
+        for (int kv = 0; kv < K; ++kv) {
+            HeadPlan h;
+            h.layer = layer, h.kv_head = kv, h.num_layers = L, h.num_kv_heads = K;
+            h.group = rt->group;
+            h.head_dim = shape.head_dim;
+            h.max_context = shape.max_context;
+            const std::size_t u = static_cast<std::size_t>(layer) * K + kv;
+            h.budget = policy->keeps_everything ? shape.max_context
+                       : !p.head_budgets.empty() ? std::min(p.head_budgets[u], shape.max_context)
+                                                 : std::min(p.layer_budgets.at(layer), shape.max_context);
+            // What one head reserves at most: every slot at every tier (the oracle's layout).
+            reserved += checked_mul(static_cast<uint64_t>(h.budget) + 1, 7ull * shape.head_dim, "runtime plan");
+            check_memory(reserved, std::string(profile_path) + " on " + std::to_string(shape.max_context) +
+                                       " positions (the runtime's planned cache)");
+            const PolicyDescriptor* descriptor = policy;
+            const kvsim_rt* owner = rt.get();
+            const PolicyContext ctx{h.budget, std::min(h.budget, shape.max_context) + 1, layer, L, kv, K,
+                                    shape.head_dim, &owner->files};
+            rt->heads.push_back(std::make_unique<HeadCache>(
+                h, [descriptor, owner, ctx]() { return descriptor->make(owner->params, ctx); }));
+        }
+    rt->next_position.assign(L, 0);
+    return rt;
+}
+
+}  // namespace
+
+extern "C" {
+
+kvsim_status kvsim_rt_create(const char* profile_path, const kvsim_model_shape* shape, const char* backend,
+                             kvsim_rt** out) {
+    if (out) *out = nullptr;
+    if (!profile_path || !shape || !out) {
+        create_error = "kvsim_rt_create: profile_path, shape and out must not be null";
+        return KVSIM_ERROR_INPUT;
+    }
+    try {
+        *out = plan(profile_path, *shape, backend ? backend : "cpu").release();
+        create_error.clear();
+        return KVSIM_OK;
+    } catch (const kvsim::InputError& e) {
+        create_error = e.what();
+        return KVSIM_ERROR_INPUT;
+    } catch (const std::invalid_argument& e) {
+        create_error = std::string(profile_path) + ": " + e.what();
+        return KVSIM_ERROR_INPUT;
+    } catch (const std::exception& e) {
+        create_error = e.what();
+        return KVSIM_ERROR_INTERNAL;
+    }
+}
+
+const char* kvsim_rt_create_error(void) { return create_error.c_str(); }
+
+void kvsim_rt_destroy(kvsim_rt* rt) { delete rt; }
+
+const char* kvsim_rt_last_error(const kvsim_rt* rt) { return rt ? rt->error.c_str() : "no handle"; }
+
+kvsim_status kvsim_rt_reset(kvsim_rt* rt) {
+    if (!rt) return KVSIM_ERROR_INPUT;
+    try {
+        for (auto& h : rt->heads) h->reset();
+    } catch (const std::exception& e) {
+        return fail(rt, KVSIM_ERROR_INTERNAL, e.what());
+    }
+    std::fill(rt->next_position.begin(), rt->next_position.end(), 0);
+    rt->error.clear();
+    return KVSIM_OK;
+}
+
+kvsim_status kvsim_rt_decode(kvsim_rt* rt, int32_t layer, int32_t pos, const float* q, const float* k,
+                             const float* v, float* out) {
+    if (!rt) return KVSIM_ERROR_INPUT;
+    const kvsim_model_shape& s = rt->shape;
+    if (!q || !k || !v || !out) return fail(rt, KVSIM_ERROR_INPUT, "kvsim_rt_decode: q, k, v and out must not be null");
+    if (layer < 0 || layer >= s.num_layers)
+        return fail(rt, KVSIM_ERROR_INPUT, "layer " + std::to_string(layer) + " is not in 0.." + std::to_string(s.num_layers - 1));
+    if (pos != rt->next_position[layer])
+        return fail(rt, KVSIM_ERROR_CAPACITY, "layer " + std::to_string(layer) + ": position " + std::to_string(pos) +
+                                                  " out of order (the next is " + std::to_string(rt->next_position[layer]) + ")");
+    if (pos >= s.max_context)
+        return fail(rt, KVSIM_ERROR_CAPACITY, "position " + std::to_string(pos) + " is past the planned context of " +
+                                                  std::to_string(s.max_context) + " positions");
+    const std::size_t d = static_cast<std::size_t>(s.head_dim);
+    if (!all_finite(q, s.num_query_heads * d) || !all_finite(k, s.num_kv_heads * d) || !all_finite(v, s.num_kv_heads * d))
+        return fail(rt, KVSIM_ERROR_NONFINITE, "layer " + std::to_string(layer) + ", position " + std::to_string(pos) +
+                                                   ": NaN or infinity in q, k or v");
+    try {
+        tbb::parallel_for(0, s.num_kv_heads, [&](int kv) {
+            HeadCache& head = *rt->heads[static_cast<std::size_t>(layer) * s.num_kv_heads + kv];
+            const std::size_t first_query = static_cast<std::size_t>(kv) * rt->group * d;
+            head.decode(pos, q + first_query, k + kv * d, v + kv * d, out + first_query);
+        });
+    } catch (const std::exception& e) {
+        return fail(rt, KVSIM_ERROR_INTERNAL, e.what());
+    }
+    ++rt->next_position[layer];
+    rt->error.clear();
+    return KVSIM_OK;
+}
+
+kvsim_status kvsim_rt_bytes(const kvsim_rt* rt, int32_t only_layer, double* held_bytes, double* full_fp16_bytes) {
+    if (!rt || !held_bytes || !full_fp16_bytes || only_layer < -1 || only_layer >= rt->shape.num_layers)
+        return KVSIM_ERROR_INPUT;
+    double held = 0, full = 0;
+    for (int layer = 0; layer < rt->shape.num_layers; ++layer) {
+        if (rt->next_position[layer] == 0 || (only_layer >= 0 && layer != only_layer)) continue;
+        for (int kv = 0; kv < rt->shape.num_kv_heads; ++kv)
+            held += rt->heads[static_cast<std::size_t>(layer) * rt->shape.num_kv_heads + kv]->attending_bytes();
+        full += 4.0 * rt->shape.head_dim * rt->next_position[layer] * rt->shape.num_kv_heads;
+    }
+    *held_bytes = held;
+    *full_fp16_bytes = full;
+    return KVSIM_OK;
+}
+
+kvsim_status kvsim_rt_held(const kvsim_rt* rt, int32_t layer, int32_t kv_head, int32_t* positions, uint8_t* tiers,
+                           int32_t capacity, int32_t* count) {
+    if (!rt || !count || layer < 0 || layer >= rt->shape.num_layers || kv_head < 0 ||
+        kv_head >= rt->shape.num_kv_heads || capacity < 0 || (capacity > 0 && (!positions || !tiers)))
+        return KVSIM_ERROR_INPUT;
+    const HeadCache& head = *rt->heads[static_cast<std::size_t>(layer) * rt->shape.num_kv_heads + kv_head];
+    const std::vector<int32_t>& held = head.held();
+    *count = static_cast<int32_t>(held.size());
+    for (std::size_t i = 0; i < held.size() && static_cast<int32_t>(i) < capacity; ++i) {
+        positions[i] = held[i];
+        tiers[i] = head.key_tier_of(i);
+    }
+    return KVSIM_OK;
+}
+
+}  // extern "C"

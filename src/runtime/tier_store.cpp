@@ -1,0 +1,75 @@
+#include "src/runtime/tier_store.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace kvsim::runtime {
+
+void TierStore::plan(int tier, int rows, int head_dim, int group) {
+    tier_ = tier;
+    head_dim_ = head_dim;
+    group_ = std::min(group, head_dim);
+    groups_ = (head_dim + group_ - 1) / group_;
+    const std::size_t n = static_cast<std::size_t>(rows);
+    if (tier == 0) {
+        half_.assign(n * head_dim, 0);
+    } else {
+        row_bytes_ = tier == 1 ? head_dim : (head_dim + 1) / 2;
+        levels_.assign(n * row_bytes_, 0);
+        scales_.assign(n * groups_, 0);
+    }
+}
+
+void TierStore::write(int row, const float* x) {
+    if (tier_ == 0) {
+        uint16_t* out = half_.data() + static_cast<std::size_t>(row) * head_dim_;
+        for (int i = 0; i < head_dim_; ++i) out[i] = float_to_half_bits(round_to_fp16(x[i]));
+        return;
+    }
+    const int qmax = quant_levels(tier_ == 1 ? 8 : 4);
+    uint8_t* out = levels_.data() + static_cast<std::size_t>(row) * row_bytes_;
+    uint16_t* scales = scales_.data() + static_cast<std::size_t>(row) * groups_;
+    if (tier_ == 2) std::fill(out, out + row_bytes_, uint8_t{0});
+    for (int g = 0; g < groups_; ++g) {
+        const int first = g * group_, end = std::min(head_dim_, first + group_);
+        float max_abs = 0.0f;
+        for (int i = first; i < end; ++i) max_abs = std::max(max_abs, std::abs(round_to_fp16(x[i])));
+        const float scale = group_scale(max_abs, qmax);
+        scales[g] = float_to_half_bits(scale);  // exact: the scale is already an fp16 value
+        for (int i = first; i < end; ++i) {
+            const int level = static_cast<int>(quant_level(round_to_fp16(x[i]), scale, qmax));
+            if (tier_ == 1) {
+                out[i] = static_cast<uint8_t>(static_cast<int8_t>(level));
+            } else {  // two's-complement nibbles, low nibble first
+                const uint8_t nibble = static_cast<uint8_t>(level) & 0x0fu;
+                out[i / 2] |= static_cast<uint8_t>(i % 2 ? nibble << 4 : nibble);
+            }
+        }
+    }
+}
+
+void TierStore::read(int row, float* out) const {
+    if (tier_ == 0) {
+        const uint16_t* in = half_.data() + static_cast<std::size_t>(row) * head_dim_;
+        for (int i = 0; i < head_dim_; ++i) out[i] = half_bits_to_float(in[i]);
+        return;
+    }
+    const uint8_t* in = levels_.data() + static_cast<std::size_t>(row) * row_bytes_;
+    const uint16_t* scales = scales_.data() + static_cast<std::size_t>(row) * groups_;
+    for (int i = 0; i < head_dim_; ++i) {
+        int level;
+        if (tier_ == 1) {
+            level = static_cast<int8_t>(in[i]);
+        } else {
+            const int nibble = (in[i / 2] >> (i % 2 ? 4 : 0)) & 0x0f;
+            level = nibble >= 8 ? nibble - 16 : nibble;
+        }
+        out[i] = dequantize_level(static_cast<float>(level), half_bits_to_float(scales[i / group_]));
+    }
+}
+
+std::size_t TierStore::reserved_bytes() const {
+    return half_.size() * sizeof(uint16_t) + levels_.size() + scales_.size() * sizeof(uint16_t);
+}
+
+}  // namespace kvsim::runtime

@@ -1,0 +1,34 @@
+// Real storage for one side (keys or values) of one (layer, KV head) tiered cache: rows of
+// head_dim numbers at FP16 (half bits), INT8 (one level a byte) or INT4 (two levels a byte), the
+// quantised tiers with one fp16 scale per group of channels beside the data, per token (the
+// arrangement token-level tiering uses, sim/quantize.h). Every number goes through
+// sim/cache_math.h, so a row reads back bit for bit what the simulator's tier arrays hold.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "sim/cache_math.h"
+
+namespace kvsim::runtime {
+
+class TierStore {
+public:
+    // `rows` slots of `head_dim` values; `group`: channels sharing one scale (quantised tiers).
+    void plan(int tier, int rows, int head_dim, int group);
+
+    // Stores a row at this tier: FP16 keeps fp16(x); INT8/INT4 quantise fp16(x) per group.
+    void write(int row, const float* x);
+    // The row as attention reads it, dequantised (head_dim floats).
+    void read(int row, float* out) const;
+
+    int tier() const { return tier_; }
+    std::size_t reserved_bytes() const;
+
+private:
+    int tier_ = 0, head_dim_ = 0, group_ = 1, groups_ = 1, row_bytes_ = 0;
+    std::vector<uint16_t> half_;   // FP16: head_dim half bits a row
+    std::vector<uint8_t> levels_;  // INT8: head_dim bytes a row; INT4: ceil(head_dim / 2)
+    std::vector<uint16_t> scales_; // quantised tiers: `groups_` fp16 scales a row
+};
+
+}  // namespace kvsim::runtime

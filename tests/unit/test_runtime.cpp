@@ -1,0 +1,256 @@
+// The runtime's CPU backend against the simulator, on the shipped stories260K trace: with the same
+// profile, replayed in the cached attention view (the policy shown the attention of the cache as
+// held, which is all a runtime can compute), every step's attention output and bytes must match
+// bit for bit: the summed output errors and bytes per (layer, KV head) are equal to the last digit.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "search/profile.h"
+#include "sim/precision.h"
+#include "sim/replay.h"
+#include "sim/sweep.h"
+#include "sim/trace_store.h"
+#include "src/runtime/kvsim_runtime.h"
+
+using namespace kvsim;
+
+namespace {
+
+std::string temp_file(const std::string& name) {
+    return (std::filesystem::temp_directory_path() / ("kvsim-runtime-test-" + name)).string();
+}
+
+// The shipped trace stores K and V in fp32, and the simulator's FP16 tier reads them as they are;
+// the runtime stores real fp16. A copy written as float16 gives both the same numbers, so every
+// remaining difference would be the runtime's own.
+std::string fp16_trace() {
+    static const std::string path = [] {
+        const TraceReader reader(std::string(KVSIM_SOURCE_DIR) + "/data/tinystories-stories260K.h5");
+        const std::string out = temp_file("stories260K-fp16.h5");
+        TraceWriter writer(out, reader.metadata());
+        for (std::size_t s = 0; s < reader.sequences().size(); ++s) {
+            const int id = writer.add_sequence(reader.sequences()[s].name, reader.sequences()[s].length);
+            for (int layer = 0; layer < static_cast<int>(reader.metadata().num_layers); ++layer)
+                writer.write_qkv(id, layer, reader.read_qkv(static_cast<int>(s), layer), TensorDtype::float16);
+        }
+        writer.commit();
+        return out;
+    }();
+    return path;
+}
+
+Profile base_profile(const TraceMetadata& m) {
+    Profile p;
+    p.name = "runtime-test";
+    p.model = {m.model_name, static_cast<int>(m.num_layers), static_cast<int>(m.num_query_heads),
+               static_cast<int>(m.num_kv_heads), static_cast<int>(m.head_dim)};
+    return p;
+}
+
+struct HeadFigures {
+    std::vector<double> error, bytes;  // per (layer, KV head), summed over decode steps
+};
+
+// The simulator: one lockstep replay of the profile on the given sequences, cached view.
+HeadFigures simulate(const std::string& profile_path, const std::vector<int>& sequences) {
+    const Profile profile = load_profile(profile_path);
+    PolicyEntry entry;
+    entry.name = profile.policy;
+    entry.params = profile.params;
+    entry.where = profile_path;
+    entry.profile_shape = profile.model;
+    if (profile.streaming || profile.tiers)
+        entry.files["profile"] = profile_path;
+    else
+        entry.profile_budgets.push_back(profile_column(profile, profile_path));
+    auto source = open_trace_source(fp16_trace(), 0, sequences);
+    ReplayOptions options;
+    options.harness = named_harness_options("cached", "mean", true, 0);
+    options.output_error = true;
+    options.memory = true;
+    const std::vector<ReplayCombo> combos =
+        entry.profile_budgets.empty() ? expand_sweep({entry}, {}, std::vector<int>{1}) : expand_sweep({entry}, {}, entry.profile_budgets);
+    const std::vector<ComboResult> r = replay(*source, combos, options);
+    HeadFigures f;
+    for (const StreamMetrics& m : r.front().by_head) {
+        f.error.push_back(m.output_rel_error);
+        f.bytes.push_back(m.cache_bytes);
+    }
+    return f;
+}
+
+// The runtime: every sequence through kvsim_rt_decode, the output error against the full cache's
+// output computed as the replay computes it, and the bytes as the runtime reports them.
+HeadFigures run_runtime(const std::string& profile_path, const std::vector<int>& sequences) {
+    const TraceReader reader(fp16_trace());
+    const TraceMetadata& m = reader.metadata();
+    const int L = static_cast<int>(m.num_layers), H = static_cast<int>(m.num_query_heads),
+              K = static_cast<int>(m.num_kv_heads), d = static_cast<int>(m.head_dim), group = H / K;
+    int longest = 0;
+    for (int s : sequences) longest = std::max<int>(longest, static_cast<int>(reader.sequences()[s].length));
+    const kvsim_model_shape shape{L, H, K, d, longest};
+    kvsim_rt* rt = nullptr;
+    REQUIRE_MESSAGE(kvsim_rt_create(profile_path.c_str(), &shape, "cpu", &rt) == KVSIM_OK, kvsim_rt_create_error());
+    HeadFigures f{std::vector<double>(static_cast<std::size_t>(L) * K, 0.0), std::vector<double>(static_cast<std::size_t>(L) * K, 0.0)};
+    std::vector<float> out(static_cast<std::size_t>(H) * d), full(d);
+    Eigen::ArrayXf scratch;
+    for (int s : sequences) {
+        REQUIRE(kvsim_rt_reset(rt) == KVSIM_OK);
+        // Summed per sequence first, then across sequences: the replay's order of addition.
+        HeadFigures seq{std::vector<double>(f.error.size(), 0.0), std::vector<double>(f.bytes.size(), 0.0)};
+        for (int layer = 0; layer < L; ++layer) {
+            const QkvLayer data = reader.read_qkv(s, layer);
+            std::vector<int32_t> every(data.tokens);
+            for (int64_t p = 0; p < data.tokens; ++p) every[p] = static_cast<int32_t>(p);
+            const std::vector<uint8_t> fp16(data.tokens, 0);
+            TierArrays arrays;
+            arrays.k[0] = data.k.data();
+            arrays.v[0] = data.v.data();
+            for (int64_t t = 0; t < data.tokens; ++t) {
+                const float* q = data.q.data() + t * H * d;
+                const kvsim_status status = kvsim_rt_decode(rt, layer, static_cast<int32_t>(t), q, data.k.data() + t * K * d,
+                                                            data.v.data() + t * K * d, out.data());
+                REQUIRE_MESSAGE(status == KVSIM_OK, kvsim_rt_last_error(rt));
+                if (t == 0) continue;  // the replay measures decode steps 1..T
+                for (int kv = 0; kv < K; ++kv) {
+                    for (int h = 0; h < group; ++h) {
+                        const int head = kv * group + h;
+                        cached_attention_output(q + head * d, {every.data(), static_cast<std::size_t>(t + 1)}, fp16, fp16,
+                                                arrays, kv, K, d, scratch, full.data());
+                        const float* cached = out.data() + head * d;
+                        double diff = 0, norm_full = 0;
+                        for (int i = 0; i < d; ++i) {
+                            diff += double(cached[i] - full[i]) * (cached[i] - full[i]);
+                            norm_full += double(full[i]) * full[i];
+                        }
+                        seq.error[static_cast<std::size_t>(layer) * K + kv] +=
+                            norm_full > 0 ? std::sqrt(diff / norm_full) : std::sqrt(diff);
+                    }
+                }
+                double held = 0, full_bytes = 0;
+                REQUIRE(kvsim_rt_bytes(rt, layer, &held, &full_bytes) == KVSIM_OK);
+                seq.bytes[static_cast<std::size_t>(layer) * K] += held;  // per layer: compared summed over heads
+            }
+        }
+        for (std::size_t u = 0; u < f.error.size(); ++u) f.error[u] += seq.error[u], f.bytes[u] += seq.bytes[u];
+    }
+    kvsim_rt_destroy(rt);
+    return f;
+}
+
+void check_same(const HeadFigures& sim, const HeadFigures& rt, int K) {
+    REQUIRE(sim.error.size() == rt.error.size());
+    for (std::size_t u = 0; u < sim.error.size(); ++u) {
+        INFO("layer " << u / K << ", KV head " << u % K);
+        CHECK(rt.error[u] == sim.error[u]);  // bit for bit
+    }
+    for (std::size_t layer = 0; layer * K < sim.bytes.size(); ++layer) {
+        double sim_layer = 0;
+        for (int kv = 0; kv < K; ++kv) sim_layer += sim.bytes[layer * K + kv];
+        INFO("layer " << layer);
+        CHECK(rt.bytes[layer * K] == doctest::Approx(sim_layer).epsilon(1e-12));
+    }
+}
+
+}  // namespace
+
+TEST_CASE("runtime (cpu): per-head H2O budgets match the simulator bit for bit") {
+    const TraceReader reader(fp16_trace());
+    Profile p = base_profile(reader.metadata());
+    p.policy = "h2o";
+    p.params = resolve_params(*find_policy("h2o"), {{"recent_window", 8}}, "test");
+    const int L = p.model.num_layers, K = p.model.num_kv_heads;
+    for (int l = 0; l < L; ++l) {
+        p.layer_budgets.push_back(20 + 10 * l);
+        for (int kv = 0; kv < K; ++kv) p.head_budgets.push_back(12 + 7 * ((l * K + kv) % 9));
+    }
+    const std::string path = temp_file("h2o.json");
+    write_profile(p, path);
+    check_same(simulate(path, {3, 4}), run_runtime(path, {3, 4}), K);
+    std::filesystem::remove(path);
+}
+
+TEST_CASE("runtime (cpu): a stratigraphic tier profile matches the simulator bit for bit") {
+    const TraceReader reader(fp16_trace());
+    Profile p = base_profile(reader.metadata());
+    p.policy = "stratigraphic";
+    p.params = resolve_params(*find_policy("stratigraphic"), {{"recent", 16}}, "test");
+    const int L = p.model.num_layers, K = p.model.num_kv_heads;
+    p.tiers = TierShares{L, K, {}, {}, {}};
+    for (int u = 0; u < L * K; ++u) {
+        p.tiers->fp16.push_back(0.05 * (u % 4));
+        p.tiers->int8.push_back(0.1 + 0.1 * (u % 3));
+        p.tiers->int4.push_back(0.15 * (u % 2));
+    }
+    const std::string path = temp_file("tiers.json");
+    write_profile(p, path);
+    check_same(simulate(path, {3, 4}), run_runtime(path, {3, 4}), K);
+    std::filesystem::remove(path);
+}
+
+TEST_CASE("runtime (cpu): streaming heads match the simulator bit for bit") {
+    const TraceReader reader(fp16_trace());
+    Profile p = base_profile(reader.metadata());
+    p.policy = "streaming_attention";
+    p.params = resolve_params(*find_policy("streaming_attention"), {{"sinks", 4}, {"recent", 16}}, "test");
+    const int L = p.model.num_layers, K = p.model.num_kv_heads;
+    StreamingHeads heads;
+    heads.sinks = 4;
+    heads.recent = 16;
+    for (int u = 0; u < L * K; ++u) {
+        heads.heads.push_back(u % 3 != 0);
+        heads.lambda.push_back(0.2 * (u % 5));
+    }
+    p.streaming = heads;
+    const std::string path = temp_file("streaming.json");
+    write_profile(p, path);
+    check_same(simulate(path, {3}), run_runtime(path, {3}), K);
+    std::filesystem::remove(path);
+}
+
+TEST_CASE("runtime (cpu): bad input is an error code and one line, and the cache stays usable") {
+    const TraceReader reader(fp16_trace());
+    Profile p = base_profile(reader.metadata());
+    p.policy = "h2o";
+    p.params = resolve_params(*find_policy("h2o"), {}, "test");
+    p.layer_budgets.assign(p.model.num_layers, 16);
+    const std::string path = temp_file("bad.json");
+    write_profile(p, path);
+    const int L = p.model.num_layers, H = p.model.num_query_heads, K = p.model.num_kv_heads, d = p.model.head_dim;
+
+    kvsim_rt* rt = nullptr;
+    kvsim_model_shape other{L + 1, H, K, d, 64};
+    CHECK(kvsim_rt_create(path.c_str(), &other, "cpu", &rt) == KVSIM_ERROR_INPUT);
+    CHECK(rt == nullptr);
+    CHECK(std::string(kvsim_rt_create_error()).find("the profile was fitted to 5 layers, 8 query heads, 4 KV heads, "
+                                                    "head size 8") != std::string::npos);
+    CHECK(std::string(kvsim_rt_create_error()).find("has 6 layers") != std::string::npos);
+    const kvsim_model_shape shape{L, H, K, d, 4};
+    CHECK(kvsim_rt_create(path.c_str(), &shape, "cuda", &rt) == KVSIM_ERROR_INPUT);
+    CHECK(kvsim_rt_create("/nonexistent/profile.json", &shape, "cpu", &rt) == KVSIM_ERROR_INPUT);
+    REQUIRE(kvsim_rt_create(path.c_str(), &shape, "cpu", &rt) == KVSIM_OK);
+
+    std::vector<float> q(H * d, 0.5f), k(K * d, 0.25f), v(K * d, 1.0f), out(H * d);
+    REQUIRE(kvsim_rt_decode(rt, 0, 0, q.data(), k.data(), v.data(), out.data()) == KVSIM_OK);
+    CHECK(kvsim_rt_decode(rt, 0, 2, q.data(), k.data(), v.data(), out.data()) == KVSIM_ERROR_CAPACITY);
+    CHECK(std::string(kvsim_rt_last_error(rt)) == "layer 0: position 2 out of order (the next is 1)");
+    k[3] = NAN;
+    CHECK(kvsim_rt_decode(rt, 0, 1, q.data(), k.data(), v.data(), out.data()) == KVSIM_ERROR_NONFINITE);
+    k[3] = 0.25f;
+    CHECK(kvsim_rt_decode(rt, 7, 1, q.data(), k.data(), v.data(), out.data()) == KVSIM_ERROR_INPUT);
+    // Still usable after the refusals: the next position goes through.
+    for (int t = 1; t < 4; ++t) REQUIRE(kvsim_rt_decode(rt, 0, t, q.data(), k.data(), v.data(), out.data()) == KVSIM_OK);
+    CHECK(kvsim_rt_decode(rt, 0, 4, q.data(), k.data(), v.data(), out.data()) == KVSIM_ERROR_CAPACITY);
+    CHECK(out[0] == 1.0f);  // every value is 1: attention returns 1
+    int32_t positions[8];
+    uint8_t tiers[8];
+    int32_t count = 0;
+    REQUIRE(kvsim_rt_held(rt, 0, 0, positions, tiers, 8, &count) == KVSIM_OK);
+    CHECK(count == 4);
+    kvsim_rt_destroy(rt);
+    std::filesystem::remove(path);
+}
