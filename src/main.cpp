@@ -19,6 +19,7 @@
 #include "base/size_limits.h"
 #include "src/capture.h"
 #include "src/eval.h"
+#include "src/generate.h"
 #include "src/experiment.h"
 #include "src/report.h"
 #include "src/progress.h"
@@ -333,6 +334,23 @@ int main(int argc, char** argv) {
     search->add_option("--context", search_confirm.context, "the model's trained context, as at capture")
         ->check(CLI::Range(2, 1 << 30));
 
+    GenerateOptions generate_options;
+    CLI::App* generate = app.add_subcommand(
+        "generate", "the example engine: a GGUF model generating text with kvsim's runtime holding its KV cache");
+    generate->add_option("--model", generate_options.model_path, "GGUF model file (llama architecture)")->required();
+    generate->add_option("--profile", generate_options.profile_path, "profile.json from kvsim search")->required();
+    generate->add_option("--prompt", generate_options.prompt, "text to continue")->required();
+    generate->add_option("-n,--tokens", generate_options.new_tokens, "tokens to generate (greedy; default 64)")
+        ->check(CLI::Range(0, 1 << 20));
+    generate->add_option("--backend", generate_options.backend, "cpu (default) or cuda")
+        ->check(CLI::IsMember({"cpu", "cuda"}));
+    generate->add_option("--text", generate_options.perplexity.text_path, "also report the perplexity of this text");
+    generate->add_option("--split-on", generate_options.perplexity.split_on, "separator between the text's sequences");
+    generate->add_option("--max-tokens", generate_options.perplexity.max_tokens, "tokens per sequence, BOS included")
+        ->check(CLI::Range(2, 1 << 30));
+    generate->add_option("--context", generate_options.perplexity.context, "the model's trained context")
+        ->check(CLI::Range(2, 1 << 30));
+
     std::string export_profile, export_format, export_out;
     CLI::App* exporter = app.add_subcommand("export", "write a fitted profile in a form other tools load");
     exporter->add_option("profile", export_profile, "profile.json from kvsim search")->required();
@@ -367,6 +385,17 @@ int main(int argc, char** argv) {
         if (*eval) return run_eval_command(eval_flags, eval_input);
         if (*search) return run_search_command(search_flags, search_confirm);
         if (*exporter) return run_export(export_profile, export_format, export_out);
+        if (*generate) {
+            const GenerateResult g = run_generate(generate_options);
+            std::printf("%s%s\n", generate_options.prompt.c_str(), g.text.c_str());
+            std::printf("\nkvsim generate: %d prompt + %d generated tokens; the runtime's cache held %.4g bytes per token "
+                        "per (layer, KV head), %.3fx compression against fp16\n",
+                        g.prompt_tokens, g.generated_tokens, g.bytes_per_token, g.compression_ratio);
+            if (g.ppl_tokens > 0)
+                std::printf("perplexity of %s with the runtime in the loop: %.4f over %lld predicted tokens\n",
+                            generate_options.perplexity.text_path.c_str(), g.ppl, static_cast<long long>(g.ppl_tokens));
+            return 0;
+        }
         if (*synth) return trace_synth(synth_generator, synth_name, synth_dtype, synth_out);
         if (*info) return trace_info(info_path);
         if (*report) {

@@ -524,6 +524,7 @@ void LlamaModel::attention(int layer, int n, int start_pos, ForwardHooks* hooks)
         if (first_non_finite(k_.row(i).data(), c.kv_dim()) >= 0) throw NonFiniteError(path_, "key", layer, pos);
         if (first_non_finite(v_.row(i).data(), c.kv_dim()) >= 0) throw NonFiniteError(path_, "value", layer, pos);
         if (hooks) hooks->after_qkv(layer, pos, q_.row(i).data(), k_.row(i).data(), v_.row(i).data());
+        if (hooks && hooks->holds_the_cache()) continue;
         for (int g = 0; g < c.n_kv_heads; ++g) {
             std::memcpy(key_cache_.data() + cache_offset(layer, g, pos), k_.row(i).data() + g * head_dim,
                         sizeof(float) * head_dim);
@@ -540,6 +541,15 @@ void LlamaModel::attention(int layer, int n, int start_pos, ForwardHooks* hooks)
         }
     }
 
+    if (hooks && hooks->holds_the_cache()) {  // the hook attends over its own cache
+        const int group_width = heads_per_kv_head * head_dim;
+        for (int i = 0; i < n; ++i)
+            for (int g = 0; g < c.n_kv_heads; ++g)
+                if (!hooks->attention_output(layer, g, start_pos + i, q_.row(i).data() + g * group_width,
+                                             attn_out_.row(i).data() + g * group_width))
+                    throw std::logic_error("a hook that holds the cache gave no attention output");
+        return;
+    }
     // Per query head: scores = q·Kᵀ/√head_dim, causal and hook masks, softmax, output = weights·V.
     // Finite q and k can still overflow to an infinite score; each head notes its first such row
     // (threads write only their own head's entry) and the error is thrown after the loop.

@@ -93,6 +93,9 @@ struct ForwardHooks {
         (void)layer, (void)kv_head, (void)pos, (void)q, (void)out;
         return false;
     }
+    // A hook that holds the whole KV cache itself (kvsim's runtime) returns true: the model then
+    // neither stores K and V nor attends, and every attention output comes from attention_output.
+    virtual bool holds_the_cache() const { return false; }
 };
 
 // Not thread-safe: one sequence at a time per model object. Large matrix products and attention
