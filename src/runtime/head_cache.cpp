@@ -91,6 +91,71 @@ void HeadCache::sink(std::size_t i, uint8_t key_tier, uint8_t value_tier) {
     if (value_tier != value_tier_[p]) move(values_, value_tier_[p], value_tier, value_row_);
 }
 
+// The oracle: the simulator's two-pass softmax (sim/precision.cpp) per query head, every row
+// read from its tier; bit for bit what the simulator computes.
+void HeadCache::attend_two_pass(int slot, const float* q, float* out) {
+    const int d = plan_.head_dim, group = plan_.group;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    const Eigen::Index n = static_cast<Eigen::Index>(positions_.size() + 1);
+    weights_.resize(static_cast<std::size_t>(group) * n);
+    for (int h = 0; h < group; ++h) {
+        const float* qh = q + static_cast<std::size_t>(h) * d;
+        scores_.resize(n);
+        for (Eigen::Index j = 0; j < n; ++j) {
+            const bool current = j == n - 1;
+            keys_[current ? 0 : key_tier_[positions_[j]]].read(current ? slot : slot_of_[j], key_row_.data());
+            scores_[j] = fixed_order_dot(qh, key_row_.data(), d) * scale;
+        }
+        const float inv_total = softmax_numerators(scores_);
+        float* o = out + static_cast<std::size_t>(h) * d;
+        std::fill(o, o + d, 0.0f);
+        for (Eigen::Index j = 0; j < n; ++j) {
+            const bool current = j == n - 1;
+            values_[current ? 0 : value_tier_[positions_[j]]].read(current ? slot : slot_of_[j], value_row_.data());
+            const float w = scores_[j] * inv_total;
+            weights_[static_cast<std::size_t>(h) * n + j] = w;
+            for (int i = 0; i < d; ++i) o[i] += w * value_row_[i];
+        }
+    }
+}
+
+// The serving path: one pass over the cache for the whole group, each row dequantised once and
+// used by every query head of the group; an online softmax per head (sim/cache_math.h) rescales
+// its accumulator when its maximum rises. The policy's weights come from the scores kept on the
+// side, normalised once the pass is done.
+void HeadCache::attend_one_pass(int slot, const float* q, float* out) {
+    const int d = plan_.head_dim, group = plan_.group;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    const std::size_t n = positions_.size() + 1;
+    weights_.resize(static_cast<std::size_t>(group) * n);  // scores first, weights after the pass
+    online_.assign(group, OnlineSoftmax{});
+    std::fill(out, out + static_cast<std::size_t>(group) * d, 0.0f);
+    for (std::size_t j = 0; j < n; ++j) {
+        const bool current = j == n - 1;
+        const int row = current ? slot : slot_of_[j];
+        keys_[current ? 0 : key_tier_[positions_[j]]].read(row, key_row_.data());
+        values_[current ? 0 : value_tier_[positions_[j]]].read(row, value_row_.data());
+        for (int h = 0; h < group; ++h) {
+            const float s = fixed_order_dot(q + static_cast<std::size_t>(h) * d, key_row_.data(), d) * scale;
+            weights_[static_cast<std::size_t>(h) * n + j] = s;
+            float w = 0;
+            const float rescale = online_[h].add(s, w);
+            float* o = out + static_cast<std::size_t>(h) * d;
+            if (rescale != 1.0f)
+                for (int i = 0; i < d; ++i) o[i] = o[i] * rescale + w * value_row_[i];
+            else
+                for (int i = 0; i < d; ++i) o[i] += w * value_row_[i];
+        }
+    }
+    for (int h = 0; h < group; ++h) {
+        const float inv_sum = 1.0f / online_[h].sum;
+        float* o = out + static_cast<std::size_t>(h) * d;
+        for (int i = 0; i < d; ++i) o[i] *= inv_sum;
+        float* w = weights_.data() + static_cast<std::size_t>(h) * n;
+        for (std::size_t j = 0; j < n; ++j) w[j] = std::exp(w[j] - online_[h].maximum) * inv_sum;
+    }
+}
+
 void HeadCache::decode(int32_t t, const float* q, const float* k, const float* v, float* out) {
     const int d = plan_.head_dim, group = plan_.group;
     const std::size_t held = positions_.size();
@@ -110,31 +175,11 @@ void HeadCache::decode(int32_t t, const float* q, const float* k, const float* v
         values_[0].write(slot, v);
         key_tier_[t] = value_tier_[t] = 0;
 
-        // 2. Attention over held positions and t: the two-pass softmax of the simulator
-        // (sim/precision.cpp), reading each row from its tier.
-        const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-        const Eigen::Index n = static_cast<Eigen::Index>(held + 1);
-        weights_.resize(static_cast<std::size_t>(group) * n);
-        for (int h = 0; h < group; ++h) {
-            const float* qh = q + static_cast<std::size_t>(h) * d;
-            scores_.resize(n);
-            for (Eigen::Index j = 0; j < n; ++j) {
-                const bool current = j == n - 1;
-                const int row = current ? slot : slot_of_[j];
-                keys_[current ? 0 : key_tier_[positions_[j]]].read(row, key_row_.data());
-                scores_[j] = fixed_order_dot(qh, key_row_.data(), d) * scale;
-            }
-            const float inv_total = softmax_numerators(scores_);
-            float* o = out + static_cast<std::size_t>(h) * d;
-            std::fill(o, o + d, 0.0f);
-            for (Eigen::Index j = 0; j < n; ++j) {
-                const bool current = j == n - 1;
-                values_[current ? 0 : value_tier_[positions_[j]]].read(current ? slot : slot_of_[j], value_row_.data());
-                const float w = scores_[j] * inv_total;
-                weights_[static_cast<std::size_t>(h) * n + j] = w;
-                for (int i = 0; i < d; ++i) o[i] += w * value_row_[i];
-            }
-        }
+        // 2. Attention over held positions and t.
+        if (plan_.oracle)
+            attend_two_pass(slot, q, out);
+        else
+            attend_one_pass(slot, q, out);
         double bytes = key_bytes_[0] + value_bytes_[0];
         for (int32_t p : positions_) bytes += key_bytes_[key_tier_[p]] + value_bytes_[value_tier_[p]];
         attending_bytes_ = bytes + static_cast<double>(slot_bytes) * static_cast<double>(held + 1);

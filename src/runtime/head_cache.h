@@ -28,6 +28,7 @@ struct HeadPlan {
     int head_dim = 0;
     int budget = 0;        // tokens held after each step's eviction
     int max_context = 0;
+    bool oracle = false;   // the two-pass attention that matches the simulator bit for bit
 };
 
 class HeadCache {
@@ -51,6 +52,8 @@ private:
     void start();
     void sink(std::size_t i, uint8_t key_tier, uint8_t value_tier);
     void assign_tiers(int32_t t);
+    void attend_two_pass(int slot, const float* q, float* out);
+    void attend_one_pass(int slot, const float* q, float* out);
     [[noreturn]] void fail(int32_t t, const std::string& what) const;
 
     HeadPlan plan_;
@@ -69,6 +72,7 @@ private:
     std::vector<float> key_row_, value_row_, attn_;
     Eigen::ArrayXf scores_;
     std::vector<float> weights_;           // group x (held + 1)
+    std::vector<OnlineSoftmax> online_;    // per query head of the group
     double key_bytes_[3] = {}, value_bytes_[3] = {};
     double attending_bytes_ = 0;
 };

@@ -41,7 +41,9 @@ typedef struct kvsim_model_shape {
 
 typedef struct kvsim_rt kvsim_rt;
 
-/* Plans a cache for `profile_path` on `backend` ("cpu"; "cuda" where built with CUDA). On
+/* Plans a cache for `profile_path` on `backend`: "cpu" (one pass over the cache per step, an online
+ * softmax across tiers), "cpu-oracle" (the simulator's two-pass attention, bit for bit), "cuda"
+ * where built with CUDA. On
  * failure *out is NULL and kvsim_rt_create_error() says why (a profile of another shape names
  * both shapes). */
 kvsim_status kvsim_rt_create(const char* profile_path, const kvsim_model_shape* shape, const char* backend,

@@ -49,8 +49,9 @@ bool all_finite(const float* x, std::size_t n) {
 
 std::unique_ptr<kvsim_rt> plan(const char* profile_path, const kvsim_model_shape& shape, const std::string& backend) {
     using namespace kvsim;
-    if (backend != "cpu")
-        throw InputError("backend '" + backend + "': this build of kvsim_runtime has the cpu backend only");
+    if (backend != "cpu" && backend != "cpu-oracle")
+        throw InputError("backend '" + backend + "': this build of kvsim_runtime has the cpu backend only (cpu, or "
+                         "cpu-oracle: the two-pass attention that matches the simulator bit for bit)");
     if (shape.num_layers < 1 || shape.num_query_heads < 1 || shape.num_kv_heads < 1 || shape.head_dim < 1 ||
         shape.max_context < 1 || shape.num_query_heads % shape.num_kv_heads != 0)
         throw InputError("model shape: layers, query heads, KV heads, head size and max_context must be >= 1, and "
@@ -77,6 +78,7 @@ std::unique_ptr<kvsim_rt> plan(const char* profile_path, const kvsim_model_shape
             h.group = rt->group;
             h.head_dim = shape.head_dim;
             h.max_context = shape.max_context;
+            h.oracle = backend == "cpu-oracle";
             const std::size_t u = static_cast<std::size_t>(layer) * K + kv;
             h.budget = policy->keeps_everything ? shape.max_context
                        : !p.head_budgets.empty() ? std::min(p.head_budgets[u], shape.max_context)

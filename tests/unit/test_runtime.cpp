@@ -85,7 +85,8 @@ HeadFigures simulate(const std::string& profile_path, const std::vector<int>& se
 
 // The runtime: every sequence through kvsim_rt_decode, the output error against the full cache's
 // output computed as the replay computes it, and the bytes as the runtime reports them.
-HeadFigures run_runtime(const std::string& profile_path, const std::vector<int>& sequences) {
+HeadFigures run_runtime(const std::string& profile_path, const std::vector<int>& sequences,
+                        const char* backend = "cpu-oracle") {
     const TraceReader reader(fp16_trace());
     const TraceMetadata& m = reader.metadata();
     const int L = static_cast<int>(m.num_layers), H = static_cast<int>(m.num_query_heads),
@@ -94,7 +95,7 @@ HeadFigures run_runtime(const std::string& profile_path, const std::vector<int>&
     for (int s : sequences) longest = std::max<int>(longest, static_cast<int>(reader.sequences()[s].length));
     const kvsim_model_shape shape{L, H, K, d, longest};
     kvsim_rt* rt = nullptr;
-    REQUIRE_MESSAGE(kvsim_rt_create(profile_path.c_str(), &shape, "cpu", &rt) == KVSIM_OK, kvsim_rt_create_error());
+    REQUIRE_MESSAGE(kvsim_rt_create(profile_path.c_str(), &shape, backend, &rt) == KVSIM_OK, kvsim_rt_create_error());
     HeadFigures f{std::vector<double>(static_cast<std::size_t>(L) * K, 0.0), std::vector<double>(static_cast<std::size_t>(L) * K, 0.0)};
     std::vector<float> out(static_cast<std::size_t>(H) * d), full(d);
     Eigen::ArrayXf scratch;
@@ -158,7 +159,7 @@ void check_same(const HeadFigures& sim, const HeadFigures& rt, int K) {
 
 }  // namespace
 
-TEST_CASE("runtime (cpu): per-head H2O budgets match the simulator bit for bit") {
+std::string h2o_profile() {
     const TraceReader reader(fp16_trace());
     Profile p = base_profile(reader.metadata());
     p.policy = "h2o";
@@ -170,11 +171,16 @@ TEST_CASE("runtime (cpu): per-head H2O budgets match the simulator bit for bit")
     }
     const std::string path = temp_file("h2o.json");
     write_profile(p, path);
-    check_same(simulate(path, {3, 4}), run_runtime(path, {3, 4}), K);
+    return path;
+}
+
+TEST_CASE("runtime (cpu): per-head H2O budgets match the simulator bit for bit") {
+    const std::string path = h2o_profile();
+    check_same(simulate(path, {3, 4}), run_runtime(path, {3, 4}), 4);
     std::filesystem::remove(path);
 }
 
-TEST_CASE("runtime (cpu): a stratigraphic tier profile matches the simulator bit for bit") {
+std::string tier_profile() {
     const TraceReader reader(fp16_trace());
     Profile p = base_profile(reader.metadata());
     p.policy = "stratigraphic";
@@ -188,8 +194,28 @@ TEST_CASE("runtime (cpu): a stratigraphic tier profile matches the simulator bit
     }
     const std::string path = temp_file("tiers.json");
     write_profile(p, path);
-    check_same(simulate(path, {3, 4}), run_runtime(path, {3, 4}), K);
+    return path;
+}
+
+TEST_CASE("runtime (cpu): a stratigraphic tier profile matches the simulator bit for bit") {
+    const std::string path = tier_profile();
+    check_same(simulate(path, {3, 4}), run_runtime(path, {3, 4}), 4);
     std::filesystem::remove(path);
+}
+
+TEST_CASE("runtime (cpu): the one-pass online softmax stays within float rounding of the oracle") {
+    // Not bit for bit: the online softmax rescales as its maximum rises. Per (layer, KV head) the
+    // summed output error over two stories may differ only by rounding (1e-5 relative), which also
+    // says no eviction or re-zoning decision flipped on this trace.
+    for (const std::string& path : {h2o_profile(), tier_profile()}) {
+        const HeadFigures oracle = run_runtime(path, {3, 4}, "cpu-oracle"), fast = run_runtime(path, {3, 4}, "cpu");
+        for (std::size_t u = 0; u < oracle.error.size(); ++u) {
+            INFO(path << ", unit " << u);
+            CHECK(fast.error[u] == doctest::Approx(oracle.error[u]).epsilon(1e-5));
+            CHECK(fast.bytes[u] == oracle.bytes[u]);
+        }
+        std::filesystem::remove(path);
+    }
 }
 
 TEST_CASE("runtime (cpu): streaming heads match the simulator bit for bit") {
