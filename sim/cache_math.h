@@ -117,6 +117,16 @@ struct OnlineSoftmax {
         sum += weight;
         return 1.0f;
     }
+    // A block of scores at once: raises the maximum to the block's (when higher) and returns the
+    // factor that rescales the sum (done here) and the caller's accumulator; the caller then adds
+    // the block's exp(score - maximum) to `sum`.
+    KVSIM_HD float raise_to(float block_maximum) {
+        if (!(block_maximum > maximum)) return 1.0f;
+        const float rescale = maximum == -INFINITY ? 0.0f : expf(maximum - block_maximum);
+        sum *= rescale;
+        maximum = block_maximum;
+        return rescale;
+    }
 };
 
 }  // namespace kvsim

@@ -20,18 +20,6 @@ QuantSpec spec_for(const TierFormat& f, int bits) {
 
 }  // namespace
 
-float fixed_order_dot(const float* a, const float* b, int n) {
-    // Sixteen lanes summed in a fixed order: vectorisable, and independent of alignment.
-    float lanes[16] = {};
-    int i = 0;
-    for (; i + 16 <= n; i += 16)
-        for (int l = 0; l < 16; ++l) lanes[l] += a[i + l] * b[i + l];
-    float total = 0;
-    for (; i < n; ++i) total += a[i] * b[i];
-    for (int l = 0; l < 16; ++l) total += lanes[l];
-    return total;
-}
-
 void build_tier_arrays(const QkvLayer& layer, int num_kv_heads, int head_dim, TierArrays& arrays) {
     const TierFormat& f = arrays.format;
     arrays.k[0] = layer.k.data();

@@ -130,21 +130,55 @@ void HeadCache::attend_one_pass(int slot, const float* q, float* out) {
     weights_.resize(static_cast<std::size_t>(group) * n);  // scores first, weights after the pass
     online_.assign(group, OnlineSoftmax{});
     std::fill(out, out + static_cast<std::size_t>(group) * d, 0.0f);
-    for (std::size_t j = 0; j < n; ++j) {
-        const bool current = j == n - 1;
-        const int row = current ? slot : slot_of_[j];
-        keys_[current ? 0 : key_tier_[positions_[j]]].read(row, key_row_.data());
-        values_[current ? 0 : value_tier_[positions_[j]]].read(row, value_row_.data());
-        for (int h = 0; h < group; ++h) {
-            const float s = fixed_order_dot(q + static_cast<std::size_t>(h) * d, key_row_.data(), d) * scale;
-            weights_[static_cast<std::size_t>(h) * n + j] = s;
-            float w = 0;
-            const float rescale = online_[h].add(s, w);
-            float* o = out + static_cast<std::size_t>(h) * d;
-            if (rescale != 1.0f)
-                for (int i = 0; i < d; ++i) o[i] = o[i] * rescale + w * value_row_[i];
-            else
-                for (int i = 0; i < d; ++i) o[i] += w * value_row_[i];
+    // Tier by tier (rows of one tier read with the same code, back to back), in blocks of rows: a
+    // block's keys and values are dequantised once, its scores for every query head computed, then
+    // each head's online softmax raised to the block's maximum and the block's exponentials
+    // (vectorised) added. The order of rows does not matter to an online softmax beyond rounding.
+    for (auto& b : by_tier_) b.clear();
+    for (std::size_t j = 0; j + 1 < n; ++j) {
+        const int32_t p = positions_[j];
+        by_tier_[key_tier_[p] == value_tier_[p] ? key_tier_[p] : 3].push_back(static_cast<int>(j));
+    }
+    by_tier_[0].push_back(static_cast<int>(n - 1));  // the current token, at FP16
+    constexpr int kBlock = 32;
+    key_block_.resize(static_cast<std::size_t>(kBlock) * d);
+    value_block_.resize(static_cast<std::size_t>(kBlock) * d);
+    block_scores_.resize(kBlock);
+    for (int bucket = 0; bucket < 4; ++bucket) {
+        const std::vector<int>& rows = by_tier_[bucket];
+        for (std::size_t first = 0; first < rows.size(); first += kBlock) {
+            const int m = static_cast<int>(std::min<std::size_t>(kBlock, rows.size() - first));
+            for (int r = 0; r < m; ++r) {
+                const std::size_t j = static_cast<std::size_t>(rows[first + r]);
+                const bool current = j == n - 1;
+                const int row = current ? slot : slot_of_[j];
+                keys_[current ? 0 : key_tier_[positions_[j]]].read(row, key_block_.data() + r * d);
+                values_[current ? 0 : value_tier_[positions_[j]]].read(row, value_block_.data() + r * d);
+            }
+            for (int h = 0; h < group; ++h) {
+                const float* qh = q + static_cast<std::size_t>(h) * d;
+                float block_max = -INFINITY;
+                for (int r = 0; r < m; ++r) {
+                    const float sc = fixed_order_dot(qh, key_block_.data() + r * d, d) * scale;
+                    block_scores_[r] = sc;
+                    weights_[static_cast<std::size_t>(h) * n + rows[first + r]] = sc;
+                    block_max = std::max(block_max, sc);
+                }
+                const float rescale = online_[h].raise_to(block_max);
+                auto e = block_scores_.head(m);
+                e = (e - online_[h].maximum).exp();
+                float* o = out + static_cast<std::size_t>(h) * d;
+                if (rescale != 1.0f)
+                    for (int i = 0; i < d; ++i) o[i] *= rescale;
+                float added = 0;
+                for (int r = 0; r < m; ++r) {
+                    const float w = e[r];
+                    added += w;
+                    const float* vr = value_block_.data() + r * d;
+                    for (int i = 0; i < d; ++i) o[i] += w * vr[i];
+                }
+                online_[h].sum += added;
+            }
         }
     }
     for (int h = 0; h < group; ++h) {
@@ -154,6 +188,31 @@ void HeadCache::attend_one_pass(int slot, const float* q, float* out) {
         float* w = weights_.data() + static_cast<std::size_t>(h) * n;
         for (std::size_t j = 0; j < n; ++j) w[j] = std::exp(w[j] - online_[h].maximum) * inv_sum;
     }
+}
+
+void HeadCache::bench_fill(int tokens, const float* k, const float* v, const std::function<uint8_t(int)>& tier_of) {
+    start();
+    const int d = plan_.head_dim;
+    for (int p = 0; p < tokens && !free_slots_.empty(); ++p) {
+        const int slot = free_slots_.back();
+        free_slots_.pop_back();
+        const uint8_t tier = format_ ? tier_of(p) : 0;
+        keys_[tier].write(slot, k + static_cast<std::size_t>(p) * d);
+        values_[tier].write(slot, v + static_cast<std::size_t>(p) * d);
+        key_tier_[p] = value_tier_[p] = tier;
+        positions_.push_back(p);
+        slot_of_.push_back(slot);
+    }
+}
+
+void HeadCache::bench_attend(const float* q, float* out) {
+    const int32_t last = positions_.back();
+    const int slot = slot_of_.back();
+    positions_.pop_back();
+    slot_of_.pop_back();
+    attend_one_pass(slot, q, out);
+    positions_.push_back(last);
+    slot_of_.push_back(slot);
 }
 
 void HeadCache::decode(int32_t t, const float* q, const float* k, const float* v, float* out) {

@@ -48,6 +48,12 @@ public:
     double attending_bytes() const { return attending_bytes_; }
     std::size_t reserved_bytes() const;
 
+    // Benchmarks only (bench/bench_runtime.cpp): hold positions 0..tokens-1 with the given rows
+    // (tokens x head_dim each) at tier_of(position), without the policy; then one attention pass
+    // of the serving path over them (the last position as the current token, which must be FP16).
+    void bench_fill(int tokens, const float* k, const float* v, const std::function<uint8_t(int)>& tier_of);
+    void bench_attend(const float* q, float* out);
+
 private:
     void start();
     void sink(std::size_t i, uint8_t key_tier, uint8_t value_tier);
@@ -73,6 +79,9 @@ private:
     Eigen::ArrayXf scores_;
     std::vector<float> weights_;           // group x (held + 1)
     std::vector<OnlineSoftmax> online_;    // per query head of the group
+    std::vector<int> by_tier_[4];          // held indices by tier (3: key and value tiers differ)
+    std::vector<float> key_block_, value_block_;  // a block of dequantised rows
+    Eigen::ArrayXf block_scores_;
     double key_bytes_[3] = {}, value_bytes_[3] = {};
     double attending_bytes_ = 0;
 };

@@ -3,6 +3,10 @@
 #include <algorithm>
 #include <cmath>
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 namespace kvsim::runtime {
 
 void TierStore::plan(int tier, int rows, int head_dim, int group) {
@@ -51,20 +55,38 @@ void TierStore::write(int row, const float* x) {
 void TierStore::read(int row, float* out) const {
     if (tier_ == 0) {
         const uint16_t* in = half_.data() + static_cast<std::size_t>(row) * head_dim_;
-        for (int i = 0; i < head_dim_; ++i) out[i] = half_bits_to_float(in[i]);
+        int i = 0;
+#if defined(__F16C__)
+        // The CPU's own conversion, exact like half_bits_to_float (every half is a float).
+        for (; i + 8 <= head_dim_; i += 8)
+            _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+#endif
+        for (; i < head_dim_; ++i) out[i] = half_bits_to_float(in[i]);
         return;
     }
     const uint8_t* in = levels_.data() + static_cast<std::size_t>(row) * row_bytes_;
     const uint16_t* scales = scales_.data() + static_cast<std::size_t>(row) * groups_;
-    for (int i = 0; i < head_dim_; ++i) {
-        int level;
+    for (int g = 0; g < groups_; ++g) {
+        const float scale = half_bits_to_float(scales[g]);
+        const int first = g * group_, end = std::min(head_dim_, first + group_);
         if (tier_ == 1) {
-            level = static_cast<int8_t>(in[i]);
+            for (int i = first; i < end; ++i) out[i] = dequantize_level(static_cast<float>(static_cast<int8_t>(in[i])), scale);
         } else {
-            const int nibble = (in[i / 2] >> (i % 2 ? 4 : 0)) & 0x0f;
-            level = nibble >= 8 ? nibble - 16 : nibble;
+            // Two's-complement nibbles, low first: shifting the nibble to the top of a signed byte
+            // and back extends its sign without a branch.
+            int i = first;
+            if (first % 2 == 0)
+                for (; i + 1 < end; i += 2) {
+                    const uint8_t byte = in[i / 2];
+                    out[i] = dequantize_level(static_cast<float>(static_cast<int8_t>(static_cast<uint8_t>(byte << 4)) >> 4), scale);
+                    out[i + 1] = dequantize_level(static_cast<float>(static_cast<int8_t>(byte) >> 4), scale);
+                }
+            for (; i < end; ++i) {
+                const uint8_t byte = in[i / 2];
+                const int8_t level = static_cast<int8_t>(static_cast<uint8_t>(i % 2 ? byte & 0xf0u : byte << 4)) >> 4;
+                out[i] = dequantize_level(static_cast<float>(level), scale);
+            }
         }
-        out[i] = dequantize_level(static_cast<float>(level), half_bits_to_float(scales[i / group_]));
     }
 }
 
