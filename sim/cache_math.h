@@ -19,14 +19,22 @@ namespace kvsim {
 inline constexpr float kFp16Max = 65504.0f;
 
 KVSIM_HD inline uint32_t float_bits(float x) {
+#if defined(__CUDA_ARCH__)
+    return __float_as_uint(x);
+#else
     uint32_t u;
     std::memcpy(&u, &x, sizeof u);
     return u;
+#endif
 }
 KVSIM_HD inline float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+    return __uint_as_float(u);
+#else
     float x;
     std::memcpy(&x, &u, sizeof x);
     return x;
+#endif
 }
 
 // IEEE binary16 from a float, rounded to nearest even; |x| >= 65520 becomes infinity, NaN stays
@@ -92,6 +100,13 @@ KVSIM_HD inline float quant_level(float x_fp16, float scale, int qmax) {
     const float bound = static_cast<float>(qmax);
     const float q = roundf(x_fp16 / scale);
     return q < -bound ? -bound : (q > bound ? bound : q);
+}
+
+// The signed level of channel i in a row of INT4 levels packed two a byte, low nibble first
+// (two's complement): the nibble shifted to the top of a signed byte and back, no branch.
+KVSIM_HD inline int int4_level(const uint8_t* packed, int i) {
+    const uint8_t byte = packed[i / 2];
+    return static_cast<int8_t>(static_cast<uint8_t>(i % 2 ? byte & 0xf0u : byte << 4)) >> 4;
 }
 
 // What a level dequantises to: the value attention reads.

@@ -16,6 +16,7 @@
 #include "base/size_limits.h"
 #include "policies/policy.h"
 #include "search/profile.h"
+#include "src/runtime/cuda_attention.h"
 #include "src/runtime/head_cache.h"
 
 struct kvsim_rt {
@@ -33,6 +34,11 @@ namespace {
 
 thread_local std::string create_error;
 
+// The CUDA backend cannot run here: KVSIM_ERROR_BACKEND.
+struct BackendError : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
 using kvsim::runtime::HeadCache;
 using kvsim::runtime::HeadPlan;
 
@@ -49,9 +55,15 @@ bool all_finite(const float* x, std::size_t n) {
 
 std::unique_ptr<kvsim_rt> plan(const char* profile_path, const kvsim_model_shape& shape, const std::string& backend) {
     using namespace kvsim;
+    if (backend == "cuda") {
+        std::string why;
+        if (!runtime::cuda::device_available(why)) throw BackendError("backend 'cuda': " + why);
+        throw BackendError("backend 'cuda': the decode-attention kernel is built, but a cache kept on the device is not "
+                           "wired into the runtime yet; use cpu");
+    }
     if (backend != "cpu" && backend != "cpu-oracle")
-        throw InputError("backend '" + backend + "': this build of kvsim_runtime has the cpu backend only (cpu, or "
-                         "cpu-oracle: the two-pass attention that matches the simulator bit for bit)");
+        throw InputError("backend '" + backend + "': expected cpu, cpu-oracle (the two-pass attention that matches "
+                         "the simulator bit for bit) or cuda");
     if (shape.num_layers < 1 || shape.num_query_heads < 1 || shape.num_kv_heads < 1 || shape.head_dim < 1 ||
         shape.max_context < 1 || shape.num_query_heads % shape.num_kv_heads != 0)
         throw InputError("model shape: layers, query heads, KV heads, head size and max_context must be >= 1, and "
@@ -113,6 +125,9 @@ kvsim_status kvsim_rt_create(const char* profile_path, const kvsim_model_shape* 
         *out = plan(profile_path, *shape, backend ? backend : "cpu").release();
         create_error.clear();
         return KVSIM_OK;
+    } catch (const BackendError& e) {
+        create_error = e.what();
+        return KVSIM_ERROR_BACKEND;
     } catch (const kvsim::InputError& e) {
         create_error = e.what();
         return KVSIM_ERROR_INPUT;

@@ -81,11 +81,7 @@ void TierStore::read(int row, float* out) const {
                     out[i] = dequantize_level(static_cast<float>(static_cast<int8_t>(static_cast<uint8_t>(byte << 4)) >> 4), scale);
                     out[i + 1] = dequantize_level(static_cast<float>(static_cast<int8_t>(byte) >> 4), scale);
                 }
-            for (; i < end; ++i) {
-                const uint8_t byte = in[i / 2];
-                const int8_t level = static_cast<int8_t>(static_cast<uint8_t>(i % 2 ? byte & 0xf0u : byte << 4)) >> 4;
-                out[i] = dequantize_level(static_cast<float>(level), scale);
-            }
+            for (; i < end; ++i) out[i] = dequantize_level(static_cast<float>(int4_level(in, i)), scale);
         }
     }
 }

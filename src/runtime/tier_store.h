@@ -4,6 +4,7 @@
 // arrangement token-level tiering uses, sim/quantize.h). Every number goes through
 // sim/cache_math.h, so a row reads back bit for bit what the simulator's tier arrays hold.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -22,6 +23,16 @@ public:
     void read(int row, float* out) const;
 
     int tier() const { return tier_; }
+    // The raw layout, for a device copy (src/runtime/cuda_attention.cu): row r's FP16 bits at
+    // half()[r * head_dim], its levels at levels()[r * row_bytes()], its scales at
+    // scales()[r * groups()], a scale per `group_channels()` channels.
+    const uint16_t* half() const { return half_.data(); }
+    const uint8_t* levels() const { return levels_.data(); }
+    const uint16_t* scales() const { return scales_.data(); }
+    int row_bytes() const { return row_bytes_; }
+    int groups() const { return groups_; }
+    int group_channels() const { return group_; }
+    std::size_t rows() const { return tier_ == 0 ? half_.size() / std::max(head_dim_, 1) : levels_.size() / std::max(row_bytes_, 1); }
     std::size_t reserved_bytes() const;
 
 private:

@@ -12,7 +12,7 @@ shift || true
 
 if [ ! -f build-fuzz/build.ninja ]; then
     CC=clang CXX=clang++ meson setup build-fuzz --buildtype=debugoptimized -Dfuzz=true -Dnative=false \
-        -Db_sanitize=address,undefined -Db_lundef=false >/dev/null
+        -Db_sanitize=address,undefined -Db_lundef=false -Dcuda=disabled >/dev/null
 fi
 names=("$@")
 if [ ${#names[@]} -eq 0 ]; then

@@ -256,7 +256,9 @@ TEST_CASE("runtime (cpu): bad input is an error code and one line, and the cache
                                                     "head size 8") != std::string::npos);
     CHECK(std::string(kvsim_rt_create_error()).find("has 6 layers") != std::string::npos);
     const kvsim_model_shape shape{L, H, K, d, 4};
-    CHECK(kvsim_rt_create(path.c_str(), &shape, "cuda", &rt) == KVSIM_ERROR_INPUT);
+    CHECK(kvsim_rt_create(path.c_str(), &shape, "cuda", &rt) == KVSIM_ERROR_BACKEND);  // no GPU here, or not wired
+    CHECK(std::string(kvsim_rt_create_error()).rfind("backend 'cuda': ", 0) == 0);
+    CHECK(kvsim_rt_create(path.c_str(), &shape, "tpu", &rt) == KVSIM_ERROR_INPUT);
     CHECK(kvsim_rt_create("/nonexistent/profile.json", &shape, "cpu", &rt) == KVSIM_ERROR_INPUT);
     REQUIRE(kvsim_rt_create(path.c_str(), &shape, "cpu", &rt) == KVSIM_OK);
 
