@@ -217,13 +217,20 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
         }
     }
 
+    // Progress on a terminal: each fit (budgets, streaming, tiers) an equal share of the bar.
+    const int stages = (fit_budgets ? 1 : 0) + (fit_streaming ? 1 : 0) + (fit_tiers ? 1 : 0);
+    auto stage_progress = [&](int stage, double f) {
+        if (run.progress) run.progress((stage + std::min(f, 1.0)) / std::max(stages, 1));
+    };
+    const int streaming_stage = fit_budgets ? 1 : 0, tiers_stage = streaming_stage + (fit_streaming ? 1 : 0);
+
     // Budget fits: per-unit curves from one fitting pass, every method in one held-out pass.
     std::vector<std::string> curve_notes;
     PolicyEntry entry = spec.policy;
     if (fit_budgets) {
         // One lockstep pass over the fitting set: every grid budget side by side.
         const std::vector<ReplayCombo> grid_combos = expand_sweep({entry}, {}, out.grid);
-        if (run.progress) options.progress = [&](double f) { run.progress(0.7 * f); };
+        if (run.progress) options.progress = [&](double f) { stage_progress(0, 0.7 * f); };
         const std::vector<ComboResult> measured = replay(*fitting_source, grid_combos, options);
 
         std::vector<UnitCurve> layer_curves(L), head_curves(static_cast<std::size_t>(L) * K);
@@ -337,9 +344,9 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
                                                {profile_budget_column(m.name + " @ " + target->label, target->where,
                                                                       m.layer_budgets, m.head_budgets)}))
                 heldout_combos.push_back(std::move(c));
-        if (run.progress) options.progress = [&](double f) { run.progress(0.7 + 0.3 * f); };
+        if (run.progress) options.progress = [&](double f) { stage_progress(0, 0.7 + 0.3 * f); };
         const std::vector<ComboResult> confirmed = replay(*heldout_source, heldout_combos, options);
-        if (run.progress) run.progress(1.0);
+        stage_progress(0, 1.0);
 
         for (std::size_t i = 0; i < methods.size(); ++i) {
             const auto& [target, m] = methods[i];
@@ -369,13 +376,15 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     // Streaming heads with fitted lambdas, at the same targets.
     if (fit_streaming) {
         const TempFolder scratch("search");  // the probe plans streaming_attention reads
-        FitInput input{&spec, fitting_source.get(), heldout_source.get(), out.shape, harness, scratch.path()};
+        FitInput input{&spec, fitting_source.get(), heldout_source.get(), out.shape, harness, scratch.path(),
+                       [&](double f) { stage_progress(streaming_stage, f); }};
         fit_streaming_heads(input, out);
     }
     // Tier profiles for stratigraphic, at the same targets.
     if (fit_tiers) {
         const TempFolder scratch("search");  // the plans stratigraphic reads
-        FitInput input{&spec, fitting_source.get(), heldout_source.get(), out.shape, harness, scratch.path()};
+        FitInput input{&spec, fitting_source.get(), heldout_source.get(), out.shape, harness, scratch.path(),
+                       [&](double f) { stage_progress(tiers_stage, f); }};
         fit_tier_profiles(input, out);
     }
 

@@ -79,6 +79,7 @@ struct FitInput {
     ModelShape shape;
     HarnessOptions harness;
     std::string scratch_folder;  // where plan files are written (and removed with it)
+    std::function<void(double)> progress;  // the fit's share done, 0..1; may be empty
 };
 
 // The held-out table for a terminal: one block per target, one row per method.

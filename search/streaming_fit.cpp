@@ -63,10 +63,13 @@ struct PlanResult {
 
 class PlanReplay {
 public:
-    PlanReplay(const FitInput& in, const ParamValues& params) : in_(in), params_(params) {}
+    PlanReplay(const FitInput& in, const ParamValues& params, int& passes) : in_(in), params_(params), passes_(passes) {}
 
     // Every plan side by side in one lockstep pass over `source`.
     std::vector<PlanResult> run(AttentionSource& source, const std::vector<Plan>& plans) {
+        // Every pass counts alike: two golden-section searches of kGoldenSteps + 1 passes, then
+        // the bytes and the confirmation.
+        if (in_.progress) in_.progress(static_cast<double>(++passes_) / (2 * (kGoldenSteps + 1) + 2));
         std::vector<std::unique_ptr<StreamingPlanFile>> files;
         std::vector<PolicyEntry> entries;
         for (const Plan& plan : plans) {
@@ -103,6 +106,7 @@ public:
 private:
     const FitInput& in_;
     ParamValues params_;
+    int& passes_;  // shared by the fit's replays, for progress
 };
 
 std::string format_lambda(double x) {
@@ -197,14 +201,15 @@ void fit_streaming_heads(const FitInput& in, SearchOutcome& out) {
     const PolicyDescriptor* policy = find_policy("streaming_attention");
     const ParamValues params = resolve_params(
         *policy, {{"sinks", spec.streaming_sinks}, {"recent", spec.streaming_recent}}, spec.streaming_where);
-    PlanReplay plans(in, params);
+    int passes = 0;
+    PlanReplay plans(in, params, passes);
     const std::vector<uint8_t> every_head(units, 1), no_head(units, 0);
 
     // The published calibration: each head's lambda fitted against the full softmax output with
     // nothing kept exactly (no sinks, no window: the state must reproduce every token), then
     // deployed with the sinks and window. Its lambdas are measured beside the fitted ones below.
     const ParamValues calibration_params = resolve_params(*policy, {{"sinks", 0}, {"recent", 0}}, spec.streaming_where);
-    PlanReplay calibration_plans(in, calibration_params);
+    PlanReplay calibration_plans(in, calibration_params, passes);
     std::vector<PlanResult> unused;
     const LambdaFit calibrated = fit_lambdas(calibration_plans, *in.fitting, units, {}, unused);
 

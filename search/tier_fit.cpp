@@ -71,8 +71,9 @@ struct TierResult {
 };
 
 // Every plan side by side in one lockstep pass; `output_error` false measures bytes only.
+// progress_done: the share of the fit done before this pass (each of its three passes is a third).
 std::vector<TierResult> replay_plans(const FitInput& in, const ParamValues& params, AttentionSource& source,
-                                     const std::vector<TierShares>& plans, bool output_error) {
+                                     const std::vector<TierShares>& plans, bool output_error, double progress_done) {
     std::vector<PolicyEntry> entries;
     for (std::size_t i = 0; i < plans.size(); ++i) {
         PolicyEntry e;
@@ -86,6 +87,7 @@ std::vector<TierResult> replay_plans(const FitInput& in, const ParamValues& para
     options.harness = in.harness;
     options.output_error = output_error;
     options.memory = true;
+    if (in.progress) options.progress = [&in, done = progress_done](double f) { in.progress(done + f / 3); };
     const std::vector<ComboResult> results = replay(source, expand_sweep(entries, {}, std::vector<int>{1}), options);
     std::vector<TierResult> out;
     for (const ComboResult& r : results) {
@@ -130,7 +132,7 @@ void fit_tier_profiles(const FitInput& in, SearchOutcome& out) {
     for (double s : scales) plans.push_back(published_shares(params, s, L, K));
 
     // Bytes on the held-out sequences (what the target holds them to), errors on the fitting ones.
-    const std::vector<TierResult> bytes = replay_plans(in, params, *in.heldout, plans, false);
+    const std::vector<TierResult> bytes = replay_plans(in, params, *in.heldout, plans, false, 0.0);
     const std::vector<TierShares> candidate_plans(plans.begin(), plans.begin() + static_cast<std::ptrdiff_t>(candidates.size()));
 
     struct Chosen {
@@ -186,7 +188,7 @@ void fit_tier_profiles(const FitInput& in, SearchOutcome& out) {
     // Errors: every candidate and each target's scaled baseline, on the fitting sequences.
     std::vector<TierShares> fitting_plans = candidate_plans;
     fitting_plans.insert(fitting_plans.end(), baselines.begin(), baselines.end());
-    const std::vector<TierResult> errors = replay_plans(in, params, *in.fitting, fitting_plans, true);
+    const std::vector<TierResult> errors = replay_plans(in, params, *in.fitting, fitting_plans, true, 1.0 / 3);
     const double fitting_steps = errors.front().steps;
     for (std::size_t b = 0; b < baselines.size(); ++b)
         chosen[baseline_of[b]].fitting_error = errors[candidates.size() + b].error_sum;
@@ -221,7 +223,7 @@ void fit_tier_profiles(const FitInput& in, SearchOutcome& out) {
     for (const Chosen& c : chosen) confirm_plans.push_back(c.shares);
     const bool has_published = published_sum > 0 && published_sum <= 1 + 1e-12;
     if (has_published) confirm_plans.push_back(published_shares(params, 1.0, L, K));
-    const std::vector<TierResult> confirmed = replay_plans(in, params, *in.heldout, confirm_plans, true);
+    const std::vector<TierResult> confirmed = replay_plans(in, params, *in.heldout, confirm_plans, true, 2.0 / 3);
 
     for (std::size_t i = 0; i < chosen.size(); ++i) {
         const Chosen& c = chosen[i];
