@@ -139,7 +139,7 @@ void fit_tier_profiles(const FitInput& in, SearchOutcome& out) {
         std::string method;
         const SearchTarget* target;
         TierShares shares;
-        double fitting_error = 0;  // summed over the fitting steps; NaN until measured
+        double fitting_error = 0;  // summed over the fitting steps (baselines: set by the fitting pass)
     };
     std::vector<Chosen> chosen;
     std::vector<TierShares> baselines;  // measured on the fitting set below
@@ -214,7 +214,7 @@ void fit_tier_profiles(const FitInput& in, SearchOutcome& out) {
     }
     // Targets in the config's order, the fitted profile first.
     std::stable_sort(chosen.begin(), chosen.end(), [&](const Chosen& a, const Chosen& b) {
-        if (a.target != b.target) return a.target < b.target;
+        if (a.target != b.target) return a.target < b.target;  // both point into spec.targets: config order
         return a.method == "fitted tier profile" && b.method != "fitted tier profile";
     });
 
