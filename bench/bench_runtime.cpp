@@ -188,7 +188,7 @@ int main(int argc, char** argv) {
     // against the attention alone over the same number of held tokens.
     const int T = 4096, budget = 2048;
     const std::string path = write_profile_file("h2o", resolve_params(*find_policy("h2o"), {}, "bench"), budget, false);
-    const kvsim_model_shape shape{1, kQueryHeads, kKvHeads, kDim, T + 256};
+    const kvsim_model_shape shape{1, kQueryHeads, kKvHeads, kDim, T + 256, 0};
     kvsim_rt* rt = nullptr;
     if (kvsim_rt_create(path.c_str(), &shape, "cpu", &rt) != KVSIM_OK) {
         std::fprintf(stderr, "%s\n", kvsim_rt_create_error());

@@ -79,7 +79,7 @@ GenerateResult run_generate(const GenerateOptions& options) {
     if (text)
         for (const auto& sequence : text->text.sequences) positions = std::max(positions, static_cast<int>(sequence.size()));
 
-    const kvsim_model_shape shape{c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, positions};
+    const kvsim_model_shape shape{c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, positions, 0};
     RuntimeHandle handle;
     if (kvsim_rt_create(options.profile_path.c_str(), &shape, options.backend.c_str(), &handle.rt) != KVSIM_OK)
         throw InputError(kvsim_rt_create_error());

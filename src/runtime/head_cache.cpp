@@ -10,7 +10,8 @@
 namespace kvsim::runtime {
 
 HeadCache::HeadCache(const HeadPlan& plan, PolicyMaker make_policy)
-    : plan_(plan), make_policy_(std::move(make_policy)), capacity_(plan.budget + 1) {
+    : plan_(plan), make_policy_(std::move(make_policy)),
+      capacity_(std::min(std::max(plan.budget, plan.prefill), plan.max_context) + 1) {
     policy_ = make_policy_();
     format_ = policy_->tier_format();
     const int d = plan_.head_dim;
@@ -215,7 +216,7 @@ void HeadCache::bench_attend(const float* q, float* out) {
     slot_of_.push_back(slot);
 }
 
-void HeadCache::decode(int32_t t, const float* q, const float* k, const float* v, float* out) {
+void HeadCache::decode(int32_t t, const float* q, const float* k, const float* v, float* out, bool defer_eviction) {
     const int d = plan_.head_dim, group = plan_.group;
     const std::size_t held = positions_.size();
     const int slot_bytes = static_cast<int>(policy_->bytes_per_slot());
@@ -227,7 +228,7 @@ void HeadCache::decode(int32_t t, const float* q, const float* k, const float* v
         attending_bytes_ = state_->bytes() + static_cast<double>(slot_bytes) * static_cast<double>(held + 1);
     } else {
         // 1. t enters at FP16, in a free slot (held <= budget, so one is free).
-        if (free_slots_.empty()) fail(t, "no free slot: the policy holds more than its budget");
+        if (free_slots_.empty()) fail(t, "no free slot: the policy holds more than its budget and prefill allow");
         const int slot = free_slots_.back();
         free_slots_.pop_back();
         keys_[0].write(slot, k);
@@ -265,7 +266,8 @@ void HeadCache::decode(int32_t t, const float* q, const float* k, const float* v
         slot_of_.push_back(-1);
     }
     policy_->on_decode_step(t, attn_);
-    if (positions_.size() > static_cast<std::size_t>(plan_.budget) || policy_->sizes_itself()) {
+    // Inside a prefill the cache grows freely; after its last token it is compressed once.
+    if (!defer_eviction && (positions_.size() > static_cast<std::size_t>(plan_.budget) || policy_->sizes_itself())) {
         victims_.clear();
         policy_->evict(plan_.budget, victims_);
         // Victims ascend, as positions do: one merge pass.

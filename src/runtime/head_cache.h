@@ -28,6 +28,7 @@ struct HeadPlan {
     int head_dim = 0;
     int budget = 0;        // tokens held after each step's eviction
     int max_context = 0;
+    int prefill = 0;       // the most tokens one prefill call appends (held unevicted until its end)
     bool oracle = false;   // the two-pass attention that matches the simulator bit for bit
 };
 
@@ -39,7 +40,8 @@ public:
     void reset();
     // One decode step; q: the group's queries (group x head_dim), out: their outputs. Throws
     // std::logic_error when the policy breaks its contract.
-    void decode(int32_t t, const float* q, const float* k, const float* v, float* out);
+    // With defer_eviction (a prefill's tokens but its last), t is admitted and nothing evicted.
+    void decode(int32_t t, const float* q, const float* k, const float* v, float* out, bool defer_eviction = false);
 
     const std::vector<int32_t>& held() const { return positions_; }
     uint8_t key_tier_of(std::size_t i) const { return key_tier_[positions_[i]]; }

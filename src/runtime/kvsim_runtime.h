@@ -37,6 +37,7 @@ typedef struct kvsim_model_shape {
     int32_t num_kv_heads;
     int32_t head_dim;
     int32_t max_context; /* the most positions a sequence may reach: sizes every buffer */
+    int32_t max_prefill; /* the most tokens one kvsim_rt_prefill call appends; 0: no prefill */
 } kvsim_model_shape;
 
 typedef struct kvsim_rt kvsim_rt;
@@ -61,6 +62,13 @@ kvsim_status kvsim_rt_reset(kvsim_rt* rt);
  * head (num_query_heads x head_dim) over the cache plus this token. */
 kvsim_status kvsim_rt_decode(kvsim_rt* rt, int32_t layer, int32_t pos, const float* q, const float* k,
                              const float* v, float* out);
+
+/* A prompt of `count` tokens of one layer at positions first_pos.. (count <= max_prefill): q, k, v
+ * and out hold `count` rows of what kvsim_rt_decode takes, token after token. Each token attends
+ * causally to the cache and the prompt before it and the policy observes it, but nothing is
+ * evicted until the last: the cache is compressed once, as the simulator's prefill_tokens does. */
+kvsim_status kvsim_rt_prefill(kvsim_rt* rt, int32_t layer, int32_t first_pos, int32_t count, const float* q,
+                              const float* k, const float* v, float* out);
 
 /* What the cache holds, for tests and reports. Bytes: summed over the KV heads of `layer` (-1: of
  * every layer), what each held while attending at its last step (K and V at their tier widths

@@ -65,9 +65,10 @@ std::unique_ptr<kvsim_rt> plan(const char* profile_path, const kvsim_model_shape
         throw InputError("backend '" + backend + "': expected cpu, cpu-oracle (the two-pass attention that matches "
                          "the simulator bit for bit) or cuda");
     if (shape.num_layers < 1 || shape.num_query_heads < 1 || shape.num_kv_heads < 1 || shape.head_dim < 1 ||
-        shape.max_context < 1 || shape.num_query_heads % shape.num_kv_heads != 0)
-        throw InputError("model shape: layers, query heads, KV heads, head size and max_context must be >= 1, and "
-                         "query heads a multiple of KV heads");
+        shape.max_context < 1 || shape.num_query_heads % shape.num_kv_heads != 0 || shape.max_prefill < 0 ||
+        shape.max_prefill > shape.max_context)
+        throw InputError("model shape: layers, query heads, KV heads, head size and max_context must be >= 1, "
+                         "query heads a multiple of KV heads, and max_prefill in 0..max_context");
     auto rt = std::make_unique<kvsim_rt>();
     rt->shape = shape;
     rt->group = shape.num_query_heads / shape.num_kv_heads;
@@ -91,23 +92,67 @@ std::unique_ptr<kvsim_rt> plan(const char* profile_path, const kvsim_model_shape
             h.head_dim = shape.head_dim;
             h.max_context = shape.max_context;
             h.oracle = backend == "cpu-oracle";
+            h.prefill = shape.max_prefill;
             const std::size_t u = static_cast<std::size_t>(layer) * K + kv;
             h.budget = policy->keeps_everything ? shape.max_context
                        : !p.head_budgets.empty() ? std::min(p.head_budgets[u], shape.max_context)
                                                  : std::min(p.layer_budgets.at(layer), shape.max_context);
             // What one head reserves at most: every slot at every tier (the oracle's layout).
-            reserved += checked_mul(static_cast<uint64_t>(h.budget) + 1, 7ull * shape.head_dim, "runtime plan");
+            reserved += checked_mul(static_cast<uint64_t>(std::max(h.budget, h.prefill)) + 1, 7ull * shape.head_dim,
+                                    "runtime plan");
             check_memory(reserved, std::string(profile_path) + " on " + std::to_string(shape.max_context) +
                                        " positions (the runtime's planned cache)");
             const PolicyDescriptor* descriptor = policy;
             const kvsim_rt* owner = rt.get();
-            const PolicyContext ctx{h.budget, std::min(h.budget, shape.max_context) + 1, layer, L, kv, K,
-                                    shape.head_dim, &owner->files};
+            const PolicyContext ctx{h.budget, std::min(std::max(h.budget, h.prefill), shape.max_context) + 1, layer, L,
+                                    kv, K, shape.head_dim, &owner->files};
             rt->heads.push_back(std::make_unique<HeadCache>(
                 h, [descriptor, owner, ctx]() { return descriptor->make(owner->params, ctx); }));
         }
     rt->next_position.assign(L, 0);
     return rt;
+}
+
+// Checks everything before touching the cache, so a refused call leaves it as it was.
+kvsim_status kvsim_rt_prefill_or_decode(kvsim_rt* rt, int32_t layer, int32_t pos, int32_t count, const float* q,
+                                        const float* k, const float* v, float* out, bool prefill) {
+    if (!rt) return KVSIM_ERROR_INPUT;
+    const kvsim_model_shape& s = rt->shape;
+    const char* call = prefill ? "kvsim_rt_prefill" : "kvsim_rt_decode";
+    if (!q || !k || !v || !out) return fail(rt, KVSIM_ERROR_INPUT, std::string(call) + ": q, k, v and out must not be null");
+    if (layer < 0 || layer >= s.num_layers)
+        return fail(rt, KVSIM_ERROR_INPUT, "layer " + std::to_string(layer) + " is not in 0.." + std::to_string(s.num_layers - 1));
+    if (prefill && (count < 1 || count > s.max_prefill))
+        return fail(rt, KVSIM_ERROR_CAPACITY, std::string(call) + ": " + std::to_string(count) +
+                                                  " tokens, but the plan allows 1.." + std::to_string(s.max_prefill) +
+                                                  " a call (max_prefill)");
+    if (pos != rt->next_position[layer])
+        return fail(rt, KVSIM_ERROR_CAPACITY, "layer " + std::to_string(layer) + ": position " + std::to_string(pos) +
+                                                  " out of order (the next is " + std::to_string(rt->next_position[layer]) + ")");
+    if (static_cast<int64_t>(pos) + count > s.max_context)
+        return fail(rt, KVSIM_ERROR_CAPACITY, "position " + std::to_string(pos + count - 1) +
+                                                  " is past the planned context of " + std::to_string(s.max_context) +
+                                                  " positions");
+    const std::size_t d = static_cast<std::size_t>(s.head_dim), rows = static_cast<std::size_t>(count);
+    const std::size_t q_row = s.num_query_heads * d, kv_row = s.num_kv_heads * d;
+    if (!all_finite(q, rows * q_row) || !all_finite(k, rows * kv_row) || !all_finite(v, rows * kv_row))
+        return fail(rt, KVSIM_ERROR_NONFINITE, "layer " + std::to_string(layer) + ", position " + std::to_string(pos) +
+                                                   (count > 1 ? ".." + std::to_string(pos + count - 1) : "") +
+                                                   ": NaN or infinity in q, k or v");
+    try {
+        tbb::parallel_for(0, s.num_kv_heads, [&](int kv) {
+            HeadCache& head = *rt->heads[static_cast<std::size_t>(layer) * s.num_kv_heads + kv];
+            const std::size_t first_query = static_cast<std::size_t>(kv) * rt->group * d;
+            for (int32_t i = 0; i < count; ++i)
+                head.decode(pos + i, q + i * q_row + first_query, k + i * kv_row + kv * d, v + i * kv_row + kv * d,
+                            out + i * q_row + first_query, prefill && i + 1 < count);
+        });
+    } catch (const std::exception& e) {
+        return fail(rt, KVSIM_ERROR_INTERNAL, e.what());
+    }
+    rt->next_position[layer] += count;
+    rt->error.clear();
+    return KVSIM_OK;
 }
 
 }  // namespace
@@ -160,33 +205,12 @@ kvsim_status kvsim_rt_reset(kvsim_rt* rt) {
 
 kvsim_status kvsim_rt_decode(kvsim_rt* rt, int32_t layer, int32_t pos, const float* q, const float* k,
                              const float* v, float* out) {
-    if (!rt) return KVSIM_ERROR_INPUT;
-    const kvsim_model_shape& s = rt->shape;
-    if (!q || !k || !v || !out) return fail(rt, KVSIM_ERROR_INPUT, "kvsim_rt_decode: q, k, v and out must not be null");
-    if (layer < 0 || layer >= s.num_layers)
-        return fail(rt, KVSIM_ERROR_INPUT, "layer " + std::to_string(layer) + " is not in 0.." + std::to_string(s.num_layers - 1));
-    if (pos != rt->next_position[layer])
-        return fail(rt, KVSIM_ERROR_CAPACITY, "layer " + std::to_string(layer) + ": position " + std::to_string(pos) +
-                                                  " out of order (the next is " + std::to_string(rt->next_position[layer]) + ")");
-    if (pos >= s.max_context)
-        return fail(rt, KVSIM_ERROR_CAPACITY, "position " + std::to_string(pos) + " is past the planned context of " +
-                                                  std::to_string(s.max_context) + " positions");
-    const std::size_t d = static_cast<std::size_t>(s.head_dim);
-    if (!all_finite(q, s.num_query_heads * d) || !all_finite(k, s.num_kv_heads * d) || !all_finite(v, s.num_kv_heads * d))
-        return fail(rt, KVSIM_ERROR_NONFINITE, "layer " + std::to_string(layer) + ", position " + std::to_string(pos) +
-                                                   ": NaN or infinity in q, k or v");
-    try {
-        tbb::parallel_for(0, s.num_kv_heads, [&](int kv) {
-            HeadCache& head = *rt->heads[static_cast<std::size_t>(layer) * s.num_kv_heads + kv];
-            const std::size_t first_query = static_cast<std::size_t>(kv) * rt->group * d;
-            head.decode(pos, q + first_query, k + kv * d, v + kv * d, out + first_query);
-        });
-    } catch (const std::exception& e) {
-        return fail(rt, KVSIM_ERROR_INTERNAL, e.what());
-    }
-    ++rt->next_position[layer];
-    rt->error.clear();
-    return KVSIM_OK;
+    return kvsim_rt_prefill_or_decode(rt, layer, pos, 1, q, k, v, out, false);
+}
+
+kvsim_status kvsim_rt_prefill(kvsim_rt* rt, int32_t layer, int32_t first_pos, int32_t count, const float* q,
+                              const float* k, const float* v, float* out) {
+    return kvsim_rt_prefill_or_decode(rt, layer, first_pos, count, q, k, v, out, true);
 }
 
 kvsim_status kvsim_rt_bytes(const kvsim_rt* rt, int32_t only_layer, double* held_bytes, double* full_fp16_bytes) {

@@ -56,7 +56,7 @@ struct HeadFigures {
 };
 
 // The simulator: one lockstep replay of the profile on the given sequences, cached view.
-HeadFigures simulate(const std::string& profile_path, const std::vector<int>& sequences) {
+HeadFigures simulate(const std::string& profile_path, const std::vector<int>& sequences, int prefill = 0) {
     const Profile profile = load_profile(profile_path);
     PolicyEntry entry;
     entry.name = profile.policy;
@@ -69,7 +69,7 @@ HeadFigures simulate(const std::string& profile_path, const std::vector<int>& se
         entry.profile_budgets.push_back(profile_column(profile, profile_path));
     auto source = open_trace_source(fp16_trace(), 0, sequences);
     ReplayOptions options;
-    options.harness = named_harness_options("cached", "mean", true, 0);
+    options.harness = named_harness_options("cached", "mean", true, prefill);
     options.output_error = true;
     options.memory = true;
     const std::vector<ReplayCombo> combos =
@@ -86,14 +86,14 @@ HeadFigures simulate(const std::string& profile_path, const std::vector<int>& se
 // The runtime: every sequence through kvsim_rt_decode, the output error against the full cache's
 // output computed as the replay computes it, and the bytes as the runtime reports them.
 HeadFigures run_runtime(const std::string& profile_path, const std::vector<int>& sequences,
-                        const char* backend = "cpu-oracle") {
+                        const char* backend = "cpu-oracle", int prefill = 0) {
     const TraceReader reader(fp16_trace());
     const TraceMetadata& m = reader.metadata();
     const int L = static_cast<int>(m.num_layers), H = static_cast<int>(m.num_query_heads),
               K = static_cast<int>(m.num_kv_heads), d = static_cast<int>(m.head_dim), group = H / K;
     int longest = 0;
     for (int s : sequences) longest = std::max<int>(longest, static_cast<int>(reader.sequences()[s].length));
-    const kvsim_model_shape shape{L, H, K, d, longest};
+    const kvsim_model_shape shape{L, H, K, d, longest, prefill};
     kvsim_rt* rt = nullptr;
     REQUIRE_MESSAGE(kvsim_rt_create(profile_path.c_str(), &shape, backend, &rt) == KVSIM_OK, kvsim_rt_create_error());
     HeadFigures f{std::vector<double>(static_cast<std::size_t>(L) * K, 0.0), std::vector<double>(static_cast<std::size_t>(L) * K, 0.0)};
@@ -111,7 +111,13 @@ HeadFigures run_runtime(const std::string& profile_path, const std::vector<int>&
             TierArrays arrays;
             arrays.k[0] = data.k.data();
             arrays.v[0] = data.v.data();
-            for (int64_t t = 0; t < data.tokens; ++t) {
+            if (prefill > 0) {  // the prompt in one call; the replay measures only what follows it
+                std::vector<float> prompt_out(static_cast<std::size_t>(prefill) * H * d);
+                const kvsim_status status = kvsim_rt_prefill(rt, layer, 0, prefill, data.q.data(), data.k.data(),
+                                                             data.v.data(), prompt_out.data());
+                REQUIRE_MESSAGE(status == KVSIM_OK, kvsim_rt_last_error(rt));
+            }
+            for (int64_t t = prefill; t < data.tokens; ++t) {
                 const float* q = data.q.data() + t * H * d;
                 const kvsim_status status = kvsim_rt_decode(rt, layer, static_cast<int32_t>(t), q, data.k.data() + t * K * d,
                                                             data.v.data() + t * K * d, out.data());
@@ -203,6 +209,14 @@ TEST_CASE("runtime (cpu): a stratigraphic tier profile matches the simulator bit
     std::filesystem::remove(path);
 }
 
+TEST_CASE("runtime (cpu): a prefill compresses once, as the simulator's prefill_tokens does, bit for bit") {
+    for (const std::string& path : {h2o_profile(), tier_profile()}) {
+        INFO(path);
+        check_same(simulate(path, {3, 4}, 100), run_runtime(path, {3, 4}, "cpu-oracle", 100), 4);
+        std::filesystem::remove(path);
+    }
+}
+
 TEST_CASE("runtime (cpu): the one-pass online softmax stays within float rounding of the oracle") {
     // Not bit for bit: the online softmax rescales as its maximum rises. Per (layer, KV head) the
     // summed output error over two stories may differ only by rounding (1e-5 relative), which also
@@ -249,13 +263,13 @@ TEST_CASE("runtime (cpu): bad input is an error code and one line, and the cache
     const int L = p.model.num_layers, H = p.model.num_query_heads, K = p.model.num_kv_heads, d = p.model.head_dim;
 
     kvsim_rt* rt = nullptr;
-    kvsim_model_shape other{L + 1, H, K, d, 64};
+    kvsim_model_shape other{L + 1, H, K, d, 64, 0};
     CHECK(kvsim_rt_create(path.c_str(), &other, "cpu", &rt) == KVSIM_ERROR_INPUT);
     CHECK(rt == nullptr);
     CHECK(std::string(kvsim_rt_create_error()).find("the profile was fitted to 5 layers, 8 query heads, 4 KV heads, "
                                                     "head size 8") != std::string::npos);
     CHECK(std::string(kvsim_rt_create_error()).find("has 6 layers") != std::string::npos);
-    const kvsim_model_shape shape{L, H, K, d, 4};
+    const kvsim_model_shape shape{L, H, K, d, 4, 2};
     CHECK(kvsim_rt_create(path.c_str(), &shape, "cuda", &rt) == KVSIM_ERROR_BACKEND);  // no GPU here, or not wired
     CHECK(std::string(kvsim_rt_create_error()).rfind("backend 'cuda': ", 0) == 0);
     CHECK(kvsim_rt_create(path.c_str(), &shape, "tpu", &rt) == KVSIM_ERROR_INPUT);
@@ -273,6 +287,11 @@ TEST_CASE("runtime (cpu): bad input is an error code and one line, and the cache
     // Still usable after the refusals: the next position goes through.
     for (int t = 1; t < 4; ++t) REQUIRE(kvsim_rt_decode(rt, 0, t, q.data(), k.data(), v.data(), out.data()) == KVSIM_OK);
     CHECK(kvsim_rt_decode(rt, 0, 4, q.data(), k.data(), v.data(), out.data()) == KVSIM_ERROR_CAPACITY);
+    std::vector<float> q3(3 * H * d, 0.5f), k3(3 * K * d, 0.25f), v3(3 * K * d, 1.0f), out3(3 * H * d);
+    CHECK(kvsim_rt_prefill(rt, 1, 0, 3, q3.data(), k3.data(), v3.data(), out3.data()) == KVSIM_ERROR_CAPACITY);
+    CHECK(std::string(kvsim_rt_last_error(rt)) == "kvsim_rt_prefill: 3 tokens, but the plan allows 1..2 a call (max_prefill)");
+    CHECK(kvsim_rt_prefill(rt, 1, 0, 2, q3.data(), k3.data(), v3.data(), out3.data()) == KVSIM_OK);
+    CHECK(out3[H * d] == 1.0f);
     CHECK(out[0] == 1.0f);  // every value is 1: attention returns 1
     int32_t positions[8];
     uint8_t tiers[8];
