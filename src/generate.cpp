@@ -18,15 +18,38 @@ namespace {
 // computed; the outputs come back when the model asks for them (after the chunk's positions).
 class RuntimeAttention : public model::ForwardHooks {
 public:
-    RuntimeAttention(kvsim_rt* rt, const model::LlamaConfig& c) : rt_(rt), config_(c), pending_(c.n_layers) {}
+    RuntimeAttention(kvsim_rt* rt, const model::LlamaConfig& c)
+        : rt_(rt), config_(c), pending_(c.n_layers), prompt_(c.n_layers) {}
+
+    // A prompt goes in as one prefill: its rows are gathered as the model computes them and handed
+    // to the runtime when the model first asks for the chunk's attention.
+    void set_prefill(bool on) { prefill_ = on; }
 
     void after_qkv(int layer, int pos, float* q, float* k, float* v) override {
+        if (prefill_) {
+            Prompt& p = prompt_[layer];
+            if (p.q.empty()) p.first = pos;
+            p.q.insert(p.q.end(), q, q + config_.q_dim());
+            p.k.insert(p.k.end(), k, k + config_.kv_dim());
+            p.v.insert(p.v.end(), v, v + config_.kv_dim());
+            return;
+        }
         std::vector<float>& out = pending_[layer][pos];
         out.resize(config_.q_dim());
         if (kvsim_rt_decode(rt_, layer, pos, q, k, v, out.data()) != KVSIM_OK)
             throw InputError(std::string("kvsim runtime: ") + kvsim_rt_last_error(rt_));
     }
     bool attention_output(int layer, int kv_head, int pos, const float*, float* out) override {
+        if (Prompt& p = prompt_[layer]; !p.q.empty()) {
+            const int count = static_cast<int>(p.q.size() / config_.q_dim());
+            std::vector<float> outputs(p.q.size());
+            if (kvsim_rt_prefill(rt_, layer, p.first, count, p.q.data(), p.k.data(), p.v.data(), outputs.data()) != KVSIM_OK)
+                throw InputError(std::string("kvsim runtime: ") + kvsim_rt_last_error(rt_));
+            for (int i = 0; i < count; ++i)
+                pending_[layer][p.first + i].assign(outputs.begin() + static_cast<std::ptrdiff_t>(i) * config_.q_dim(),
+                                                    outputs.begin() + static_cast<std::ptrdiff_t>(i + 1) * config_.q_dim());
+            p = Prompt{};
+        }
         auto it = pending_[layer].find(pos);
         const int width = config_.n_heads / config_.n_kv_heads * config_.head_dim;
         std::copy_n(it->second.data() + static_cast<std::size_t>(kv_head) * width, width, out);
@@ -36,6 +59,7 @@ public:
     bool holds_the_cache() const override { return true; }
     void reset() {
         for (auto& p : pending_) p.clear();
+        for (auto& p : prompt_) p = Prompt{};
         if (kvsim_rt_reset(rt_) != KVSIM_OK) throw InputError(std::string("kvsim runtime: ") + kvsim_rt_last_error(rt_));
     }
 
@@ -43,6 +67,12 @@ private:
     kvsim_rt* rt_;
     const model::LlamaConfig& config_;
     std::vector<std::map<int, std::vector<float>>> pending_;  // per layer: outputs by position
+    struct Prompt {
+        int first = 0;
+        std::vector<float> q, k, v;
+    };
+    std::vector<Prompt> prompt_;  // per layer: the prompt's rows not yet handed over
+    bool prefill_ = false;
 };
 
 struct RuntimeHandle {
@@ -79,7 +109,8 @@ GenerateResult run_generate(const GenerateOptions& options) {
     if (text)
         for (const auto& sequence : text->text.sequences) positions = std::max(positions, static_cast<int>(sequence.size()));
 
-    const kvsim_model_shape shape{c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, positions, 0};
+    const kvsim_model_shape shape{c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, positions,
+                                  static_cast<int32_t>(prompt.size())};
     RuntimeHandle handle;
     if (kvsim_rt_create(options.profile_path.c_str(), &shape, options.backend.c_str(), &handle.rt) != KVSIM_OK)
         throw InputError(kvsim_rt_create_error());
@@ -100,8 +131,11 @@ GenerateResult run_generate(const GenerateOptions& options) {
     hooks.reset();
     llama.reset();
     result.prompt_tokens = static_cast<int>(prompt.size());
-    const float* logits = nullptr;
-    for (int pos = 0; pos < result.prompt_tokens; ++pos) logits = llama.forward(prompt[pos], pos, &hooks);
+    // The prompt in one prefill (compressed once at its end), then token by token.
+    hooks.set_prefill(true);
+    const float* logits = llama.forward_batch(prompt, 0, &hooks) +
+                          static_cast<std::size_t>(result.prompt_tokens - 1) * c.vocab_size;
+    hooks.set_prefill(false);
     std::vector<int> generated;
     for (int pos = result.prompt_tokens; pos < result.prompt_tokens + options.new_tokens; ++pos) {
         const int next = static_cast<int>(std::max_element(logits, logits + c.vocab_size) - logits);  // greedy
