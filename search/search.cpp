@@ -101,7 +101,7 @@ std::string budgets_text(const SearchRecord& r) {
         const double n = static_cast<double>(r.tiers.fp16.size());
         char text[160];
         std::snprintf(text, sizeof text, "mean shares FP16 %.3f, INT8 %.3f, INT4 %.3f (sinks %d, recent %d)", f / n,
-                      e / n, q / n, static_cast<int>(r.tier_params.at("sinks")), static_cast<int>(r.tier_params.at("recent")));
+                      e / n, q / n, static_cast<int>(r.replay_params.at("sinks")), static_cast<int>(r.replay_params.at("recent")));
         return text;
     }
     if (r.streaming_heads.empty()) return join(r.layer_budgets, " ");
@@ -366,6 +366,7 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
                 r.compression_ratio = full_fp16 / r.bytes_per_token;
             }
             r.layer_budgets = m.layer_budgets;
+            r.writes_profile = m.name.rfind("fitted", 0) == 0;
             r.head_budgets = m.head_budgets;
             r.adakv = m.adakv;
             out.records.push_back(r);
@@ -452,37 +453,47 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     }
     out.notes.insert(out.notes.end(), curve_notes.begin(), curve_notes.end());
 
-    // The profiles of the fitted methods.
+    // The profiles of the fitted methods, every fit's with the same provenance.
     const std::string trace_sha = sha256_file(run.trace_path);
     const std::string config_sha = sha256_file(run.config_file);
     for (const SearchRecord& r : out.records) {
-        if (r.method.rfind("fitted", 0) != 0 || r.fit == "tiers") continue;  // tier profiles come with their fit
+        if (!r.writes_profile) continue;
         Profile p;
-        p.name = meta.model_name + "-" + spec.policy.name + "-" + r.fit + "-" + r.target;
         p.model = out.shape;
-        p.policy = policy->name;
-        p.params = params;
         p.method = r.method;
         p.target = r.target;
-        p.layer_budgets = r.layer_budgets;
-        p.head_budgets = r.head_budgets;
         p.bytes_per_token = r.bytes_per_token;
         p.compression_ratio = r.compression_ratio;
-        for (int l = 0; l < L; ++l) {
-            double kept = 0;
-            for (int kv = 0; kv < K; ++kv) {
-                const int b = r.head_budgets.empty() ? r.layer_budgets[l] : r.head_budgets[static_cast<std::size_t>(l) * K + kv];
-                kept += heldout_bytes.kept_share(b);
-            }
-            p.layer_kept_fraction.push_back(kept / K);
-        }
-        p.objective = out.objective;
+        p.objective = r.objective;
         p.heldout_value = r.heldout;
         p.heldout_sequences = out.heldout_sequences;
         p.trace = run.trace_path;
         p.trace_sha256 = trace_sha;
         p.config = run.config_file;
         p.config_sha256 = config_sha;
+        if (r.fit == "streaming" || r.fit == "tiers") {
+            p.policy = r.fit == "streaming" ? "streaming_attention" : "stratigraphic";
+            p.params = r.replay_params;
+            if (r.fit == "streaming")
+                p.streaming = StreamingHeads{r.streaming_sinks, r.streaming_recent, r.streaming_heads, r.lambda};
+            else
+                p.tiers = r.tiers;
+        } else {
+            p.policy = policy->name;
+            p.params = params;
+            p.layer_budgets = r.layer_budgets;
+            p.head_budgets = r.head_budgets;
+            for (int l = 0; l < L; ++l) {
+                double kept = 0;
+                for (int kv = 0; kv < K; ++kv) {
+                    const int b = r.head_budgets.empty() ? r.layer_budgets[l]
+                                                         : r.head_budgets[static_cast<std::size_t>(l) * K + kv];
+                    kept += heldout_bytes.kept_share(b);
+                }
+                p.layer_kept_fraction.push_back(kept / K);
+            }
+        }
+        p.name = meta.model_name + "-" + p.policy + "-" + r.fit + "-" + r.target;
         out.profiles.push_back(p);
     }
     out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -541,7 +552,7 @@ void write_search_outputs(const SearchOutcome& o, const std::string& dir) {
         if (r.tiers.num_layers > 0) {
             j["tiers"] = Json::parse(tier_shares_json(r.tiers));
             Json params = Json::object();
-            for (const auto& [name, value] : r.tier_params) params[name] = value;
+            for (const auto& [name, value] : r.replay_params) params[name] = value;
             j["tier_params"] = params;
         }
         records.push_back(j);

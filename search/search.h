@@ -41,10 +41,13 @@ struct SearchRecord {
     std::vector<uint8_t> streaming_heads;
     std::vector<double> lambda;
     int streaming_sinks = 0, streaming_recent = 0;
-    // Tier profiles (fit: tiers): the stratigraphic parameters and the per-head zone shares
-    // replayed (tiers.num_layers is 0 for every other record).
-    ParamValues tier_params;
+    // Tier profiles (fit: tiers): the per-head zone shares replayed (tiers.num_layers is 0 for
+    // every other record).
     TierShares tiers;
+    // Streaming and tier records: every parameter of the policy they replay (streaming_attention,
+    // stratigraphic); budget records replay the search's own policy.
+    ParamValues replay_params;
+    bool writes_profile = false;  // a fitted method: run_search writes its profile
 };
 
 struct SearchOutcome {

@@ -280,22 +280,9 @@ void fit_streaming_heads(const FitInput& in, SearchOutcome& out) {
         r.lambda = c.plan.lambda;
         r.streaming_sinks = static_cast<int>(params.at("sinks"));
         r.streaming_recent = static_cast<int>(params.at("recent"));
+        r.replay_params = params;
+        r.writes_profile = fitted_method;
         out.records.push_back(r);
-        if (!fitted_method) continue;
-        Profile p;
-        p.name = in.shape.name + "-streaming_attention-streaming-" + r.target;
-        p.model = in.shape;
-        p.policy = "streaming_attention";
-        p.params = params;
-        p.method = r.method;
-        p.target = r.target;
-        p.streaming = StreamingHeads{r.streaming_sinks, r.streaming_recent, r.streaming_heads, r.lambda};
-        p.bytes_per_token = r.bytes_per_token;
-        p.compression_ratio = r.compression_ratio;
-        p.objective = r.objective;
-        p.heldout_value = r.heldout;
-        p.heldout_sequences = out.heldout_sequences;
-        out.profiles.push_back(p);
     }
 
     // What the fitted lambdas are, and what they buy against 0.99 head by head.

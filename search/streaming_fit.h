@@ -32,7 +32,8 @@ private:
 };
 
 // Appends one record per target and method ("streaming heads, fitted lambdas", "streaming heads,
-// lambda 0.99"), the fitted profiles, and notes (the fitted lambdas, their error against 0.99's).
+// lambda 0.99", ...; the fitted one marked to have its profile written by run_search), and notes
+// (the fitted lambdas, their error against 0.99's).
 void fit_streaming_heads(const FitInput& input, SearchOutcome& outcome);
 
 }  // namespace kvsim

@@ -236,24 +236,11 @@ void fit_tier_profiles(const FitInput& in, SearchOutcome& out) {
         r.heldout = confirmed[i].steps > 0 ? confirmed[i].error_sum / confirmed[i].steps : 0.0;
         r.bytes_per_token = confirmed[i].bytes_per_token;
         r.compression_ratio = confirmed[i].compression_ratio;
-        r.tier_params = params;
+        r.replay_params = params;
         r.tiers = c.shares;
+        r.writes_profile = c.method == "fitted tier profile";
         out.records.push_back(r);
-        if (c.method != "fitted tier profile") continue;
-        Profile p;
-        p.name = in.shape.name + "-stratigraphic-tiers-" + r.target;
-        p.model = in.shape;
-        p.policy = "stratigraphic";
-        p.params = params;
-        p.method = r.method;
-        p.target = r.target;
-        p.tiers = r.tiers;
-        p.bytes_per_token = r.bytes_per_token;
-        p.compression_ratio = r.compression_ratio;
-        p.objective = r.objective;
-        p.heldout_value = r.heldout;
-        p.heldout_sequences = out.heldout_sequences;
-        out.profiles.push_back(p);
+        if (!r.writes_profile) continue;
 
         // Where the fitted profile spends its bytes, layer by layer.
         std::string per_layer;

@@ -18,8 +18,9 @@ namespace kvsim {
 // Writes {"tiers": ...} where stratigraphic's `profile` parameter reads it; returns the path.
 std::string write_tier_plan(const std::string& folder, const std::string& name, const TierShares& shares);
 
-// Appends one record per target and method ("fitted tier profile", "published shares and slope
-// (scaled xS)"), the fitted profiles, and notes (the published shares unscaled, the fitted shares).
+// Appends one record per target and method ("fitted tier profile", marked to have its profile
+// written by run_search; "published shares and slope (scaled xS)"), and notes (the published
+// shares unscaled, the fitted shares).
 void fit_tier_profiles(const FitInput& input, SearchOutcome& outcome);
 
 }  // namespace kvsim

@@ -52,7 +52,7 @@ void confirm_in_the_loop(SearchOutcome& outcome, const SearchSpec& spec, const M
             const std::string name = "confirm-" + std::to_string(i);
             PolicyEntry entry;
             entry.name = "stratigraphic";
-            entry.params = r.tier_params;
+            entry.params = r.replay_params;
             entry.files = {{"profile", write_tier_plan(scratch.path(), name, r.tiers)}};
             entry.where = spec.tiers_where;
             config.policies.push_back(entry);

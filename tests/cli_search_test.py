@@ -4,6 +4,7 @@ input as one error line with exit status 2 and nothing written.
 
 Run by meson test as: python3 tests/cli_search_test.py build/kvsim
 """
+import hashlib
 import json
 import os
 import sys
@@ -113,6 +114,7 @@ class Search(KvsimTestCase):
         profile_path = os.path.join(self.out, "profile-streaming-2x.json")
         profile = json.loads(read(profile_path))
         self.assertEqual(profile["policy"]["name"], "streaming_attention")
+        self.assertEqual(profile["source"]["trace_sha256"], hashlib.sha256(open(TRACE, "rb").read()).hexdigest())
         self.assertEqual(len(profile["streaming"]["lambda"]), 5)
         record = [r for r in json.loads(read(os.path.join(self.out, "search.json")))["records"]
                   if r["method"] == "streaming heads, fitted lambdas"][0]
@@ -163,6 +165,7 @@ class Search(KvsimTestCase):
             profile = json.loads(read(profile_path))
             self.assertEqual(profile["policy"]["name"], "stratigraphic")
             self.assertEqual(profile["tiers"], fitted["tiers"])
+            self.assertEqual(profile["source"]["trace_sha256"], hashlib.sha256(open(TRACE, "rb").read()).hexdigest())
             config = self.write("replay.yaml", "trace: {path: %s, sequences: [3, 4]}\npolicies: [{profile: %s}]\n"
                                                "metrics: [output_rel_error, bytes_per_token]\n" % (TRACE, profile_path))
             run = self.path("run-" + target)
