@@ -60,22 +60,24 @@ void Harness::set_values(const CacheValues& values) {
     }
 }
 
-// Output error and memory of the cache as the model reads it at this step: what the policy held
-// after the last eviction, plus the current token at fp16.
+// A streaming head's state takes every token up to t (each once); it folds what leaves its window.
+void Harness::feed_linear_state(int32_t t) {
+    StreamingHeadState* state = policy_->linear_state();
+    if (!state) return;
+    const std::size_t d = static_cast<std::size_t>(values_.head_dim), stride = values_.num_kv_heads * d;
+    for (; state_next_ <= t; ++state_next_) {
+        const std::size_t at = state_next_ * stride + static_cast<std::size_t>(values_.kv_head) * d;
+        state->admit(state_next_, values_.arrays->k[0] + at, values_.arrays->v[0] + at);
+    }
+}
+
 // The cache's attention output for each query head of the group (into last_outputs_), and with
 // the cached view each head's weights on the attended positions (into cached_weights_).
 void Harness::attend_cached(const GroupStep& s) {
     const int32_t t = s.t;
     const int d = values_.head_dim;
     StreamingHeadState* state = policy_->linear_state();
-    if (state) {
-        // The state takes every token up to this one; it folds what leaves its window itself.
-        const std::size_t stride = static_cast<std::size_t>(values_.num_kv_heads) * d;
-        for (; state_next_ <= t; ++state_next_) {
-            const std::size_t at = state_next_ * stride + static_cast<std::size_t>(values_.kv_head) * d;
-            state->admit(state_next_, values_.arrays->k[0] + at, values_.arrays->v[0] + at);
-        }
-    }
+    feed_linear_state(t);
     attended_.assign(kept_.begin(), kept_.end());
     attended_.push_back(t);
     key_tier_[t] = value_tier_[t] = 0;
@@ -94,19 +96,14 @@ void Harness::attend_cached(const GroupStep& s) {
     attended_step_ = t;
 }
 
+// Output error and memory of the cache as the model reads it at this step: what the policy held
+// after the last eviction, plus the current token at fp16.
 void Harness::measure_values(const GroupStep& s) {
     const int32_t t = s.t;
     const int d = values_.head_dim;
     StreamingHeadState* state = policy_->linear_state();
     if (values_.output_error && attended_step_ != t) attend_cached(s);
-    if (state && !values_.output_error) {
-        // The state takes every token up to this one; it folds what leaves its window itself.
-        const std::size_t stride = static_cast<std::size_t>(values_.num_kv_heads) * d;
-        for (; state_next_ <= t; ++state_next_) {
-            const std::size_t at = state_next_ * stride + static_cast<std::size_t>(values_.kv_head) * d;
-            state->admit(state_next_, values_.arrays->k[0] + at, values_.arrays->v[0] + at);
-        }
-    }
+    feed_linear_state(t);  // for the memory alone; a no-op once attend_cached fed it
     if (values_.memory) {
         double bytes = key_bytes_[0] + value_bytes_[0];  // the current token
         for (int32_t p : kept_) bytes += key_bytes_[key_tier_[p]] + value_bytes_[value_tier_[p]];

@@ -142,6 +142,7 @@ private:
 
     void measure_values(const GroupStep& s);
     void attend_cached(const GroupStep& s);
+    void feed_linear_state(int32_t t);
     std::vector<float> cached_weights_;  // cached view: [head][attended position] weights
     int64_t attended_step_ = -1;         // the step last_outputs_ holds
 };
