@@ -57,8 +57,10 @@ void HeadCache::start() {
     attending_bytes_ = 0;
 }
 
-void HeadCache::reset() {
-    policy_ = make_policy_();  // a policy starts holding position 0, as the harness's does
+std::unique_ptr<Policy> HeadCache::fresh_policy() const { return make_policy_(); }
+
+void HeadCache::reset(std::unique_ptr<Policy> fresh) {
+    policy_ = std::move(fresh);  // a policy starts holding position 0, as the harness's does
     start();
 }
 

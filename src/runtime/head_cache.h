@@ -37,7 +37,10 @@ public:
     using PolicyMaker = std::function<std::unique_ptr<Policy>()>;
     HeadCache(const HeadPlan& plan, PolicyMaker make_policy);
 
-    void reset();
+    // A new sequence in two steps, so a runtime can build every head's policy (which may read its
+    // profile again, and fail) before it changes any head.
+    std::unique_ptr<Policy> fresh_policy() const;
+    void reset(std::unique_ptr<Policy> fresh);
     // One decode step; q: the group's queries (group x head_dim), out: their outputs. Throws
     // std::logic_error when the policy breaks its contract.
     // With defer_eviction (a prefill's tokens but its last), t is admitted and nothing evicted.

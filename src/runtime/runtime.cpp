@@ -22,7 +22,6 @@
 struct kvsim_rt {
     kvsim_model_shape shape{};
     int group = 1;
-    kvsim::Profile profile;
     kvsim::ParamValues params;
     std::map<std::string, std::string> files;
     std::vector<std::unique_ptr<kvsim::runtime::HeadCache>> heads;  // [layer * num_kv_heads + kv]
@@ -72,8 +71,7 @@ std::unique_ptr<kvsim_rt> plan(const char* profile_path, const kvsim_model_shape
     auto rt = std::make_unique<kvsim_rt>();
     rt->shape = shape;
     rt->group = shape.num_query_heads / shape.num_kv_heads;
-    rt->profile = load_profile(profile_path);
-    const Profile& p = rt->profile;
+    const Profile p = load_profile(profile_path);  // read once: the plan below keeps what it needs
     check_profile_shape(p.model, profile_path,
                         ModelShape{"", shape.num_layers, shape.num_query_heads, shape.num_kv_heads, shape.head_dim},
                         "the engine's model");
@@ -193,11 +191,16 @@ const char* kvsim_rt_last_error(const kvsim_rt* rt) { return rt ? rt->error.c_st
 
 kvsim_status kvsim_rt_reset(kvsim_rt* rt) {
     if (!rt) return KVSIM_ERROR_INPUT;
+    // Every head's new policy first: a failure (a plan file gone since create) changes nothing.
+    std::vector<std::unique_ptr<kvsim::Policy>> fresh;
     try {
-        for (auto& h : rt->heads) h->reset();
+        for (const auto& h : rt->heads) fresh.push_back(h->fresh_policy());
+    } catch (const kvsim::InputError& e) {
+        return fail(rt, KVSIM_ERROR_INPUT, e.what());
     } catch (const std::exception& e) {
         return fail(rt, KVSIM_ERROR_INTERNAL, e.what());
     }
+    for (std::size_t i = 0; i < rt->heads.size(); ++i) rt->heads[i]->reset(std::move(fresh[i]));
     std::fill(rt->next_position.begin(), rt->next_position.end(), 0);
     rt->error.clear();
     return KVSIM_OK;

@@ -217,6 +217,27 @@ TEST_CASE("runtime (cpu): a prefill compresses once, as the simulator's prefill_
     }
 }
 
+TEST_CASE("runtime (cpu): a reset that cannot reread its plan changes nothing") {
+    // stratigraphic rereads its per-head shares when a head's policy is rebuilt; with the file gone
+    // the reset must fail as a whole, naming the file, and the sequence go on as before.
+    const std::string path = tier_profile();
+    const kvsim_model_shape shape{5, 8, 4, 8, 16, 0};
+    kvsim_rt* rt = nullptr;
+    REQUIRE(kvsim_rt_create(path.c_str(), &shape, "cpu", &rt) == KVSIM_OK);
+    std::vector<float> q(8 * 8, 0.5f), k(4 * 8, 0.25f), v(4 * 8, 1.0f), out(8 * 8);
+    REQUIRE(kvsim_rt_decode(rt, 0, 0, q.data(), k.data(), v.data(), out.data()) == KVSIM_OK);
+    std::filesystem::remove(path);
+    CHECK(kvsim_rt_reset(rt) == KVSIM_ERROR_INPUT);
+    CHECK(std::string(kvsim_rt_last_error(rt)).find(path) != std::string::npos);
+    CHECK(kvsim_rt_decode(rt, 0, 1, q.data(), k.data(), v.data(), out.data()) == KVSIM_OK);  // position 1 still next
+    int32_t positions[4];
+    uint8_t tiers[4];
+    int32_t count = 0;
+    REQUIRE(kvsim_rt_held(rt, 0, 0, positions, tiers, 4, &count) == KVSIM_OK);
+    CHECK(count == 2);
+    kvsim_rt_destroy(rt);
+}
+
 TEST_CASE("runtime (cpu): the one-pass online softmax stays within float rounding of the oracle") {
     // Not bit for bit: the online softmax rescales as its maximum rises. Per (layer, KV head) the
     // summed output error over two stories may differ only by rounding (1e-5 relative), which also
