@@ -205,6 +205,16 @@ void fit_streaming_heads(const FitInput& in, SearchOutcome& out) {
     PlanReplay plans(in, params, passes);
     const std::vector<uint8_t> every_head(units, 1), no_head(units, 0);
 
+    // DuoAttention's gates rank its heads, the lowest gate streaming first: read before any pass.
+    std::vector<std::size_t> duo_order;
+    if (!spec.streaming_pattern.empty()) {
+        try {
+            duo_order = ascending_order(load_duo_attention_gates(spec.streaming_pattern, L, K));
+        } catch (const InputError& e) {  // the file's own line, and the config key that named it
+            throw InputError(spec.streaming_where + ".pattern: " + e.what());
+        }
+    }
+
     // The published calibration: each head's lambda fitted against the full softmax output with
     // nothing kept exactly (no sinks, no window: the state must reproduce every token), then
     // deployed with the sinks and window. Its lambdas are measured beside the fitted ones below.
@@ -230,11 +240,6 @@ void fit_streaming_heads(const FitInput& in, SearchOutcome& out) {
                                                                   Plan{"bytes-full", no_head, lambda}});
     const double full_fp16 = 4.0 * in.shape.head_dim;
     const std::vector<std::size_t> order = ascending_order(fitted_error);
-    // DuoAttention's gates rank its heads: the lowest gate streams first.
-    std::vector<std::size_t> duo_order;
-    if (!spec.streaming_pattern.empty())
-        duo_order = ascending_order(load_duo_attention_gates(spec.streaming_pattern, L, K));
-
     struct Chosen {
         Plan plan;
         const SearchTarget* target;

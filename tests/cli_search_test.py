@@ -250,6 +250,8 @@ class Search(KvsimTestCase):
              "search.tiers.profile: the tier search writes the profile"),
             ("  fit: [layer_budgets, head_budgets]\n", "  fit: [tiers]\n  tiers: {surface: 0.9}\n",
              "search.tiers: shares sum to 1.45 > 1"),
+            ("  fit: [layer_budgets, head_budgets]\n", "  fit: [streaming]\n  streaming: {recent: 16, pattern: /}\n",
+             "search.streaming.pattern: /: is a directory, not a file"),
             ("  fit: [layer_budgets, head_budgets]\n", "  fit: [tiers]\n  objective: retained_mass\n",
              "search.objective: tier profiles are fitted and reported by their output error"),
             ("  fit: [layer_budgets, head_budgets]\n", "  fit: [streaming]\n",
