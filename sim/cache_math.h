@@ -142,6 +142,24 @@ struct OnlineSoftmax {
         maximum = block_maximum;
         return rescale;
     }
+    // Folds in another softmax over a disjoint set of scores (split-K attention: chunks of the
+    // cache attended apart, then combined). Returns the factors for this side's accumulator and
+    // the other's: combined = mine * mine_rescale + other's * other_rescale.
+    KVSIM_HD void merge(const OnlineSoftmax& other, float& mine_rescale, float& other_rescale) {
+        if (other.maximum == -INFINITY) {
+            mine_rescale = 1.0f, other_rescale = 0.0f;
+            return;
+        }
+        if (!(other.maximum > maximum)) {
+            other_rescale = expf(other.maximum - maximum);
+            mine_rescale = 1.0f;
+        } else {
+            mine_rescale = maximum == -INFINITY ? 0.0f : expf(maximum - other.maximum);
+            other_rescale = 1.0f;
+            maximum = other.maximum;
+        }
+        sum = sum * mine_rescale + other.sum * other_rescale;
+    }
 };
 
 }  // namespace kvsim

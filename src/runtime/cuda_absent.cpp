@@ -8,10 +8,11 @@ bool device_available(std::string& why) {
     return false;
 }
 
-bool decode_attention(const TierStore (&)[3], const TierStore (&)[3], const std::vector<int>&, const std::vector<uint8_t>&,
-                      const std::vector<uint8_t>&, int, int, const float*, float*, float*, std::string& error) {
-    device_available(error);
-    return false;
+std::unique_ptr<DeviceCache> DeviceCache::create(const std::vector<HeadLayout>&, int, int, int, int, std::string& error) {
+    std::string why;
+    device_available(why);
+    error = "backend 'cuda': " + why;
+    return nullptr;
 }
 
 }  // namespace kvsim::runtime::cuda

@@ -55,6 +55,8 @@ void HeadCache::start() {
     std::fill(key_tier_.begin(), key_tier_.end(), uint8_t{0});
     std::fill(value_tier_.begin(), value_tier_.end(), uint8_t{0});
     attending_bytes_ = 0;
+    if (mirrored_)
+        for (int s = 0; s < capacity_; ++s) mark(s, kEmptySlot);
 }
 
 std::unique_ptr<Policy> HeadCache::fresh_policy() const { return make_policy_(); }
@@ -92,6 +94,7 @@ void HeadCache::sink(std::size_t i, uint8_t key_tier, uint8_t value_tier) {
     };
     if (key_tier != key_tier_[p]) move(keys_, key_tier_[p], key_tier, key_row_);
     if (value_tier != value_tier_[p]) move(values_, value_tier_[p], value_tier, value_row_);
+    mark(slot, slot_code(key_tier, value_tier));
 }
 
 // The oracle: the simulator's two-pass softmax (sim/precision.cpp) per query head, every row
@@ -203,6 +206,7 @@ void HeadCache::bench_fill(int tokens, const float* k, const float* v, const std
         keys_[tier].write(slot, k + static_cast<std::size_t>(p) * d);
         values_[tier].write(slot, v + static_cast<std::size_t>(p) * d);
         key_tier_[p] = value_tier_[p] = tier;
+        mark(slot, slot_code(tier, tier));
         positions_.push_back(p);
         slot_of_.push_back(slot);
     }
@@ -219,54 +223,72 @@ void HeadCache::bench_attend(const float* q, float* out) {
 }
 
 void HeadCache::decode(int32_t t, const float* q, const float* k, const float* v, float* out, bool defer_eviction) {
-    const int d = plan_.head_dim, group = plan_.group;
-    const std::size_t held = positions_.size();
-    const int slot_bytes = static_cast<int>(policy_->bytes_per_slot());
-
     if (state_) {
         // A streaming head: the state takes every token and folds what leaves its window.
+        const int d = plan_.head_dim;
         state_->admit(t, k, v);
-        for (int h = 0; h < group; ++h) state_->output(q + static_cast<std::size_t>(h) * d, out + static_cast<std::size_t>(h) * d);
-        attending_bytes_ = state_->bytes() + static_cast<double>(slot_bytes) * static_cast<double>(held + 1);
-    } else {
-        // 1. t enters at FP16, in a free slot (held <= budget, so one is free).
-        if (free_slots_.empty()) fail(t, "no free slot: the policy holds more than its budget and prefill allow");
-        const int slot = free_slots_.back();
-        free_slots_.pop_back();
-        keys_[0].write(slot, k);
-        values_[0].write(slot, v);
-        key_tier_[t] = value_tier_[t] = 0;
+        for (int h = 0; h < plan_.group; ++h)
+            state_->output(q + static_cast<std::size_t>(h) * d, out + static_cast<std::size_t>(h) * d);
+        attending_bytes_ = state_->bytes() + static_cast<double>(policy_->bytes_per_slot()) * (positions_.size() + 1);
+        complete(t, -1, defer_eviction);
+        return;
+    }
+    const int slot = admit(t, k, v);
+    if (plan_.oracle)
+        attend_two_pass(slot, q, out);
+    else
+        attend_one_pass(slot, q, out);
+    // What the policy sees: each query head's weights on the held positions, averaged over the
+    // group (the renormalised view computed from the cache itself).
+    const std::size_t held = positions_.size(), n = held + 1;
+    attn_.assign(held, 0.0f);
+    for (int h = 0; h < plan_.group; ++h)
+        for (std::size_t j = 0; j < held; ++j) attn_[j] += weights_[h * n + j];
+    for (std::size_t j = 0; j < held; ++j) attn_[j] /= static_cast<float>(plan_.group);
+    complete(t, slot, defer_eviction);
+}
 
-        // 2. Attention over held positions and t.
-        if (plan_.oracle)
-            attend_two_pass(slot, q, out);
-        else
-            attend_one_pass(slot, q, out);
+int HeadCache::admit(int32_t t, const float* k, const float* v) {
+    // t enters at FP16, in a free slot (held <= budget, so one is free).
+    if (free_slots_.empty()) fail(t, "no free slot: the policy holds more than its budget and prefill allow");
+    const int slot = free_slots_.back();
+    free_slots_.pop_back();
+    keys_[0].write(slot, k);
+    values_[0].write(slot, v);
+    key_tier_[t] = value_tier_[t] = 0;
+    mark(slot, 0);
+    return slot;
+}
+
+void HeadCache::abandon(int slot) {
+    free_slots_.push_back(slot);
+    mark(slot, kEmptySlot);
+}
+
+void HeadCache::complete_from_slot_weights(int32_t t, int slot, const float* slot_weights, bool defer_eviction) {
+    attn_.resize(positions_.size());
+    for (std::size_t j = 0; j < positions_.size(); ++j) attn_[j] = slot_weights[slot_of_[j]];
+    complete(t, slot, defer_eviction);
+}
+
+// After attention: the step's bytes, t held, then the policy observes attn_ (the held positions'
+// weights; zeros for a streaming head), evicts to its budget and reassigns tiers.
+void HeadCache::complete(int32_t t, int slot, bool defer_eviction) {
+    const std::size_t held = positions_.size();
+    if (!state_) {
         double bytes = key_bytes_[0] + value_bytes_[0];
         for (int32_t p : positions_) bytes += key_bytes_[key_tier_[p]] + value_bytes_[value_tier_[p]];
-        attending_bytes_ = bytes + static_cast<double>(slot_bytes) * static_cast<double>(held + 1);
-
-        positions_.push_back(t);
-        slot_of_.push_back(slot);
+        attending_bytes_ = bytes + static_cast<double>(policy_->bytes_per_slot()) * static_cast<double>(held + 1);
     }
-
     if (t == 0) {  // the policy was built holding position 0; its tier as step 0 left it
-        if (state_) positions_.push_back(0), slot_of_.push_back(-1);
+        positions_.push_back(0);
+        slot_of_.push_back(slot);
         assign_tiers(0);
         return;
     }
-    // 3. What the policy sees: each query head's weights on the held positions, averaged over the
-    // group (the renormalised view computed from the cache itself; zeros for a streaming head).
-    attn_.assign(held, 0.0f);
-    if (!state_) {
-        const std::size_t n = held + 1;
-        for (int h = 0; h < group; ++h)
-            for (std::size_t j = 0; j < held; ++j) attn_[j] += weights_[h * n + j];
-        for (std::size_t j = 0; j < held; ++j) attn_[j] /= static_cast<float>(group);
-    } else {
-        positions_.push_back(t);  // a streaming head's policy holds positions like any other
-        slot_of_.push_back(-1);
-    }
+    if (state_) attn_.assign(held, 0.0f);
+    positions_.push_back(t);  // a streaming head's policy holds positions like any other
+    slot_of_.push_back(slot);
     policy_->on_decode_step(t, attn_);
     // Inside a prefill the cache grows freely; after its last token it is compressed once.
     if (!defer_eviction && (positions_.size() > static_cast<std::size_t>(plan_.budget) || policy_->sizes_itself())) {
@@ -276,7 +298,10 @@ void HeadCache::decode(int32_t t, const float* q, const float* k, const float* v
         std::size_t out_index = 0, next_victim = 0;
         for (std::size_t i = 0; i < positions_.size(); ++i) {
             if (next_victim < victims_.size() && positions_[i] == victims_[next_victim]) {
-                if (slot_of_[i] >= 0) free_slots_.push_back(slot_of_[i]);
+                if (slot_of_[i] >= 0) {
+                    free_slots_.push_back(slot_of_[i]);
+                    mark(slot_of_[i], kEmptySlot);
+                }
                 ++next_victim;
                 continue;
             }
@@ -292,6 +317,34 @@ void HeadCache::decode(int32_t t, const float* q, const float* k, const float* v
                         std::to_string(plan_.budget));
     }
     assign_tiers(t);
+}
+
+void HeadCache::mirror_to_device(bool on) {
+    mirrored_ = on && !state_;
+    slot_code_.assign(mirrored_ ? capacity_ : 0, kEmptySlot);
+    slot_dirty_.assign(mirrored_ ? capacity_ : 0, 0);
+    dirty_slots_.clear();
+    // Every slot once: the device's table starts as the host's, all empty.
+    for (int s = 0; mirrored_ && s < capacity_; ++s) dirty_slots_.push_back(s), slot_dirty_[s] = 1;
+}
+
+void HeadCache::mark(int slot, uint8_t code) {
+    if (!mirrored_) return;
+    slot_code_[slot] = code;
+    if (!slot_dirty_[slot]) slot_dirty_[slot] = 1, dirty_slots_.push_back(slot);
+}
+
+void HeadCache::mark_all_dirty() {
+    for (int s = 0; mirrored_ && s < capacity_; ++s)
+        if (!slot_dirty_[s]) slot_dirty_[s] = 1, dirty_slots_.push_back(s);
+}
+
+void HeadCache::take_dirty(const std::function<void(int slot, uint8_t code)>& send) {
+    for (int slot : dirty_slots_) {
+        send(slot, slot_code_[slot]);
+        slot_dirty_[slot] = 0;
+    }
+    dirty_slots_.clear();
 }
 
 void HeadCache::assign_tiers(int32_t t) {

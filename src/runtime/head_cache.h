@@ -46,6 +46,29 @@ public:
     // With defer_eviction (a prefill's tokens but its last), t is admitted and nothing evicted.
     void decode(int32_t t, const float* q, const float* k, const float* v, float* out, bool defer_eviction = false);
 
+    // The same step in three parts, for a backend that attends elsewhere (the CUDA device):
+    // admit t's key and value at FP16 and return its slot; then either abandon that slot (the
+    // attention failed: the head is as before the step), or complete the step from the group's
+    // mean weight on each slot (a row of `capacity()` floats, by slot).
+    int admit(int32_t t, const float* k, const float* v);
+    void abandon(int slot);
+    void complete_from_slot_weights(int32_t t, int slot, const float* slot_weights, bool defer_eviction);
+
+    // A device mirror of this head's slots: every slot whose contents or tiers change is marked,
+    // and take_dirty hands each marked slot once, with its code (slot_code below, or kEmptySlot),
+    // so the device receives only what changed. Not for streaming heads (they stay on the host).
+    static constexpr uint8_t kEmptySlot = 0xff;
+    static constexpr uint8_t slot_code(uint8_t key_tier, uint8_t value_tier) {
+        return static_cast<uint8_t>(key_tier | value_tier << 2);
+    }
+    void mirror_to_device(bool on);
+    void take_dirty(const std::function<void(int slot, uint8_t code)>& send);
+    void mark_all_dirty();  // the device lost what it held: every slot is sent again
+    bool streaming() const { return state_ != nullptr; }
+    int capacity() const { return capacity_; }
+    const TierStore& key_store(int tier) const { return keys_[tier]; }
+    const TierStore& value_store(int tier) const { return values_[tier]; }
+
     const std::vector<int32_t>& held() const { return positions_; }
     uint8_t key_tier_of(std::size_t i) const { return key_tier_[positions_[i]]; }
     // Bytes while attending at the last step (held tokens at their tiers, the current token at
@@ -61,6 +84,8 @@ public:
 
 private:
     void start();
+    void complete(int32_t t, int slot, bool defer_eviction);
+    void mark(int slot, uint8_t code);
     void sink(std::size_t i, uint8_t key_tier, uint8_t value_tier);
     void assign_tiers(int32_t t);
     void attend_two_pass(int slot, const float* q, float* out);
@@ -88,6 +113,9 @@ private:
     std::vector<float> key_block_, value_block_;  // a block of dequantised rows
     Eigen::ArrayXf block_scores_;
     double key_bytes_[3] = {}, value_bytes_[3] = {};
+    bool mirrored_ = false;
+    std::vector<uint8_t> slot_code_, slot_dirty_;  // by slot, when mirrored
+    std::vector<int> dirty_slots_;
     double attending_bytes_ = 0;
 };
 

@@ -43,15 +43,21 @@ typedef struct kvsim_model_shape {
 typedef struct kvsim_rt kvsim_rt;
 
 /* Plans a cache for `profile_path` on `backend`: "cpu" (one pass over the cache per step, an online
- * softmax across tiers), "cpu-oracle" (the simulator's two-pass attention, bit for bit), "cuda"
- * where built with CUDA. On
- * failure *out is NULL and kvsim_rt_create_error() says why (a profile of another shape names
- * both shapes). */
+ * softmax across tiers), "cpu-oracle" (the simulator's two-pass attention, bit for bit), or "cuda"
+ * (the cache's rows in device memory, attended there by split-K kernels; the policies, the
+ * requantisation of tokens that sink and streaming heads run on the host, which keeps the master
+ * copy and sends the device only the slots that changed each step; KVSIM_ERROR_BACKEND where
+ * built without CUDA or no device is present). On failure *out is NULL and
+ * kvsim_rt_create_error() says why (a profile of another shape names both shapes). */
 kvsim_status kvsim_rt_create(const char* profile_path, const kvsim_model_shape* shape, const char* backend,
                              kvsim_rt** out);
 const char* kvsim_rt_create_error(void); /* the last kvsim_rt_create failure of this thread */
 void kvsim_rt_destroy(kvsim_rt* rt);
 const char* kvsim_rt_last_error(const kvsim_rt* rt);
+
+/* A failed CUDA call returns KVSIM_ERROR_BACKEND and leaves the step undone (a prefill keeps the
+ * tokens before the one that failed, and says so); the device is sent the whole cache again
+ * before the next call. */
 
 /* Starts a new sequence: every layer's cache emptied, nothing reallocated. */
 kvsim_status kvsim_rt_reset(kvsim_rt* rt);

@@ -18,6 +18,7 @@
 #include "search/profile.h"
 #include "src/runtime/cuda_attention.h"
 #include "src/runtime/head_cache.h"
+#include "src/runtime/runtime_internal.h"
 
 struct kvsim_rt {
     kvsim_model_shape shape{};
@@ -27,6 +28,11 @@ struct kvsim_rt {
     std::vector<std::unique_ptr<kvsim::runtime::HeadCache>> heads;  // [layer * num_kv_heads + kv]
     std::vector<int32_t> next_position;  // per layer
     std::string error;
+    // The CUDA backend: the device's copy of every non-streaming head, and what a step uses.
+    std::unique_ptr<kvsim::runtime::cuda::DeviceCache> device;
+    bool device_stale = false;  // a device call failed: every slot is sent again before the next
+    std::vector<int> admitted_slot;   // per KV head of the step's layer
+    std::vector<float> slot_weights;  // num_kv_heads x device->max_capacity()
 };
 
 namespace {
@@ -40,6 +46,7 @@ struct BackendError : std::runtime_error {
 
 using kvsim::runtime::HeadCache;
 using kvsim::runtime::HeadPlan;
+using kvsim::runtime::TierView;
 
 kvsim_status fail(kvsim_rt* rt, kvsim_status status, const std::string& what) {
     rt->error = what;
@@ -52,15 +59,14 @@ bool all_finite(const float* x, std::size_t n) {
     return true;
 }
 
-std::unique_ptr<kvsim_rt> plan(const char* profile_path, const kvsim_model_shape& shape, const std::string& backend) {
+std::unique_ptr<kvsim_rt> plan(const char* profile_path, const kvsim_model_shape& shape, const std::string& backend,
+                               const kvsim::runtime::DeviceFactory& make_device) {
     using namespace kvsim;
-    if (backend == "cuda") {
+    if (backend == "cuda" && make_device == nullptr) {
         std::string why;
         if (!runtime::cuda::device_available(why)) throw BackendError("backend 'cuda': " + why);
-        throw BackendError("backend 'cuda': the decode-attention kernel is built, but a cache kept on the device is not "
-                           "wired into the runtime yet; use cpu");
     }
-    if (backend != "cpu" && backend != "cpu-oracle")
+    if (backend != "cpu" && backend != "cpu-oracle" && backend != "cuda")
         throw InputError("backend '" + backend + "': expected cpu, cpu-oracle (the two-pass attention that matches "
                          "the simulator bit for bit) or cuda");
     if (shape.num_layers < 1 || shape.num_query_heads < 1 || shape.num_kv_heads < 1 || shape.head_dim < 1 ||
@@ -108,7 +114,76 @@ std::unique_ptr<kvsim_rt> plan(const char* profile_path, const kvsim_model_shape
                 h, [descriptor, owner, ctx]() { return descriptor->make(owner->params, ctx); }));
         }
     rt->next_position.assign(L, 0);
+    if (backend == "cuda") {
+        std::vector<runtime::HeadLayout> layouts(rt->heads.size());
+        for (std::size_t u = 0; u < rt->heads.size(); ++u) {
+            const HeadCache& head = *rt->heads[u];
+            for (int tier = 0; tier < 3; ++tier) {
+                layouts[u].keys[tier] = head.key_store(tier).view();
+                layouts[u].values[tier] = head.value_store(tier).view();
+            }
+            layouts[u].capacity = head.streaming() ? 0 : head.capacity();
+        }
+        std::string error;
+        rt->device = make_device ? make_device(layouts, L, K, rt->group, shape.head_dim, error)
+                                 : runtime::cuda::DeviceCache::create(layouts, L, K, rt->group, shape.head_dim, error);
+        if (!rt->device) throw BackendError(error);
+        for (auto& head : rt->heads) head->mirror_to_device(true);
+        rt->admitted_slot.assign(K, -1);
+        rt->slot_weights.assign(static_cast<std::size_t>(K) * rt->device->max_capacity(), 0.0f);
+    }
     return rt;
+}
+
+// One token of one layer on the CUDA backend: the device heads admit it on the host, the slots
+// that changed since the last step go to the device, the device attends, and the heads complete
+// the step from the weights it returns (streaming heads run on the host, after the device has
+// succeeded, so a failed device call leaves every head as it was).
+bool device_step(kvsim_rt* rt, int32_t layer, int32_t t, const float* q, const float* k, const float* v, float* out,
+                 bool defer_eviction) {
+    const int K = rt->shape.num_kv_heads;
+    const std::size_t d = static_cast<std::size_t>(rt->shape.head_dim);
+    auto head = [&](int l, int kv) -> HeadCache& { return *rt->heads[static_cast<std::size_t>(l) * K + kv]; };
+    for (int kv = 0; kv < K; ++kv)
+        rt->admitted_slot[kv] = head(layer, kv).streaming() ? -1 : head(layer, kv).admit(t, k + kv * d, v + kv * d);
+    std::string error;
+    bool ok = true;
+    auto send = [&](int l) {
+        for (int kv = 0; kv < K; ++kv) {
+            HeadCache& h = head(l, kv);
+            const std::size_t u = static_cast<std::size_t>(l) * K + kv;
+            TierView keys[3], values[3];
+            for (int tier = 0; tier < 3; ++tier) keys[tier] = h.key_store(tier).view(), values[tier] = h.value_store(tier).view();
+            h.take_dirty([&](int slot, uint8_t code) {
+                ok = ok && rt->device->stage(static_cast<int>(u), slot, code, keys, values, error);
+            });
+        }
+    };
+    if (rt->device_stale) {
+        for (auto& h : rt->heads) h->mark_all_dirty();
+        for (int l = 0; l < rt->shape.num_layers; ++l) send(l);
+    } else {
+        send(layer);
+    }
+    ok = ok && rt->device->attend(layer, q, out, rt->slot_weights.data(), error);
+    if (!ok) {
+        for (int kv = 0; kv < K; ++kv)
+            if (rt->admitted_slot[kv] >= 0) head(layer, kv).abandon(rt->admitted_slot[kv]);
+        rt->device_stale = true;
+        rt->error = error;
+        return false;
+    }
+    rt->device_stale = false;
+    const std::size_t row = static_cast<std::size_t>(rt->device->max_capacity());
+    tbb::parallel_for(0, K, [&](int kv) {
+        HeadCache& h = head(layer, kv);
+        const std::size_t first_query = static_cast<std::size_t>(kv) * rt->group * d;
+        if (h.streaming())
+            h.decode(t, q + first_query, k + kv * d, v + kv * d, out + first_query, defer_eviction);
+        else
+            h.complete_from_slot_weights(t, rt->admitted_slot[kv], rt->slot_weights.data() + kv * row, defer_eviction);
+    });
+    return true;
 }
 
 // Checks everything before touching the cache, so a refused call leaves it as it was.
@@ -138,6 +213,21 @@ kvsim_status kvsim_rt_prefill_or_decode(kvsim_rt* rt, int32_t layer, int32_t pos
                                                    (count > 1 ? ".." + std::to_string(pos + count - 1) : "") +
                                                    ": NaN or infinity in q, k or v");
     try {
+        if (rt->device) {
+            for (int32_t i = 0; i < count; ++i)
+                if (!device_step(rt, layer, pos + i, q + i * q_row, k + i * kv_row, v + i * kv_row, out + i * q_row,
+                                 prefill && i + 1 < count)) {
+                    // Tokens before i completed: the layer goes on from position pos + i.
+                    rt->next_position[layer] += i;
+                    if (i > 0)
+                        rt->error += " (this prefill appended positions " + std::to_string(pos) + ".." +
+                                     std::to_string(pos + i - 1) + "; the next is " + std::to_string(pos + i) + ")";
+                    return KVSIM_ERROR_BACKEND;
+                }
+            rt->next_position[layer] += count;
+            rt->error.clear();
+            return KVSIM_OK;
+        }
         tbb::parallel_for(0, s.num_kv_heads, [&](int kv) {
             HeadCache& head = *rt->heads[static_cast<std::size_t>(layer) * s.num_kv_heads + kv];
             const std::size_t first_query = static_cast<std::size_t>(kv) * rt->group * d;
@@ -153,19 +243,15 @@ kvsim_status kvsim_rt_prefill_or_decode(kvsim_rt* rt, int32_t layer, int32_t pos
     return KVSIM_OK;
 }
 
-}  // namespace
-
-extern "C" {
-
-kvsim_status kvsim_rt_create(const char* profile_path, const kvsim_model_shape* shape, const char* backend,
-                             kvsim_rt** out) {
+kvsim_status create(const char* profile_path, const kvsim_model_shape* shape, const char* backend,
+                    const kvsim::runtime::DeviceFactory& make_device, kvsim_rt** out) {
     if (out) *out = nullptr;
     if (!profile_path || !shape || !out) {
         create_error = "kvsim_rt_create: profile_path, shape and out must not be null";
         return KVSIM_ERROR_INPUT;
     }
     try {
-        *out = plan(profile_path, *shape, backend ? backend : "cpu").release();
+        *out = plan(profile_path, *shape, backend ? backend : "cpu", make_device).release();
         create_error.clear();
         return KVSIM_OK;
     } catch (const BackendError& e) {
@@ -181,6 +267,20 @@ kvsim_status kvsim_rt_create(const char* profile_path, const kvsim_model_shape* 
         create_error = e.what();
         return KVSIM_ERROR_INTERNAL;
     }
+}
+
+}  // namespace
+
+kvsim_status kvsim::runtime::create_with_device(const char* profile_path, const kvsim_model_shape& shape,
+                                                DeviceFactory make_device, kvsim_rt** out) {
+    return create(profile_path, &shape, "cuda", make_device, out);
+}
+
+extern "C" {
+
+kvsim_status kvsim_rt_create(const char* profile_path, const kvsim_model_shape* shape, const char* backend,
+                             kvsim_rt** out) {
+    return create(profile_path, shape, backend, nullptr, out);
 }
 
 const char* kvsim_rt_create_error(void) { return create_error.c_str(); }

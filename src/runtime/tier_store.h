@@ -12,6 +12,27 @@
 
 namespace kvsim::runtime {
 
+// One tier's rows where they lie (host or device memory), read channel by channel: how the CUDA
+// kernel reads the cache, and on the host the check that its layout is TierStore's.
+struct TierView {
+    int tier = 0, head_dim = 0, row_bytes = 0, groups = 1, group_channels = 1;
+    const uint16_t* half = nullptr;   // FP16: head_dim half bits a row
+    const uint8_t* levels = nullptr;  // INT8 / INT4: row_bytes a row
+    const uint16_t* scales = nullptr; // groups fp16 scales a row
+
+    KVSIM_HD float element(int slot, int c) const {
+        if (tier == 0) return half_bits_to_float(half[static_cast<std::size_t>(slot) * head_dim + c]);
+        const float scale = half_bits_to_float(scales[static_cast<std::size_t>(slot) * groups + c / group_channels]);
+        const uint8_t* row = levels + static_cast<std::size_t>(slot) * row_bytes;
+        const int level = tier == 1 ? static_cast<int8_t>(row[c]) : int4_level(row, c);
+        return dequantize_level(static_cast<float>(level), scale);
+    }
+    // Bytes of one row in each array, for copies.
+    std::size_t half_row_bytes() const { return tier == 0 ? static_cast<std::size_t>(head_dim) * 2 : 0; }
+    std::size_t level_row_bytes() const { return tier == 0 ? 0 : static_cast<std::size_t>(row_bytes); }
+    std::size_t scale_row_bytes() const { return tier == 0 ? 0 : static_cast<std::size_t>(groups) * 2; }
+};
+
 class TierStore {
 public:
     // `rows` slots of `head_dim` values; `group`: channels sharing one scale (quantised tiers).
@@ -23,6 +44,9 @@ public:
     void read(int row, float* out) const;
 
     int tier() const { return tier_; }
+    TierView view() const {
+        return TierView{tier_, head_dim_, row_bytes_, groups_, group_, half_.data(), levels_.data(), scales_.data()};
+    }
     // The raw layout, for a device copy (src/runtime/cuda_attention.cu): row r's FP16 bits at
     // half()[r * head_dim], its levels at levels()[r * row_bytes()], its scales at
     // scales()[r * groups()], a scale per `group_channels()` channels.

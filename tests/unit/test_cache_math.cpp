@@ -81,3 +81,50 @@ TEST_CASE("online softmax: the same weights and output as the two-pass softmax, 
         CHECK(acc[i] / online.sum == doctest::Approx(reference).epsilon(1e-5));
     }
 }
+
+TEST_CASE("online softmax: chunks attended apart and merged give the sequential result (split-K)") {
+    std::mt19937 rng(5);
+    std::normal_distribution<float> normal(0.0f, 3.0f);
+    const int n = 700, d = 4;
+    std::vector<float> scores(n), values(n * d);
+    for (float& s : scores) s = normal(rng);
+    for (float& v : values) v = normal(rng);
+    auto attend = [&](int first, int end, OnlineSoftmax& softmax, std::vector<float>& acc) {
+        acc.assign(d, 0.0f);
+        for (int j = first; j < end; ++j) {
+            float w = 0;
+            const float rescale = softmax.add(scores[j], w);
+            for (int i = 0; i < d; ++i) acc[i] = acc[i] * rescale + w * values[j * d + i];
+        }
+    };
+    OnlineSoftmax whole;
+    std::vector<float> whole_acc;
+    attend(0, n, whole, whole_acc);
+    // Uneven chunks, an empty one among them, merged in order.
+    const int bounds[] = {0, 1, 64, 64, 300, 699, 700};
+    OnlineSoftmax merged;
+    std::vector<float> merged_acc(d, 0.0f), part_acc;
+    for (int c = 0; c + 1 < 7; ++c) {
+        OnlineSoftmax part;
+        attend(bounds[c], bounds[c + 1], part, part_acc);
+        float mine = 0, theirs = 0;
+        merged.merge(part, mine, theirs);
+        for (int i = 0; i < d; ++i) merged_acc[i] = merged_acc[i] * mine + part_acc[i] * theirs;
+    }
+    CHECK(merged.maximum == whole.maximum);
+    CHECK(merged.sum == doctest::Approx(whole.sum).epsilon(1e-5));
+    for (int i = 0; i < d; ++i)
+        CHECK(merged_acc[i] / merged.sum == doctest::Approx(whole_acc[i] / whole.sum).epsilon(1e-5));
+    // Merging an empty softmax changes nothing; merging into an empty one takes the other's.
+    OnlineSoftmax empty, copy = whole;
+    float mine = 0, theirs = 0;
+    copy.merge(empty, mine, theirs);
+    CHECK(copy.maximum == whole.maximum);
+    CHECK(copy.sum == whole.sum);
+    CHECK(mine == 1.0f);
+    CHECK(theirs == 0.0f);
+    empty.merge(whole, mine, theirs);
+    CHECK(empty.sum == whole.sum);
+    CHECK(mine == 0.0f);
+    CHECK(theirs == 1.0f);
+}

@@ -1,80 +1,108 @@
-// The CUDA decode-attention kernel against the CPU on random rows at every tier. Where no GPU is
-// present (CI, these machines) the comparison is skipped with one line saying why, and the entry
-// point must refuse cleanly with the same reason.
+// The CUDA backend's pieces that run on the host: TierView (how the kernels read a row) against
+// TierStore::read, and the device pool's layout and staging, scattered into host memory as the
+// scatter kernel does. The whole backend is checked in test_runtime.cpp, with its device done on
+// the host everywhere and on a GPU where one is present.
 #include <doctest/doctest.h>
 
-#include <cmath>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "src/runtime/cuda_attention.h"
+#include "src/runtime/device_pool.h"
 #include "src/runtime/tier_store.h"
 
 using namespace kvsim;
 using namespace kvsim::runtime;
 
-TEST_CASE("cuda decode attention matches the CPU over FP16, INT8 and INT4 rows (skipped without a GPU)") {
-    const int d = 128, group = 4, rows = 777;
-    std::mt19937 rng(11);
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    TierStore keys[3], values[3];
-    for (int tier = 0; tier < 3; ++tier) {
-        keys[tier].plan(tier, rows, d, 32);
-        values[tier].plan(tier, rows, d, 32);
-    }
-    std::vector<int> slots(rows);
-    std::vector<uint8_t> key_tier(rows), value_tier(rows);
+namespace {
+
+void fill(TierStore (&stores)[3], int rows, int d, int group, std::mt19937& rng) {
+    std::normal_distribution<float> normal(0.0f, 2.0f);
     std::vector<float> row(d);
-    for (int r = 0; r < rows; ++r) {
-        slots[r] = (r * 7) % rows;  // rows visit slots out of order
-        key_tier[r] = static_cast<uint8_t>(r % 3);
-        value_tier[r] = static_cast<uint8_t>((r / 3) % 3);
-        for (float& x : row) x = normal(rng);
-        keys[key_tier[r]].write(slots[r], row.data());
-        for (float& x : row) x = normal(rng);
-        values[value_tier[r]].write(slots[r], row.data());
-    }
-    std::vector<float> q(group * d);
-    for (float& x : q) x = 0.3f * normal(rng);
-
-    // The CPU reference in double: every row read back through TierStore::read.
-    std::vector<double> reference(group * d, 0.0), reference_scores(group * rows);
-    std::vector<float> k(d), v(d);
-    for (int h = 0; h < group; ++h) {
-        double peak = -INFINITY;
+    for (int tier = 0; tier < 3; ++tier) {
+        stores[tier].plan(tier, rows, d, group);
         for (int r = 0; r < rows; ++r) {
-            keys[key_tier[r]].read(slots[r], k.data());
-            double dot = 0;
-            for (int i = 0; i < d; ++i) dot += double(q[h * d + i]) * k[i];
-            reference_scores[h * rows + r] = dot / std::sqrt(double(d));
-            peak = std::max(peak, reference_scores[h * rows + r]);
+            for (float& x : row) x = normal(rng);
+            stores[tier].write(r, row.data());
         }
-        double total = 0;
-        for (int r = 0; r < rows; ++r) {
-            const double w = std::exp(reference_scores[h * rows + r] - peak);
-            total += w;
-            values[value_tier[r]].read(slots[r], v.data());
-            for (int i = 0; i < d; ++i) reference[h * d + i] += w * v[i];
-        }
-        for (int i = 0; i < d; ++i) reference[h * d + i] /= total;
     }
+}
 
+}  // namespace
+
+TEST_CASE("TierView reads every tier as TierStore::read does, bit for bit") {
+    std::mt19937 rng(7);
+    for (const auto [d, group] : {std::pair{128, 32}, std::pair{8, 8}, std::pair{67, 16}, std::pair{64, 64}}) {
+        TierStore stores[3];
+        fill(stores, 9, d, group, rng);
+        std::vector<float> row(d);
+        for (int tier = 0; tier < 3; ++tier)
+            for (int r = 0; r < 9; ++r) {
+                stores[tier].read(r, row.data());
+                const TierView view = stores[tier].view();
+                for (int c = 0; c < d; ++c) {
+                    INFO("head size " << d << ", group " << group << ", tier " << tier << ", row " << r << ", channel " << c);
+                    REQUIRE(view.element(r, c) == row[c]);
+                }
+            }
+    }
+}
+
+TEST_CASE("device pool: staged slots land where the pool's views read them") {
+    std::mt19937 rng(9);
+    const int d = 24, heads = 3;
+    std::vector<int> capacity = {5, 0, 11};  // the middle head is not kept (a streaming head)
+    TierStore keys[3][3], values[3][3];
+    std::vector<HeadLayout> layouts(heads);
+    for (int u = 0; u < heads; ++u) {
+        fill(keys[u], std::max(capacity[u], 1), d, 8, rng);
+        fill(values[u], std::max(capacity[u], 1), d, 12, rng);
+        for (int tier = 0; tier < 3; ++tier) layouts[u].keys[tier] = keys[u][tier].view(), layouts[u].values[tier] = values[u][tier].view();
+        layouts[u].capacity = capacity[u];
+    }
+    DevicePool pool(layouts);
+    CHECK(pool.max_capacity() == 11);
+    std::vector<uint8_t> memory(pool.bytes(), kEmptyCode);
+    const std::vector<PooledHead> pooled = pool.heads_at(memory.data());
+    CHECK(pooled[1].capacity == 0);
+
+    // Stage every slot of heads 0 and 2 at some (key tier, value tier), one slot left empty.
+    std::vector<std::vector<uint8_t>> codes(heads);
+    for (int u : {0, 2}) {
+        TierView k[3], v[3];
+        for (int tier = 0; tier < 3; ++tier) k[tier] = keys[u][tier].view(), v[tier] = values[u][tier].view();
+        for (int slot = 0; slot < capacity[u]; ++slot) {
+            const uint8_t code = slot == 3 ? kEmptyCode : static_cast<uint8_t>(slot % 3 | (slot / 3 % 3) << 2);
+            codes[u].push_back(code);
+            REQUIRE(pool.stage(u, slot, code, k, v));
+        }
+    }
+    scatter_on_host(memory.data(), pool.staged().data(), pool.copies());
+    pool.clear();
+    CHECK(pool.copies().empty());
+    std::vector<float> row(d);
+    for (int u : {0, 2})
+        for (int slot = 0; slot < capacity[u]; ++slot) {
+            INFO("head " << u << ", slot " << slot);
+            REQUIRE(pooled[u].codes[slot] == codes[u][slot]);
+            if (codes[u][slot] == kEmptyCode) continue;
+            const int key_tier = codes[u][slot] & 3, value_tier = codes[u][slot] >> 2;
+            keys[u][key_tier].read(slot, row.data());
+            for (int c = 0; c < d; ++c) REQUIRE(pooled[u].keys[key_tier].element(slot, c) == row[c]);
+            values[u][value_tier].read(slot, row.data());
+            for (int c = 0; c < d; ++c) REQUIRE(pooled[u].values[value_tier].element(slot, c) == row[c]);
+        }
+}
+
+TEST_CASE("cuda: without a device, the backend refuses in one line saying why") {
     std::string why;
-    std::vector<float> out(group * d, 0.0f), scores(group * rows, 0.0f);
-    if (!cuda::device_available(why)) {
-        MESSAGE("skipped: " << why);
-        std::string error;
-        CHECK_FALSE(cuda::decode_attention(keys, values, slots, key_tier, value_tier, d, group, q.data(), out.data(),
-                                           scores.data(), error));
-        CHECK(error == why);
+    if (cuda::device_available(why)) {
+        MESSAGE("a CUDA device is present: checked against the CPU in test_runtime.cpp");
         return;
     }
+    CHECK_FALSE(why.empty());
     std::string error;
-    REQUIRE_MESSAGE(cuda::decode_attention(keys, values, slots, key_tier, value_tier, d, group, q.data(), out.data(),
-                                           scores.data(), error),
-                    error);
-    for (int i = 0; i < group * d; ++i) CHECK(out[i] == doctest::Approx(reference[i]).epsilon(1e-4).scale(1.0));
-    for (int i = 0; i < group * rows; ++i)
-        CHECK(scores[i] == doctest::Approx(reference_scores[i]).epsilon(1e-4).scale(1.0));
+    CHECK(cuda::DeviceCache::create({}, 1, 1, 1, 8, error) == nullptr);
+    CHECK(error == "backend 'cuda': " + why);
 }

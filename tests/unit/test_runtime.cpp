@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,8 @@
 #include "sim/sweep.h"
 #include "sim/trace_store.h"
 #include "src/runtime/kvsim_runtime.h"
+#include "src/runtime/runtime_internal.h"
+#include "tests/unit/host_device_cache.h"
 
 using namespace kvsim;
 
@@ -85,8 +88,11 @@ HeadFigures simulate(const std::string& profile_path, const std::vector<int>& se
 
 // The runtime: every sequence through kvsim_rt_decode, the output error against the full cache's
 // output computed as the replay computes it, and the bytes as the runtime reports them.
+// With `device`, the "cuda" backend's path with that device cache (a failed call is retried once,
+// as an engine would).
 HeadFigures run_runtime(const std::string& profile_path, const std::vector<int>& sequences,
-                        const char* backend = "cpu-oracle", int prefill = 0) {
+                        const char* backend = "cpu-oracle", int prefill = 0,
+                        const runtime::DeviceFactory& device = nullptr) {
     const TraceReader reader(fp16_trace());
     const TraceMetadata& m = reader.metadata();
     const int L = static_cast<int>(m.num_layers), H = static_cast<int>(m.num_query_heads),
@@ -95,7 +101,9 @@ HeadFigures run_runtime(const std::string& profile_path, const std::vector<int>&
     for (int s : sequences) longest = std::max<int>(longest, static_cast<int>(reader.sequences()[s].length));
     const kvsim_model_shape shape{L, H, K, d, longest, prefill};
     kvsim_rt* rt = nullptr;
-    REQUIRE_MESSAGE(kvsim_rt_create(profile_path.c_str(), &shape, backend, &rt) == KVSIM_OK, kvsim_rt_create_error());
+    const kvsim_status created = device ? runtime::create_with_device(profile_path.c_str(), shape, device, &rt)
+                                        : kvsim_rt_create(profile_path.c_str(), &shape, backend, &rt);
+    REQUIRE_MESSAGE(created == KVSIM_OK, kvsim_rt_create_error());
     HeadFigures f{std::vector<double>(static_cast<std::size_t>(L) * K, 0.0), std::vector<double>(static_cast<std::size_t>(L) * K, 0.0)};
     std::vector<float> out(static_cast<std::size_t>(H) * d), full(d);
     Eigen::ArrayXf scratch;
@@ -119,8 +127,15 @@ HeadFigures run_runtime(const std::string& profile_path, const std::vector<int>&
             }
             for (int64_t t = prefill; t < data.tokens; ++t) {
                 const float* q = data.q.data() + t * H * d;
-                const kvsim_status status = kvsim_rt_decode(rt, layer, static_cast<int32_t>(t), q, data.k.data() + t * K * d,
-                                                            data.v.data() + t * K * d, out.data());
+                auto decode = [&] {
+                    return kvsim_rt_decode(rt, layer, static_cast<int32_t>(t), q, data.k.data() + t * K * d,
+                                           data.v.data() + t * K * d, out.data());
+                };
+                kvsim_status status = decode();
+                if (status == KVSIM_ERROR_BACKEND && device) {
+                    CHECK(std::string(kvsim_rt_last_error(rt)) == "backend 'cuda': an injected failure");
+                    status = decode();
+                }
                 REQUIRE_MESSAGE(status == KVSIM_OK, kvsim_rt_last_error(rt));
                 if (t == 0) continue;  // the replay measures decode steps 1..T
                 for (int kv = 0; kv < K; ++kv) {
@@ -253,7 +268,7 @@ TEST_CASE("runtime (cpu): the one-pass online softmax stays within float roundin
     }
 }
 
-TEST_CASE("runtime (cpu): streaming heads match the simulator bit for bit") {
+std::string streaming_profile() {
     const TraceReader reader(fp16_trace());
     Profile p = base_profile(reader.metadata());
     p.policy = "streaming_attention";
@@ -269,8 +284,75 @@ TEST_CASE("runtime (cpu): streaming heads match the simulator bit for bit") {
     p.streaming = heads;
     const std::string path = temp_file("streaming.json");
     write_profile(p, path);
-    check_same(simulate(path, {3}), run_runtime(path, {3}), K);
+    return path;
+}
+
+TEST_CASE("runtime (cpu): streaming heads match the simulator bit for bit") {
+    const std::string path = streaming_profile();
+    check_same(simulate(path, {3}), run_runtime(path, {3}), 4);
     std::filesystem::remove(path);
+}
+
+namespace {
+
+// The "cuda" backend's path with its device done on the host (tests/unit/host_device_cache.h).
+runtime::DeviceFactory host_device(int fail_every = 0, std::shared_ptr<int> failures = nullptr) {
+    return [fail_every, failures](const std::vector<runtime::HeadLayout>& heads, int, int K, int group, int d,
+                                  std::string&) -> std::unique_ptr<runtime::cuda::DeviceCache> {
+        auto cache = std::make_unique<runtime::HostDeviceCache>(heads, K, group, d);
+        cache->fail_every = fail_every;
+        cache->failures = failures;
+        return cache;
+    };
+}
+
+void check_close(const HeadFigures& reference, const HeadFigures& got) {
+    REQUIRE(reference.error.size() == got.error.size());
+    for (std::size_t u = 0; u < reference.error.size(); ++u) {
+        INFO("unit " << u);
+        // Relative 1e-5, or 1e-4 absolute: a head that keeps every token (the exact heads of the
+        // streaming profile) has an output error of rounding alone, ~1e-6 a step, which the
+        // device's order of addition changes by as much as itself.
+        CHECK(got.error[u] == doctest::Approx(reference.error[u]).epsilon(1e-5).scale(10.0));
+        CHECK(got.bytes[u] == reference.bytes[u]);
+    }
+}
+
+}  // namespace
+
+TEST_CASE("runtime (cuda path, device done on the host): within float rounding of the cpu backend") {
+    // Everything the CUDA backend does but the kernels' lanes: the pool's layout, staging only the
+    // slots that changed, attending by slot in merged chunks, each head's step completed from the
+    // device's weights; streaming heads (a third of them here) stay on the host. Same bytes, and
+    // errors within rounding, which also says no eviction or re-zoning decision flipped.
+    for (const std::string& path : {h2o_profile(), tier_profile(), streaming_profile()}) {
+        INFO(path);
+        check_close(run_runtime(path, {3, 4}, "cpu"), run_runtime(path, {3, 4}, "cuda", 0, host_device()));
+        check_close(run_runtime(path, {3}, "cpu", 100), run_runtime(path, {3}, "cuda", 100, host_device()));
+        std::filesystem::remove(path);
+    }
+}
+
+TEST_CASE("runtime (cuda path, device done on the host): a failed device call undoes its step, and the next resends the cache") {
+    const std::string path = tier_profile();
+    auto failures = std::make_shared<int>(0);
+    check_close(run_runtime(path, {3}, "cpu"), run_runtime(path, {3}, "cuda", 0, host_device(97, failures)));
+    CHECK(*failures > 10);  // each retried, as an engine would
+    std::filesystem::remove(path);
+}
+
+TEST_CASE("runtime (cuda): against the cpu backend on a GPU (skipped without one)") {
+    std::string why;
+    if (!runtime::cuda::device_available(why)) {
+        MESSAGE("skipped: " << why);
+        return;
+    }
+    for (const std::string& path : {h2o_profile(), tier_profile(), streaming_profile()}) {
+        INFO(path);
+        check_close(run_runtime(path, {3, 4}, "cpu"), run_runtime(path, {3, 4}, "cuda"));
+        check_close(run_runtime(path, {3}, "cpu", 100), run_runtime(path, {3}, "cuda", 100));
+        std::filesystem::remove(path);
+    }
 }
 
 TEST_CASE("runtime (cpu): bad input is an error code and one line, and the cache stays usable") {
@@ -291,8 +373,11 @@ TEST_CASE("runtime (cpu): bad input is an error code and one line, and the cache
                                                     "head size 8") != std::string::npos);
     CHECK(std::string(kvsim_rt_create_error()).find("has 6 layers") != std::string::npos);
     const kvsim_model_shape shape{L, H, K, d, 4, 2};
-    CHECK(kvsim_rt_create(path.c_str(), &shape, "cuda", &rt) == KVSIM_ERROR_BACKEND);  // no GPU here, or not wired
-    CHECK(std::string(kvsim_rt_create_error()).rfind("backend 'cuda': ", 0) == 0);
+    std::string why;
+    if (!runtime::cuda::device_available(why)) {
+        CHECK(kvsim_rt_create(path.c_str(), &shape, "cuda", &rt) == KVSIM_ERROR_BACKEND);
+        CHECK(std::string(kvsim_rt_create_error()) == "backend 'cuda': " + why);
+    }
     CHECK(kvsim_rt_create(path.c_str(), &shape, "tpu", &rt) == KVSIM_ERROR_INPUT);
     CHECK(kvsim_rt_create("/nonexistent/profile.json", &shape, "cpu", &rt) == KVSIM_ERROR_INPUT);
     REQUIRE(kvsim_rt_create(path.c_str(), &shape, "cpu", &rt) == KVSIM_OK);
