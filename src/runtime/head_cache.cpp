@@ -41,6 +41,9 @@ HeadCache::HeadCache(const HeadPlan& plan, PolicyMaker make_policy)
     attn_.reserve(capacity_);
     weights_.reserve(static_cast<std::size_t>(plan_.group) * (capacity_ + 1));
     scores_.resize(capacity_ + 1);
+    key_block_.resize(static_cast<std::size_t>(kBlock) * d);
+    value_block_.resize(static_cast<std::size_t>(kBlock) * d);
+    block_scores_.resize(kBlock, plan_.group);
     start();
 }
 
@@ -126,34 +129,40 @@ void HeadCache::attend_two_pass(int slot, const float* q, float* out) {
 }
 
 // The serving path: one pass over the cache for the whole group, each row dequantised once and
-// used by every query head of the group; an online softmax per head (sim/cache_math.h) rescales
-// its accumulator when its maximum rises. The policy's weights come from the scores kept on the
-// side, normalised once the pass is done.
+// used by every query head of the group. Tier by tier (rows of one tier read with the same code,
+// back to back), in blocks of rows: a block's keys and values are dequantised once, then two small
+// matrix products do the group's work, scores = K_block q^T and out += exp(scores - max)^T V_block,
+// with an online softmax per head (sim/cache_math.h) rescaling its output when its maximum rises.
+// The order of rows does not matter to an online softmax beyond rounding. The policy's weights
+// come from the scores kept on the side, normalised once the pass is done.
 void HeadCache::attend_one_pass(int slot, const float* q, float* out) {
+    using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
     const int d = plan_.head_dim, group = plan_.group;
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
     const std::size_t n = positions_.size() + 1;
     weights_.resize(static_cast<std::size_t>(group) * n);  // scores first, weights after the pass
     online_.assign(group, OnlineSoftmax{});
-    std::fill(out, out + static_cast<std::size_t>(group) * d, 0.0f);
-    // Tier by tier (rows of one tier read with the same code, back to back), in blocks of rows: a
-    // block's keys and values are dequantised once, its scores for every query head computed, then
-    // each head's online softmax raised to the block's maximum and the block's exponentials
-    // (vectorised) added. The order of rows does not matter to an online softmax beyond rounding.
+    Eigen::Map<RowMajor> o(out, group, d);
+    o.setZero();
+    const Eigen::Map<const RowMajor> queries(q, group, d);
     for (auto& b : by_tier_) b.clear();
     for (std::size_t j = 0; j + 1 < n; ++j) {
         const int32_t p = positions_[j];
         by_tier_[key_tier_[p] == value_tier_[p] ? key_tier_[p] : 3].push_back(static_cast<int>(j));
     }
     by_tier_[0].push_back(static_cast<int>(n - 1));  // the current token, at FP16
-    constexpr int kBlock = 32;
-    key_block_.resize(static_cast<std::size_t>(kBlock) * d);
-    value_block_.resize(static_cast<std::size_t>(kBlock) * d);
-    block_scores_.resize(kBlock);
     for (int bucket = 0; bucket < 4; ++bucket) {
         const std::vector<int>& rows = by_tier_[bucket];
         for (std::size_t first = 0; first < rows.size(); first += kBlock) {
             const int m = static_cast<int>(std::min<std::size_t>(kBlock, rows.size() - first));
+            // The next block's rows start loading while this one is computed.
+            const std::size_t next_end = std::min(rows.size(), first + m + kBlock);
+            for (std::size_t r = first + m; r < next_end; ++r) {
+                const std::size_t j = static_cast<std::size_t>(rows[r]);
+                if (j == n - 1) continue;
+                keys_[key_tier_[positions_[j]]].prefetch(slot_of_[j]);
+                values_[value_tier_[positions_[j]]].prefetch(slot_of_[j]);
+            }
             for (int r = 0; r < m; ++r) {
                 const std::size_t j = static_cast<std::size_t>(rows[first + r]);
                 const bool current = j == n - 1;
@@ -161,36 +170,24 @@ void HeadCache::attend_one_pass(int slot, const float* q, float* out) {
                 keys_[current ? 0 : key_tier_[positions_[j]]].read(row, key_block_.data() + r * d);
                 values_[current ? 0 : value_tier_[positions_[j]]].read(row, value_block_.data() + r * d);
             }
+            const Eigen::Map<const RowMajor> k(key_block_.data(), m, d), v(value_block_.data(), m, d);
+            auto scores = block_scores_.topRows(m);
+            scores.noalias() = k * queries.transpose();
+            scores *= scale;
             for (int h = 0; h < group; ++h) {
-                const float* qh = q + static_cast<std::size_t>(h) * d;
-                float block_max = -INFINITY;
-                for (int r = 0; r < m; ++r) {
-                    const float sc = fixed_order_dot(qh, key_block_.data() + r * d, d) * scale;
-                    block_scores_[r] = sc;
-                    weights_[static_cast<std::size_t>(h) * n + rows[first + r]] = sc;
-                    block_max = std::max(block_max, sc);
-                }
-                const float rescale = online_[h].raise_to(block_max);
-                auto e = block_scores_.head(m);
-                e = (e - online_[h].maximum).exp();
-                float* o = out + static_cast<std::size_t>(h) * d;
-                if (rescale != 1.0f)
-                    for (int i = 0; i < d; ++i) o[i] *= rescale;
-                float added = 0;
-                for (int r = 0; r < m; ++r) {
-                    const float w = e[r];
-                    added += w;
-                    const float* vr = value_block_.data() + r * d;
-                    for (int i = 0; i < d; ++i) o[i] += w * vr[i];
-                }
-                online_[h].sum += added;
+                float* w = weights_.data() + static_cast<std::size_t>(h) * n;
+                for (int r = 0; r < m; ++r) w[rows[first + r]] = scores(r, h);
+                const float rescale = online_[h].raise_to(scores.col(h).maxCoeff());
+                scores.col(h) = (scores.col(h).array() - online_[h].maximum).exp().matrix();
+                online_[h].sum += scores.col(h).sum();
+                if (rescale != 1.0f) o.row(h) *= rescale;
             }
+            o.noalias() += scores.transpose() * v;
         }
     }
     for (int h = 0; h < group; ++h) {
         const float inv_sum = 1.0f / online_[h].sum;
-        float* o = out + static_cast<std::size_t>(h) * d;
-        for (int i = 0; i < d; ++i) o[i] *= inv_sum;
+        o.row(h) *= inv_sum;
         float* w = weights_.data() + static_cast<std::size_t>(h) * n;
         for (std::size_t j = 0; j < n; ++j) w[j] = std::exp(w[j] - online_[h].maximum) * inv_sum;
     }

@@ -110,8 +110,9 @@ private:
     std::vector<float> weights_;           // group x (held + 1)
     std::vector<OnlineSoftmax> online_;    // per query head of the group
     std::vector<int> by_tier_[4];          // held indices by tier (3: key and value tiers differ)
+    static constexpr int kBlock = 64;      // rows the one-pass attention dequantises at a time
     std::vector<float> key_block_, value_block_;  // a block of dequantised rows
-    Eigen::ArrayXf block_scores_;
+    Eigen::MatrixXf block_scores_;         // a block's scores, rows x query heads
     double key_bytes_[3] = {}, value_bytes_[3] = {};
     bool mirrored_ = false;
     std::vector<uint8_t> slot_code_, slot_dirty_;  // by slot, when mirrored

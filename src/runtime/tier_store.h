@@ -42,6 +42,16 @@ public:
     void write(int row, const float* x);
     // The row as attention reads it, dequantised (head_dim floats).
     void read(int row, float* out) const;
+    // Asks the CPU to start loading a row that will be read soon: a tier's rows lie at scattered
+    // slots, which the hardware prefetcher cannot guess.
+    void prefetch(int row) const {
+        const std::size_t r = static_cast<std::size_t>(row);
+        const char* data = tier_ == 0 ? reinterpret_cast<const char*>(half_.data() + r * head_dim_)
+                                      : reinterpret_cast<const char*>(levels_.data() + r * row_bytes_);
+        const std::size_t bytes = tier_ == 0 ? static_cast<std::size_t>(head_dim_) * 2 : static_cast<std::size_t>(row_bytes_);
+        for (std::size_t at = 0; at < bytes; at += 64) __builtin_prefetch(data + at);
+        if (tier_ != 0) __builtin_prefetch(scales_.data() + r * groups_);
+    }
 
     int tier() const { return tier_; }
     TierView view() const {
@@ -60,6 +70,7 @@ public:
     std::size_t reserved_bytes() const;
 
 private:
+    static constexpr int kMaxUnpacked = 512;  // head sizes up to this unpack INT4 rows in one go
     int tier_ = 0, head_dim_ = 0, group_ = 1, groups_ = 1, row_bytes_ = 0;
     std::vector<uint16_t> half_;   // FP16: head_dim half bits a row
     std::vector<uint8_t> levels_;  // INT8: head_dim bytes a row; INT4: ceil(head_dim / 2)

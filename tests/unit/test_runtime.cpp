@@ -3,6 +3,7 @@
 // held, which is all a runtime can compute), every step's attention output and bytes must match
 // bit for bit: the summed output errors and bytes per (layer, KV head) are equal to the last digit.
 #include <doctest/doctest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <filesystem>
@@ -24,7 +25,9 @@ using namespace kvsim;
 namespace {
 
 std::string temp_file(const std::string& name) {
-    return (std::filesystem::temp_directory_path() / ("kvsim-runtime-test-" + name)).string();
+    // The process id in the name: two test runs at once (worktrees side by side) must not share.
+    return (std::filesystem::temp_directory_path() /
+            ("kvsim-runtime-test-" + std::to_string(::getpid()) + "-" + name)).string();
 }
 
 // The shipped trace stores K and V in fp32, and the simulator's FP16 tier reads them as they are;
