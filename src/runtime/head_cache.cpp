@@ -15,8 +15,20 @@ HeadCache::HeadCache(const HeadPlan& plan, PolicyMaker make_policy)
     policy_ = make_policy_();
     format_ = policy_->tier_format();
     const int d = plan_.head_dim;
-    if (format_ && !format_->per_token_keys)
-        throw std::invalid_argument("per-channel (KIVI) key groups are not in the runtime yet: only per-token tiers");
+    kivi_ = format_ && !format_->per_token_keys;
+    if (kivi_) {
+        // KIVI keys: each channel's scale spans a group of key_group positions (aligned to 0), so
+        // a group's keys are quantised once its last position has arrived; until then they wait
+        // at FP16, and the group's keys are kept aside (evicted or not) to size its scales.
+        key_group_ = format_->key_group;
+        if (format_->int8_key_group && format_->int8_key_group != key_group_)
+            throw std::invalid_argument("per-channel (KIVI) keys with different INT8 and INT4 key groups");
+        if (format_->int4_from_int8)
+            throw std::invalid_argument("per-channel (KIVI) keys requantised from INT8 to INT4");
+        group_keys_.assign(static_cast<std::size_t>(key_group_) * d, 0.0f);
+        const std::size_t groups = static_cast<std::size_t>(plan_.max_context) / key_group_ + 1;
+        for (int tier = 1; tier < 3; ++tier) channel_scales_[tier].assign(groups * d, 0.0f);
+    }
     for (int tier = 0; tier < 3; ++tier) {
         if (tier > 0 && !format_) break;
         const int group = !format_ ? d
@@ -24,7 +36,7 @@ HeadCache::HeadCache(const HeadPlan& plan, PolicyMaker make_policy)
                                                                       : format_->value_group;
         // Streaming heads keep their exact tokens in the state's own buffers: no slots.
         const int rows = policy_->linear_state() ? 0 : capacity_;
-        keys_[tier].plan(tier, rows, d, group);
+        keys_[tier].plan(tier, rows, d, kivi_ && tier > 0 ? 0 : group);
         values_[tier].plan(tier, rows, d, group);
         key_bytes_[tier] = key_bytes(static_cast<Tier>(tier), d, format_);
         value_bytes_[tier] = value_bytes(static_cast<Tier>(tier), d, format_);
@@ -58,6 +70,7 @@ void HeadCache::start() {
     std::fill(key_tier_.begin(), key_tier_.end(), uint8_t{0});
     std::fill(value_tier_.begin(), value_tier_.end(), uint8_t{0});
     attending_bytes_ = 0;
+    completed_key_groups_ = 0;
     if (mirrored_)
         for (int s = 0; s < capacity_; ++s) mark(s, kEmptySlot);
 }
@@ -95,7 +108,16 @@ void HeadCache::sink(std::size_t i, uint8_t key_tier, uint8_t value_tier) {
         }
         stores[to].write(slot, row.data());
     };
-    if (key_tier != key_tier_[p]) move(keys_, key_tier_[p], key_tier, key_row_);
+    if (key_tier != key_tier_[p] && kivi_) {
+        // A KIVI key leaves FP16 once, with its position group's per-channel scales.
+        if (key_tier_[p] != 0) fail(p, "a per-channel (KIVI) key may only leave FP16, not sink further");
+        if (p / key_group_ > completed_key_groups_ - 1)
+            fail(p, "quantised a per-channel (KIVI) key before its position group was complete");
+        keys_[0].read(slot, key_row_.data());
+        keys_[key_tier].write_with_channel_scales(slot, key_row_.data(), group_scales(key_tier, p));
+    } else if (key_tier != key_tier_[p]) {
+        move(keys_, key_tier_[p], key_tier, key_row_);
+    }
     if (value_tier != value_tier_[p]) move(values_, value_tier_[p], value_tier, value_row_);
     mark(slot, slot_code(key_tier, value_tier));
 }
@@ -112,7 +134,10 @@ void HeadCache::attend_two_pass(int slot, const float* q, float* out) {
         scores_.resize(n);
         for (Eigen::Index j = 0; j < n; ++j) {
             const bool current = j == n - 1;
-            keys_[current ? 0 : key_tier_[positions_[j]]].read(current ? slot : slot_of_[j], key_row_.data());
+            if (current)
+                keys_[0].read(slot, key_row_.data());
+            else
+                read_key(positions_[j], key_tier_[positions_[j]], slot_of_[j], key_row_.data());
             scores_[j] = fixed_order_dot(qh, key_row_.data(), d) * scale;
         }
         const float inv_total = softmax_numerators(scores_);
@@ -167,7 +192,10 @@ void HeadCache::attend_one_pass(int slot, const float* q, float* out) {
                 const std::size_t j = static_cast<std::size_t>(rows[first + r]);
                 const bool current = j == n - 1;
                 const int row = current ? slot : slot_of_[j];
-                keys_[current ? 0 : key_tier_[positions_[j]]].read(row, key_block_.data() + r * d);
+                if (current)
+                    keys_[0].read(row, key_block_.data() + r * d);
+                else
+                    read_key(positions_[j], key_tier_[positions_[j]], row, key_block_.data() + r * d);
                 values_[current ? 0 : value_tier_[positions_[j]]].read(row, value_block_.data() + r * d);
             }
             const Eigen::Map<const RowMajor> k(key_block_.data(), m, d), v(value_block_.data(), m, d);
@@ -254,7 +282,35 @@ int HeadCache::admit(int32_t t, const float* k, const float* v) {
     values_[0].write(slot, v);
     key_tier_[t] = value_tier_[t] = 0;
     mark(slot, 0);
+    if (kivi_) add_group_key(t, k);
     return slot;
+}
+
+// t's key joins its position group; when t completes the group, each channel's scale at INT8 and
+// INT4 is sized from the group's keys at FP16, as the simulator's quantize_key_group does.
+void HeadCache::add_group_key(int32_t t, const float* k) {
+    const int d = plan_.head_dim;
+    float* row = group_keys_.data() + static_cast<std::size_t>(t % key_group_) * d;
+    for (int c = 0; c < d; ++c) row[c] = round_to_fp16(k[c]);
+    if ((t + 1) % key_group_ != 0) return;
+    const int group = t / key_group_;
+    for (int tier = 1; tier < 3; ++tier) {
+        const int qmax = quant_levels(tier == 1 ? 8 : 4);
+        float* scales = channel_scales_[tier].data() + static_cast<std::size_t>(group) * d;
+        for (int c = 0; c < d; ++c) {
+            float max_abs = 0.0f;
+            for (int r = 0; r < key_group_; ++r) max_abs = std::max(max_abs, std::abs(group_keys_[static_cast<std::size_t>(r) * d + c]));
+            scales[c] = group_scale(max_abs, qmax);
+        }
+    }
+    completed_key_groups_ = group + 1;
+}
+
+void HeadCache::read_key(int32_t p, uint8_t tier, int slot, float* out) const {
+    if (kivi_ && tier != 0)
+        keys_[tier].read_with_channel_scales(slot, group_scales(tier, p), out);
+    else
+        keys_[tier].read(slot, out);
 }
 
 void HeadCache::abandon(int slot) {

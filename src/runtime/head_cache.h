@@ -65,6 +65,7 @@ public:
     void take_dirty(const std::function<void(int slot, uint8_t code)>& send);
     void mark_all_dirty();  // the device lost what it held: every slot is sent again
     bool streaming() const { return state_ != nullptr; }
+    bool per_channel_keys() const { return kivi_; }  // KIVI key groups: the CPU backends only
     int capacity() const { return capacity_; }
     const TierStore& key_store(int tier) const { return keys_[tier]; }
     const TierStore& value_store(int tier) const { return values_[tier]; }
@@ -86,6 +87,11 @@ private:
     void start();
     void complete(int32_t t, int slot, bool defer_eviction);
     void mark(int slot, uint8_t code);
+    void add_group_key(int32_t t, const float* k);
+    void read_key(int32_t p, uint8_t tier, int slot, float* out) const;
+    const float* group_scales(uint8_t tier, int32_t p) const {
+        return channel_scales_[tier].data() + static_cast<std::size_t>(p / key_group_) * plan_.head_dim;
+    }
     void sink(std::size_t i, uint8_t key_tier, uint8_t value_tier);
     void assign_tiers(int32_t t);
     void attend_two_pass(int slot, const float* q, float* out);
@@ -114,6 +120,11 @@ private:
     std::vector<float> key_block_, value_block_;  // a block of dequantised rows
     Eigen::MatrixXf block_scores_;         // a block's scores, rows x query heads
     double key_bytes_[3] = {}, value_bytes_[3] = {};
+    bool kivi_ = false;                    // keys per channel, a scale per group of positions
+    int key_group_ = 1;
+    int completed_key_groups_ = 0;
+    std::vector<float> group_keys_;        // the current position group's keys at FP16
+    std::vector<float> channel_scales_[3]; // [tier 1, 2]: per position group, a scale per channel
     bool mirrored_ = false;
     std::vector<uint8_t> slot_code_, slot_dirty_;  // by slot, when mirrored
     std::vector<int> dirty_slots_;

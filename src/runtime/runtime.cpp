@@ -118,6 +118,9 @@ std::unique_ptr<kvsim_rt> plan(const char* profile_path, const kvsim_model_shape
         std::vector<runtime::HeadLayout> layouts(rt->heads.size());
         for (std::size_t u = 0; u < rt->heads.size(); ++u) {
             const HeadCache& head = *rt->heads[u];
+            if (head.per_channel_keys())
+                throw BackendError("backend 'cuda': per-channel (KIVI) key groups (policy " + p.policy +
+                                   ") are not on the device yet; use cpu");
             for (int tier = 0; tier < 3; ++tier) {
                 layouts[u].keys[tier] = head.key_store(tier).view();
                 layouts[u].values[tier] = head.value_store(tier).view();

@@ -12,8 +12,9 @@ namespace kvsim::runtime {
 void TierStore::plan(int tier, int rows, int head_dim, int group) {
     tier_ = tier;
     head_dim_ = head_dim;
-    group_ = std::min(group, head_dim);
-    groups_ = (head_dim + group_ - 1) / group_;
+    const bool channel_scaled = tier != 0 && group == 0;
+    group_ = channel_scaled ? 1 : std::min(group, head_dim);
+    groups_ = channel_scaled ? 0 : (head_dim + group_ - 1) / group_;
     const std::size_t n = static_cast<std::size_t>(rows);
     if (tier == 0) {
         half_.assign(n * head_dim, 0);
@@ -21,6 +22,29 @@ void TierStore::plan(int tier, int rows, int head_dim, int group) {
         row_bytes_ = tier == 1 ? head_dim : (head_dim + 1) / 2;
         levels_.assign(n * row_bytes_, 0);
         scales_.assign(n * groups_, 0);
+    }
+}
+
+void TierStore::write_with_channel_scales(int row, const float* x, const float* channel_scales) {
+    const int qmax = quant_levels(tier_ == 1 ? 8 : 4);
+    uint8_t* out = levels_.data() + static_cast<std::size_t>(row) * row_bytes_;
+    if (tier_ == 2) std::fill(out, out + row_bytes_, uint8_t{0});
+    for (int i = 0; i < head_dim_; ++i) {
+        const int level = static_cast<int>(quant_level(round_to_fp16(x[i]), channel_scales[i], qmax));
+        if (tier_ == 1) {
+            out[i] = static_cast<uint8_t>(static_cast<int8_t>(level));
+        } else {
+            const uint8_t nibble = static_cast<uint8_t>(level) & 0x0fu;
+            out[i / 2] |= static_cast<uint8_t>(i % 2 ? nibble << 4 : nibble);
+        }
+    }
+}
+
+void TierStore::read_with_channel_scales(int row, const float* channel_scales, float* out) const {
+    const uint8_t* in = levels_.data() + static_cast<std::size_t>(row) * row_bytes_;
+    for (int i = 0; i < head_dim_; ++i) {
+        const int level = tier_ == 1 ? static_cast<int8_t>(in[i]) : int4_level(in, i);
+        out[i] = dequantize_level(static_cast<float>(level), channel_scales[i]);
     }
 }
 

@@ -36,7 +36,11 @@ struct TierView {
 class TierStore {
 public:
     // `rows` slots of `head_dim` values; `group`: channels sharing one scale (quantised tiers).
+    // group 0 at a quantised tier: levels only, each channel's scale kept outside the store (KIVI
+    // keys: one scale per channel for a group of positions) and passed to the two calls below.
     void plan(int tier, int rows, int head_dim, int group);
+    void write_with_channel_scales(int row, const float* x, const float* channel_scales);
+    void read_with_channel_scales(int row, const float* channel_scales, float* out) const;
 
     // Stores a row at this tier: FP16 keeps fp16(x); INT8/INT4 quantise fp16(x) per group.
     void write(int row, const float* x);
@@ -50,7 +54,7 @@ public:
                                       : reinterpret_cast<const char*>(levels_.data() + r * row_bytes_);
         const std::size_t bytes = tier_ == 0 ? static_cast<std::size_t>(head_dim_) * 2 : static_cast<std::size_t>(row_bytes_);
         for (std::size_t at = 0; at < bytes; at += 64) __builtin_prefetch(data + at);
-        if (tier_ != 0) __builtin_prefetch(scales_.data() + r * groups_);
+        if (tier_ != 0 && !scales_.empty()) __builtin_prefetch(scales_.data() + r * groups_);
     }
 
     int tier() const { return tier_; }

@@ -71,7 +71,7 @@ HeadFigures simulate(const std::string& profile_path, const std::vector<int>& se
     entry.profile_shape = profile.model;
     if (profile.streaming || profile.tiers)
         entry.files["profile"] = profile_path;
-    else
+    else if (!find_policy(profile.policy)->keeps_everything)
         entry.profile_budgets.push_back(profile_column(profile, profile_path));
     auto source = open_trace_source(fp16_trace(), 0, sequences);
     ReplayOptions options;
@@ -106,7 +106,7 @@ HeadFigures run_runtime(const std::string& profile_path, const std::vector<int>&
     kvsim_rt* rt = nullptr;
     const kvsim_status created = device ? runtime::create_with_device(profile_path.c_str(), shape, device, &rt)
                                         : kvsim_rt_create(profile_path.c_str(), &shape, backend, &rt);
-    REQUIRE_MESSAGE(created == KVSIM_OK, kvsim_rt_create_error());
+    REQUIRE_MESSAGE(created == KVSIM_OK, std::string(kvsim_rt_create_error()));
     HeadFigures f{std::vector<double>(static_cast<std::size_t>(L) * K, 0.0), std::vector<double>(static_cast<std::size_t>(L) * K, 0.0)};
     std::vector<float> out(static_cast<std::size_t>(H) * d), full(d);
     Eigen::ArrayXf scratch;
@@ -227,6 +227,35 @@ TEST_CASE("runtime (cpu): a stratigraphic tier profile matches the simulator bit
     std::filesystem::remove(path);
 }
 
+// A whole-cache KIVI quantiser: keys per channel with a scale per group of positions.
+std::string kivi_profile(const std::string& policy, int key_group) {
+    const TraceReader reader(fp16_trace());
+    Profile p = base_profile(reader.metadata());
+    p.policy = policy;
+    p.params = resolve_params(*find_policy(policy), {{"key_group", key_group}, {"value_group", 4}, {"fp16_recent", 5}},
+                              "test");
+    p.layer_budgets.assign(p.model.num_layers, 512);  // a policy that keeps every token ignores them
+    const std::string path = temp_file(policy + "-kivi.json");
+    write_profile(p, path);
+    return path;
+}
+
+TEST_CASE("runtime (cpu): KIVI per-channel key groups (int4, int8) match the simulator bit for bit") {
+    // Keys wait at FP16 until their position group is complete, then take the group's per-channel
+    // scales; values are quantised per token once older than fp16_recent.
+    for (const std::string& path : {kivi_profile("int4", 16), kivi_profile("int8", 7)}) {
+        INFO(path);
+        check_same(simulate(path, {3, 4}), run_runtime(path, {3, 4}), 4);
+        check_same(simulate(path, {3}, 100), run_runtime(path, {3}, "cpu-oracle", 100), 4);
+        const HeadFigures oracle = run_runtime(path, {3}, "cpu-oracle"), fast = run_runtime(path, {3}, "cpu");
+        for (std::size_t u = 0; u < oracle.error.size(); ++u) {
+            CHECK(fast.error[u] == doctest::Approx(oracle.error[u]).epsilon(1e-5));
+            CHECK(fast.bytes[u] == oracle.bytes[u]);
+        }
+        std::filesystem::remove(path);
+    }
+}
+
 TEST_CASE("runtime (cpu): a prefill compresses once, as the simulator's prefill_tokens does, bit for bit") {
     for (const std::string& path : {h2o_profile(), tier_profile()}) {
         INFO(path);
@@ -334,6 +363,17 @@ TEST_CASE("runtime (cuda path, device done on the host): within float rounding o
         check_close(run_runtime(path, {3}, "cpu", 100), run_runtime(path, {3}, "cuda", 100, host_device()));
         std::filesystem::remove(path);
     }
+}
+
+TEST_CASE("runtime (cuda path): per-channel (KIVI) key groups are refused in one line, not run wrong") {
+    const std::string path = kivi_profile("int4", 16);
+    const kvsim_model_shape shape{5, 8, 4, 8, 64, 0};
+    kvsim_rt* rt = nullptr;
+    CHECK(runtime::create_with_device(path.c_str(), shape, host_device(), &rt) == KVSIM_ERROR_BACKEND);
+    CHECK(rt == nullptr);
+    CHECK(std::string(kvsim_rt_create_error()) ==
+          "backend 'cuda': per-channel (KIVI) key groups (policy int4) are not on the device yet; use cpu");
+    std::filesystem::remove(path);
 }
 
 TEST_CASE("runtime (cuda path, device done on the host): a failed device call undoes its step, and the next resends the cache") {
