@@ -8,6 +8,7 @@
 #include <cmath>
 #include <filesystem>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -449,4 +450,58 @@ TEST_CASE("runtime (cpu): bad input is an error code and one line, and the cache
     CHECK(count == 4);
     kvsim_rt_destroy(rt);
     std::filesystem::remove(path);
+}
+
+TEST_CASE("runtime (cpu): bytes held, counted by hand for a KIVI int8 cache and the full cache") {
+    // Written from the arrangement, not from the code that counts: while step t attends, the
+    // current token is at FP16 (4d bytes); every earlier value was quantised at the end of its own
+    // step (d bytes and one fp16 scale, value_group = d); an earlier key is at FP16 (2d) until its
+    // group of G positions completed by step t-1, then d bytes plus its share of the group's
+    // per-channel scales (2d / G).
+    const int L = 1, H = 2, K = 1, d = 8, G = 4, T = 11;
+    Profile p;
+    p.name = "bytes";
+    p.model = {"bytes", L, H, K, d};
+    p.policy = "int8";
+    p.params = resolve_params(*find_policy("int8"), {{"key_group", G}, {"value_group", d}}, "test");
+    p.layer_budgets = {64};
+    const std::string path = temp_file("bytes-int8.json");
+    write_profile(p, path);
+    Profile full = p;
+    full.policy = "full";
+    full.params = {};
+    const std::string full_path = temp_file("bytes-full.json");
+    write_profile(full, full_path);
+    const kvsim_model_shape shape{L, H, K, d, T, 0};
+    kvsim_rt *rt = nullptr, *rt_full = nullptr;
+    REQUIRE(kvsim_rt_create(path.c_str(), &shape, "cpu", &rt) == KVSIM_OK);
+    REQUIRE(kvsim_rt_create(full_path.c_str(), &shape, "cpu", &rt_full) == KVSIM_OK);
+    std::mt19937 rng(3);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<float> q(H * d), k(K * d), v(K * d), out(H * d);
+    for (int t = 0; t < T; ++t) {
+        for (float& x : q) x = normal(rng);
+        for (float& x : k) x = normal(rng);
+        for (float& x : v) x = normal(rng);
+        REQUIRE(kvsim_rt_decode(rt, 0, t, q.data(), k.data(), v.data(), out.data()) == KVSIM_OK);
+        REQUIRE(kvsim_rt_decode(rt_full, 0, t, q.data(), k.data(), v.data(), out.data()) == KVSIM_OK);
+        double expected = 4.0 * d;
+        for (int pos = 0; pos < t; ++pos) {
+            expected += d + 2.0;
+            const bool key_quantised = (pos / G + 1) * G - 1 <= t - 1;
+            expected += key_quantised ? d + 2.0 * d / G : 2.0 * d;
+        }
+        double held = 0, full_fp16 = 0;
+        REQUIRE(kvsim_rt_bytes(rt, -1, &held, &full_fp16) == KVSIM_OK);
+        INFO("step " << t);
+        CHECK(held == expected);
+        CHECK(full_fp16 == 4.0 * d * (t + 1));
+        REQUIRE(kvsim_rt_bytes(rt_full, 0, &held, &full_fp16) == KVSIM_OK);
+        CHECK(held == 4.0 * d * (t + 1));
+        CHECK(full_fp16 == 4.0 * d * (t + 1));
+    }
+    kvsim_rt_destroy(rt);
+    kvsim_rt_destroy(rt_full);
+    std::filesystem::remove(path);
+    std::filesystem::remove(full_path);
 }
