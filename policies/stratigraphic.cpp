@@ -46,9 +46,16 @@ int64_t share_count(double share, int64_t seen) {
 class Stratigraphic : public Policy {
 public:
     Stratigraphic(int capacity, const StratigraphicParams& params) : capacity_(capacity), p_(params) {
+        // Everything a step sizes by the held count, at its largest once: no allocation per step.
         positions_.reserve(capacity);
         importance_.reserve(capacity);
         tier_.reserve(capacity);
+        protected_.reserve(capacity);
+        zone_.reserve(capacity);
+        ranked_.reserve(capacity);
+        gone_.reserve(capacity);
+        sorted_.reserve(capacity);
+        order_.reserve(capacity);
         admit(0);
     }
 

@@ -56,11 +56,14 @@ StreamingHeadState::StreamingHeadState(int head_dim, const StreamingHeadParams& 
     recent_keys_.resize(dim_, params.recent);
     recent_values_.resize(dim_, params.recent);
     recent_positions_.assign(params.recent, -1);
+    for (Eigen::VectorXd* v : {&query_, &phi_q_, &linear_num_, &key_, &softmax_acc_, &phi_k_}) v->resize(dim_);
+    scores_.reserve(static_cast<std::size_t>(params.sinks) + params.recent);
 }
 
 void StreamingHeadState::fold(const float* k, const float* v) {
     const Eigen::Map<const Eigen::VectorXf> key(k, dim_), value(v, dim_);
-    const Eigen::VectorXd phi_k = key.cast<double>().unaryExpr(&streaming_feature);
+    Eigen::VectorXd& phi_k = phi_k_;
+    phi_k = key.cast<double>().unaryExpr(&streaming_feature);
     state_.noalias() += phi_k * value.cast<double>().transpose();  // rank-1: S += phi(k) v^T
     normaliser_ += phi_k;
     ++folded_;
@@ -107,9 +110,10 @@ void StreamingHeadState::admit(int64_t t, const float* k, const float* v) {
 }
 
 void StreamingHeadState::output(const float* q, float* out) const {
-    const Eigen::VectorXd query = Eigen::Map<const Eigen::VectorXf>(q, dim_).cast<double>();
-    const Eigen::VectorXd phi_q = query.unaryExpr(&streaming_feature);
-    const Eigen::VectorXd linear_num = state_.transpose() * phi_q;  // S^T phi(q)
+    Eigen::VectorXd &query = query_, &phi_q = phi_q_, &linear_num = linear_num_;
+    query = Eigen::Map<const Eigen::VectorXf>(q, dim_).cast<double>();
+    phi_q = query.unaryExpr(&streaming_feature);
+    linear_num.noalias() = state_.transpose() * phi_q;  // S^T phi(q)
     const double linear_den = normaliser_.dot(phi_q);               // z . phi(q)
     Eigen::Map<Eigen::VectorXf> result(out, dim_);
 
@@ -128,15 +132,18 @@ void StreamingHeadState::output(const float* q, float* out) const {
 
     // Softmax among the exact tokens (max-subtracted), and their kernel mass K_E.
     const double inv_sqrt_d = 1.0 / std::sqrt(static_cast<double>(dim_));
-    std::vector<double> scores(n_exact);
+    std::vector<double>& scores = scores_;
+    scores.assign(n_exact, 0.0);
     double kernel_mass = 0.0;
     for (int i = 0; i < n_exact; ++i) {
-        const Eigen::VectorXd key = key_of(i).cast<double>();
+        Eigen::VectorXd& key = key_;
+        key = key_of(i).cast<double>();
         scores[i] = query.dot(key) * inv_sqrt_d;
         kernel_mass += phi_q.dot(key.unaryExpr(&streaming_feature));
     }
     const double max_score = *std::max_element(scores.begin(), scores.end());
-    Eigen::VectorXd softmax_acc = Eigen::VectorXd::Zero(dim_);
+    Eigen::VectorXd& softmax_acc = softmax_acc_;
+    softmax_acc.setZero();
     double softmax_sum = 0.0;
     for (int i = 0; i < n_exact; ++i) {
         const double w = std::exp(scores[i] - max_score);
@@ -144,9 +151,7 @@ void StreamingHeadState::output(const float* q, float* out) const {
         softmax_acc += w * value_of(i).cast<double>();
     }
     // K_E > 0 because phi > 0, so the denominator never vanishes here.
-    const Eigen::VectorXd mixed =
-        (kernel_mass * (softmax_acc / softmax_sum) + linear_num) / (kernel_mass + linear_den);
-    result = mixed.cast<float>();
+    result = ((kernel_mass * (softmax_acc / softmax_sum) + linear_num) / (kernel_mass + linear_den)).cast<float>();
 }
 
 std::vector<int64_t> StreamingHeadState::exact_positions() const {

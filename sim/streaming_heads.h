@@ -90,6 +90,9 @@ private:
     int recent_count_ = 0;
     int64_t last_position_ = -1;
     int64_t folded_ = 0;
+    // Scratch of output() and fold(), sized once: a decode step allocates nothing.
+    mutable Eigen::VectorXd query_, phi_q_, linear_num_, key_, softmax_acc_, phi_k_;
+    mutable std::vector<double> scores_;
 };
 
 // Per-(layer, KV head) plan: which heads stream and each head's lambda, both indexed

@@ -53,6 +53,8 @@ HeadCache::HeadCache(const HeadPlan& plan, PolicyMaker make_policy)
     attn_.reserve(capacity_);
     weights_.reserve(static_cast<std::size_t>(plan_.group) * (capacity_ + 1));
     scores_.resize(capacity_ + 1);
+    for (auto& bucket : by_tier_) bucket.reserve(capacity_ + 1);
+    victims_.reserve(capacity_ + 1);
     key_block_.resize(static_cast<std::size_t>(kBlock) * d);
     value_block_.resize(static_cast<std::size_t>(kBlock) * d);
     block_scores_.resize(kBlock, plan_.group);

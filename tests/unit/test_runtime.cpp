@@ -7,7 +7,10 @@
 
 #include <cmath>
 #include <filesystem>
+#include <atomic>
+#include <cstdlib>
 #include <memory>
+#include <new>
 #include <random>
 #include <string>
 #include <vector>
@@ -504,4 +507,46 @@ TEST_CASE("runtime (cpu): bytes held, counted by hand for a KIVI int8 cache and 
     kvsim_rt_destroy(rt_full);
     std::filesystem::remove(path);
     std::filesystem::remove(full_path);
+}
+
+namespace {
+std::atomic<long> allocations{0};
+std::atomic<bool> counting{false};
+}  // namespace
+
+// Counts this test binary's heap allocations while `counting` is set (the decode-path test below).
+void* operator new(std::size_t size) {
+    if (counting.load(std::memory_order_relaxed)) allocations.fetch_add(1, std::memory_order_relaxed);
+    if (void* p = std::malloc(size ? size : 1)) return p;
+    throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+
+TEST_CASE("runtime (cpu): the decode path allocates nothing once planned") {
+    for (const std::string& path : {h2o_profile(), tier_profile(), streaming_profile(), kivi_profile("int4", 16)}) {
+        INFO(path);
+        const int L = 5, H = 8, K = 4, d = 8, T = 300;
+        const kvsim_model_shape shape{L, H, K, d, T, 0};
+        kvsim_rt* rt = nullptr;
+        REQUIRE(kvsim_rt_create(path.c_str(), &shape, "cpu", &rt) == KVSIM_OK);
+        std::mt19937 rng(1);
+        std::normal_distribution<float> normal(0.0f, 1.0f);
+        std::vector<float> q(H * d), k(K * d), v(K * d), out(H * d);
+        long during = 0;
+        for (int t = 0; t < T; ++t) {
+            for (float& x : q) x = normal(rng);
+            for (float& x : k) x = normal(rng);
+            for (float& x : v) x = normal(rng);
+            counting = t >= 150;  // after the first steps have sized what grows with the cache
+            const long before = allocations.load();
+            for (int layer = 0; layer < L; ++layer)
+                REQUIRE(kvsim_rt_decode(rt, layer, t, q.data(), k.data(), v.data(), out.data()) == KVSIM_OK);
+            during += allocations.load() - before;
+            counting = false;
+        }
+        CHECK(during == 0);
+        kvsim_rt_destroy(rt);
+        std::filesystem::remove(path);
+    }
 }
