@@ -32,6 +32,15 @@ namespace {
 
 using namespace kvsim;
 
+// What the attention_view key changes, for `kvsim policies` and `kvsim run --help`: a user reading
+// "renormalized" might expect retained mass to be 1 at every step.
+constexpr const char* kAttentionViewHelp =
+    "attention_view (what a policy is shown): raw (default on attention traces), the full softmax restricted to\n"
+    "the positions the cache holds; renormalized (default on Q/K/V traces and in eval), those weights divided by\n"
+    "what each query head keeps, i.e. the softmax over the kept positions and the current token. The view changes\n"
+    "only what a policy is shown, and so what it keeps: retained mass and recall are measured on the full softmax\n"
+    "in both views.";
+
 struct ReplayFlags {
     std::string config;
     std::string format;
@@ -281,6 +290,7 @@ int main(int argc, char** argv) {
     ReplayFlags run_flags, sweep_flags;
     CLI::App* run = app.add_subcommand("run", "replay a trace through a config's policies and budgets");
     add_replay_flags(run, run_flags);
+    run->footer(kAttentionViewHelp);
     CLI::App* sweep = app.add_subcommand("sweep", "a run over a grid of budgets and policy parameters");
     add_replay_flags(sweep, sweep_flags);
     sweep->add_option("--budgets", sweep_flags.budgets, "budgets replacing the config's, e.g. 64,128,256")
@@ -417,6 +427,7 @@ int main(int argc, char** argv) {
                         std::printf("  %-17s default %-6g %s\n", s.name.c_str(), s.default_value, s.help.c_str());
                 }
             }
+            std::printf("\n%s\n", kAttentionViewHelp);
             return 0;
         }
     } catch (const InputError& e) {
