@@ -108,7 +108,8 @@ void emit_results(const std::vector<ResultRecord>& records, const std::string& t
 int run_replay(const ReplayFlags& flags, bool sweep) {
     const CommandSetup setup = set_up(flags);
     const ExperimentResult result = run_experiment(setup.config, setup.axes, !flags.quiet);
-    emit_results(result.records, result.trace, setup, setup.config.metrics,
+    if (!result.note.empty()) std::fprintf(stderr, "kvsim: note: %s\n", result.note.c_str());
+    emit_results(result.records, result.trace, setup, result.metrics,
                  "kvsim " + std::string(sweep ? "sweep " : "run ") + flags.config + "  |  trace " + result.trace);
     if (!flags.quiet)
         std::fprintf(stderr, "\nkvsim: %lld policy-steps in %.3f s (%.0f per second); results in %s/\n",
@@ -144,14 +145,16 @@ int run_eval_command(const ReplayFlags& flags, const ModelInput& input) {
     options.show_progress = !flags.quiet;
     const EvalResult result = run_eval(setup.config, setup.axes, options);
 
+    // The model in the loop knows every value: a config that names no metrics gets output error
+    // and compression beside perplexity when a policy changes values.
     std::vector<std::string> metrics = {"ppl", "delta_ppl"};
-    for (const std::string& m : setup.config.metrics)
+    for (const std::string& m : table_metrics(setup.config, /*values_known=*/true))
         if (std::find(metrics.begin(), metrics.end(), m) == metrics.end()) metrics.push_back(m);
     char title[512];
     std::snprintf(title, sizeof title, "kvsim eval %s  |  %s, %ld predicted tokens per configuration, full cache PPL %.4f",
                   flags.config.c_str(), result.description.c_str(), result.tokens, result.full_ppl);
     emit_results(result.records, result.description, setup, metrics, title);
-    const std::size_t configurations = result.records.size() - 1;
+    const std::size_t configurations = result.configurations;
     nlohmann::ordered_json correlation;
     correlation["full_ppl"] = result.full_ppl;
     correlation["predicted_tokens"] = result.tokens;
