@@ -89,6 +89,9 @@ class Results(KvsimTestCase):
         self.assertEqual(rows[0]["sequence"], "all")
         self.assertEqual(rows[len(pooled)]["sequence"], "0")
         self.assertEqual(rows[len(pooled)]["sequence_name"], NAMES[0])
+        # Per-sequence records, like the pooled ones, do not depend on the thread count.
+        _, one_thread = self.run_json(self.write("b.yaml", config + "output: {per_sequence: true}\n"), "--threads", "1")
+        self.assertEqual(one_thread, records)
         # A selection of sequences keeps each one's index in the trace.
         result, records = self.run_json(self.write("c.yaml", config.replace("max_steps: 48", "max_steps: 48, sequences: [4, 2]")
                                                    + "output: {per_sequence: true}\n"))
