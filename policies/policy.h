@@ -148,6 +148,10 @@ struct PolicyDescriptor {
     // A scored eviction policy (policies/scored_eviction.h): it reports held_scores, so Ada-KV can
     // select across the KV heads of a layer by its scores.
     bool scored = false;
+    // A policy whose cache holds its tokens' keys and values other than at fp16 (quantised tiers,
+    // a streaming head's linear state): output error shows what it loses, retained mass cannot.
+    // Last, so the descriptors' positional initialisers above keep their meaning.
+    bool changes_values = false;
 };
 
 // The quantisation composed with an eviction policy: {evict: h2o, quantize: {bits: 4, older_than: 128}}.

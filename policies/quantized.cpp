@@ -116,6 +116,7 @@ PolicyDescriptor whole_cache_quantizer(const std::string& name, int bits) {
                        },
                        nullptr};
     d.keeps_everything = true;
+    d.changes_values = true;
     return d;
 }
 }  // namespace

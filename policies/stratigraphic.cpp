@@ -297,6 +297,7 @@ PolicyDescriptor stratigraphic_descriptor() {
             },
             check_stratigraphic};
     d.keeps_everything = true;  // its shares size it; a token budget does not apply
+    d.changes_values = true;
     return d;
 }
 

@@ -90,6 +90,7 @@ PolicyDescriptor streaming_attention_descriptor() {
             return {};
         }};
     d.keeps_everything = true;
+    d.changes_values = true;
     // A streaming head holds its sinks and recent tokens' keys and values exactly (floats) and a
     // d x d state (doubles); without values (an attention trace) it holds positions only.
     d.param_memory = [](const ParamValues& p, const PolicyContext& ctx) -> ParamMemory {

@@ -39,6 +39,7 @@ public:
         for (auto& r : results) {
             r.by_layer.resize(shape_.num_layers);
             r.by_head.resize(static_cast<std::size_t>(shape_.num_layers) * kv_heads_);
+            r.by_sequence.resize(shape_.sequence_lengths.size());
         }
         for (int64_t last : shape_.last_steps) total_steps_ += last * shape_.num_layers;
 
@@ -54,6 +55,7 @@ public:
                         results[c].by_layer[layer].add(harness.metrics());
                         results[c].by_head[static_cast<std::size_t>(layer) * kv_heads_ + kv].add(harness.metrics());
                         results[c].total.add(harness.metrics());
+                        results[c].by_sequence[s].add(harness.metrics());
                         results[c].policy_bytes_per_slot = harness.policy().bytes_per_slot();
                     }
             }

@@ -94,6 +94,7 @@ struct ComboResult {
     StreamMetrics total;                  // over every sequence, layer and head
     std::vector<StreamMetrics> by_layer;  // over every sequence and head of one layer
     std::vector<StreamMetrics> by_head;   // per (layer, KV head), layer * num_kv_heads + kv, over every sequence
+    std::vector<StreamMetrics> by_sequence;  // over every layer and head of one sequence
     std::size_t policy_bytes_per_slot = 0;
 };
 

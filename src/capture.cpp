@@ -59,7 +59,6 @@ CaptureSummary capture_trace(const CaptureOptions& options) {
     TraceWriter writer(options.output_path, m);
 
     CaptureSummary summary;
-    const std::string stem = std::filesystem::path(options.input.text_path).stem().string();
     for (std::size_t i = 0; i < text.sequences.size(); ++i) {
         const std::vector<int>& tokens = text.sequences[i];
         const std::string sequence_name = text.sequence_name(options.input.text_path, i);
@@ -76,7 +75,8 @@ CaptureSummary capture_trace(const CaptureOptions& options) {
         } catch (const model::NonFiniteError& error) {
             throw error.in_sequence(sequence_name);  // the trace is left unwritten
         }
-        const int sequence = writer.add_sequence(stem + "-" + std::to_string(i), static_cast<int64_t>(tokens.size()));
+        const int sequence = writer.add_sequence(TokenizedText::trace_sequence_name(options.input.text_path, i),
+                                                 static_cast<int64_t>(tokens.size()));
         for (int layer = 0; layer < c.n_layers; ++layer)
             writer.write_qkv(sequence, layer, recorder.layer(layer), options.dtype);
         writer.write_tokens(sequence, std::vector<int32_t>(tokens.begin(), tokens.end()));

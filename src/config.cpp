@@ -488,7 +488,7 @@ ExperimentConfig load_config(const std::string& path) {
 
     config.output_dir = "results/" + std::filesystem::path(path).stem().string();
     if (const YAML::Node output = root["output"]) {
-        p.only_keys(output, "output", {"dir", "format", "per_layer", "layout"});
+        p.only_keys(output, "output", {"dir", "format", "per_layer", "per_sequence", "layout"});
         if (output["layout"]) {
             config.output_layout = p.string(output["layout"], "output.layout");
             if (config.output_layout != "matrix" && config.output_layout != "comparison")
@@ -504,8 +504,21 @@ ExperimentConfig load_config(const std::string& path) {
                 p.fail(output["format"], "output.format", "expected table, csv or json");
         }
         if (output["per_layer"]) config.per_layer = p.boolean(output["per_layer"], "output.per_layer");
+        if (output["per_sequence"]) config.per_sequence = p.boolean(output["per_sequence"], "output.per_sequence");
     }
     return config;
+}
+
+bool changes_values(const PolicyEntry& entry) {
+    const PolicyDescriptor* policy = find_policy(entry.name);
+    return entry.quantized || (policy && policy->changes_values);
+}
+
+std::vector<std::string> table_metrics(const ExperimentConfig& config, bool values_known) {
+    if (!config.metrics.empty()) return config.metrics;
+    if (values_known && std::any_of(config.policies.begin(), config.policies.end(), changes_values))
+        return {"output_rel_error", "compression_ratio"};
+    return {"retained_mass", "heavy_hitter_recall"};
 }
 
 BudgetColumn load_budget_profile(const std::string& path) {

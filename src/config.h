@@ -42,17 +42,28 @@ struct ExperimentConfig {
     std::string group_reduce = "mean";
     int prefill_tokens = 0;
     std::vector<PolicyEntry> policies;
-    std::vector<std::string> metrics = {"retained_mass", "heavy_hitter_recall"};  // tables printed
+    std::vector<std::string> metrics;  // tables printed; empty: table_metrics() chooses them
     int heavy_hitter_k = 32;
     std::vector<GridAxis> grid;
     std::string output_dir;  // relative to the current directory; default results/<config name>
     std::string output_format = "table";
     std::string output_layout = "matrix";  // matrix: policy rows x budget columns; comparison: by memory
     bool per_layer = false;
+    bool per_sequence = false;  // records per sequence besides the pooled ones
     std::optional<SearchSpec> search;  // the `search:` section, for kvsim search
 };
 
 ExperimentConfig load_config(const std::string& path);
+
+// Whether a policy entry changes the values its cache holds (quantised or tiered K and V, a
+// streaming head's linear state), not only which tokens: retained mass and recall cannot see
+// what such a policy loses.
+bool changes_values(const PolicyEntry& entry);
+
+// The metrics whose tables are printed: the config's, or where it names none, what fits its
+// policies. With a policy that changes values and a trace (or model) that holds them, output
+// error and compression ratio; otherwise retained mass and heavy-hitter recall.
+std::vector<std::string> table_metrics(const ExperimentConfig& config, bool values_known);
 
 // Every budget column of a config: its scalar budgets, then its per-layer profiles.
 std::vector<BudgetColumn> budget_columns(const ExperimentConfig& config);

@@ -275,7 +275,6 @@ EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>&
         }
         text = std::move(selected);
     }
-    const int limit = input.context_limit;
     const model::LlamaConfig& mc = loaded.config();
     for (const BudgetColumn& column : config.layer_budget_profiles)
         if (static_cast<int>(column.layer_budgets.size()) != mc.n_layers)
@@ -313,8 +312,14 @@ EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>&
         double nll = 0;
         StreamMetrics metrics;
         std::size_t bytes_per_slot = 0;
+        std::vector<double> sequence_nll;          // per sequence, summed into nll in order
+        std::vector<StreamMetrics> sequence_metrics;
     };
     std::vector<Outcome> outcomes(combos.size() + 1);
+    for (Outcome& out : outcomes) {
+        out.sequence_nll.resize(text.sequences.size());
+        out.sequence_metrics.resize(text.sequences.size());
+    }
     // Each worker thread runs on its own copy of the model, with a policy's simulated cache for a
     // sequence: every layer's K and V in fp32 and in each quantised tier, at most 16 bytes per
     // cached element (sim/precision.h), besides the harnesses' own bookkeeping.
@@ -343,14 +348,16 @@ EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>&
             const std::vector<int>& tokens = text.sequences[s];
             try {
                 if (i == 0) {
-                    out.nll += llama.sequence_nll(tokens, nullptr, 1);
+                    out.sequence_nll[s] = llama.sequence_nll(tokens, nullptr, 1);
                 } else {
                     PolicyInTheLoop hooks(llama, combos[i - 1], harness, config.heavy_hitter_k,
                                           static_cast<int>(tokens.size()));
-                    out.nll += llama.sequence_nll(tokens, &hooks, 1);
+                    out.sequence_nll[s] = llama.sequence_nll(tokens, &hooks, 1);
+                    out.sequence_metrics[s] = hooks.metrics();
                     out.metrics.add(hooks.metrics());
                     out.bytes_per_slot = hooks.bytes_per_slot();
                 }
+                out.nll += out.sequence_nll[s];
             } catch (const model::NonFiniteError& error) {
                 throw error.in_sequence(input.text.sequence_name(options.input.text_path, original[s]));
             }
@@ -362,53 +369,65 @@ EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>&
     result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
     result.full_ppl = std::exp(outcomes[0].nll / result.tokens);
-    ResultRecord full;
-    full.policy = "full";
-    full.label = "full";
-    full.budget_label = "full";
-    full.budget = limit;
-    full.ppl = result.full_ppl;
-    full.delta_ppl = 0;
-    full.retained_mass = 1.0;
-    full.heavy_hitter_recall = 1.0;
-    full.output_rel_error = 0.0;  // the reference itself
-    full.output_cosine = 1.0;
-    full.bytes_per_token = 4.0 * mc.head_dim;  // K and V at fp16, no bookkeeping
-    full.compression_ratio = 1.0;
-    result.records.push_back(full);
+    // The full cache's record: the reference of every metric, so each is exact by definition.
+    auto full_record = [&](double ppl) {
+        ResultRecord full;
+        full.policy = "full";
+        full.label = "full";
+        full.budget_label = "full";
+        full.ppl = ppl;
+        full.delta_ppl = 0;
+        full.retained_mass = 1.0;
+        full.heavy_hitter_recall = 1.0;
+        full.output_rel_error = 0.0;  // the reference itself
+        full.output_cosine = 1.0;
+        full.bytes_per_token = 4.0 * mc.head_dim;  // K and V at fp16, no bookkeeping
+        full.compression_ratio = 1.0;
+        return full;
+    };
+    result.records.push_back(full_record(result.full_ppl));
 
-    std::vector<double> mass, recall, delta;
-    for (std::size_t i = 0; i < combos.size(); ++i) {
-        const Outcome& out = outcomes[i + 1];
+    // A combination's record over the metrics given, its perplexity from `nll` over `tokens`
+    // against the full cache's `full_ppl`; sequence_length 0: pooled over every sequence.
+    auto combo_record = [&](std::size_t i, const StreamMetrics& metrics, double nll, long tokens, double full_ppl,
+                            int64_t sequence_length) {
         ResultRecord r;
         r.policy = combos[i].policy->name;
         r.label = combos[i].label;
         r.params = combos[i].params;
-        r.budget = combos[i].budget;
+        r.budget = record_budget(combos[i], sequence_length);
         r.budget_label = combos[i].budget_label;
         r.layer_budgets = combos[i].layer_budgets;
-        r.steps = out.metrics.steps;
-        r.retained_mass = out.metrics.steps ? out.metrics.retained_mass / out.metrics.steps : 0;
-        r.heavy_hitter_recall = out.metrics.heavy_hitter_possible
-                                    ? static_cast<double>(out.metrics.heavy_hitter_hits) / out.metrics.heavy_hitter_possible
-                                    : 0;
-        r.eviction_calls = out.metrics.eviction_calls;
-        r.policy_bytes_per_slot = out.bytes_per_slot;
-        if (out.metrics.output_steps) {
-            r.output_rel_error = out.metrics.output_rel_error / out.metrics.output_steps;
-            r.output_cosine = out.metrics.output_cosine / out.metrics.output_steps;
-        }
-        if (out.metrics.context_tokens) {
-            r.bytes_per_token = out.metrics.cache_bytes / out.metrics.context_tokens;
-            r.compression_ratio = out.metrics.fp16_bytes / out.metrics.cache_bytes;
-        }
-        r.ppl = std::exp(out.nll / result.tokens);
-        r.delta_ppl = r.ppl - result.full_ppl;
+        set_measured(r, metrics);
+        r.policy_bytes_per_slot = outcomes[i + 1].bytes_per_slot;
+        r.ppl = std::exp(nll / tokens);
+        r.delta_ppl = r.ppl - full_ppl;
+        return r;
+    };
+    std::vector<double> mass, recall, delta;
+    for (std::size_t i = 0; i < combos.size(); ++i) {
+        const Outcome& out = outcomes[i + 1];
+        const ResultRecord r = combo_record(i, out.metrics, out.nll, result.tokens, result.full_ppl, 0);
         mass.push_back(r.retained_mass);
         recall.push_back(r.heavy_hitter_recall);
         delta.push_back(r.delta_ppl);
         result.records.push_back(r);
     }
+    if (config.per_sequence)
+        for (std::size_t s = 0; s < text.sequences.size(); ++s) {
+            const long tokens = static_cast<long>(text.sequences[s].size()) - 1;
+            const double full_ppl = std::exp(outcomes[0].sequence_nll[s] / tokens);
+            auto in_sequence = [&](ResultRecord r) {
+                r.sequence = static_cast<int>(original[s]);
+                r.sequence_name = TokenizedText::trace_sequence_name(options.input.text_path, original[s]);
+                result.records.push_back(std::move(r));
+            };
+            in_sequence(full_record(full_ppl));
+            for (std::size_t i = 0; i < combos.size(); ++i)
+                in_sequence(combo_record(i, outcomes[i + 1].sequence_metrics[s], outcomes[i + 1].sequence_nll[s], tokens,
+                                         full_ppl, static_cast<int64_t>(text.sequences[s].size())));
+        }
+    result.configurations = combos.size();
     result.spearman_retained_mass = spearman(mass, delta);
     result.spearman_heavy_hitter_recall = spearman(recall, delta);
     return result;

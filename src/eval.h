@@ -26,7 +26,10 @@ struct EvalOptions {
 
 struct EvalResult {
     std::string description;           // model and text
-    std::vector<ResultRecord> records;  // the full cache first (policy "full"), then every combination
+    // The full cache first (policy "full"), then every combination; with per_sequence, the same
+    // again for each sequence.
+    std::vector<ResultRecord> records;
+    std::size_t configurations = 0;          // combinations beside the full cache
     double full_ppl = 0;
     long tokens = 0;                         // predicted tokens per configuration
     double spearman_retained_mass = 0;      // rank correlation with delta_ppl across configurations

@@ -2,6 +2,7 @@
 
 #include "search/profile.h"
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 
@@ -72,6 +73,13 @@ void check_against_trace(const ExperimentConfig& config, const AttentionSource& 
                              std::to_string(shape.sequence_lengths[s]) + " tokens)");
 }
 
+std::optional<int> record_budget(const ReplayCombo& combo, int64_t sequence_length) {
+    if (combo.policy->keeps_everything) return std::nullopt;
+    if (combo.compression == 0) return combo.budget;
+    if (sequence_length > 0) return budget_for_compression(combo.compression, sequence_length);
+    return std::nullopt;
+}
+
 std::vector<GridAxis> merge_grid(const std::vector<GridAxis>& config_grid, const std::vector<GridAxis>& extra_axes) {
     std::vector<GridAxis> grid;
     for (const GridAxis& axis : config_grid) {
@@ -98,7 +106,15 @@ ExperimentResult run_experiment(const ExperimentConfig& config, const std::vecto
     ReplayOptions options;
     options.heavy_hitter_k = config.heavy_hitter_k;
     options.harness = harness_options(config, *source);
-    for (const std::string& m : config.metrics) {
+    ExperimentResult out;
+    const bool values_known = dynamic_cast<const QkvSource*>(source.get()) != nullptr;
+    out.metrics = table_metrics(config, values_known);
+    if (config.metrics.empty() && !values_known &&
+        std::any_of(config.policies.begin(), config.policies.end(), changes_values))
+        out.note = source->description() +
+                   " records attention only, so output error cannot be measured: retained mass and recall are "
+                   "shown, and they count a quantised, tiered or streamed token as kept (name metrics: to choose)";
+    for (const std::string& m : out.metrics) {
         options.output_error |= m == "output_rel_error" || m == "output_cosine";
         options.memory |= m == "bytes_per_token" || m == "compression_ratio";
     }
@@ -110,42 +126,39 @@ ExperimentResult run_experiment(const ExperimentConfig& config, const std::vecto
     const std::vector<ComboResult> results = replay(*source, combos, options);
     bar.finish();
 
-    ExperimentResult out;
     out.trace = source->description();
     out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    auto record = [&](const ReplayCombo& c, const ComboResult& r, const StreamMetrics& m, int layer) {
+    const AttentionShape& shape = source->shape();
+    // sequence -1: over every sequence; else the replay's sequence s.
+    auto record = [&](const ReplayCombo& c, const ComboResult& r, const StreamMetrics& m, int layer, int sequence) {
         ResultRecord rec;
         rec.policy = c.policy->name;
         rec.label = c.label;
         rec.params = c.params;
-        rec.budget = c.budget;
+        rec.budget = record_budget(c, sequence >= 0 ? shape.sequence_lengths[sequence] : 0);
         rec.budget_label = c.budget_label;
         rec.layer_budgets = c.layer_budgets;
         rec.layer = layer;
-        rec.steps = m.steps;
-        rec.retained_mass = m.steps ? m.retained_mass / m.steps : 0.0;
-        rec.heavy_hitter_recall =
-            m.heavy_hitter_possible ? static_cast<double>(m.heavy_hitter_hits) / m.heavy_hitter_possible : 0.0;
-        rec.eviction_calls = m.eviction_calls;
+        if (sequence >= 0) {
+            rec.sequence = config.trace.sequences.empty() ? sequence : config.trace.sequences[sequence];
+            rec.sequence_name = shape.sequence_names[sequence];
+        }
+        set_measured(rec, m);
         rec.policy_bytes_per_slot = r.policy_bytes_per_slot;
-        if (m.output_steps) {
-            rec.output_rel_error = m.output_rel_error / m.output_steps;
-            rec.output_cosine = m.output_cosine / m.output_steps;
-        }
-        if (m.context_tokens) {
-            rec.bytes_per_token = m.cache_bytes / m.context_tokens;
-            rec.compression_ratio = m.fp16_bytes / m.cache_bytes;
-        }
         out.records.push_back(rec);
     };
     for (std::size_t i = 0; i < combos.size(); ++i) {
-        record(combos[i], results[i], results[i].total, -1);
-        out.policy_steps += results[i].total.steps / source->shape().group_size();  // one per KV head
+        record(combos[i], results[i], results[i].total, -1, -1);
+        out.policy_steps += results[i].total.steps / shape.group_size();  // one per KV head
     }
     if (config.per_layer)
         for (std::size_t i = 0; i < combos.size(); ++i)
             for (std::size_t layer = 0; layer < results[i].by_layer.size(); ++layer)
-                record(combos[i], results[i], results[i].by_layer[layer], static_cast<int>(layer));
+                record(combos[i], results[i], results[i].by_layer[layer], static_cast<int>(layer), -1);
+    if (config.per_sequence)
+        for (std::size_t i = 0; i < combos.size(); ++i)
+            for (std::size_t s = 0; s < results[i].by_sequence.size(); ++s)
+                record(combos[i], results[i], results[i].by_sequence[s], -1, static_cast<int>(s));
     return out;
 }
 

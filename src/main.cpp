@@ -32,6 +32,15 @@ namespace {
 
 using namespace kvsim;
 
+// What the attention_view key changes, for `kvsim policies` and `kvsim run --help`: a user reading
+// "renormalized" might expect retained mass to be 1 at every step.
+constexpr const char* kAttentionViewHelp =
+    "attention_view (what a policy is shown): raw (default on attention traces), the full softmax restricted to\n"
+    "the positions the cache holds; renormalized (default on Q/K/V traces and in eval), those weights divided by\n"
+    "what each query head keeps, i.e. the softmax over the kept positions and the current token. The view changes\n"
+    "only what a policy is shown, and so what it keeps: retained mass and recall are measured on the full softmax\n"
+    "in both views.";
+
 struct ReplayFlags {
     std::string config;
     std::string format;
@@ -99,7 +108,8 @@ void emit_results(const std::vector<ResultRecord>& records, const std::string& t
 int run_replay(const ReplayFlags& flags, bool sweep) {
     const CommandSetup setup = set_up(flags);
     const ExperimentResult result = run_experiment(setup.config, setup.axes, !flags.quiet);
-    emit_results(result.records, result.trace, setup, setup.config.metrics,
+    if (!result.note.empty()) std::fprintf(stderr, "kvsim: note: %s\n", result.note.c_str());
+    emit_results(result.records, result.trace, setup, result.metrics,
                  "kvsim " + std::string(sweep ? "sweep " : "run ") + flags.config + "  |  trace " + result.trace);
     if (!flags.quiet)
         std::fprintf(stderr, "\nkvsim: %lld policy-steps in %.3f s (%.0f per second); results in %s/\n",
@@ -135,14 +145,16 @@ int run_eval_command(const ReplayFlags& flags, const ModelInput& input) {
     options.show_progress = !flags.quiet;
     const EvalResult result = run_eval(setup.config, setup.axes, options);
 
+    // The model in the loop knows every value: a config that names no metrics gets output error
+    // and compression beside perplexity when a policy changes values.
     std::vector<std::string> metrics = {"ppl", "delta_ppl"};
-    for (const std::string& m : setup.config.metrics)
+    for (const std::string& m : table_metrics(setup.config, /*values_known=*/true))
         if (std::find(metrics.begin(), metrics.end(), m) == metrics.end()) metrics.push_back(m);
     char title[512];
     std::snprintf(title, sizeof title, "kvsim eval %s  |  %s, %ld predicted tokens per configuration, full cache PPL %.4f",
                   flags.config.c_str(), result.description.c_str(), result.tokens, result.full_ppl);
     emit_results(result.records, result.description, setup, metrics, title);
-    const std::size_t configurations = result.records.size() - 1;
+    const std::size_t configurations = result.configurations;
     nlohmann::ordered_json correlation;
     correlation["full_ppl"] = result.full_ppl;
     correlation["predicted_tokens"] = result.tokens;
@@ -281,6 +293,7 @@ int main(int argc, char** argv) {
     ReplayFlags run_flags, sweep_flags;
     CLI::App* run = app.add_subcommand("run", "replay a trace through a config's policies and budgets");
     add_replay_flags(run, run_flags);
+    run->footer(kAttentionViewHelp);
     CLI::App* sweep = app.add_subcommand("sweep", "a run over a grid of budgets and policy parameters");
     add_replay_flags(sweep, sweep_flags);
     sweep->add_option("--budgets", sweep_flags.budgets, "budgets replacing the config's, e.g. 64,128,256")
@@ -417,6 +430,7 @@ int main(int argc, char** argv) {
                         std::printf("  %-17s default %-6g %s\n", s.name.c_str(), s.default_value, s.help.c_str());
                 }
             }
+            std::printf("\n%s\n", kAttentionViewHelp);
             return 0;
         }
     } catch (const InputError& e) {

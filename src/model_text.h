@@ -1,5 +1,6 @@
 // Tokenised text for a model: each sequence BOS + tokens, cut at the model's context.
 #pragma once
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,11 @@ struct TokenizedText {
     // "<text file> sequence 3", for messages: the index counts the text's pieces, as warnings do.
     std::string sequence_name(const std::string& text_path, std::size_t sequence) const {
         return text_path + " sequence " + std::to_string(text_index[sequence]);
+    }
+    // "tinystories_sample-3": the name a trace captured from this text gives the sequence, so
+    // eval's per-sequence records and a replay's name the same story alike.
+    static std::string trace_sequence_name(const std::string& text_path, std::size_t sequence) {
+        return std::filesystem::path(text_path).stem().string() + "-" + std::to_string(sequence);
     }
 };
 

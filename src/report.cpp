@@ -11,6 +11,24 @@ namespace kvsim {
 
 double round6(double x) { return std::isfinite(x) ? std::floor(x * 1e6 + 0.5) / 1e6 : x; }
 
+void set_measured(ResultRecord& record, const StreamMetrics& m) {
+    record.steps = m.steps;
+    record.retained_mass = m.steps ? std::clamp(m.retained_mass / m.steps, 0.0, 1.0) : 0.0;
+    record.heavy_hitter_recall =
+        m.heavy_hitter_possible
+            ? std::clamp(static_cast<double>(m.heavy_hitter_hits) / m.heavy_hitter_possible, 0.0, 1.0)
+            : 0.0;
+    record.eviction_calls = m.eviction_calls;
+    if (m.output_steps) {
+        record.output_rel_error = m.output_rel_error / m.output_steps;
+        record.output_cosine = std::clamp(m.output_cosine / m.output_steps, -1.0, 1.0);
+    }
+    if (m.context_tokens) {
+        record.bytes_per_token = m.cache_bytes / m.context_tokens;
+        record.compression_ratio = m.fp16_bytes / m.cache_bytes;
+    }
+}
+
 namespace {
 
 std::string metric_cell(const ResultRecord& r, const std::string& metric) {
@@ -62,6 +80,14 @@ const char* metric_title(const std::string& metric) {
 
 std::string optional_number(double x) { return std::isnan(x) ? std::string() : exact_number(x); }
 
+// A configuration as one row names it: the policy's label, and its budget where it has one.
+std::string configuration_name(const ResultRecord& r) {
+    return r.budget_label == kEveryBudget ? r.label : r.label + " @ " + r.budget_label;
+}
+
+// A whole-trace record: over every layer and sequence.
+bool pooled(const ResultRecord& r) { return r.layer < 0 && r.sequence < 0; }
+
 std::string csv_field(const std::string& s) {
     if (s.find_first_of(",\"\n") == std::string::npos) return s;
     std::string out = "\"";
@@ -89,7 +115,7 @@ std::string format_table(const std::vector<ResultRecord>& records, const std::ve
     std::vector<std::string> rows, columns;
     std::map<std::pair<std::string, std::string>, const ResultRecord*> cell;
     for (const ResultRecord& r : records) {
-        if (r.layer >= 0) continue;
+        if (!pooled(r)) continue;
         if (std::find(rows.begin(), rows.end(), r.label) == rows.end()) rows.push_back(r.label);
         if (r.budget_label != kEveryBudget &&
             std::find(columns.begin(), columns.end(), r.budget_label) == columns.end())
@@ -122,6 +148,43 @@ std::string format_table(const std::vector<ResultRecord>& records, const std::ve
             out += line + "\n";
         }
     }
+    return out + format_sequence_tables(records, metrics);
+}
+
+std::string format_sequence_tables(const std::vector<ResultRecord>& records, const std::vector<std::string>& metrics) {
+    std::vector<std::string> rows, columns;
+    std::map<std::pair<std::string, std::string>, const ResultRecord*> cell;
+    for (const ResultRecord& r : records) {
+        if (r.sequence < 0 || r.layer >= 0) continue;
+        const std::string row = configuration_name(r);
+        if (std::find(rows.begin(), rows.end(), row) == rows.end()) rows.push_back(row);
+        if (std::find(columns.begin(), columns.end(), r.sequence_name) == columns.end())
+            columns.push_back(r.sequence_name);
+        cell[{row, r.sequence_name}] = &r;
+    }
+    if (rows.empty()) return "";
+    std::size_t label_width = 13;
+    for (const auto& row : rows) label_width = std::max(label_width, row.size());
+    std::string out;
+    for (const std::string& metric : metrics) {
+        out += "\n" + std::string(metric_title(metric)) + ", by sequence\n";
+        std::string header = "  configuration" + std::string(label_width - 13, ' ');
+        std::vector<std::size_t> widths;
+        for (const std::string& column : columns) {
+            widths.push_back(std::max<std::size_t>(column.size(), 8));
+            header += "  " + std::string(widths.back() - column.size(), ' ') + column;
+        }
+        out += header + "\n  " + std::string(header.size() - 2, '-') + "\n";
+        for (const auto& row : rows) {
+            std::string line = "  " + row + std::string(label_width - row.size(), ' ');
+            for (std::size_t i = 0; i < columns.size(); ++i) {
+                const auto it = cell.find({row, columns[i]});
+                const std::string value = it == cell.end() ? "-" : metric_cell(*it->second, metric);
+                line += "  " + std::string(widths[i] > value.size() ? widths[i] - value.size() : 0, ' ') + value;
+            }
+            out += line + "\n";
+        }
+    }
     return out;
 }
 
@@ -129,15 +192,13 @@ std::string format_comparison(const std::vector<ResultRecord>& records, const st
                               const std::string& title) {
     std::vector<const ResultRecord*> rows;
     for (const ResultRecord& r : records)
-        if (r.layer < 0) rows.push_back(&r);
+        if (pooled(r)) rows.push_back(&r);
     std::stable_sort(rows.begin(), rows.end(), [](const ResultRecord* a, const ResultRecord* b) {
         const double x = std::isnan(a->bytes_per_token) ? 1e300 : a->bytes_per_token;
         const double y = std::isnan(b->bytes_per_token) ? 1e300 : b->bytes_per_token;
         return x < y;
     });
-    auto name = [](const ResultRecord* r) {
-        return r->budget_label == kEveryBudget ? r->label : r->label + " @ " + r->budget_label;
-    };
+    auto name = [](const ResultRecord* r) { return configuration_name(*r); };
     std::size_t width = 13;
     for (const ResultRecord* r : rows) width = std::max(width, name(r).size());
     std::string out = title.empty() ? "" : title + "\n";
@@ -158,21 +219,24 @@ std::string format_comparison(const std::vector<ResultRecord>& records, const st
         }
         out += line + "\n";
     }
-    return out;
+    return out + format_sequence_tables(records, metrics);
 }
 
 std::string format_csv(const std::vector<ResultRecord>& records) {
     std::string out = "policy,label,params,budget,budget_label,layer,steps,retained_mass,heavy_hitter_recall,eviction_calls,"
-                      "policy_bytes_per_slot,output_rel_error,output_cosine,bytes_per_token,compression_ratio,ppl,delta_ppl\n";
+                      "policy_bytes_per_slot,output_rel_error,output_cosine,bytes_per_token,compression_ratio,ppl,delta_ppl,"
+                      "sequence,sequence_name\n";
     for (const ResultRecord& r : records) {
         out += csv_field(r.policy) + "," + csv_field(r.label) + "," + csv_field(params_text(r.params)) + "," +
-               std::to_string(r.budget) + "," + csv_field(r.budget_label) + "," + (r.layer < 0 ? std::string("all") : std::to_string(r.layer)) + "," +
+               (r.budget ? std::to_string(*r.budget) : std::string()) + "," + csv_field(r.budget_label) + "," + (r.layer < 0 ? std::string("all") : std::to_string(r.layer)) + "," +
                std::to_string(r.steps) + "," + exact_number(r.retained_mass) + "," +
                exact_number(r.heavy_hitter_recall) + "," + std::to_string(r.eviction_calls) + "," +
                std::to_string(r.policy_bytes_per_slot) + "," + optional_number(r.output_rel_error) + "," +
                optional_number(r.output_cosine) + "," + optional_number(r.bytes_per_token) + "," +
                optional_number(r.compression_ratio) + "," + (std::isnan(r.ppl) ? "" : exact_number(r.ppl)) + "," +
-               (std::isnan(r.delta_ppl) ? "" : exact_number(r.delta_ppl)) + "\n";
+               (std::isnan(r.delta_ppl) ? "" : exact_number(r.delta_ppl)) + "," +
+               (r.sequence < 0 ? std::string("all") : std::to_string(r.sequence)) + "," + csv_field(r.sequence_name) +
+               "\n";
     }
     return out;
 }
@@ -187,12 +251,16 @@ std::string format_json(const std::vector<ResultRecord>& records, const std::str
         record["label"] = r.label;
         record["params"] = nlohmann::ordered_json::object();
         for (const auto& [name, value] : r.params) record["params"][name] = value;
-        record["budget"] = r.budget;
+        // null: no token budget applies (the policy keeps every token, or a ratio column's
+        // budget differs by sequence: each per-sequence record has its own).
+        record["budget"] = r.budget ? nlohmann::ordered_json(*r.budget) : nlohmann::ordered_json(nullptr);
+        record["budget_label"] = r.budget_label;  // the table column: "256", "2x", a profile's name, or "full"
         if (!r.layer_budgets.empty()) {
             record["budget_profile"] = r.budget_label;
             record["layer_budgets"] = r.layer_budgets;
         }
         if (r.layer >= 0) record["layer"] = r.layer;
+        if (r.sequence >= 0) record["sequence"] = {{"index", r.sequence}, {"name", r.sequence_name}};
         record["trace"] = trace;
         record["steps"] = r.steps;
         record["retained_mass"] = r.retained_mass;

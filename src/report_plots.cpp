@@ -23,6 +23,7 @@
 #include "base/atomic_file.h"
 #include "base/errors.h"
 #include "base/input_file.h"
+#include "sim/experiment_spec.h"
 
 extern char** environ;
 
@@ -303,10 +304,12 @@ Section results_figures(const std::string& path) {
         row.budget = optional_number(r, "budget", where);
         row.bytes = optional_number(r, "bytes_per_token", where);
         row.tag = optional_string(r, "budget_label", where);
+        if (row.tag == kEveryBudget) row.tag.clear();  // a policy that keeps every token has no budget to name
         if (row.tag.empty()) row.tag = optional_string(r, "budget_profile", where);
-        if (row.tag.empty() && row.budget > 0) row.tag = number(row.budget);  // 0: a policy without a budget
+        if (row.tag.empty() && row.budget > 0) row.tag = number(row.budget);  // null or 0: no budget
         for (const char* m : metrics) row.values.push_back(optional_number(r, m, where));
-        if (layer >= 0) continue;  // per-layer records would stack under their whole-trace record
+        // Per-layer and per-sequence records would stack under their whole-trace record.
+        if (layer >= 0 || r.contains("sequence")) continue;
         rows.push_back(std::move(row));
     }
     // Memory is bytes per token wherever it was measured; budgets (tokens) only count memory when

@@ -153,3 +153,31 @@ TEST_CASE("command-line grids: --budgets and --set") {
     CHECK_THROWS_AS(parse_grid_flag("h2o=16", "--set"), InputError);
     CHECK_THROWS_AS(parse_grid_flag("h2o.recent_window=a", "--set"), InputError);
 }
+
+TEST_CASE("default metrics fit the policies: output error and compression where a policy changes values") {
+    auto load = [](const std::string& text) { return load_config(write_config("metrics", text)); };
+    const ExperimentConfig quantised =
+        load("trace: {synthetic: qkv, name: tiny-256}\nbudgets: [64]\npolicies: [sliding_window, int8]\n");
+    CHECK(quantised.metrics.empty());  // none named: chosen when the trace is known
+    const std::vector<std::string> value_metrics = {"output_rel_error", "compression_ratio"};
+    const std::vector<std::string> attention_metrics = {"retained_mass", "heavy_hitter_recall"};
+    CHECK(table_metrics(quantised, true) == value_metrics);
+    CHECK(table_metrics(quantised, false) == attention_metrics);  // an attention-only trace has no values
+    for (const char* policy : {"int4", "stratigraphic", "streaming_attention",
+                               "{evict: h2o, quantize: {bits: 4, older_than: 32}}"})
+        CHECK(table_metrics(load(std::string("budgets: [64]\npolicies: [") + policy + "]\n"), true) == value_metrics);
+    // Eviction alone, and the full cache, keep today's defaults.
+    CHECK(table_metrics(load("budgets: [64]\npolicies: [full, h2o, {evict: h2o, adakv: {floor: 0.5}}]\n"), true) ==
+          attention_metrics);
+    // Metrics a config names are kept as named.
+    const ExperimentConfig named =
+        load("budgets: [64]\npolicies: [int8]\nmetrics: [retained_mass, eviction_calls]\n");
+    CHECK(table_metrics(named, true) == std::vector<std::string>{"retained_mass", "eviction_calls"});
+}
+
+TEST_CASE("output.per_sequence parses, and a bad value names the key") {
+    CHECK(load_config(write_config("per_sequence", kGood + "output: {per_sequence: true}\n")).per_sequence);
+    CHECK_FALSE(load_config(write_config("per_sequence", kGood)).per_sequence);
+    CHECK(contains(config_error(kGood + "output: {per_sequence: maybe}\n"),
+                   "case.yaml:4: output.per_sequence: expected true or false"));
+}

@@ -101,3 +101,108 @@ TEST_CASE("max_steps replays an exact prefix") {
     const auto rows = policybook_rows({entry("streaming_llm")}, {256}, 1000);
     CHECK(find_row(rows, "streaming_llm", 256).eviction_calls == 1000 - 256 + 1);
 }
+
+namespace {
+
+// Keeps the newest positions, as sliding_window does, and records the weights it is shown.
+class RecordsWhatItIsShown : public Policy {
+public:
+    explicit RecordsWhatItIsShown(std::vector<std::vector<float>>& shown) : shown_(shown) {}
+    void on_decode_step(int32_t pos, std::span<const float> attn) override {
+        shown_.emplace_back(attn.begin(), attn.end());
+        held_.push_back(pos);
+    }
+    void evict(int budget, std::vector<int32_t>& victims) override {
+        while (static_cast<int>(held_.size()) > budget) {
+            victims.push_back(held_.front());
+            held_.erase(held_.begin());
+        }
+    }
+    std::size_t bytes_per_slot() const override { return 0; }
+
+private:
+    std::vector<std::vector<float>>& shown_;
+    std::vector<int32_t> held_ = {0};
+};
+
+}  // namespace
+
+TEST_CASE("the renormalized view changes what a policy is shown, never how retained mass is measured") {
+    // Two query heads, a budget of 3 over 12 steps; row h at step t weighs position p by p + 1 + h.
+    constexpr int kSteps = 12, kBudget = 3, kGroup = 2;
+    std::vector<std::vector<std::vector<float>>> rows(kSteps, std::vector<std::vector<float>>(kGroup));
+    for (int t = 1; t < kSteps; ++t)
+        for (int h = 0; h < kGroup; ++h) {
+            double total = 0;
+            for (int p = 0; p <= t; ++p) total += p + 1 + h;
+            for (int p = 0; p <= t; ++p) rows[t][h].push_back(static_cast<float>((p + 1 + h) / total));
+        }
+    auto run = [&](AttentionView view, std::vector<std::vector<float>>& shown) {
+        HarnessOptions options;
+        options.view = view;
+        Harness harness(std::make_unique<RecordsWhatItIsShown>(shown), kBudget, kSteps, options, "recorder", "");
+        for (int t = 1; t < kSteps; ++t) {
+            const float* group_rows[kGroup] = {rows[t][0].data(), rows[t][1].data()};
+            const float self[kGroup] = {rows[t][0][t], rows[t][1][t]};
+            std::vector<int32_t> top[kGroup];
+            std::span<const int32_t> heavy[kGroup];
+            for (int h = 0; h < kGroup; ++h) {
+                top_k_positions({group_rows[h], static_cast<std::size_t>(t)}, 2, top[h]);
+                heavy[h] = top[h];
+            }
+            std::vector<float> combined(t);
+            combine_group_rows(group_rows, t, GroupReduce::mean, combined.data());
+            GroupStep step;
+            step.t = t;
+            step.rows = group_rows;
+            step.self_weight = self;
+            step.own_weight = self;
+            step.heavy = heavy;
+            step.combined = combined.data();
+            harness.step(step);
+        }
+        return harness.metrics();
+    };
+    std::vector<std::vector<float>> raw_shown, renormalized_shown;
+    const StreamMetrics raw = run(AttentionView::raw, raw_shown);
+    const StreamMetrics renormalized = run(AttentionView::renormalized, renormalized_shown);
+
+    // Mass is the full softmax's weight on the positions held before eviction (the newest
+    // kBudget) plus the token itself, in both views: well under 1 a step, not 1 as a softmax over
+    // the kept positions alone would make it.
+    double expected = 0;
+    for (int t = 1; t < kSteps; ++t)
+        for (int h = 0; h < kGroup; ++h) {
+            double kept = 0;
+            for (int p = std::max(0, t - kBudget); p < t; ++p) kept += rows[t][h][p];
+            expected += kept + rows[t][h][t];
+        }
+    CHECK(raw.retained_mass == renormalized.retained_mass);
+    CHECK(raw.retained_mass == doctest::Approx(expected).epsilon(1e-6));
+    CHECK(raw.retained_mass / raw.steps < 0.9);
+    CHECK(raw.heavy_hitter_hits == renormalized.heavy_hitter_hits);
+    CHECK(raw.steps == renormalized.steps);
+
+    // What the policy is shown differs: raw, the group's mean full-softmax weights on what it holds;
+    // renormalized, each head's weights divided by its kept mass plus its own weight, then averaged.
+    REQUIRE(raw_shown.size() == renormalized_shown.size());
+    const int t = kSteps - 1;
+    const std::vector<float>& last_raw = raw_shown.back();
+    const std::vector<float>& last_renormalized = renormalized_shown.back();
+    REQUIRE(last_raw.size() == static_cast<std::size_t>(kBudget));
+    double shares = 0;
+    for (int h = 0; h < kGroup; ++h) {
+        double kept = 0;
+        for (int p = t - kBudget; p < t; ++p) kept += rows[t][h][p];
+        shares += rows[t][h][t] / (kept + rows[t][h][t]) / kGroup;
+    }
+    double raw_sum = 0, renormalized_sum = 0;
+    for (int j = 0; j < kBudget; ++j) {
+        const int p = t - kBudget + j;
+        CHECK(last_raw[j] == doctest::Approx((rows[t][0][p] + rows[t][1][p]) / 2).epsilon(1e-6));
+        raw_sum += last_raw[j];
+        renormalized_sum += last_renormalized[j];
+    }
+    CHECK(renormalized_sum + shares == doctest::Approx(1.0).epsilon(1e-6));  // a softmax over kept + itself
+    CHECK(raw_sum < 0.8);
+}

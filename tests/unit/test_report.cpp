@@ -30,3 +30,79 @@ TEST_CASE("results JSON stays valid for any bytes in names, and writes non-finit
     CHECK(record["trace"] == "trace\xef\xbf\xbd.h5");
     CHECK_FALSE(record.contains("ppl"));
 }
+
+TEST_CASE("fractions stay in range: a float sum over 1 is clamped at the end, cosine to [-1, 1]") {
+    StreamMetrics m;
+    m.steps = 4;
+    m.retained_mass = 4.0000000118;  // four steps of a full softmax whose float sum rounds above 1
+    m.heavy_hitter_hits = 8;
+    m.heavy_hitter_possible = 8;
+    m.output_steps = 2;
+    m.output_cosine = 2.0000000004;
+    m.output_rel_error = 0.5;
+    ResultRecord r;
+    set_measured(r, m);
+    CHECK(r.retained_mass == 1.0);
+    CHECK(r.heavy_hitter_recall == 1.0);
+    CHECK(r.output_cosine == 1.0);
+    CHECK(r.output_rel_error == 0.25);  // not a fraction: never clamped
+    m.retained_mass = -1e-12;           // a sum of tiny negative rounding cannot print below 0 either
+    m.output_cosine = -3.0;
+    set_measured(r, m);
+    CHECK(r.retained_mass == 0.0);
+    CHECK(r.output_cosine == -1.0);
+    m.retained_mass = 2.5;  // in range: exactly the mean, nothing rounded
+    set_measured(r, m);
+    CHECK(r.retained_mass == 2.5 / 4);
+}
+
+TEST_CASE("a record without a budget writes budget null in JSON and an empty cell in CSV") {
+    ResultRecord keeps_all;
+    keeps_all.policy = keeps_all.label = "int8";
+    keeps_all.budget_label = kEveryBudget;
+    ResultRecord evicts;
+    evicts.policy = evicts.label = "h2o";
+    evicts.budget = 64;
+    evicts.budget_label = "64";
+    const nlohmann::json parsed = nlohmann::json::parse(format_json({keeps_all, evicts}, "t.h5"));
+    CHECK(parsed[0].contains("budget"));
+    CHECK(parsed[0]["budget"].is_null());
+    CHECK(parsed[0]["budget_label"] == "full");
+    CHECK(parsed[1]["budget"] == 64);
+    CHECK(parsed[1]["budget_label"] == "64");
+    const std::string csv = format_csv({keeps_all, evicts});
+    CHECK(csv.find("\nint8,int8,,,full,all,") != std::string::npos);
+    CHECK(csv.find("\nh2o,h2o,,64,64,all,") != std::string::npos);
+}
+
+TEST_CASE("per-sequence records: JSON names the sequence, tables get a column per sequence") {
+    std::vector<ResultRecord> records;
+    auto add = [&](const std::string& label, int sequence, double mass) {
+        ResultRecord r;
+        r.policy = r.label = label;
+        r.budget = 32;
+        r.budget_label = "32";
+        r.retained_mass = mass;
+        r.heavy_hitter_recall = mass;
+        r.sequence = sequence;
+        if (sequence >= 0) r.sequence_name = "story-" + std::to_string(sequence);
+        records.push_back(r);
+    };
+    add("h2o", -1, 0.5);
+    add("h2o", 3, 0.25);
+    add("h2o", 4, 0.75);
+    const nlohmann::json parsed = nlohmann::json::parse(format_json(records, "t.h5"));
+    CHECK_FALSE(parsed[0].contains("sequence"));
+    CHECK(parsed[1]["sequence"] == nlohmann::json({{"index", 3}, {"name", "story-3"}}));
+    const std::string table = format_table(records, {"retained_mass"}, "");
+    // The pooled table shows the pooled record only; the per-sequence table follows it.
+    CHECK(table.find("h2o     0.500000") != std::string::npos);
+    CHECK(table.find("by sequence") != std::string::npos);
+    CHECK(table.find("story-3   story-4") != std::string::npos);
+    CHECK(table.find("h2o @ 32       0.250000  0.750000") != std::string::npos);
+    CHECK(format_comparison(records, {"retained_mass"}, "").find("by sequence") != std::string::npos);
+    const std::string csv = format_csv(records);
+    CHECK(csv.find(",sequence,sequence_name\n") != std::string::npos);
+    CHECK(csv.find(",3,story-3\n") != std::string::npos);
+    CHECK(csv.find(",all,\n") != std::string::npos);
+}
