@@ -82,10 +82,6 @@ float bf16_to_float(uint16_t bits);
 uint16_t float_to_bf16(float value);
 
 
-// Q8_0: blocks of 32 weights, each an fp16 scale d followed by 32 int8 q; weight = d * q.
-inline constexpr int kQ8_0BlockSize = 32;
-inline constexpr int kQ8_0BlockBytes = 2 + kQ8_0BlockSize;
-
 class GgufFile {
   public:
     // Reads and checks the header, metadata and tensor table; tensor data is read on demand.
