@@ -1,5 +1,6 @@
 #include "src/model/gguf.h"
 
+#include <algorithm>
 #include <bit>
 #include <cstring>
 #include <fstream>
@@ -9,6 +10,7 @@
 #include "base/errors.h"
 #include "base/input_file.h"
 #include "base/size_limits.h"
+#include "src/model/ggml_blocks.h"
 
 namespace kvsim::model {
 
@@ -180,15 +182,7 @@ const char* tensor_type_name(uint32_t type_id) {
     }
 }
 
-bool is_supported_tensor_type(uint32_t type_id) {
-    switch (static_cast<TensorType>(type_id)) {
-        case TensorType::F32:
-        case TensorType::F16:
-        case TensorType::Q8_0:
-        case TensorType::BF16: return true;
-    }
-    return false;
-}
+bool is_supported_tensor_type(uint32_t type_id) { return find_block_format(type_id) != nullptr; }
 
 // ---------------------------------------------------------------------------------------------
 // GgufValue
@@ -256,19 +250,31 @@ uint64_t GgufTensorInfo::element_count() const {
 }
 
 uint64_t GgufTensorInfo::byte_size() const {
+    const BlockFormat* format = find_block_format(type_id);
+    if (format == nullptr) return 0;
+    if (shape.empty() || shape[0] % static_cast<uint64_t>(format->block_elements) != 0)
+        throw InputError("tensor " + quoted(name) + ": " + format->name + " row length " +
+                         std::to_string(shape.empty() ? 0 : shape[0]) + " is not a multiple of " +
+                         std::to_string(format->block_elements) + " (its block size)");
     uint64_t bytes = 0;
-    bool wrapped = false;
-    switch (static_cast<TensorType>(type_id)) {
-        case TensorType::F32: wrapped = __builtin_mul_overflow(element_count(), uint64_t{4}, &bytes); break;
-        case TensorType::F16:
-        case TensorType::BF16: wrapped = __builtin_mul_overflow(element_count(), uint64_t{2}, &bytes); break;
-        case TensorType::Q8_0:
-            wrapped = __builtin_mul_overflow(element_count() / kQ8_0BlockSize, uint64_t{kQ8_0BlockBytes}, &bytes);
-            break;
-    }
-    if (wrapped) throw InputError("tensor " + quoted(name) + ": byte size overflows 64 bits");
+    if (__builtin_mul_overflow(element_count() / static_cast<uint64_t>(format->block_elements),
+                               static_cast<uint64_t>(format->block_bytes), &bytes))
+        throw InputError("tensor " + quoted(name) + ": byte size overflows 64 bits");
     return bytes;
 }
+
+namespace {
+// "2 Q4_K blocks of 144 bytes (256 weights each)" or "64 F32 weights of 4 bytes": how a tensor's
+// byte size follows from its shape, for the messages about data that does not fit.
+std::string size_description(const GgufTensorInfo& info) {
+    const BlockFormat& format = *find_block_format(info.type_id);
+    const uint64_t blocks = info.element_count() / static_cast<uint64_t>(format.block_elements);
+    if (format.block_elements == 1)
+        return std::to_string(blocks) + " " + format.name + " weights of " + std::to_string(format.block_bytes) + " bytes";
+    return std::to_string(blocks) + " " + format.name + " blocks of " + std::to_string(format.block_bytes) + " bytes (" +
+           std::to_string(format.block_elements) + " weights each)";
+}
+}  // namespace
 
 // ---------------------------------------------------------------------------------------------
 // Half precision
@@ -402,8 +408,11 @@ GgufFile GgufFile::open(const std::string& path) {
             throw InputError(where + "data offset " + std::to_string(info.offset) + " is not a multiple of the alignment " +
                              std::to_string(file.alignment_));
         }
-        if (info.type_id == static_cast<uint32_t>(TensorType::Q8_0) && info.shape[0] % kQ8_0BlockSize != 0) {
-            throw InputError(where + "Q8_0 row length " + std::to_string(info.shape[0]) + " is not a multiple of 32");
+        // A row is a whole number of blocks; otherwise the shape cannot say how many bytes it takes.
+        const BlockFormat* format = find_block_format(info.type_id);
+        if (format != nullptr && info.shape[0] % static_cast<uint64_t>(format->block_elements) != 0) {
+            throw InputError(where + format->name + " row length " + std::to_string(info.shape[0]) +
+                             " is not a multiple of " + std::to_string(format->block_elements) + " (its block size)");
         }
         if (file.data_offset_ > file.file_size_ || info.offset > file.file_size_ - file.data_offset_) {
             throw InputError(where + "data offset " + std::to_string(info.offset) + " is past the end of the file (" +
@@ -415,9 +424,25 @@ GgufFile GgufFile::open(const std::string& path) {
         const uint64_t size = info.byte_size();
         if (size > file.file_size_ - begin) {
             throw InputError(where + "data (bytes " + std::to_string(begin) + ".." +
-                             std::to_string(checked_add(begin, size, where + "data end")) +
-                             ") extends past the end of the file (" + std::to_string(file.file_size_) +
-                             " bytes): truncated file");
+                             std::to_string(checked_add(begin, size, where + "data end")) + ", " +
+                             size_description(info) + ") extends past the end of the file (" +
+                             std::to_string(file.file_size_) + " bytes): truncated file");
+        }
+    }
+    // Tensors do not share bytes: one whose shape claims more blocks than lie before the next
+    // tensor's data was cut short (or the table is inconsistent), even when the file is long enough.
+    std::vector<const GgufTensorInfo*> by_offset;
+    for (const auto& info : file.tensors_)
+        if (info.byte_size() > 0) by_offset.push_back(&info);
+    std::sort(by_offset.begin(), by_offset.end(),
+              [](const GgufTensorInfo* a, const GgufTensorInfo* b) { return a->offset < b->offset; });
+    for (size_t i = 0; i + 1 < by_offset.size(); ++i) {
+        const GgufTensorInfo& info = *by_offset[i];
+        const GgufTensorInfo& next = *by_offset[i + 1];
+        if (info.byte_size() > next.offset - info.offset) {
+            throw InputError(path + ": tensor " + quoted(info.name) + ": data (offset " + std::to_string(info.offset) +
+                             ", " + size_description(info) + ") runs into the data of tensor " + quoted(next.name) +
+                             " (offset " + std::to_string(next.offset) + "): truncated or inconsistent tensor");
         }
     }
     return file;
@@ -494,43 +519,21 @@ const GgufTensorInfo& GgufFile::tensor(const std::string& name) const {
 
 std::vector<float> GgufFile::read_tensor(const std::string& name) const {
     const GgufTensorInfo& info = tensor(name);
-    if (!is_supported_tensor_type(info.type_id)) {
+    const BlockFormat* format = find_block_format(info.type_id);
+    if (format == nullptr) {
         throw InputError(path_ + ": tensor " + quoted(name) + ": unsupported type " + tensor_type_name(info.type_id) +
-                         " (" + std::to_string(info.type_id) + "); supported: F32, F16, BF16, Q8_0");
+                         " (" + std::to_string(info.type_id) + "); supported: " + supported_type_names());
     }
     check_memory(checked_add(info.byte_size(), checked_mul(info.element_count(), sizeof(float), path_), path_),
                  path_ + ": tensor " + quoted(name));
-    std::vector<char> bytes(info.byte_size());
+    std::vector<uint8_t> bytes(info.byte_size());
     std::ifstream in(path_, std::ios::binary);
     in.seekg(static_cast<std::streamoff>(data_offset_ + info.offset));
-    in.read(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    in.read(reinterpret_cast<char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
     if (!in) throw InputError(path_ + ": tensor " + quoted(name) + ": cannot read its data (file changed or truncated?)");
 
     std::vector<float> values(info.element_count());
-    const auto half_at = [&bytes](size_t i) {
-        uint16_t bits;
-        std::memcpy(&bits, bytes.data() + 2 * i, 2);
-        return bits;
-    };
-    switch (static_cast<TensorType>(info.type_id)) {
-        case TensorType::F32: std::memcpy(values.data(), bytes.data(), bytes.size()); break;
-        case TensorType::F16:
-            for (size_t i = 0; i < values.size(); ++i) values[i] = half_to_float(half_at(i));
-            break;
-        case TensorType::BF16:
-            for (size_t i = 0; i < values.size(); ++i) values[i] = bf16_to_float(half_at(i));
-            break;
-        case TensorType::Q8_0:
-            for (size_t block = 0; block < values.size() / kQ8_0BlockSize; ++block) {
-                const char* source = bytes.data() + block * kQ8_0BlockBytes;
-                uint16_t scale_bits;
-                std::memcpy(&scale_bits, source, 2);
-                const float scale = half_to_float(scale_bits);
-                const auto* quants = reinterpret_cast<const int8_t*>(source + 2);
-                for (int i = 0; i < kQ8_0BlockSize; ++i) values[block * kQ8_0BlockSize + i] = scale * quants[i];
-            }
-            break;
-    }
+    format->dequantize(bytes.data(), values.size() / static_cast<size_t>(format->block_elements), values.data());
     return values;
 }
 

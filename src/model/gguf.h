@@ -27,8 +27,11 @@ enum class GgufValueType : uint32_t {
 };
 const char* value_type_name(GgufValueType type);
 
-// ggml tensor type ids this reader can turn into float.
-enum class TensorType : uint32_t { F32 = 0, F16 = 1, Q8_0 = 8, BF16 = 30 };
+// ggml tensor type ids this reader can turn into float (block layouts: ggml_blocks.h).
+enum class TensorType : uint32_t {
+    F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
+    Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, Q8_K = 15, BF16 = 30,
+};
 // ggml's name for any tensor type id ("Q4_K" for 12), or "unknown".
 const char* tensor_type_name(uint32_t type_id);
 bool is_supported_tensor_type(uint32_t type_id);
@@ -66,20 +69,18 @@ struct GgufTensorInfo {
     uint64_t offset = 0;          // relative to the data section
 
     uint64_t element_count() const;
-    // Bytes the data occupies, or 0 when the type is not one this reader supports.
+    // Bytes the data occupies (blocks x block bytes), or 0 when the type is not one this reader
+    // supports. A row length that is not a whole number of blocks is an InputError.
     uint64_t byte_size() const;
 };
 
 // Half-precision conversions (IEEE 754 binary16 and bfloat16), bit exact; float_to_* round to
-// nearest even. Needed for F16/BF16/Q8_0 tensors.
+// nearest even. Needed for F16/BF16 tensors and the block formats' fp16 scales.
 float half_to_float(uint16_t bits);
 uint16_t float_to_half(float value);
 float bf16_to_float(uint16_t bits);
 uint16_t float_to_bf16(float value);
 
-// Q8_0: blocks of 32 weights, each an fp16 scale d followed by 32 int8 q; weight = d * q.
-inline constexpr int kQ8_0BlockSize = 32;
-inline constexpr int kQ8_0BlockBytes = 2 + kQ8_0BlockSize;
 
 class GgufFile {
   public:
@@ -110,8 +111,8 @@ class GgufFile {
     const GgufTensorInfo* find_tensor(const std::string& name) const;  // nullptr when absent
     const GgufTensorInfo& tensor(const std::string& name) const;       // throws InputError when absent
 
-    // The tensor's elements as float (F16/BF16/Q8_0 dequantised), in file order (shape[0] fastest).
-    // Throws InputError for a missing tensor or an unsupported type.
+    // The tensor's elements as float (F16/BF16 and the block formats dequantised), in file order
+    // (shape[0] fastest). Throws InputError for a missing tensor or an unsupported type.
     std::vector<float> read_tensor(const std::string& name) const;
 
     // One line "<path>: <what>" for InputError messages.

@@ -1,5 +1,8 @@
 #include "src/model/gguf_writer.h"
 
+#include "src/model/ggml_blocks.h"
+#include "src/model/ggml_quantize.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -111,26 +114,6 @@ void GgufWriter::set_int32_array(const std::string& key, const std::vector<int32
     set(key, GgufValue{std::move(array)});
 }
 
-std::vector<uint8_t> quantize_q8_0(std::span<const float> values) {
-    if (values.size() % kQ8_0BlockSize != 0) throw std::invalid_argument("quantize_q8_0: length is not a multiple of 32");
-    std::vector<uint8_t> bytes;
-    bytes.reserve(values.size() / kQ8_0BlockSize * kQ8_0BlockBytes);
-    for (size_t block = 0; block < values.size(); block += kQ8_0BlockSize) {
-        float max_abs = 0.0f;
-        for (int i = 0; i < kQ8_0BlockSize; ++i) max_abs = std::max(max_abs, std::fabs(values[block + i]));
-        const float scale = max_abs / 127.0f;
-        const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
-        const uint16_t scale_bits = float_to_half(scale);
-        bytes.push_back(static_cast<uint8_t>(scale_bits & 0xff));
-        bytes.push_back(static_cast<uint8_t>(scale_bits >> 8));
-        for (int i = 0; i < kQ8_0BlockSize; ++i) {
-            const auto q = static_cast<int8_t>(std::lround(values[block + i] * inverse));
-            bytes.push_back(static_cast<uint8_t>(q));
-        }
-    }
-    return bytes;
-}
-
 void GgufWriter::add_tensor(const std::string& name, std::vector<uint64_t> shape, std::span<const float> values,
                             TensorType type) {
     uint64_t elements = 1;
@@ -150,11 +133,15 @@ void GgufWriter::add_tensor(const std::string& name, std::vector<uint64_t> shape
                 std::memcpy(bytes.data() + 2 * i, &half, 2);
             }
             break;
-        case TensorType::Q8_0:
-            if (shape.empty() || shape[0] % kQ8_0BlockSize != 0)
-                throw std::invalid_argument("GgufWriter::add_tensor: '" + name + "': Q8_0 rows must be multiples of 32");
-            bytes = quantize_q8_0(values);
+        default: {
+            const BlockFormat* format = find_block_format(static_cast<uint32_t>(type));
+            if (format == nullptr) throw std::invalid_argument("GgufWriter::add_tensor: '" + name + "': unknown type");
+            if (shape.empty() || shape[0] % static_cast<uint64_t>(format->block_elements) != 0)
+                throw std::invalid_argument("GgufWriter::add_tensor: '" + name + "': " + format->name +
+                                            " rows must be multiples of " + std::to_string(format->block_elements));
+            bytes = quantize_blocks(type, values);
             break;
+        }
     }
     add_raw_tensor(name, std::move(shape), static_cast<uint32_t>(type), std::move(bytes));
 }

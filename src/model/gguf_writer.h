@@ -1,6 +1,7 @@
 // A small GGUF writer (version 3 by default, 2 on request): metadata of any type plus F32, F16,
-// BF16 and Q8_0 tensors, or raw bytes of any tensor type id. Used by tests and benchmarks to make
-// synthetic Llama-shaped models and deliberately broken files.
+// BF16 and every block format kvsim reads (quantised by ggml_quantize.h), or raw bytes of any
+// tensor type id. Used by tests and benchmarks to make synthetic Llama-shaped models and
+// deliberately broken files.
 #pragma once
 
 #include <cstdint>
@@ -28,7 +29,8 @@ class GgufWriter {
     void set_int32_array(const std::string& key, const std::vector<int32_t>& values);
     bool remove(const std::string& key);  // false when absent
 
-    // shape is ne order (shape[0] = row length). values are converted to `type`.
+    // shape is ne order (shape[0] = row length, a multiple of a block format's block size).
+    // values are converted to `type`.
     void add_tensor(const std::string& name, std::vector<uint64_t> shape, std::span<const float> values,
                     TensorType type = TensorType::F32);
     // Data written exactly as given, under any type id (for hand-made blocks and unsupported types).
@@ -50,10 +52,6 @@ class GgufWriter {
     std::vector<std::pair<std::string, GgufValue>> metadata_;
     std::vector<PendingTensor> tensors_;
 };
-
-// Q8_0 blocks for `values` (length a multiple of 32): per block scale d = max|x| / 127 stored as
-// fp16, then round(x / d) as int8.
-std::vector<uint8_t> quantize_q8_0(std::span<const float> values);
 
 // A writer holding a Llama-architecture GGUF with the shapes of `config` and deterministic pseudo-random
 // weights (uniform, variance 1/fan_in, so activations stay O(1)), RMSNorm weights 1, and a toy

@@ -1,5 +1,6 @@
 // GGUF reader and writer: half-precision conversions, metadata of every type, tensors of every
-// supported type (hand-made blocks for Q8_0 and BF16), and every kind of broken file.
+// supported type (hand-made blocks for Q8_0 and BF16; the other block formats are in
+// tests/unit/test_gguf_quants.cpp), and every kind of broken file.
 #include <doctest/doctest.h>
 
 #include <bit>
@@ -304,16 +305,17 @@ TEST_CASE("GGUF errors: bad magic, unsupported version, missing key or tensor, w
 TEST_CASE("GGUF errors: an unsupported tensor type names the tensor and the type") {
     ScratchDir scratch;
     GgufWriter writer = small_writer();
-    writer.add_raw_tensor("blk.0.attn_q.weight", {256}, 12, std::vector<uint8_t>(144, 0));  // one Q4_K block
+    writer.add_raw_tensor("blk.0.attn_q.weight", {256}, 16, std::vector<uint8_t>(66, 0));  // one IQ2_XXS block
     writer.add_raw_tensor("mystery", {4}, 77, std::vector<uint8_t>(16, 0));
-    const std::string path = scratch.file("q4k.gguf");
+    const std::string path = scratch.file("iq2.gguf");
     writer.write(path);
     const GgufFile file = GgufFile::open(path);  // opening is fine: only reading needs the type
+    const std::string supported = "supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_K";
     CHECK_THROWS_WITH_AS(file.read_tensor("blk.0.attn_q.weight"),
-                         (path + ": tensor 'blk.0.attn_q.weight': unsupported type Q4_K (12); supported: F32, F16, BF16, Q8_0").c_str(),
+                         (path + ": tensor 'blk.0.attn_q.weight': unsupported type IQ2_XXS (16); " + supported).c_str(),
                          kvsim::InputError);
     CHECK_THROWS_WITH_AS(file.read_tensor("mystery"),
-                         (path + ": tensor 'mystery': unsupported type unknown (77); supported: F32, F16, BF16, Q8_0").c_str(),
+                         (path + ": tensor 'mystery': unsupported type unknown (77); " + supported).c_str(),
                          kvsim::InputError);
 }
 

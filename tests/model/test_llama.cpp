@@ -422,13 +422,13 @@ TEST_CASE("loading a non-Llama or incomplete model throws InputError naming the 
     SUBCASE("unsupported tensor type") {
         GgufWriter writer = random_llama_writer(config, 1);
         REQUIRE(writer.remove_tensor("blk.0.attn_q.weight"));
-        // Q4_K (ggml type 12): 256-weight blocks of 144 bytes; the contents do not matter.
+        // IQ2_XXS (ggml type 16): 256-weight blocks of 66 bytes; the contents do not matter.
         const size_t blocks = static_cast<size_t>(config.q_dim()) * config.dim / 256;
         writer.add_raw_tensor("blk.0.attn_q.weight", {static_cast<uint64_t>(config.dim), static_cast<uint64_t>(config.q_dim())},
-                              12, std::vector<uint8_t>(blocks * 144, 0));
-        const std::string message = load_error(writer, "q4k.gguf");
+                              16, std::vector<uint8_t>(blocks * 66, 0));
+        const std::string message = load_error(writer, "iq2.gguf");
         CHECK(message.find("'blk.0.attn_q.weight'") != std::string::npos);
-        CHECK(message.find("Q4_K (12)") != std::string::npos);
+        CHECK(message.find("IQ2_XXS (16)") != std::string::npos);
     }
     SUBCASE("tensor of the wrong shape") {
         GgufWriter writer = random_llama_writer(config, 1);
