@@ -647,9 +647,14 @@ void TraceReader::read_attention_rows(int sequence, int layer, int head, int64_t
 }
 
 QkvLayer TraceReader::read_qkv(int sequence, int layer) const {
+    QkvLayer data;
+    read_qkv(sequence, layer, data);
+    return data;
+}
+
+void TraceReader::read_qkv(int sequence, int layer, QkvLayer& data) const {
     const TraceMetadata& m = impl_->metadata;
     if (m.kind != TraceKind::qkv) impl_->fail("is an attention trace; it holds no Q/K/V");
-    QkvLayer data;
     data.tokens = impl_->sequences.at(sequence).length;
     const hsize_t t = data.tokens, d = m.head_dim;
     // Sizes were checked at open against what the file stores; the layer must also fit in memory.
@@ -663,6 +668,9 @@ QkvLayer TraceReader::read_qkv(int sequence, int layer) const {
     auto read = [&](const char* tensor, std::vector<float>& out, int64_t heads) {
         const std::string name = qkv_path(sequence, layer, tensor);
         Handle dataset = impl_->open_dataset(name, H5T_FLOAT, {t, static_cast<hsize_t>(heads), d});
+        // Every element is overwritten; a buffer too small is freed first, so that growing it
+        // never holds the old and the new one at once.
+        if (out.capacity() < t * heads * d) out = std::vector<float>();
         out.resize(t * heads * d);
         if (!read_as_floats(dataset.get(), out.size(), out.data()))
             impl_->fail("cannot read dataset '" + name + "' (truncated or corrupt)");
@@ -679,7 +687,6 @@ QkvLayer TraceReader::read_qkv(int sequence, int layer) const {
     read("q", data.q, m.num_query_heads);
     read("k", data.k, m.num_kv_heads);
     read("v", data.v, m.num_kv_heads);
-    return data;
 }
 
 std::vector<int32_t> TraceReader::read_tokens(int sequence) const {
