@@ -24,10 +24,16 @@ void SnapKV::admit() {
 
 std::span<const double> SnapKV::scores() {
     const std::size_t n = size();
-    // Sum in ring-index order (not chronological), as the reference does: bit-exact scores.
-    window_sum_.assign(n, 0.0);
-    for (const auto& column : window_)
+    // Sum in ring-index order (not chronological), as the reference does: bit-exact scores. The
+    // first column starts the sums (0.0 + x, the same double as adding x to a cleared sum, -0
+    // included), with no clearing pass every step.
+    window_sum_.resize(n);
+    const std::vector<float>& first = window_[0];
+    for (std::size_t i = 0; i < n; ++i) window_sum_[i] = 0.0 + static_cast<double>(first[i]);
+    for (std::size_t k = 1; k < window_.size(); ++k) {
+        const std::vector<float>& column = window_[k];
         for (std::size_t i = 0; i < n; ++i) window_sum_[i] += column[i];
+    }
     // Max-pool over neighbouring cached tokens (adjacent kept entries, not adjacent positions):
     // widen the window one neighbour at a time on each side, whole arrays at once.
     using Array = Eigen::Map<Eigen::ArrayXd>;

@@ -10,6 +10,32 @@
 
 namespace kvsim {
 
+namespace {
+
+// The first `heads` rows' weights on the kept positions, each summed in double in position order
+// into retained[h] (and copied to gathered[h * held + slot] unless gathered is null). Several
+// heads go together: each head's sum still adds in the same order, to the same double, but their
+// chains of additions overlap instead of each addition waiting on the one before.
+template <int heads>
+int sum_kept_weights(std::span<const float* const> rows, std::span<const int32_t> kept, float* gathered,
+                     double* retained) {
+    const std::size_t held = kept.size();
+    const float* row[heads];
+    for (int h = 0; h < heads; ++h) row[h] = rows[h];
+    double sum[heads] = {};
+    if (gathered) {
+        for (std::size_t j = 0; j < held; ++j)
+            for (int h = 0; h < heads; ++h) sum[h] += (gathered[h * held + j] = row[h][kept[j]]);
+    } else {
+        for (std::size_t j = 0; j < held; ++j)
+            for (int h = 0; h < heads; ++h) sum[h] += row[h][kept[j]];
+    }
+    for (int h = 0; h < heads; ++h) retained[h] = sum[h];
+    return heads;
+}
+
+}  // namespace
+
 Harness::Harness(std::unique_ptr<Policy> policy, int budget, int64_t sequence_length, const HarnessOptions& options,
                  std::string label, std::string where)
     : policy_(std::move(policy)), budget_(budget), options_(options), label_(std::move(label)),
@@ -171,20 +197,19 @@ void Harness::observe(const GroupStep& s) {
         attend_cached(s);
     }
     // Retained mass per query head: the full-cache weight on kept positions, before eviction.
-    // The renormalized view needs the same weights again, so they are gathered once, head by head.
+    // The renormalized view needs the same weights again, so they are gathered once.
     const bool renormalized = options_.view == AttentionView::renormalized;
     retained_.resize(group);
     if (renormalized) gathered_.resize(group * held);
-    for (std::size_t h = 0; h < group; ++h) {
-        const float* row = s.rows[h];
-        double retained = 0.0;
-        if (renormalized) {
-            float* out = gathered_.data() + h * held;
-            for (std::size_t j = 0; j < held; ++j) retained += (out[j] = row[kept_[j]]);
-        } else {
-            for (std::size_t j = 0; j < held; ++j) retained += row[kept_[j]];
-        }
-        retained_[h] = retained;
+    for (std::size_t h = 0; h < group;) {
+        const std::size_t left = group - h;
+        float* out = renormalized ? gathered_.data() + h * held : nullptr;
+        if (left >= 4)
+            h += sum_kept_weights<4>(s.rows.subspan(h), kept_, out, retained_.data() + h);
+        else if (left >= 2)
+            h += sum_kept_weights<2>(s.rows.subspan(h), kept_, out, retained_.data() + h);
+        else
+            h += sum_kept_weights<1>(s.rows.subspan(h), kept_, out, retained_.data() + h);
     }
     if (measured) {
         for (std::size_t h = 0; h < group; ++h) {

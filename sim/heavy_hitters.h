@@ -13,4 +13,11 @@ namespace kvsim {
 // not, gives that many distinct positions in range; on finite weights >= 0 it is the usual order.
 void top_k_positions(std::span<const float> row, int k, std::vector<int32_t>& out);
 
+// The same positions in the same order, faster along a head's successive rows. `floor_hint`
+// (start each head at kNoTopKHint) is a guess at a key no greater than this row's k-th largest,
+// updated here for the next row: the previous row's threshold, lowered a little. It decides how
+// much of the row is examined, never the output.
+inline constexpr int32_t kNoTopKHint = -1;
+void top_k_positions(std::span<const float> row, int k, std::vector<int32_t>& out, int32_t& floor_hint);
+
 }  // namespace kvsim

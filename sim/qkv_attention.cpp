@@ -86,8 +86,8 @@ int64_t QkvSource::block_floats(int64_t wanted) const {
 
 const QkvLayer& QkvSource::layer_data(int sequence, int layer) {
     if (sequence != loaded_sequence_ || layer != loaded_layer_) {
-        loaded_ = QkvLayer{};  // release the previous layer before loading the next
-        loaded_ = load_layer(sequence, layer);
+        loaded_sequence_ = loaded_layer_ = -1;  // what loaded_ holds until the load succeeds
+        load_layer(sequence, layer, loaded_);
         loaded_sequence_ = sequence;
         loaded_layer_ = layer;
     }
@@ -113,7 +113,9 @@ public:
     std::string description() const override { return reader_->path(); }
 
 protected:
-    QkvLayer load_layer(int sequence, int layer) override { return reader_->read_qkv(file_index_.at(sequence), layer); }
+    void load_layer(int sequence, int layer, QkvLayer& data) override {
+        reader_->read_qkv(file_index_.at(sequence), layer, data);
+    }
 
 private:
     std::unique_ptr<TraceReader> reader_;

@@ -39,7 +39,8 @@ public:
     const QkvLayer& layer_data(int sequence, int layer);
 
 protected:
-    virtual QkvLayer load_layer(int sequence, int layer) = 0;
+    // Loads a layer into `data`, which holds the previous one: its buffers may be reused.
+    virtual void load_layer(int sequence, int layer, QkvLayer& data) = 0;
     AttentionShape shape_;
     QkvShape qkv_;
 

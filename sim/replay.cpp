@@ -220,15 +220,28 @@ private:
         block_k_ = static_cast<int>(std::min<int64_t>(k_, end - 1));
         heavy_.resize(static_cast<std::size_t>(query_heads_) * rows * block_k_);
         heavy_count_.resize(static_cast<std::size_t>(query_heads_) * rows);
-        tbb::parallel_for(int64_t{0}, query_heads_ * rows, [&](int64_t job) {
-            const int head = static_cast<int>(job / rows);
-            const int64_t t = first + job % rows;
+        // A job takes a run of one head's rows in order, so that each row's threshold hints the
+        // next's (see top_k_positions); a run starts from the hint the head's previous block left.
+        // Hints change how much of a row is scanned, never the positions chosen.
+        if (first == 1) heavy_hint_.assign(query_heads_, kNoTopKHint);
+        heavy_next_hint_.resize(query_heads_);
+        constexpr int64_t kRowsPerRun = 16;
+        const int64_t runs = (rows + kRowsPerRun - 1) / kRowsPerRun;
+        tbb::parallel_for(int64_t{0}, query_heads_ * runs, [&](int64_t job) {
+            const int head = static_cast<int>(job / runs);
+            const int64_t begin = job % runs * kRowsPerRun, stop = std::min(rows, begin + kRowsPerRun);
+            int32_t hint = heavy_hint_[head];
             thread_local std::vector<int32_t> top;
-            top.clear();
-            top_k_positions({block_.row(head, t), static_cast<std::size_t>(t)}, block_k_, top);
-            std::copy(top.begin(), top.end(), heavy_.begin() + job * block_k_);
-            heavy_count_[job] = static_cast<int32_t>(top.size());
+            for (int64_t i = begin; i < stop; ++i) {
+                const int64_t t = first + i, row_job = head * rows + i;
+                top.clear();
+                top_k_positions({block_.row(head, t), static_cast<std::size_t>(t)}, block_k_, top, hint);
+                std::copy(top.begin(), top.end(), heavy_.begin() + row_job * block_k_);
+                heavy_count_[row_job] = static_cast<int32_t>(top.size());
+            }
+            if (stop == rows) heavy_next_hint_[head] = hint;
         });
+        heavy_hint_.swap(heavy_next_hint_);
         if (options_.output_error) {
             // By the same arithmetic as a policy's cached output: the full cache errs by exactly 0.
             full_output_.resize(static_cast<std::size_t>(query_heads_) * rows * head_dim_);
@@ -361,6 +374,7 @@ private:
     bool recorded_self_ = false;
     std::vector<int32_t> heavy_;                    // [query head][row][k]
     std::vector<int32_t> heavy_count_;              // [query head][row]
+    std::vector<int32_t> heavy_hint_, heavy_next_hint_;  // per query head: top_k_positions' hints
     std::vector<std::vector<float>> combined_;      // raw view with groups: reduced rows per KV head
     std::vector<float> full_output_;                // [query head][row][d]: the full cache's output
     std::vector<int32_t> every_position_;           // 0, 1, 2, ...: the full cache's positions

@@ -82,7 +82,10 @@ public:
     std::string description() const override { return "synthetic-qkv/" + spec_.name + " (generated in-process)"; }
 
 protected:
-    QkvLayer load_layer(int, int layer) override { return generate_synthetic_qkv_layer(spec_, layer); }
+    void load_layer(int, int layer, QkvLayer& data) override {
+        data = QkvLayer{};  // release the previous layer before generating the next
+        data = generate_synthetic_qkv_layer(spec_, layer);
+    }
 
 private:
     SyntheticQkvSpec spec_;

@@ -111,6 +111,9 @@ public:
     // One layer's Q, K and V; throws InputError naming the file, the dataset and the first
     // element that is not finite, or when the layer is over the memory limit.
     QkvLayer read_qkv(int sequence, int layer) const;
+    // The same into `data`, over its buffers where they are large enough: a replay reads layer
+    // after layer without faulting in and clearing a fresh layer's pages each time.
+    void read_qkv(int sequence, int layer, QkvLayer& data) const;
     std::vector<int32_t> read_tokens(int sequence) const;  // empty when the trace stores none
 
     uint64_t file_bytes() const;

@@ -123,6 +123,33 @@ TEST_CASE("top_k_positions is total: NaN, infinities, negatives, -0 and denormal
     }
 }
 
+TEST_CASE("top_k_positions with a hint carried from row to row: the same positions in the same order") {
+    // Rows of one head in sequence, as the replay calls it: weights from a few levels (many ties),
+    // some rows flatter or peakier than the last (the hint then too high or too low), a few
+    // invalid ones; each must match the unhinted call exactly and the brute-force reference.
+    std::mt19937 rng(11);
+    std::uniform_real_distribution<float> u(0.0f, 1.0f);
+    const float levels[] = {0.0f, 1e-6f, 0.001f, 0.01f, 0.01f, 0.02f, 0.05f, 0.1f, 0.3f};
+    for (int k : {1, 4, 32, 100, 300}) {
+        int32_t hint = kNoTopKHint;
+        std::vector<float> row;
+        for (int t = 1; t < 1500; t += 1 + static_cast<int>(rng() % 5)) {
+            row.resize(t);
+            const float scale = u(rng) < 0.1f ? 0.01f + u(rng) : 1.0f;  // now and then a flatter row
+            for (float& x : row) x = levels[rng() % std::size(levels)] * (u(rng) < 0.5f ? 1.0f : scale);
+            if (u(rng) < 0.03f) row[rng() % t] = u(rng) < 0.5f ? kNaN : -1.0f;
+            if (u(rng) < 0.05f) hint = static_cast<int32_t>(rng());  // any hint, even a wild one
+            std::vector<int32_t> hinted, plain;
+            top_k_positions(row, k, hinted, hint);
+            top_k_positions(row, k, plain);
+            INFO("k " << k << ", t " << t);
+            REQUIRE(hinted == plain);
+            std::sort(hinted.begin(), hinted.end());
+            REQUIRE(hinted == reference_top_k(row, k));
+        }
+    }
+}
+
 TEST_CASE("top_k_positions on valid weights keeps the reference tie rule") {
     // Non-negative finite weights: the bit order is the float order, so the rule is unchanged.
     std::vector<float> row(100, 0.01f);

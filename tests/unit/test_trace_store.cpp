@@ -3,13 +3,16 @@
 #include <hdf5.h>
 
 #include <Eigen/Core>
+#include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
 
 #include "helpers.h"
 #include "hostile_traces.h"
+#include "sim/cache_math.h"
 #include "sim/trace_store.h"
 #include "base/errors.h"
 
@@ -38,7 +41,85 @@ QkvLayer random_layer(int64_t tokens, const TraceMetadata& m, unsigned seed) {
     return random_qkv_layer(tokens, m, seed, 3.0f);
 }
 
+// IEEE binary16 as HDF5 describes it (as the trace writer and h5py store it).
+hid_t hdf5_half_type() {
+    const hid_t t = H5Tcopy(H5T_IEEE_F32LE);
+    H5Tset_fields(t, 15, 10, 5, 0, 10);
+    H5Tset_size(t, 2);
+    H5Tset_ebias(t, 15);
+    return t;
+}
+
+// A dataset read through HDF5's own conversion to float, as the reader read float16 before.
+std::vector<float> read_through_hdf5(const std::string& path, const std::string& dataset, std::size_t count) {
+    const hid_t file = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+    const hid_t data = H5Dopen2(file, dataset.c_str(), H5P_DEFAULT);
+    std::vector<float> out(count);
+    REQUIRE(H5Dread(data, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data()) >= 0);
+    H5Dclose(data);
+    H5Fclose(file);
+    return out;
+}
+
 }  // namespace
+
+TEST_CASE("float16 Q/K/V read as the same float bits HDF5's conversion gives: every finite half, subnormals, -0") {
+    // Every finite half (+-0, subnormals, normals up to +-65504), in datasets whose sizes are not
+    // multiples of 8, so the vector loop's tail is read too.
+    std::vector<float> finite_halves;
+    for (uint32_t h = 0; h < 0x10000u; ++h)
+        if ((h & 0x7c00u) != 0x7c00u) finite_halves.push_back(half_bits_to_float(static_cast<uint16_t>(h)));
+    TraceMetadata m = qkv_metadata();
+    m.num_layers = 1;
+    m.head_dim = 7;
+    const int64_t tokens = 4547;  // K and V: 63,658 values, more than the 63,488 finite halves
+    QkvLayer layer;
+    layer.tokens = tokens;
+    layer.q.resize(tokens * m.num_query_heads * m.head_dim);
+    layer.k.resize(tokens * m.num_kv_heads * m.head_dim);
+    layer.v.resize(layer.k.size());
+    std::size_t next = 0;
+    for (auto* tensor : {&layer.q, &layer.k, &layer.v})
+        for (float& x : *tensor) x = finite_halves[next++ % finite_halves.size()];
+    const std::string path = temp_dir() + "/every-half.h5";
+    {
+        TraceWriter writer(path, m);
+        writer.write_qkv(writer.add_sequence("halves", tokens), 0, layer, TensorDtype::float16);
+        writer.commit();
+    }
+    const QkvLayer read = TraceReader(path).read_qkv(0, 0);
+    const std::pair<const char*, const std::vector<float>*> tensors[] = {
+        {"q", &read.q}, {"k", &read.k}, {"v", &read.v}};
+    const std::vector<float>* written[] = {&layer.q, &layer.k, &layer.v};
+    for (int i = 0; i < 3; ++i) {
+        const auto& [name, values] = tensors[i];
+        INFO("tensor " << name);
+        const std::vector<float> hdf5 =
+            read_through_hdf5(path, std::string("/sequences/000000/qkv/layer_000/") + name, values->size());
+        REQUIRE(values->size() == hdf5.size());
+        CHECK(std::memcmp(values->data(), hdf5.data(), hdf5.size() * sizeof(float)) == 0);
+        CHECK(std::memcmp(values->data(), written[i]->data(), hdf5.size() * sizeof(float)) == 0);
+    }
+}
+
+TEST_CASE("cache_math's half conversion, the reader's fallback without F16C, is HDF5's on every half") {
+    std::vector<uint16_t> halves(0x10000);
+    for (uint32_t h = 0; h < 0x10000u; ++h) halves[h] = static_cast<uint16_t>(h);
+    std::vector<float> converted(0x10000);
+    std::memcpy(converted.data(), halves.data(), halves.size() * sizeof(uint16_t));  // converted in place
+    const hid_t half = hdf5_half_type();
+    REQUIRE(H5Tconvert(half, H5T_NATIVE_FLOAT, converted.size(), converted.data(), nullptr, H5P_DEFAULT) >= 0);
+    H5Tclose(half);
+    int mismatches = 0;
+    for (uint32_t h = 0; h < 0x10000u; ++h) {
+        const float ours = half_bits_to_float(halves[h]), theirs = converted[h];
+        if (std::isnan(ours))  // NaN never reaches a replay (the reader refuses it): sign and NaN-ness
+            mismatches += !std::isnan(theirs) || std::signbit(ours) != std::signbit(theirs);
+        else
+            mismatches += std::memcmp(&ours, &theirs, sizeof(float)) != 0;
+    }
+    CHECK(mismatches == 0);
+}
 
 TEST_CASE("a policybook trace written to HDF5 reads back bit for bit, and replays to the same results") {
     const std::string path = temp_dir() + "/decode-4096.h5";
