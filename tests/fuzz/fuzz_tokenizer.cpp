@@ -1,9 +1,11 @@
-// Fuzzes the SentencePiece tokenizer: bytes as text (random bytes, invalid UTF-8, '▁' and spaces
-// in any number) through encode and decode, with small vocabularies that kvsim's own GGUF writer
-// makes at start-up (tests/fuzz/fuzz_seeds.h). Beyond "only InputError escapes" it checks what
-// encode promises: every id is in the vocabulary, BOS comes first when asked for, and with all 256
-// byte tokens present, decoding what encode made after BOS gives the text back (unless the text
-// spells '▁' itself, which decodes as a space).
+// Fuzzes the tokenizers: bytes as text (random bytes, invalid UTF-8, '▁' and spaces in any number)
+// through encode and decode, with small vocabularies that kvsim's own GGUF writer makes at
+// start-up: SentencePiece ones (tests/fuzz/fuzz_seeds.h) and a byte-level BPE one per
+// pre-tokenizer (tests/model/bpe_vocabulary.h). Beyond "only InputError escapes" it checks what
+// encode promises: every id is in the vocabulary (with control tokens parsed too, for BPE), BOS
+// comes first when asked for, and with all 256 byte tokens present, decoding what encode made
+// after BOS gives the text back (for SentencePiece unless the text spells '▁' itself, which
+// decodes as a space).
 #include <unistd.h>
 
 #include <cstdint>
@@ -18,6 +20,7 @@
 #include "src/model/gguf_writer.h"
 #include "src/model/tokenizer.h"
 #include "tests/fuzz/fuzz_seeds.h"
+#include "tests/model/bpe_vocabulary.h"
 
 namespace {
 
@@ -47,6 +50,17 @@ std::vector<Vocabulary> make_vocabularies() {
         writer.write(path);
         vocabularies.push_back({model::Tokenizer::load(path), spec.byte_tokens == 256});
     }
+    // Byte-level BPE, one vocabulary per pre-tokenizer: every byte has a token, so any text
+    // round-trips exactly; merges of spaces, digits, letters and a multi-byte letter.
+    for (const char* pre : {"gpt-2", "llama-bpe", "qwen2", "smollm"}) {
+        model::testing::BpeVocabulary bpe;
+        bpe.pre = pre;
+        bpe.merges = {"Ġ t", "h e", "Ġt he", "i n", "Ġ a", "in g", "Ċ Ċ", "Ġ Ġ", "1 2", "12 3", "Ã ¯"};
+        bpe.specials = {{"<|user|>", 4}, {"<|im_start|>", 3}};
+        bpe.add_bos_token = true;
+        bpe.write(path);
+        vocabularies.push_back({model::Tokenizer::load(path), true});
+    }
     std::remove(path.c_str());
     return vocabularies;
 }
@@ -62,6 +76,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     for (const Vocabulary& vocabulary : vocabularies) {
         const model::Tokenizer& tokenizer = vocabulary.tokenizer;
         try {
+            const bool bpe = tokenizer.model() != model::Tokenizer::Model::SentencePiece;
+            if (bpe)  // control tokens spelled in the text: ids in range, whatever the text
+                for (const int id : tokenizer.encode(text, true, true))
+                    if (id < 0 || id >= tokenizer.vocab_size()) bug("encode (parse_special) produced an id outside the vocabulary");
             for (const bool bos : {true, false}) {
                 const std::vector<int> ids = tokenizer.encode(text, bos);
                 if (bos && (ids.empty() || ids.front() != tokenizer.bos_id())) bug("encode: no BOS first");
@@ -71,7 +89,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                 }
                 // Without token types BOS is a normal piece that decodes as "<s>": leave it out.
                 const std::string decoded = tokenizer.decode(std::vector<int>(ids.begin() + (bos ? 1 : 0), ids.end()));
-                if (vocabulary.every_byte && text.find("\xE2\x96\x81") == std::string_view::npos && decoded != text)
+                // A user-defined token ("<|user|>") decodes as written, so BPE round-trips always.
+                if (vocabulary.every_byte && (bpe || text.find("\xE2\x96\x81") == std::string_view::npos) &&
+                    decoded != text)
                     bug("decode(encode(text)) != text");
             }
         } catch (const InputError&) {
