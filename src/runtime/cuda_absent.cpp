@@ -8,7 +8,7 @@ bool device_available(std::string& why) {
     return false;
 }
 
-std::unique_ptr<DeviceCache> DeviceCache::create(const std::vector<HeadLayout>&, int, int, int, int, std::string& error) {
+std::unique_ptr<DeviceCache> DeviceCache::create(const std::vector<HeadLayout>&, int, int, int, std::string& error) {
     std::string why;
     device_available(why);
     error = "backend 'cuda': " + why;

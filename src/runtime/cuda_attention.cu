@@ -11,13 +11,10 @@ namespace kvsim::runtime::cuda {
 namespace {
 
 constexpr int kMaxPerLane = 8;  // channels a lane accumulates: head size up to 256
-using DeviceHead = PooledHead;
-using Copy = PoolCopy;
-constexpr uint8_t kEmpty = kEmptyCode;
 
-__global__ void scatter_kernel(uint8_t* pool, const uint8_t* staged, const Copy* copies, int count) {
+__global__ void scatter_kernel(uint8_t* pool, const uint8_t* staged, const PoolCopy* copies, int count) {
     for (int i = blockIdx.x; i < count; i += gridDim.x) {
-        const Copy c = copies[i];
+        const PoolCopy c = copies[i];
         for (uint32_t b = threadIdx.x; b < c.length; b += blockDim.x) pool[c.pool_offset + b] = staged[c.staged_offset + b];
     }
 }
@@ -25,17 +22,17 @@ __global__ void scatter_kernel(uint8_t* pool, const uint8_t* staged, const Copy*
 // Split-K decode attention, one warp per (query head, chunk of slots): lanes split the channels, a
 // shuffle sums each dot product, every lane runs the same online softmax. Writes each held slot's
 // score and the chunk's (maximum, sum, accumulator).
-__global__ void partial_kernel(const DeviceHead* heads, int group, int d, float scale, const float* q, int max_chunks,
+__global__ void partial_kernel(const PooledHead* heads, int group, int d, float scale, const float* q, int max_chunks,
                                int max_capacity, float* scores, float* partial) {
     const int h = blockIdx.x, chunk = blockIdx.y, lane = threadIdx.x;
-    const DeviceHead& head = heads[h / group];
+    const PooledHead& head = heads[h / group];
     const float* qh = q + static_cast<size_t>(h) * d;
     float acc[kMaxPerLane] = {};
     OnlineSoftmax softmax;
     const int end = min((chunk + 1) * kChunkSlots, head.capacity);
     for (int slot = chunk * kChunkSlots; slot < end; ++slot) {
         const uint8_t code = head.codes[slot];
-        if (code == kEmpty) continue;
+        if (code == kEmptyCode) continue;
         const TierView& k = head.keys[code & 3];
         const TierView& v = head.values[code >> 2];
         float dot = 0.0f;
@@ -53,7 +50,7 @@ __global__ void partial_kernel(const DeviceHead* heads, int group, int d, float 
 }
 
 // Merges a query head's chunks in order (OnlineSoftmax::merge) into its output, maximum and sum.
-__global__ void combine_kernel(const DeviceHead* heads, int group, int d, int max_chunks, const float* partial,
+__global__ void combine_kernel(const PooledHead* heads, int group, int d, int max_chunks, const float* partial,
                                float* out, float* maxima, float* sums) {
     const int h = blockIdx.x, lane = threadIdx.x;
     const int chunks = (heads[h / group].capacity + kChunkSlots - 1) / kChunkSlots;
@@ -74,14 +71,14 @@ __global__ void combine_kernel(const DeviceHead* heads, int group, int d, int ma
 }
 
 // What the policy sees, per KV head and slot: the group's mean softmax weight (0 where empty).
-__global__ void weights_kernel(const DeviceHead* heads, int group, int max_capacity, const float* scores,
+__global__ void weights_kernel(const PooledHead* heads, int group, int max_capacity, const float* scores,
                                const float* maxima, const float* sums, float* slot_weights) {
     const int kv = blockIdx.y;
     const int slot = blockIdx.x * blockDim.x + threadIdx.x;
     if (slot >= max_capacity) return;
-    const DeviceHead& head = heads[kv];
+    const PooledHead& head = heads[kv];
     float mean = 0.0f;
-    if (slot < head.capacity && head.codes[slot] != kEmpty) {
+    if (slot < head.capacity && head.codes[slot] != kEmptyCode) {
         for (int g = 0; g < group; ++g) {
             const int h = kv * group + g;
             mean += expf(scores[static_cast<size_t>(h) * max_capacity + slot] - maxima[h]) * (1.0f / sums[h]);
@@ -108,12 +105,12 @@ public:
         max_chunks_ = std::max(1, (pool_.max_capacity() + kChunkSlots - 1) / kChunkSlots);
         const std::size_t queries = static_cast<std::size_t>(kv_heads_) * group_, capacity = pool_.max_capacity();
         if (!allocate(&pool_device_, pool_.bytes(), error) ||
-            !check(cudaMemset(pool_device_, kEmpty, pool_.bytes()), "cudaMemset", error))
+            !check(cudaMemset(pool_device_, kEmptyCode, pool_.bytes()), "cudaMemset", error))
             return false;
-        const std::vector<DeviceHead> heads = pool_.heads_at(pool_device_);
+        const std::vector<PooledHead> heads = pool_.heads_at(pool_device_);
         host_out_.resize(queries * d_);
         return allocate(&heads_, heads.size(), error) &&
-               check(cudaMemcpy(heads_, heads.data(), heads.size() * sizeof(DeviceHead), cudaMemcpyHostToDevice),
+               check(cudaMemcpy(heads_, heads.data(), heads.size() * sizeof(PooledHead), cudaMemcpyHostToDevice),
                      "cudaMemcpy", error) &&
                allocate(&staged_device_, DevicePool::kStagedBytes, error) &&
                allocate(&copies_device_, DevicePool::kMaxCopies, error) && allocate(&q_, queries * d_, error) &&
@@ -131,7 +128,7 @@ public:
     bool attend(int layer, const float* q, float* out, float* slot_weights, std::string& error) override {
         const std::size_t queries = static_cast<std::size_t>(kv_heads_) * group_;
         const int capacity = pool_.max_capacity();
-        const DeviceHead* heads = heads_ + static_cast<std::size_t>(layer) * kv_heads_;
+        const PooledHead* heads = heads_ + static_cast<std::size_t>(layer) * kv_heads_;
         if (!flush(error) || !check(cudaMemcpy(q_, q, queries * d_ * sizeof(float), cudaMemcpyHostToDevice), "cudaMemcpy", error))
             return false;
         partial_kernel<<<dim3(static_cast<unsigned>(queries), static_cast<unsigned>(max_chunks_)), 32>>>(
@@ -178,7 +175,7 @@ private:
         if (count > 0) {
             ok = check(cudaMemcpy(staged_device_, pool_.staged().data(), pool_.staged_bytes(), cudaMemcpyHostToDevice),
                        "cudaMemcpy", error) &&
-                 check(cudaMemcpy(copies_device_, pool_.copies().data(), count * sizeof(Copy), cudaMemcpyHostToDevice),
+                 check(cudaMemcpy(copies_device_, pool_.copies().data(), count * sizeof(PoolCopy), cudaMemcpyHostToDevice),
                        "cudaMemcpy", error);
             if (ok) {
                 scatter_kernel<<<std::min(count, 4096), 128>>>(pool_device_, staged_device_, copies_device_, count);
@@ -193,9 +190,9 @@ private:
     int kv_heads_ = 0, group_ = 1, d_ = 0, max_chunks_ = 1;
     std::vector<void*> allocations_;
     uint8_t* pool_device_ = nullptr;
-    DeviceHead* heads_ = nullptr;
+    PooledHead* heads_ = nullptr;
     uint8_t* staged_device_ = nullptr;
-    Copy* copies_device_ = nullptr;
+    PoolCopy* copies_device_ = nullptr;
     float *q_ = nullptr, *out_ = nullptr, *partial_ = nullptr, *scores_ = nullptr, *maxima_ = nullptr, *sums_ = nullptr,
           *slot_weights_ = nullptr;
     std::vector<float> host_out_;
@@ -217,14 +214,13 @@ bool device_available(std::string& why) {
     return true;
 }
 
-std::unique_ptr<DeviceCache> DeviceCache::create(const std::vector<HeadLayout>& heads, int num_layers, int num_kv_heads,
+std::unique_ptr<DeviceCache> DeviceCache::create(const std::vector<HeadLayout>& heads, int num_kv_heads,
                                                  int group, int head_dim, std::string& error) {
     std::string why;
     if (!device_available(why)) {
         error = "backend 'cuda': " + why;
         return nullptr;
     }
-    (void)num_layers;  // the layouts are layer-major: their count fixes it
     auto cache = std::make_unique<CudaDeviceCache>(heads);
     if (!cache->plan(num_kv_heads, group, head_dim, error)) return nullptr;
     return cache;

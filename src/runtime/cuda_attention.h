@@ -28,7 +28,7 @@ class DeviceCache {
 public:
     // Plans the pool for `heads` (layer-major, num_kv_heads a layer). Null with `error` set when
     // there is no device or a CUDA call fails.
-    static std::unique_ptr<DeviceCache> create(const std::vector<HeadLayout>& heads, int num_layers, int num_kv_heads,
+    static std::unique_ptr<DeviceCache> create(const std::vector<HeadLayout>& heads, int num_kv_heads,
                                                int group, int head_dim, std::string& error);
     virtual ~DeviceCache() = default;
 

@@ -26,7 +26,12 @@ struct PooledHead {
     int capacity = 0;
 };
 
-inline constexpr uint8_t kEmptyCode = 0xff;  // an empty slot (HeadCache::kEmptySlot)
+// What a slot holds, in one byte: its key tier | value tier << 2, or kEmptyCode. The host's head
+// cache writes it, the pool carries it, the kernels read it.
+inline constexpr uint8_t kEmptyCode = 0xff;
+constexpr uint8_t slot_code(uint8_t key_tier, uint8_t value_tier) {
+    return static_cast<uint8_t>(key_tier | value_tier << 2);
+}
 inline constexpr int kChunkSlots = 256;      // slots one warp attends before its result is merged
 
 // A staged copy: `length` bytes from the staging area into the pool.

@@ -74,7 +74,7 @@ void HeadCache::start() {
     attending_bytes_ = 0;
     completed_key_groups_ = 0;
     if (mirrored_)
-        for (int s = 0; s < capacity_; ++s) mark(s, kEmptySlot);
+        for (int s = 0; s < capacity_; ++s) mark(s, kEmptyCode);
 }
 
 std::unique_ptr<Policy> HeadCache::fresh_policy() const { return make_policy_(); }
@@ -317,7 +317,7 @@ void HeadCache::read_key(int32_t p, uint8_t tier, int slot, float* out) const {
 
 void HeadCache::abandon(int slot) {
     free_slots_.push_back(slot);
-    mark(slot, kEmptySlot);
+    mark(slot, kEmptyCode);
 }
 
 void HeadCache::complete_from_slot_weights(int32_t t, int slot, const float* slot_weights, bool defer_eviction) {
@@ -355,7 +355,7 @@ void HeadCache::complete(int32_t t, int slot, bool defer_eviction) {
             if (next_victim < victims_.size() && positions_[i] == victims_[next_victim]) {
                 if (slot_of_[i] >= 0) {
                     free_slots_.push_back(slot_of_[i]);
-                    mark(slot_of_[i], kEmptySlot);
+                    mark(slot_of_[i], kEmptyCode);
                 }
                 ++next_victim;
                 continue;
@@ -376,11 +376,10 @@ void HeadCache::complete(int32_t t, int slot, bool defer_eviction) {
 
 void HeadCache::mirror_to_device(bool on) {
     mirrored_ = on && !state_;
-    slot_code_.assign(mirrored_ ? capacity_ : 0, kEmptySlot);
+    slot_code_.assign(mirrored_ ? capacity_ : 0, kEmptyCode);
     slot_dirty_.assign(mirrored_ ? capacity_ : 0, 0);
     dirty_slots_.clear();
-    // Every slot once: the device's table starts as the host's, all empty.
-    for (int s = 0; mirrored_ && s < capacity_; ++s) dirty_slots_.push_back(s), slot_dirty_[s] = 1;
+    mark_all_dirty();  // every slot once: the device's table starts as the host's, all empty
 }
 
 void HeadCache::mark(int slot, uint8_t code) {

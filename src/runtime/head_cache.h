@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "policies/policy.h"
+#include "src/runtime/device_pool.h"
 #include "src/runtime/tier_store.h"
 
 namespace kvsim::runtime {
@@ -55,20 +56,19 @@ public:
     void complete_from_slot_weights(int32_t t, int slot, const float* slot_weights, bool defer_eviction);
 
     // A device mirror of this head's slots: every slot whose contents or tiers change is marked,
-    // and take_dirty hands each marked slot once, with its code (slot_code below, or kEmptySlot),
+    // and take_dirty hands each marked slot once, with its code (device_pool.h's slot_code, or
+    // kEmptyCode),
     // so the device receives only what changed. Not for streaming heads (they stay on the host).
-    static constexpr uint8_t kEmptySlot = 0xff;
-    static constexpr uint8_t slot_code(uint8_t key_tier, uint8_t value_tier) {
-        return static_cast<uint8_t>(key_tier | value_tier << 2);
-    }
     void mirror_to_device(bool on);
     void take_dirty(const std::function<void(int slot, uint8_t code)>& send);
     void mark_all_dirty();  // the device lost what it held: every slot is sent again
     bool streaming() const { return state_ != nullptr; }
     bool per_channel_keys() const { return kivi_; }  // KIVI key groups: the CPU backends only
     int capacity() const { return capacity_; }
-    const TierStore& key_store(int tier) const { return keys_[tier]; }
-    const TierStore& value_store(int tier) const { return values_[tier]; }
+    // Every tier's rows where they lie, keys and values: what a device copy reads.
+    void tier_views(TierView (&keys)[3], TierView (&values)[3]) const {
+        for (int tier = 0; tier < 3; ++tier) keys[tier] = keys_[tier].view(), values[tier] = values_[tier].view();
+    }
 
     const std::vector<int32_t>& held() const { return positions_; }
     uint8_t key_tier_of(std::size_t i) const { return key_tier_[positions_[i]]; }

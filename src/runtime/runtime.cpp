@@ -121,15 +121,12 @@ std::unique_ptr<kvsim_rt> plan(const char* profile_path, const kvsim_model_shape
             if (head.per_channel_keys())
                 throw BackendError("backend 'cuda': per-channel (KIVI) key groups (policy " + p.policy +
                                    ") are not on the device yet; use cpu");
-            for (int tier = 0; tier < 3; ++tier) {
-                layouts[u].keys[tier] = head.key_store(tier).view();
-                layouts[u].values[tier] = head.value_store(tier).view();
-            }
+            head.tier_views(layouts[u].keys, layouts[u].values);
             layouts[u].capacity = head.streaming() ? 0 : head.capacity();
         }
         std::string error;
-        rt->device = make_device ? make_device(layouts, L, K, rt->group, shape.head_dim, error)
-                                 : runtime::cuda::DeviceCache::create(layouts, L, K, rt->group, shape.head_dim, error);
+        rt->device = make_device ? make_device(layouts, K, rt->group, shape.head_dim, error)
+                                 : runtime::cuda::DeviceCache::create(layouts, K, rt->group, shape.head_dim, error);
         if (!rt->device) throw BackendError(error);
         for (auto& head : rt->heads) head->mirror_to_device(true);
         rt->admitted_slot.assign(K, -1);
@@ -156,7 +153,7 @@ bool device_step(kvsim_rt* rt, int32_t layer, int32_t t, const float* q, const f
             HeadCache& h = head(l, kv);
             const std::size_t u = static_cast<std::size_t>(l) * K + kv;
             TierView keys[3], values[3];
-            for (int tier = 0; tier < 3; ++tier) keys[tier] = h.key_store(tier).view(), values[tier] = h.value_store(tier).view();
+            h.tier_views(keys, values);
             h.take_dirty([&](int slot, uint8_t code) {
                 ok = ok && rt->device->stage(static_cast<int>(u), slot, code, keys, values, error);
             });

@@ -13,7 +13,7 @@
 namespace kvsim::runtime {
 
 using DeviceFactory = std::function<std::unique_ptr<cuda::DeviceCache>(
-    const std::vector<HeadLayout>& heads, int num_layers, int num_kv_heads, int group, int head_dim, std::string& error)>;
+    const std::vector<HeadLayout>& heads, int num_kv_heads, int group, int head_dim, std::string& error)>;
 
 kvsim_status create_with_device(const char* profile_path, const kvsim_model_shape& shape, DeviceFactory make_device,
                                 kvsim_rt** out);

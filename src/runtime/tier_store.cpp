@@ -25,18 +25,23 @@ void TierStore::plan(int tier, int rows, int head_dim, int group) {
     }
 }
 
+// Level i of a quantised row: a signed byte at INT8, a two's-complement nibble at INT4 (low nibble
+// first; the row starts zeroed).
+void TierStore::store_level(uint8_t* row, int i, int level) const {
+    if (tier_ == 1) {
+        row[i] = static_cast<uint8_t>(static_cast<int8_t>(level));
+    } else {
+        const uint8_t nibble = static_cast<uint8_t>(level) & 0x0fu;
+        row[i / 2] |= static_cast<uint8_t>(i % 2 ? nibble << 4 : nibble);
+    }
+}
+
 void TierStore::write_with_channel_scales(int row, const float* x, const float* channel_scales) {
     const int qmax = quant_levels(tier_ == 1 ? 8 : 4);
     uint8_t* out = levels_.data() + static_cast<std::size_t>(row) * row_bytes_;
     if (tier_ == 2) std::fill(out, out + row_bytes_, uint8_t{0});
     for (int i = 0; i < head_dim_; ++i) {
-        const int level = static_cast<int>(quant_level(round_to_fp16(x[i]), channel_scales[i], qmax));
-        if (tier_ == 1) {
-            out[i] = static_cast<uint8_t>(static_cast<int8_t>(level));
-        } else {
-            const uint8_t nibble = static_cast<uint8_t>(level) & 0x0fu;
-            out[i / 2] |= static_cast<uint8_t>(i % 2 ? nibble << 4 : nibble);
-        }
+        store_level(out, i, static_cast<int>(quant_level(round_to_fp16(x[i]), channel_scales[i], qmax)));
     }
 }
 
@@ -65,13 +70,7 @@ void TierStore::write(int row, const float* x) {
         const float scale = group_scale(max_abs, qmax);
         scales[g] = float_to_half_bits(scale);  // exact: the scale is already an fp16 value
         for (int i = first; i < end; ++i) {
-            const int level = static_cast<int>(quant_level(round_to_fp16(x[i]), scale, qmax));
-            if (tier_ == 1) {
-                out[i] = static_cast<uint8_t>(static_cast<int8_t>(level));
-            } else {  // two's-complement nibbles, low nibble first
-                const uint8_t nibble = static_cast<uint8_t>(level) & 0x0fu;
-                out[i / 2] |= static_cast<uint8_t>(i % 2 ? nibble << 4 : nibble);
-            }
+            store_level(out, i, static_cast<int>(quant_level(round_to_fp16(x[i]), scale, qmax)));
         }
     }
 }

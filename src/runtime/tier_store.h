@@ -74,6 +74,7 @@ public:
     std::size_t reserved_bytes() const;
 
 private:
+    void store_level(uint8_t* row, int i, int level) const;
     static constexpr int kMaxUnpacked = 512;  // head sizes up to this unpack INT4 rows in one go
     int tier_ = 0, head_dim_ = 0, group_ = 1, groups_ = 1, row_bytes_ = 0;
     std::vector<uint16_t> half_;   // FP16: head_dim half bits a row

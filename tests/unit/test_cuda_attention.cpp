@@ -73,7 +73,7 @@ TEST_CASE("device pool: staged slots land where the pool's views read them") {
         TierView k[3], v[3];
         for (int tier = 0; tier < 3; ++tier) k[tier] = keys[u][tier].view(), v[tier] = values[u][tier].view();
         for (int slot = 0; slot < capacity[u]; ++slot) {
-            const uint8_t code = slot == 3 ? kEmptyCode : static_cast<uint8_t>(slot % 3 | (slot / 3 % 3) << 2);
+            const uint8_t code = slot == 3 ? kEmptyCode : slot_code(slot % 3, slot / 3 % 3);
             codes[u].push_back(code);
             REQUIRE(pool.stage(u, slot, code, k, v));
         }
@@ -103,6 +103,6 @@ TEST_CASE("cuda: without a device, the backend refuses in one line saying why") 
     }
     CHECK_FALSE(why.empty());
     std::string error;
-    CHECK(cuda::DeviceCache::create({}, 1, 1, 1, 8, error) == nullptr);
+    CHECK(cuda::DeviceCache::create({}, 1, 1, 8, error) == nullptr);
     CHECK(error == "backend 'cuda': " + why);
 }

@@ -333,7 +333,7 @@ namespace {
 
 // The "cuda" backend's path with its device done on the host (tests/unit/host_device_cache.h).
 runtime::DeviceFactory host_device(int fail_every = 0, std::shared_ptr<int> failures = nullptr) {
-    return [fail_every, failures](const std::vector<runtime::HeadLayout>& heads, int, int K, int group, int d,
+    return [fail_every, failures](const std::vector<runtime::HeadLayout>& heads, int K, int group, int d,
                                   std::string&) -> std::unique_ptr<runtime::cuda::DeviceCache> {
         auto cache = std::make_unique<runtime::HostDeviceCache>(heads, K, group, d);
         cache->fail_every = fail_every;
