@@ -25,7 +25,8 @@ HeadCache::HeadCache(const HeadPlan& plan, PolicyMaker make_policy)
             throw std::invalid_argument("per-channel (KIVI) keys with different INT8 and INT4 key groups");
         if (format_->int4_from_int8)
             throw std::invalid_argument("per-channel (KIVI) keys requantised from INT8 to INT4");
-        group_keys_.assign(static_cast<std::size_t>(key_group_) * d, 0.0f);
+        // A group longer than the context never completes: it needs no more rows than positions.
+        group_keys_.assign(static_cast<std::size_t>(std::min(key_group_, plan_.max_context)) * d, 0.0f);
         const std::size_t groups = static_cast<std::size_t>(plan_.max_context) / key_group_ + 1;
         for (int tier = 1; tier < 3; ++tier) channel_scales_[tier].assign(groups * d, 0.0f);
     }
@@ -92,6 +93,8 @@ void HeadCache::fail(int32_t t, const std::string& what) const {
 std::size_t HeadCache::reserved_bytes() const {
     std::size_t bytes = 0;
     for (int tier = 0; tier < 3; ++tier) bytes += keys_[tier].reserved_bytes() + values_[tier].reserved_bytes();
+    bytes += group_keys_.size() * sizeof(float);
+    for (const auto& scales : channel_scales_) bytes += scales.size() * sizeof(float);
     return bytes;
 }
 

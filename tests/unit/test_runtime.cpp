@@ -20,6 +20,7 @@
 #include "sim/replay.h"
 #include "sim/sweep.h"
 #include "sim/trace_store.h"
+#include "src/runtime/head_cache.h"
 #include "src/runtime/kvsim_runtime.h"
 #include "src/runtime/runtime_internal.h"
 #include "tests/unit/host_device_cache.h"
@@ -567,4 +568,23 @@ TEST_CASE("runtime (cpu): the decode path allocates nothing once planned") {
         kvsim_rt_destroy(rt);
         std::filesystem::remove(path);
     }
+}
+
+TEST_CASE("runtime (cpu): a KIVI key group longer than the context reserves no more than the context") {
+    // key_group may be up to 10^9 positions; a group that long never completes within a planned
+    // context, so the keys kept aside for it are bounded by the context, not by key_group.
+    const PolicyDescriptor* int4 = find_policy("int4");
+    const ParamValues params = resolve_params(*int4, {{"key_group", 100000000}, {"value_group", 8}}, "test");
+    static const std::map<std::string, std::string> no_files;
+    runtime::HeadPlan plan;
+    plan.group = 2, plan.head_dim = 8, plan.budget = 64, plan.max_context = 64;
+    const PolicyContext ctx{64, 65, 0, 1, 0, 1, 8, &no_files};
+    runtime::HeadCache head(plan, [&] { return int4->make(params, ctx); });
+    // 65 slots at three tiers (about 4 KB), the group's keys for 64 positions (2 KB) and two
+    // tiers' scales for one group (64 B); sized by key_group it would be 3.2 GB.
+    CHECK(head.reserved_bytes() < 16 * 1024);
+    std::vector<float> q(16, 0.5f), k(8, 0.25f), v(8, 1.0f), out(16);
+    for (int t = 0; t < 64; ++t) head.decode(t, q.data(), k.data(), v.data(), out.data());
+    for (std::size_t i = 0; i < head.held().size(); ++i)
+        CHECK(head.key_tier_of(i) == 0);  // the group never completed: every key still FP16
 }
