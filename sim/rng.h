@@ -2,6 +2,7 @@
 // (../shared/reference/policybook-kvcache.md, section 1). Exact u32 arithmetic: the synthetic
 // trace's hash depends on every draw.
 #pragma once
+#include <cmath>
 #include <cstdint>
 #include <stdexcept>
 
@@ -56,6 +57,44 @@ public:
 private:
     static uint32_t rotl(uint32_t x, int k) { return (x << k) | (x >> (32 - k)); }
     uint32_t state_[4];
+};
+
+// Standard normal floats by Box-Muller over xoshiro128**: the synthetic Q/K/V traces' noise.
+class NormalStream {
+public:
+    explicit NormalStream(uint32_t seed) : rng_(seed) {}
+    float next() {  // Box-Muller; the second value is kept for the next call
+        if (has_spare_) {
+            has_spare_ = false;
+            return spare_;
+        }
+        double u = rng_.next_float(), v = rng_.next_float();
+        if (u < 1e-300) u = 1e-300;
+        const double r = std::sqrt(-2.0 * std::log(u)), a = 6.283185307179586 * v;
+        spare_ = static_cast<float>(r * std::sin(a));
+        has_spare_ = true;
+        return static_cast<float>(r * std::cos(a));
+    }
+    uint32_t next_int(uint32_t n) { return rng_.next_int(n); }
+    double uniform() { return rng_.next_float(); }
+    // Moves past the next n normals as next() would, without computing them: a pair costs two
+    // raw draws. A generator copied before a skip replays exactly what the skip passed over.
+    void skip(uint64_t n) {
+        if (n > 0 && has_spare_) {
+            has_spare_ = false;
+            --n;
+        }
+        for (uint64_t pair = 0; pair < n / 2; ++pair) {
+            rng_.next_u32();
+            rng_.next_u32();
+        }
+        if (n % 2) next();
+    }
+
+private:
+    Xoshiro128 rng_;
+    bool has_spare_ = false;
+    float spare_ = 0;
 };
 
 }  // namespace kvsim

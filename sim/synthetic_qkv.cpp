@@ -1,6 +1,10 @@
 #include "sim/synthetic_qkv.h"
 
+#include <tbb/parallel_for.h>
+#include <tbb/parallel_pipeline.h>
+
 #include <algorithm>
+#include <memory>
 #include <cmath>
 #include <vector>
 
@@ -11,31 +15,7 @@
 namespace kvsim {
 namespace {
 
-class Normal {
-public:
-    explicit Normal(uint32_t seed) : rng_(seed) {}
-    float next() {  // Box-Muller; the second value is kept for the next call
-        if (has_spare_) {
-            has_spare_ = false;
-            return spare_;
-        }
-        double u = rng_.next_float(), v = rng_.next_float();
-        if (u < 1e-300) u = 1e-300;
-        const double r = std::sqrt(-2.0 * std::log(u)), a = 6.283185307179586 * v;
-        spare_ = static_cast<float>(r * std::sin(a));
-        has_spare_ = true;
-        return static_cast<float>(r * std::cos(a));
-    }
-    uint32_t next_int(uint32_t n) { return rng_.next_int(n); }
-    double uniform() { return rng_.next_float(); }
-
-private:
-    Xoshiro128 rng_;
-    bool has_spare_ = false;
-    float spare_ = 0;
-};
-
-std::vector<float> unit_vector(Normal& normal, int d) {
+std::vector<float> unit_vector(NormalStream& normal, int d) {
     std::vector<float> u(d);
     double norm = 0;
     for (float& x : u) {
@@ -108,7 +88,7 @@ SyntheticQkvSpec synthetic_qkv_trace(const std::string& name, const std::string&
 QkvLayer generate_synthetic_qkv_layer(const SyntheticQkvSpec& spec, int layer) {
     const int d = spec.head_dim, hq = spec.num_query_heads, hkv = spec.num_kv_heads, group = hq / hkv;
     const int64_t T = spec.tokens;
-    Normal normal(spec.seed * 2654435761u + static_cast<uint32_t>(layer) * 40503u + 1u);
+    NormalStream normal(spec.seed * 2654435761u + static_cast<uint32_t>(layer) * 40503u + 1u);
     QkvLayer out;
     out.tokens = T;
     out.q.resize(T * hq * d);
@@ -118,33 +98,52 @@ QkvLayer generate_synthetic_qkv_layer(const SyntheticQkvSpec& spec, int layer) {
     const float depth = spec.num_layers > 1 ? static_cast<float>(layer) / (spec.num_layers - 1) : 0.5f;
     const float sharp = 0.7f + 0.6f * depth;
     const Rope rope(T, d, spec.rope_theta);
-    for (int g = 0; g < hkv; ++g) {
-        const std::vector<float> sink_dir = unit_vector(normal, d), heavy_dir = unit_vector(normal, d),
-                                 local_dir = unit_vector(normal, d);
+    // One stream of draws runs through the KV heads in order. Each head's few directions and
+    // amplitudes are drawn here in that order; its tokens' draws, a known count, are skipped and
+    // replayed below by a copy of the stream, so the heads fill in parallel with the same values.
+    struct HeadDraws {
+        std::vector<float> sink_dir, heavy_dir, local_dir;
+        float sink_amp = 0, heavy_amp = 0, local_amp = 0;
+        std::vector<uint8_t> heavy;
+        NormalStream tokens{0};  // the stream where this head's tokens begin
+    };
+    std::vector<HeadDraws> heads(hkv);
+    const uint64_t normals_per_head = static_cast<uint64_t>(T) * (2 + group) * d;
+    for (HeadDraws& head : heads) {
+        head.sink_dir = unit_vector(normal, d);
+        head.heavy_dir = unit_vector(normal, d);
+        head.local_dir = unit_vector(normal, d);
         // Amplitudes vary by head: some heads are local, some retrieve heavy hitters.
-        const float sink_amp = sharp * (5.0f + 2.0f * static_cast<float>(normal.uniform()));
-        const float heavy_amp = sharp * (3.0f + 3.0f * static_cast<float>(normal.uniform()));
-        const float local_amp = sharp * (4.0f + 3.0f * static_cast<float>(normal.uniform()));
-        std::vector<uint8_t> heavy(T, 0);
+        head.sink_amp = sharp * (5.0f + 2.0f * static_cast<float>(normal.uniform()));
+        head.heavy_amp = sharp * (3.0f + 3.0f * static_cast<float>(normal.uniform()));
+        head.local_amp = sharp * (4.0f + 3.0f * static_cast<float>(normal.uniform()));
+        head.heavy.assign(T, 0);
         for (int i = 0; i < spec.heavy_hitters && T > spec.sinks; ++i)
-            heavy[spec.sinks + normal.next_int(static_cast<uint32_t>(T - spec.sinks))] = 1;
+            head.heavy[spec.sinks + normal.next_int(static_cast<uint32_t>(T - spec.sinks))] = 1;
+        head.tokens = normal;
+        normal.skip(normals_per_head);
+    }
+    tbb::parallel_for(0, hkv, [&](int g) {
+        HeadDraws& head = heads[g];
+        NormalStream& draws = head.tokens;
         for (int64_t t = 0; t < T; ++t) {
             float* k = out.k.data() + (t * hkv + g) * d;
             float* v = out.v.data() + (t * hkv + g) * d;
-            const float sink = t < spec.sinks ? sink_amp : 0.0f, hit = heavy[t] ? heavy_amp : 0.0f;
+            const float sink = t < spec.sinks ? head.sink_amp : 0.0f, hit = head.heavy[t] ? head.heavy_amp : 0.0f;
             for (int i = 0; i < d; ++i) {
-                k[i] = normal.next() + sink * sink_dir[i] + hit * heavy_dir[i] + local_amp * local_dir[i];
-                v[i] = normal.next();
+                k[i] = draws.next() + sink * head.sink_dir[i] + hit * head.heavy_dir[i] + head.local_amp * head.local_dir[i];
+                v[i] = draws.next();
             }
             rope.apply(k, t);
             for (int h = g * group; h < (g + 1) * group; ++h) {
                 float* q = out.q.data() + (t * hq + h) * d;
                 for (int i = 0; i < d; ++i)
-                    q[i] = normal.next() + sink_amp * sink_dir[i] + heavy_amp * heavy_dir[i] + local_amp * local_dir[i];
+                    q[i] = draws.next() + head.sink_amp * head.sink_dir[i] + head.heavy_amp * head.heavy_dir[i] +
+                           head.local_amp * head.local_dir[i];
                 rope.apply(q, t);
             }
         }
-    }
+    });
     return out;
 }
 
@@ -169,8 +168,25 @@ void write_synthetic_qkv_trace(const SyntheticQkvSpec& spec, const std::string& 
         SyntheticQkvSpec one = spec;
         one.seed = spec.seed + static_cast<uint32_t>(s);
         const int sequence = writer.add_sequence(sequences == 1 ? spec.name : spec.name + "-" + std::to_string(s), spec.tokens);
-        for (int layer = 0; layer < spec.num_layers; ++layer)
-            writer.write_qkv(sequence, layer, generate_synthetic_qkv_layer(one, layer), dtype);
+        // Layers are generated in parallel (each has its own seed) and written in order; at most
+        // two are in flight, so memory stays at a few layers whatever the depth.
+        int next_layer = 0;
+        tbb::parallel_pipeline(
+            2, tbb::make_filter<void, int>(tbb::filter_mode::serial_in_order,
+                                           [&](tbb::flow_control& fc) {
+                                               if (next_layer == spec.num_layers) fc.stop();
+                                               return next_layer++;
+                                           }) &
+                   tbb::make_filter<int, std::pair<int, std::shared_ptr<QkvLayer>>>(
+                       tbb::filter_mode::parallel,
+                       [&](int layer) {
+                           return std::pair{layer, std::make_shared<QkvLayer>(generate_synthetic_qkv_layer(one, layer))};
+                       }) &
+                   tbb::make_filter<std::pair<int, std::shared_ptr<QkvLayer>>, void>(
+                       tbb::filter_mode::serial_in_order,
+                       [&](const std::pair<int, std::shared_ptr<QkvLayer>>& layer) {
+                           writer.write_qkv(sequence, layer.first, *layer.second, dtype);
+                       }));
     }
     writer.commit();
 }

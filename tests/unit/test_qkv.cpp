@@ -1,11 +1,13 @@
 // Attention recomputed from Q/K traces, grouped-query replay, the two views, prefill and
 // per-layer budgets.
 #include <doctest/doctest.h>
+#include <tbb/global_control.h>
 
 #include <cmath>
 
 #include "helpers.h"
 #include "sim/qkv_attention.h"
+#include "sim/rng.h"
 #include "sim/synthetic_qkv.h"
 #include "src/config.h"
 #include "base/errors.h"
@@ -30,6 +32,37 @@ struct Spy : Policy {
 };
 
 }  // namespace
+
+TEST_CASE("skipping n normals leaves the stream where drawing them would, spare or not") {
+    for (uint64_t before : {0, 1, 2, 5}) {
+        for (uint64_t n : {0, 1, 2, 3, 7, 10}) {
+            NormalStream drawn(42), skipped(42);
+            for (uint64_t i = 0; i < before; ++i) {
+                drawn.next();
+                skipped.next();
+            }
+            for (uint64_t i = 0; i < n; ++i) drawn.next();
+            skipped.skip(n);
+            for (int i = 0; i < 5; ++i) CHECK(drawn.next() == skipped.next());
+            CHECK(drawn.uniform() == skipped.uniform());
+        }
+    }
+}
+
+TEST_CASE("a synthetic Q/K/V layer is the same on one thread as on many") {
+    const SyntheticQkvSpec spec = synthetic_qkv_trace("small-1024", "test");
+    QkvLayer one;
+    {
+        tbb::global_control limit(tbb::global_control::max_allowed_parallelism, 1);
+        one = generate_synthetic_qkv_layer(spec, 2);
+    }
+    const QkvLayer many = generate_synthetic_qkv_layer(spec, 2);
+    CHECK(one.q == many.q);
+    CHECK(one.k == many.k);
+    CHECK(one.v == many.v);
+    // Each KV head's tokens start where the previous head's left the stream: heads differ.
+    CHECK(many.k[0] != many.k[static_cast<std::size_t>(spec.head_dim)]);
+}
 
 TEST_CASE("attention from Q and K matches a direct double-precision softmax") {
     const SyntheticQkvSpec spec = tiny();
