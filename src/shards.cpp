@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -298,6 +299,7 @@ ShardedOutcome run_sharded(const ExperimentConfig& config, const std::vector<Gri
         if (!partial.done.count(u)) todo.push_back(u);
     outcome.units_run = todo.size();
     // Checkpoints: the partial file, rewritten whole under a temporary name after every layer.
+    const auto start = std::chrono::steady_clock::now();
     experiment.run_units(todo, run.show_progress, [&](const std::vector<std::size_t>& units, std::vector<UnitResult>& results) {
         for (std::size_t i = 0; i < units.size(); ++i) partial.done[units[i]] = std::move(results[i]);
         write_file_atomically(partial.path, partial_text(partial));
@@ -307,9 +309,15 @@ ShardedOutcome run_sharded(const ExperimentConfig& config, const std::vector<Gri
         write_file_atomically(partial.path, partial_text(partial));
         return outcome;
     }
+    // The rate printed counts the steps replayed now, not those a resumed checkpoint held.
+    int64_t steps_now = 0;
+    for (std::size_t u : todo)
+        for (const StreamMetrics& m : partial.done.at(u).streams) steps_now += m.steps / partial.frame.group_size;
     std::vector<UnitResult> units;
     for (auto& [u, r] : partial.done) units.push_back(std::move(r));
     outcome.result = build_result(partial.frame, units);
+    outcome.result->policy_steps = steps_now;
+    outcome.result->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     write_outputs(*outcome.result, run.out_dir);
     std::filesystem::remove(partial.path, ec);  // the results are written: the checkpoint has served
     return outcome;

@@ -5,8 +5,10 @@
 #
 # As root on Debian 12, from the repository root, after ./bootstrap.sh:
 #     tests/slurm_local.sh [CONFIG] [SHARDS]        (default: configs/quickstart.yaml, 4 shards)
-# It installs slurm-wlm and munge with apt-get, starts the daemons (stopping them again at the end),
-# and keeps everything else under a scratch folder it prints. Not part of `meson test`: starting
+# It installs slurm-wlm and munge with apt-get where missing, starts munged (left running, as a
+# system daemon), slurmctld and slurmd on ports of its own (stopped again at the end), and keeps
+# everything else under a scratch folder it prints. Exit status 0 only when the merged files equal
+# one process's. CI (.ci/run) runs it; it takes about 15 seconds. Not part of `meson test`: starting
 # daemons as root and waiting on a scheduler is not something a unit-test run should do.
 set -euo pipefail
 config=${1:-configs/quickstart.yaml}
@@ -16,7 +18,8 @@ scratch=$(mktemp -d /tmp/kvsim-slurm-XXXXXX)
 echo "scratch folder: $scratch"
 
 if ! command -v slurmctld > /dev/null || ! command -v munged > /dev/null; then
-    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends slurm-wlm munge
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends slurm-wlm munge > /dev/null
 fi
 
 # munge: a key, and the daemon (Slurm authenticates every message with it).
@@ -28,15 +31,22 @@ if [ ! -s /etc/munge/munge.key ]; then
 fi
 mkdir -p /run/munge /var/log/munge /var/lib/munge
 chown munge:munge /run/munge /var/log/munge /var/lib/munge 2> /dev/null || true
-pgrep -x munged > /dev/null || runuser -u munge -- munged 2> /dev/null || munged --force
+if ! pgrep -x munged > /dev/null; then
+    runuser -u munge -- munged 2> /dev/null || munged --force
+fi
 
 host=$(hostname -s)
 cpus=$(nproc)
 memory=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 / 2 ))
+# Ports of this run's own (another Slurm on the machine keeps 6817 and 6818).
+ctld_port=$(( 20000 + ($$ % 10000) * 2 ))
+slurmd_port=$(( ctld_port + 1 ))
 conf=$scratch/slurm.conf
 cat > "$conf" << CONF
 ClusterName=kvsimlocal
 SlurmctldHost=$host
+SlurmctldPort=$ctld_port
+SlurmdPort=$slurmd_port
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -82,6 +92,10 @@ for _ in $(seq 600); do
     sleep 1
 done
 echo "merge job $merge_job: $state"
+if [ "$state" != COMPLETED ]; then
+    echo "slurm_local: the merge job did not complete; logs: $scratch/results/slurm-*.out, $scratch/*.log"
+    exit 1
+fi
 "$kvsim" sweep "$config" --out "$scratch/one-process" -q > /dev/null
 cmp "$scratch/results/results.csv" "$scratch/one-process/results.csv"
 cmp "$scratch/results/results.json" "$scratch/one-process/results.json"
