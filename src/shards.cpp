@@ -272,8 +272,6 @@ ShardedOutcome run_sharded(const ExperimentConfig& config, const std::vector<Gri
     std::tie(partial.first, partial.end) = shard_range(partial.units, partial.shard);
 
     std::error_code ec;
-    std::filesystem::create_directories(run.out_dir, ec);
-    if (ec) throw InputError(run.out_dir + ": cannot create output folder (" + ec.message() + ")");
     partial.path = run.out_dir + "/" + partial_file_name(partial.shard);
     ShardedOutcome outcome;
     outcome.units = partial.end - partial.first;
@@ -298,15 +296,38 @@ ShardedOutcome run_sharded(const ExperimentConfig& config, const std::vector<Gri
     for (std::size_t u = partial.first; u < partial.end; ++u)
         if (!partial.done.count(u)) todo.push_back(u);
     outcome.units_run = todo.size();
-    // Checkpoints: the partial file, rewritten whole under a temporary name after every layer.
-    const auto start = std::chrono::steady_clock::now();
-    experiment.run_units(todo, run.show_progress, [&](const std::vector<std::size_t>& units, std::vector<UnitResult>& results) {
-        for (std::size_t i = 0; i < units.size(); ++i) partial.done[units[i]] = std::move(results[i]);
+    // Checkpoints: the partial file, rewritten whole under a temporary name after every layer. The
+    // folder is made with the first one, so that input refused before it leaves nothing behind.
+    const bool had_checkpoint = !partial.done.empty();
+    bool made_folder = false, wrote_checkpoint = false;
+    auto checkpoint = [&] {
+        if (!std::filesystem::is_directory(run.out_dir)) {
+            std::filesystem::create_directories(run.out_dir, ec);
+            if (ec) throw InputError(run.out_dir + ": cannot create output folder (" + ec.message() + ")");
+            made_folder = true;
+        }
         write_file_atomically(partial.path, partial_text(partial));
-    });
+        wrote_checkpoint = true;
+    };
+    const auto start = std::chrono::steady_clock::now();
+    try {
+        experiment.run_units(todo, run.show_progress,
+                             [&](const std::vector<std::size_t>& units, std::vector<UnitResult>& results) {
+                                 for (std::size_t i = 0; i < units.size(); ++i)
+                                     partial.done[units[i]] = std::move(results[i]);
+                                 checkpoint();
+                             });
+    } catch (...) {
+        // Bad input found mid-way (a non-finite value in a later layer) is found again on a resume:
+        // a failed run leaves no checkpoint it started, only one it was resuming. A killed run
+        // never gets here, and its checkpoint stays.
+        if (wrote_checkpoint && !had_checkpoint) std::filesystem::remove(partial.path, ec);
+        if (made_folder) std::filesystem::remove(run.out_dir, ec);  // only if empty
+        throw;
+    }
     partial.complete = true;
     if (run.shard) {
-        write_file_atomically(partial.path, partial_text(partial));
+        checkpoint();
         return outcome;
     }
     // The rate printed counts the steps replayed now, not those a resumed checkpoint held.
