@@ -35,31 +35,31 @@ public:
     }
 
     std::vector<ComboResult> run() {
+        std::vector<int> layers = options_.layers;
+        if (layers.empty())
+            for (int layer = 0; layer < shape_.num_layers; ++layer) layers.push_back(layer);
+        for (int layer : layers)
+            if (layer < 0 || layer >= shape_.num_layers)
+                throw std::logic_error("replay: layer " + std::to_string(layer) + " out of range");
         check_memory_plan();
+        const std::size_t sequences = shape_.sequence_lengths.size();
         std::vector<ComboResult> results(combos_.size());
-        for (auto& r : results) {
-            r.by_layer.resize(shape_.num_layers);
-            r.by_head.resize(static_cast<std::size_t>(shape_.num_layers) * kv_heads_);
-            r.by_sequence.resize(shape_.sequence_lengths.size());
-        }
-        for (int64_t last : shape_.last_steps) total_steps_ += last * shape_.num_layers;
+        for (auto& r : results) r.by_stream.resize(sequences * shape_.num_layers * kv_heads_);
+        for (int64_t last : shape_.last_steps) total_steps_ += last * static_cast<int64_t>(layers.size());
 
-        for (std::size_t s = 0; s < shape_.sequence_lengths.size(); ++s)
-            for (int layer = 0; layer < shape_.num_layers; ++layer) {
+        for (std::size_t s = 0; s < sequences; ++s)
+            for (int layer : layers) {
                 std::vector<Harness> harnesses = make_harnesses(static_cast<int>(s), layer);
                 if (options_.output_error || options_.memory) attach_values(static_cast<int>(s), layer, harnesses);
                 replay_layer(static_cast<int>(s), layer, harnesses);
-                // Summed in (sequence, layer, KV head) order, whatever the threads did.
                 for (int kv = 0; kv < kv_heads_; ++kv)
                     for (std::size_t c = 0; c < combos_.size(); ++c) {
                         const Harness& harness = harnesses[kv * combos_.size() + c];
-                        results[c].by_layer[layer].add(harness.metrics());
-                        results[c].by_head[static_cast<std::size_t>(layer) * kv_heads_ + kv].add(harness.metrics());
-                        results[c].total.add(harness.metrics());
-                        results[c].by_sequence[s].add(harness.metrics());
+                        results[c].by_stream[(s * shape_.num_layers + layer) * kv_heads_ + kv] = harness.metrics();
                         results[c].policy_bytes_per_slot = harness.policy().bytes_per_slot();
                     }
             }
+        for (auto& r : results) sum_streams(r, sequences, shape_.num_layers, kv_heads_);
         return results;
     }
 
@@ -410,6 +410,22 @@ private:
 };
 
 }  // namespace
+
+void sum_streams(ComboResult& result, std::size_t sequences, int layers, int kv_heads) {
+    result.total = {};
+    result.by_layer.assign(layers, {});
+    result.by_head.assign(static_cast<std::size_t>(layers) * kv_heads, {});
+    result.by_sequence.assign(sequences, {});
+    for (std::size_t s = 0; s < sequences; ++s)
+        for (int layer = 0; layer < layers; ++layer)
+            for (int kv = 0; kv < kv_heads; ++kv) {
+                const StreamMetrics& m = result.by_stream.at((s * layers + layer) * kv_heads + kv);
+                result.by_layer[layer].add(m);
+                result.by_head[static_cast<std::size_t>(layer) * kv_heads + kv].add(m);
+                result.total.add(m);
+                result.by_sequence[s].add(m);
+            }
+}
 
 std::vector<ComboResult> replay(AttentionSource& source, const std::vector<ReplayCombo>& combos,
                                 const ReplayOptions& options) {

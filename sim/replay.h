@@ -88,6 +88,9 @@ struct ReplayOptions {
     bool output_error = false;       // Q/K/V traces: the cached attention output against the full cache's
     bool memory = false;             // Q/K/V traces: bytes held per token and the compression ratio
     std::function<void(double done_fraction)> progress;  // called between blocks, from the calling thread
+    // The layers replayed, in order (empty: every layer). A shard of a sweep replays some layers of
+    // some combinations; its per-stream metrics are summed with the others' afterwards.
+    std::vector<int> layers;
 };
 
 struct ComboResult {
@@ -95,8 +98,16 @@ struct ComboResult {
     std::vector<StreamMetrics> by_layer;  // over every sequence and head of one layer
     std::vector<StreamMetrics> by_head;   // per (layer, KV head), layer * num_kv_heads + kv, over every sequence
     std::vector<StreamMetrics> by_sequence;  // over every layer and head of one sequence
+    // Per stream, (sequence * layers + layer) * num_kv_heads + kv: what the sums above are made of
+    // (zero for layers not replayed).
+    std::vector<StreamMetrics> by_stream;
     std::size_t policy_bytes_per_slot = 0;
 };
+
+// Fills total, by_layer, by_head and by_sequence from by_stream, always adding in (sequence, layer,
+// KV head) order: floating-point sums that do not depend on which process or thread replayed which
+// stream, so a sweep run in shards sums to the same bits as one run.
+void sum_streams(ComboResult& result, std::size_t sequences, int layers, int kv_heads);
 
 std::vector<ComboResult> replay(AttentionSource& source, const std::vector<ReplayCombo>& combos,
                                 const ReplayOptions& options);

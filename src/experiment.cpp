@@ -5,10 +5,12 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <map>
 
 #include "sim/qkv_attention.h"
 #include "sim/replay.h"
 #include "sim/synthetic_qkv.h"
+#include "sim/shard_plan.h"
 #include "sim/sweep.h"
 #include "base/atomic_file.h"
 #include "base/errors.h"
@@ -73,11 +75,20 @@ void check_against_trace(const ExperimentConfig& config, const AttentionSource& 
                              std::to_string(shape.sequence_lengths[s]) + " tokens)");
 }
 
-std::optional<int> record_budget(const ReplayCombo& combo, int64_t sequence_length) {
-    if (combo.policy->keeps_everything) return std::nullopt;
-    if (combo.compression == 0) return combo.budget;
-    if (sequence_length > 0) return budget_for_compression(combo.compression, sequence_length);
+CellInfo cell_info(const ReplayCombo& combo) {
+    return CellInfo{combo.policy->name, combo.label,          combo.params,       combo.policy->keeps_everything,
+                    combo.compression,  combo.budget,         combo.budget_label, combo.layer_budgets};
+}
+
+std::optional<int> record_budget(const CellInfo& cell, int64_t sequence_length) {
+    if (cell.keeps_everything) return std::nullopt;
+    if (cell.compression == 0) return cell.budget;
+    if (sequence_length > 0) return budget_for_compression(cell.compression, sequence_length);
     return std::nullopt;
+}
+
+std::optional<int> record_budget(const ReplayCombo& combo, int64_t sequence_length) {
+    return record_budget(cell_info(combo), sequence_length);
 }
 
 std::vector<GridAxis> merge_grid(const std::vector<GridAxis>& config_grid, const std::vector<GridAxis>& extra_axes) {
@@ -91,74 +102,148 @@ std::vector<GridAxis> merge_grid(const std::vector<GridAxis>& config_grid, const
     return grid;
 }
 
-ExperimentResult run_experiment(const ExperimentConfig& config, const std::vector<GridAxis>& extra_axes,
-                                bool show_progress) {
+Experiment::Experiment(const ExperimentConfig& config, const std::vector<GridAxis>& extra_axes) {
     if (config.trace.path.empty() && config.trace.synthetic.empty())
         throw InputError(config.file + ": missing key 'trace' (kvsim run replays a trace)");
     for (const std::string& metric : config.metrics)
         if (metric == "ppl" || metric == "delta_ppl")
             throw InputError(config.file + ": metrics: " + metric + " needs the model in the loop: use kvsim eval");
     const std::vector<GridAxis> grid = merge_grid(config.grid, extra_axes);
-    const std::vector<ReplayCombo> combos = expand_sweep(config.policies, grid, budget_columns(config));
+    combos_ = expand_sweep(config.policies, grid, budget_columns(config));
 
-    std::unique_ptr<AttentionSource> source = open_source(config.trace);
-    check_against_trace(config, *source);
-    ReplayOptions options;
-    options.heavy_hitter_k = config.heavy_hitter_k;
-    options.harness = harness_options(config, *source);
-    ExperimentResult out;
-    const bool values_known = dynamic_cast<const QkvSource*>(source.get()) != nullptr;
-    out.metrics = table_metrics(config, values_known);
+    source_ = open_source(config.trace);
+    check_against_trace(config, *source_);
+    options_.heavy_hitter_k = config.heavy_hitter_k;
+    options_.harness = harness_options(config, *source_);
+    const bool values_known = dynamic_cast<const QkvSource*>(source_.get()) != nullptr;
+    frame_.metrics = table_metrics(config, values_known);
     if (config.metrics.empty() && !values_known &&
         std::any_of(config.policies.begin(), config.policies.end(), changes_values))
-        out.note = source->description() +
-                   " records attention only, so output error cannot be measured: retained mass and recall are "
-                   "shown, and they count a quantised, tiered or streamed token as kept (name metrics: to choose)";
-    for (const std::string& m : out.metrics) {
-        options.output_error |= m == "output_rel_error" || m == "output_cosine";
-        options.memory |= m == "bytes_per_token" || m == "compression_ratio";
+        frame_.note = source_->description() +
+                      " records attention only, so output error cannot be measured: retained mass and recall are "
+                      "shown, and they count a quantised, tiered or streamed token as kept (name metrics: to choose)";
+    for (const std::string& m : frame_.metrics) {
+        options_.output_error |= m == "output_rel_error" || m == "output_cosine";
+        options_.memory |= m == "bytes_per_token" || m == "compression_ratio";
     }
-    check_precision(combos, *source);
+    check_precision(combos_, *source_);
+
+    const AttentionShape& shape = source_->shape();
+    frame_.trace = source_->description();
+    frame_.per_layer = config.per_layer;
+    frame_.per_sequence = config.per_sequence;
+    frame_.num_layers = shape.num_layers;
+    frame_.num_kv_heads = shape.num_kv_heads;
+    frame_.group_size = shape.group_size();
+    frame_.sequence_lengths = shape.sequence_lengths;
+    frame_.sequence_names = shape.sequence_names;
+    for (std::size_t s = 0; s < shape.sequence_lengths.size(); ++s)
+        frame_.sequence_index.push_back(config.trace.sequences.empty() ? static_cast<int>(s) : config.trace.sequences[s]);
+    for (const ReplayCombo& c : combos_) frame_.cells.push_back(cell_info(c));
+}
+
+Experiment::~Experiment() = default;
+
+void Experiment::run_units(const std::vector<std::size_t>& units, bool show_progress, const LayerDone& layer_done) {
+    const std::vector<WorkUnit> all = enumerate_work(combos_.size(), frame_.num_layers);
+    // The units by layer, in enumeration order: one lockstep replay per layer.
+    std::map<int, std::vector<std::size_t>> by_layer;
+    for (std::size_t u : units) by_layer[all.at(u).layer].push_back(u);
     ProgressBar bar(show_progress);
-    options.progress = [&bar](double fraction) { bar.update(fraction); };
-
-    const auto start = std::chrono::steady_clock::now();
-    const std::vector<ComboResult> results = replay(*source, combos, options);
+    std::size_t layers_done = 0;
+    const std::size_t sequences = frame_.sequence_lengths.size();
+    const auto kv_heads = static_cast<std::size_t>(frame_.num_kv_heads);
+    for (const auto& [layer, layer_units] : by_layer) {
+        std::vector<ReplayCombo> combos;
+        for (std::size_t u : layer_units) combos.push_back(combos_[all[u].cell]);
+        ReplayOptions options = options_;
+        options.layers = {layer};
+        options.progress = [&, layers = by_layer.size()](double fraction) {
+            bar.update((static_cast<double>(layers_done) + fraction) / static_cast<double>(layers));
+        };
+        const std::vector<ComboResult> results = replay(*source_, combos, options);
+        std::vector<UnitResult> unit_results(layer_units.size());
+        for (std::size_t i = 0; i < layer_units.size(); ++i) {
+            unit_results[i].policy_bytes_per_slot = results[i].policy_bytes_per_slot;
+            for (std::size_t s = 0; s < sequences; ++s)
+                for (std::size_t kv = 0; kv < kv_heads; ++kv)
+                    unit_results[i].streams.push_back(
+                        results[i].by_stream[(s * frame_.num_layers + layer) * kv_heads + kv]);
+        }
+        ++layers_done;
+        layer_done(layer_units, unit_results);
+    }
     bar.finish();
+}
 
-    out.trace = source->description();
-    out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    const AttentionShape& shape = source->shape();
+ExperimentResult build_result(const ResultFrame& frame, const std::vector<UnitResult>& units) {
+    const std::vector<WorkUnit> all = enumerate_work(frame.cells.size(), frame.num_layers);
+    if (units.size() != all.size()) throw std::logic_error("build_result: units missing");
+    const std::size_t sequences = frame.sequence_lengths.size();
+    const auto kv_heads = static_cast<std::size_t>(frame.num_kv_heads);
+    std::vector<ComboResult> results(frame.cells.size());
+    for (auto& r : results) r.by_stream.resize(sequences * frame.num_layers * kv_heads);
+    for (std::size_t u = 0; u < all.size(); ++u) {
+        ComboResult& r = results[all[u].cell];
+        if (units[u].streams.size() != sequences * kv_heads) throw std::logic_error("build_result: streams missing");
+        for (std::size_t s = 0; s < sequences; ++s)
+            for (std::size_t kv = 0; kv < kv_heads; ++kv)
+                r.by_stream[(s * frame.num_layers + all[u].layer) * kv_heads + kv] = units[u].streams[s * kv_heads + kv];
+        // A policy's bookkeeping per slot, as its last stream (the last layer's) reports it.
+        if (all[u].layer == frame.num_layers - 1) r.policy_bytes_per_slot = units[u].policy_bytes_per_slot;
+    }
+    for (auto& r : results) sum_streams(r, sequences, frame.num_layers, frame.num_kv_heads);
+
+    ExperimentResult out;
+    out.trace = frame.trace;
+    out.metrics = frame.metrics;
+    out.note = frame.note;
     // sequence -1: over every sequence; else the replay's sequence s.
-    auto record = [&](const ReplayCombo& c, const ComboResult& r, const StreamMetrics& m, int layer, int sequence) {
+    auto record = [&](const CellInfo& c, const ComboResult& r, const StreamMetrics& m, int layer, int sequence) {
         ResultRecord rec;
-        rec.policy = c.policy->name;
+        rec.policy = c.policy;
         rec.label = c.label;
         rec.params = c.params;
-        rec.budget = record_budget(c, sequence >= 0 ? shape.sequence_lengths[sequence] : 0);
+        rec.budget = record_budget(c, sequence >= 0 ? frame.sequence_lengths[sequence] : 0);
         rec.budget_label = c.budget_label;
         rec.layer_budgets = c.layer_budgets;
         rec.layer = layer;
         if (sequence >= 0) {
-            rec.sequence = config.trace.sequences.empty() ? sequence : config.trace.sequences[sequence];
-            rec.sequence_name = shape.sequence_names[sequence];
+            rec.sequence = frame.sequence_index[sequence];
+            rec.sequence_name = frame.sequence_names[sequence];
         }
         set_measured(rec, m);
         rec.policy_bytes_per_slot = r.policy_bytes_per_slot;
         out.records.push_back(rec);
     };
-    for (std::size_t i = 0; i < combos.size(); ++i) {
-        record(combos[i], results[i], results[i].total, -1, -1);
-        out.policy_steps += results[i].total.steps / shape.group_size();  // one per KV head
+    const std::vector<CellInfo>& cells = frame.cells;
+    for (std::size_t i = 0; i < cells.size(); ++i) {
+        record(cells[i], results[i], results[i].total, -1, -1);
+        out.policy_steps += results[i].total.steps / frame.group_size;  // one per KV head
     }
-    if (config.per_layer)
-        for (std::size_t i = 0; i < combos.size(); ++i)
+    if (frame.per_layer)
+        for (std::size_t i = 0; i < cells.size(); ++i)
             for (std::size_t layer = 0; layer < results[i].by_layer.size(); ++layer)
-                record(combos[i], results[i], results[i].by_layer[layer], static_cast<int>(layer), -1);
-    if (config.per_sequence)
-        for (std::size_t i = 0; i < combos.size(); ++i)
+                record(cells[i], results[i], results[i].by_layer[layer], static_cast<int>(layer), -1);
+    if (frame.per_sequence)
+        for (std::size_t i = 0; i < cells.size(); ++i)
             for (std::size_t s = 0; s < results[i].by_sequence.size(); ++s)
-                record(combos[i], results[i], results[i].by_sequence[s], -1, static_cast<int>(s));
+                record(cells[i], results[i], results[i].by_sequence[s], -1, static_cast<int>(s));
+    return out;
+}
+
+ExperimentResult run_experiment(const ExperimentConfig& config, const std::vector<GridAxis>& extra_axes,
+                                bool show_progress) {
+    Experiment experiment(config, extra_axes);
+    std::vector<std::size_t> every(experiment.unit_count());
+    for (std::size_t u = 0; u < every.size(); ++u) every[u] = u;
+    std::vector<UnitResult> units(every.size());
+    const auto start = std::chrono::steady_clock::now();
+    experiment.run_units(every, show_progress, [&](const std::vector<std::size_t>& done, std::vector<UnitResult>& results) {
+        for (std::size_t i = 0; i < done.size(); ++i) units[done[i]] = std::move(results[i]);
+    });
+    ExperimentResult out = build_result(experiment.frame(), units);
+    out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     return out;
 }
 

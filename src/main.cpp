@@ -5,6 +5,7 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <memory>
 
@@ -23,6 +24,7 @@
 #include "src/experiment.h"
 #include "src/report.h"
 #include "src/progress.h"
+#include "src/shards.h"
 #include "search/export.h"
 #include "search/search.h"
 #include "src/search_confirm.h"
@@ -50,6 +52,13 @@ struct ReplayFlags {
     std::vector<std::string> sets;
     int threads = 0;
     bool quiet = false;
+    // Beyond one process (run and sweep): a shard of the work units, resuming a checkpoint, or a
+    // Slurm script that runs the shards as a job array.
+    std::string shard;
+    bool resume = false;
+    std::string emit_slurm;
+    int slurm_shards = 0;
+    int slurm_max_running = 0;
 };
 
 void add_replay_flags(CLI::App* cmd, ReplayFlags& flags) {
@@ -88,6 +97,19 @@ CommandSetup set_up(const ReplayFlags& flags) {
     return setup;
 }
 
+// Prints the records in the chosen format (table, CSV or JSON).
+void print_results(const std::vector<ResultRecord>& records, const std::string& trace, const std::string& format,
+                   const std::string& layout, const std::vector<std::string>& metrics, const std::string& title) {
+    if (format == "table")
+        std::cout << (layout == "comparison" ? format_comparison(records, metrics, title)
+                                             : format_table(records, metrics, title));
+    else if (format == "csv")
+        std::cout << format_csv(records);
+    else
+        std::cout << format_json(records, trace);
+    std::cout.flush();
+}
+
 // Writes results.csv and results.json, then prints the records in the chosen format.
 void emit_results(const std::vector<ResultRecord>& records, const std::string& trace, const CommandSetup& setup,
                   const std::vector<std::string>& metrics, const std::string& title) {
@@ -95,26 +117,108 @@ void emit_results(const std::vector<ResultRecord>& records, const std::string& t
     result.trace = trace;
     result.records = records;
     write_outputs(result, setup.out_dir);
-    if (setup.format == "table")
-        std::cout << (setup.layout == "comparison" ? format_comparison(records, metrics, title)
-                                                   : format_table(records, metrics, title));
-    else if (setup.format == "csv")
-        std::cout << format_csv(records);
-    else
-        std::cout << format_json(records, trace);
-    std::cout.flush();
+    print_results(records, trace, setup.format, setup.layout, metrics, title);
+}
+
+void add_cluster_flags(CLI::App* cmd, ReplayFlags& flags) {
+    cmd->add_option("--shard", flags.shard,
+                    "run shard I of N (I/N, from 0): the I-th share of the work units (cells x layers); writes "
+                    "partial-I-of-N.json into the output folder for kvsim merge");
+    cmd->add_flag("--resume", flags.resume,
+                  "keep the work units a previous run of the same shard (or whole run) checkpointed in the output "
+                  "folder, and do only the rest");
+    cmd->add_option("--emit-slurm", flags.emit_slurm,
+                    "write a Slurm batch script (a job array of --shards shards and a merge job) instead of running");
+    cmd->add_option("--shards", flags.slurm_shards, "with --emit-slurm: shards in the job array")
+        ->check(CLI::Range(1, 1000000));
+    cmd->add_option("--max-running", flags.slurm_max_running,
+                    "with --emit-slurm: shards running at once (the array's %M; default: all)")
+        ->check(CLI::Range(1, 1000000));
+}
+
+int emit_slurm_script(const ReplayFlags& flags, const CommandSetup& setup, const std::string& command) {
+    if (!flags.shard.empty() || flags.resume)
+        throw InputError("--emit-slurm: the script gives each array task its --shard and --resume; drop them");
+    if (flags.slurm_shards < 1) throw InputError("--emit-slurm " + flags.emit_slurm + ": --shards N is required");
+    // The config must be valid before a cluster runs it: expanded and checked against its trace.
+    const Experiment experiment(setup.config, setup.axes);
+    if (static_cast<std::size_t>(flags.slurm_shards) > experiment.unit_count())
+        throw InputError("--shards " + std::to_string(flags.slurm_shards) + ": more shards than the sweep's " +
+                         std::to_string(experiment.unit_count()) + " work units (cells x layers)");
+    SlurmScript script;
+    script.path = flags.emit_slurm;
+    script.shards = flags.slurm_shards;
+    script.max_running = flags.slurm_max_running > 0 ? std::min(flags.slurm_max_running, flags.slurm_shards)
+                                                    : flags.slurm_shards;
+    script.kvsim = std::filesystem::read_symlink("/proc/self/exe").string();
+    script.workdir = std::filesystem::current_path().string();
+    script.sweep_args = {command, flags.config};
+    if (!flags.budgets.empty()) script.sweep_args.insert(script.sweep_args.end(), {"--budgets", flags.budgets});
+    for (const std::string& set : flags.sets) script.sweep_args.insert(script.sweep_args.end(), {"--set", set});
+    if (flags.threads > 0) script.sweep_args.insert(script.sweep_args.end(), {"--threads", std::to_string(flags.threads)});
+    script.out_dir = setup.out_dir;
+    script.job_name = "kvsim-" + std::filesystem::path(flags.config).stem().string();
+    write_slurm_script(script);
+    std::printf("wrote %s: %d shards (at most %d at once) of %zu work units; submit it with: bash %s\n",
+                script.path.c_str(), script.shards, script.max_running, experiment.unit_count(), script.path.c_str());
+    return 0;
 }
 
 int run_replay(const ReplayFlags& flags, bool sweep) {
     const CommandSetup setup = set_up(flags);
-    const ExperimentResult result = run_experiment(setup.config, setup.axes, !flags.quiet);
+    const std::string command = sweep ? "sweep" : "run";
+    if (!flags.emit_slurm.empty()) return emit_slurm_script(flags, setup, command);
+    if (flags.slurm_shards > 0 || flags.slurm_max_running > 0)
+        throw InputError("--shards and --max-running size the job array of --emit-slurm; to run one shard, give --shard I/N");
+    ShardedRun run;
+    run.command = command;
+    run.config_path = flags.config;
+    if (!flags.budgets.empty()) run.identity.push_back("--budgets " + flags.budgets);
+    for (const std::string& set : flags.sets) run.identity.push_back("--set " + set);
+    if (!flags.shard.empty()) run.shard = parse_shard(flags.shard, "--shard");
+    run.resume = flags.resume;
+    run.show_progress = !flags.quiet;
+    run.out_dir = setup.out_dir;
+    run.format = setup.format;
+    run.layout = setup.layout;
+    const ShardedOutcome outcome = run_sharded(setup.config, setup.axes, run);
+    if (!flags.quiet && outcome.units_resumed > 0)
+        std::fprintf(stderr, "kvsim: resumed: %zu of %zu work units were done, %zu replayed now\n",
+                     outcome.units_resumed, outcome.units, outcome.units_run);
+    if (run.shard) {
+        if (!flags.quiet)
+            std::fprintf(stderr, "kvsim: shard %s: %zu work units; partial results in %s (kvsim merge %s)\n",
+                         run.shard->text().c_str(), outcome.units, outcome.partial_path.c_str(), setup.out_dir.c_str());
+        return 0;
+    }
+    const ExperimentResult& result = *outcome.result;
     if (!result.note.empty()) std::fprintf(stderr, "kvsim: note: %s\n", result.note.c_str());
-    emit_results(result.records, result.trace, setup, result.metrics,
-                 "kvsim " + std::string(sweep ? "sweep " : "run ") + flags.config + "  |  trace " + result.trace);
+    print_results(result.records, result.trace, setup.format, setup.layout, result.metrics,
+                  "kvsim " + command + " " + flags.config + "  |  trace " + result.trace);
     if (!flags.quiet)
         std::fprintf(stderr, "\nkvsim: %lld policy-steps in %.3f s (%.0f per second); results in %s/\n",
                      static_cast<long long>(result.policy_steps), result.seconds,
                      result.policy_steps / std::max(result.seconds, 1e-9), setup.out_dir.c_str());
+    return 0;
+}
+
+struct MergeFlags {
+    std::vector<std::string> inputs;
+    std::string out, format, layout;
+    bool quiet = false;
+};
+
+int run_merge(const MergeFlags& flags) {
+    const MergeOutcome merged = merge_partials(flags.inputs);
+    const ExperimentResult& result = merged.result;
+    const std::string out_dir = flags.out.empty() ? flags.inputs.front() : flags.out;
+    write_outputs(result, out_dir);
+    if (!result.note.empty()) std::fprintf(stderr, "kvsim: note: %s\n", result.note.c_str());
+    print_results(result.records, result.trace, flags.format.empty() ? merged.format : flags.format,
+                  flags.layout.empty() ? merged.layout : flags.layout, result.metrics, merged.title);
+    if (!flags.quiet)
+        std::fprintf(stderr, "\nkvsim: merged %d shards (%zu work units); results in %s/\n", merged.shards,
+                     merged.units, out_dir.c_str());
     return 0;
 }
 
@@ -293,12 +397,25 @@ int main(int argc, char** argv) {
     ReplayFlags run_flags, sweep_flags;
     CLI::App* run = app.add_subcommand("run", "replay a trace through a config's policies and budgets");
     add_replay_flags(run, run_flags);
+    add_cluster_flags(run, run_flags);
     run->footer(kAttentionViewHelp);
     CLI::App* sweep = app.add_subcommand("sweep", "a run over a grid of budgets and policy parameters");
     add_replay_flags(sweep, sweep_flags);
     sweep->add_option("--budgets", sweep_flags.budgets, "budgets replacing the config's, e.g. 64,128,256")
 ;
     sweep->add_option("--set", sweep_flags.sets, "a grid axis, e.g. h2o.recent_window=16,32,64 (repeatable)");
+    add_cluster_flags(sweep, sweep_flags);
+
+    MergeFlags merge_flags;
+    CLI::App* merge = app.add_subcommand(
+        "merge", "combine the partial results of a sweep's shards (--shard I/N) into results.csv and results.json");
+    merge->add_option("dirs", merge_flags.inputs, "folders holding partial-I-of-N.json (or the files)")->required();
+    merge->add_option("--out", merge_flags.out, "folder for results.csv and results.json (default: the first folder)");
+    merge->add_option("--format", merge_flags.format, "what to print: table (default), csv or json")
+        ->check(CLI::IsMember({"table", "csv", "json"}));
+    merge->add_option("--layout", merge_flags.layout, "table layout: matrix (policies x budgets) or comparison (by memory)")
+        ->check(CLI::IsMember({"matrix", "comparison"}));
+    merge->add_flag("-q,--quiet", merge_flags.quiet, "no closing line");
 
     CLI::App* trace = app.add_subcommand("trace", "make and inspect trace files");
     trace->require_subcommand(1);
@@ -394,6 +511,7 @@ int main(int argc, char** argv) {
         if (app.count("--max-memory")) set_memory_limit_bytes(parse_byte_size(max_memory, "--max-memory"));
         if (*run) return run_replay(run_flags, false);
         if (*sweep) return run_replay(sweep_flags, true);
+        if (*merge) return run_merge(merge_flags);
         if (*capture) return run_capture(capture_input, capture_dtype, capture_out);
         if (*eval) return run_eval_command(eval_flags, eval_input);
         if (*search) return run_search_command(search_flags, search_confirm);

@@ -1,0 +1,473 @@
+#include "src/shards.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <tuple>
+
+#include "base/atomic_file.h"
+#include "base/errors.h"
+#include "base/input_file.h"
+#include "base/sha256.h"
+#include "kvsim_version.h"
+#include "src/report.h"
+
+namespace kvsim {
+namespace {
+
+using Json = nlohmann::ordered_json;
+constexpr int kPartialFormat = 1;
+
+// A number as JSON holds it: doubles round-trip exactly; non-finite ones are written as null and
+// read back as NaN, which the results files write as null again.
+double read_double(const Json& j) { return j.is_null() ? NAN : j.get<double>(); }
+
+Json stream_json(const StreamMetrics& m) {
+    return Json::array({m.retained_mass, m.steps, m.heavy_hitter_hits, m.heavy_hitter_possible, m.eviction_calls,
+                        m.output_rel_error, m.output_cosine, m.output_steps, m.cache_bytes, m.fp16_bytes,
+                        m.context_tokens});
+}
+
+StreamMetrics read_stream(const Json& j) {
+    if (!j.is_array() || j.size() != 11) throw std::invalid_argument("a stream is 11 numbers");
+    StreamMetrics m;
+    m.retained_mass = read_double(j[0]);
+    m.steps = j[1].get<int64_t>();
+    m.heavy_hitter_hits = j[2].get<int64_t>();
+    m.heavy_hitter_possible = j[3].get<int64_t>();
+    m.eviction_calls = j[4].get<int64_t>();
+    m.output_rel_error = read_double(j[5]);
+    m.output_cosine = read_double(j[6]);
+    m.output_steps = j[7].get<int64_t>();
+    m.cache_bytes = read_double(j[8]);
+    m.fp16_bytes = read_double(j[9]);
+    m.context_tokens = j[10].get<int64_t>();
+    return m;
+}
+
+Json frame_json(const ResultFrame& f) {
+    Json cells = Json::array();
+    for (const CellInfo& c : f.cells) {
+        Json params = Json::object();
+        for (const auto& [name, value] : c.params) params[name] = value;
+        cells.push_back(Json{{"policy", c.policy},
+                         {"label", c.label},
+                         {"params", params},
+                         {"keeps_everything", c.keeps_everything},
+                         {"compression", c.compression},
+                         {"budget", c.budget},
+                         {"budget_label", c.budget_label},
+                         {"layer_budgets", c.layer_budgets}});
+    }
+    return {{"trace", f.trace},
+            {"metrics", f.metrics},
+            {"note", f.note},
+            {"per_layer", f.per_layer},
+            {"per_sequence", f.per_sequence},
+            {"num_layers", f.num_layers},
+            {"num_kv_heads", f.num_kv_heads},
+            {"group_size", f.group_size},
+            {"sequence_lengths", f.sequence_lengths},
+            {"sequence_names", f.sequence_names},
+            {"sequence_index", f.sequence_index},
+            {"cells", cells}};
+}
+
+ResultFrame read_frame(const Json& j) {
+    ResultFrame f;
+    f.trace = j.at("trace").get<std::string>();
+    f.metrics = j.at("metrics").get<std::vector<std::string>>();
+    f.note = j.at("note").get<std::string>();
+    f.per_layer = j.at("per_layer").get<bool>();
+    f.per_sequence = j.at("per_sequence").get<bool>();
+    f.num_layers = j.at("num_layers").get<int>();
+    f.num_kv_heads = j.at("num_kv_heads").get<int>();
+    f.group_size = j.at("group_size").get<int>();
+    f.sequence_lengths = j.at("sequence_lengths").get<std::vector<int64_t>>();
+    f.sequence_names = j.at("sequence_names").get<std::vector<std::string>>();
+    f.sequence_index = j.at("sequence_index").get<std::vector<int>>();
+    for (const Json& c : j.at("cells")) {
+        CellInfo cell;
+        cell.policy = c.at("policy").get<std::string>();
+        cell.label = c.at("label").get<std::string>();
+        for (const auto& [name, value] : c.at("params").items()) cell.params[name] = value.get<double>();
+        cell.keeps_everything = c.at("keeps_everything").get<bool>();
+        cell.compression = c.at("compression").get<double>();
+        cell.budget = c.at("budget").get<int>();
+        cell.budget_label = c.at("budget_label").get<std::string>();
+        cell.layer_budgets = c.at("layer_budgets").get<std::vector<int>>();
+        f.cells.push_back(std::move(cell));
+    }
+    const std::size_t sequences = f.sequence_lengths.size();
+    if (f.num_layers < 1 || f.num_kv_heads < 1 || f.group_size < 1 || f.sequence_names.size() != sequences ||
+        f.sequence_index.size() != sequences || f.cells.empty())
+        throw std::invalid_argument("frame: inconsistent shape");
+    return f;
+}
+
+// A partial results file: who wrote it, for which config and trace, and its units' results.
+struct Partial {
+    std::string path;
+    std::string kvsim_version, config_sha256, trace_sha256, title, format, layout;
+    ShardSpec shard;
+    std::size_t units = 0, first = 0, end = 0;  // units in the sweep; this shard's range
+    bool complete = false;
+    ResultFrame frame;
+    Json frame_text;  // as written, to compare partials
+    std::map<std::size_t, UnitResult> done;
+};
+
+std::string partial_text(const Partial& p) {
+    Json results = Json::array();
+    const std::vector<WorkUnit> all = enumerate_work(p.frame.cells.size(), p.frame.num_layers);
+    for (const auto& [unit, r] : p.done) {
+        Json streams = Json::array();
+        for (const StreamMetrics& m : r.streams) streams.push_back(stream_json(m));
+        results.push_back(Json{{"unit", unit},
+                           {"cell", all.at(unit).cell},
+                           {"layer", all.at(unit).layer},
+                           {"policy_bytes_per_slot", r.policy_bytes_per_slot},
+                           {"streams", streams}});
+    }
+    Json j = {{"kvsim_partial_results", kPartialFormat},
+              {"kvsim_version", p.kvsim_version},
+              {"config_sha256", p.config_sha256},
+              {"trace_sha256", p.trace_sha256},
+              {"title", p.title},
+              {"format", p.format},
+              {"layout", p.layout},
+              {"shard", p.shard.index},
+              {"shards", p.shard.count},
+              {"units", p.units},
+              {"first_unit", p.first},
+              {"end_unit", p.end},
+              {"complete", p.complete},
+              {"frame", p.frame_text},
+              {"results", results}};
+    return to_json_text(j) + "\n";
+}
+
+Partial read_partial(const std::string& path) {
+    require_regular_file(path);
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw InputError(path + ": cannot read");
+    std::stringstream text;
+    text << in.rdbuf();
+    Partial p;
+    p.path = path;
+    const char* key = "";
+    try {
+        const Json j = Json::parse(text.str());
+        key = "kvsim_partial_results";
+        if (j.at(key).get<int>() != kPartialFormat) throw std::invalid_argument("unknown format version");
+        key = "kvsim_version";
+        p.kvsim_version = j.at(key).get<std::string>();
+        key = "config_sha256";
+        p.config_sha256 = j.at(key).get<std::string>();
+        key = "trace_sha256";
+        p.trace_sha256 = j.at(key).get<std::string>();
+        key = "title";
+        p.title = j.at(key).get<std::string>();
+        key = "format";
+        p.format = j.at(key).get<std::string>();
+        key = "layout";
+        p.layout = j.at(key).get<std::string>();
+        key = "shards";
+        p.shard.count = j.at(key).get<int>();
+        key = "shard";
+        p.shard.index = j.at(key).get<int>();
+        if (p.shard.count < 1 || p.shard.index < 0 || p.shard.index >= p.shard.count)
+            throw std::invalid_argument("shard out of range");
+        key = "units";
+        p.units = j.at(key).get<std::size_t>();
+        key = "first_unit";
+        p.first = j.at(key).get<std::size_t>();
+        key = "end_unit";
+        p.end = j.at(key).get<std::size_t>();
+        key = "complete";
+        p.complete = j.at(key).get<bool>();
+        key = "frame";
+        p.frame_text = j.at(key);
+        p.frame = read_frame(p.frame_text);
+        if (p.units != p.frame.cells.size() * static_cast<std::size_t>(p.frame.num_layers) ||
+            shard_range(p.units, p.shard) != std::pair{p.first, p.end})
+            throw std::invalid_argument("the unit range does not match the shard");
+        key = "results";
+        const std::size_t streams = p.frame.sequence_lengths.size() * static_cast<std::size_t>(p.frame.num_kv_heads);
+        for (const Json& r : j.at(key)) {
+            const auto unit = r.at("unit").get<std::size_t>();
+            if (unit < p.first || unit >= p.end || p.done.count(unit))
+                throw std::invalid_argument("unit " + std::to_string(unit) + " outside the shard or repeated");
+            UnitResult result;
+            result.policy_bytes_per_slot = r.at("policy_bytes_per_slot").get<std::size_t>();
+            for (const Json& s : r.at("streams")) result.streams.push_back(read_stream(s));
+            if (result.streams.size() != streams) throw std::invalid_argument("wrong number of streams");
+            p.done[unit] = std::move(result);
+        }
+        if (p.complete && p.done.size() != p.end - p.first)
+            throw std::invalid_argument("marked complete with units missing");
+    } catch (const InputError&) {
+        throw;
+    } catch (const std::exception& e) {
+        throw InputError(path + ": not a valid kvsim partial results file (key '" + std::string(key) + "': " +
+                         e.what() + ")");
+    }
+    return p;
+}
+
+std::string read_whole_file(const std::string& path) {
+    require_regular_file(path);
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw InputError(path + ": cannot read");
+    std::stringstream text;
+    text << in.rdbuf();
+    return text.str();
+}
+
+// What a partial's results depend on besides the trace: the config file's bytes and the flags
+// that change the sweep, and the cells they expand to (which include any profile files' budgets).
+std::string config_hash(const ShardedRun& run, const Json& frame) {
+    Sha256 hash;
+    const std::string config = read_whole_file(run.config_path);
+    hash.update(config.data(), config.size());
+    std::string rest;
+    for (const std::string& flag : run.identity) rest += '\0' + flag;
+    rest += '\0' + frame.dump();
+    hash.update(rest.data(), rest.size());
+    return hash.hex_digest();
+}
+
+// The trace file's sha256; for a synthetic trace, of what generates it (deterministic).
+std::string trace_hash(const TraceRef& trace) {
+    if (!trace.path.empty()) return sha256_file(trace.path);
+    return sha256_hex("kvsim synthetic " + trace.synthetic + " " + trace.name + " max_steps " +
+                      std::to_string(trace.max_steps));
+}
+
+}  // namespace
+
+std::string partial_file_name(const ShardSpec& shard) {
+    return "partial-" + std::to_string(shard.index) + "-of-" + std::to_string(shard.count) + ".json";
+}
+
+ShardedOutcome run_sharded(const ExperimentConfig& config, const std::vector<GridAxis>& axes, const ShardedRun& run) {
+    Experiment experiment(config, axes);
+    Partial partial;
+    partial.kvsim_version = KVSIM_VERSION;
+    partial.frame = experiment.frame();
+    partial.frame_text = frame_json(partial.frame);
+    partial.config_sha256 = config_hash(run, partial.frame_text);
+    partial.trace_sha256 = trace_hash(config.trace);
+    partial.title = "kvsim " + run.command + " " + run.config_path + "  |  trace " + partial.frame.trace;
+    partial.format = run.format;
+    partial.layout = run.layout;
+    partial.shard = run.shard.value_or(ShardSpec{});
+    partial.units = experiment.unit_count();
+    std::tie(partial.first, partial.end) = shard_range(partial.units, partial.shard);
+
+    std::error_code ec;
+    partial.path = run.out_dir + "/" + partial_file_name(partial.shard);
+    ShardedOutcome outcome;
+    outcome.units = partial.end - partial.first;
+    outcome.partial_path = partial.path;
+    if (run.resume && std::filesystem::exists(partial.path)) {
+        Partial previous = read_partial(partial.path);
+        auto refuse = [&](const std::string& what, const std::string& was, const std::string& is) {
+            throw InputError(partial.path + ": written for another " + what + " (" + was + ", now " + is +
+                             "); run without --resume to start this shard over");
+        };
+        if (previous.kvsim_version != partial.kvsim_version)
+            refuse("kvsim version", previous.kvsim_version, partial.kvsim_version);
+        if (previous.trace_sha256 != partial.trace_sha256)
+            refuse("trace", "trace_sha256 " + previous.trace_sha256, partial.trace_sha256);
+        if (previous.config_sha256 != partial.config_sha256)
+            refuse("config", "config_sha256 " + previous.config_sha256, partial.config_sha256);
+        partial.done = std::move(previous.done);
+        outcome.units_resumed = partial.done.size();
+    }
+
+    std::vector<std::size_t> todo;
+    for (std::size_t u = partial.first; u < partial.end; ++u)
+        if (!partial.done.count(u)) todo.push_back(u);
+    outcome.units_run = todo.size();
+    // Checkpoints: the partial file, rewritten whole under a temporary name after every layer. The
+    // folder is made with the first one, so that input refused before it leaves nothing behind.
+    const bool had_checkpoint = !partial.done.empty();
+    bool made_folder = false, wrote_checkpoint = false;
+    auto checkpoint = [&] {
+        if (!std::filesystem::is_directory(run.out_dir)) {
+            std::filesystem::create_directories(run.out_dir, ec);
+            if (ec) throw InputError(run.out_dir + ": cannot create output folder (" + ec.message() + ")");
+            made_folder = true;
+        }
+        write_file_atomically(partial.path, partial_text(partial));
+        wrote_checkpoint = true;
+    };
+    const auto start = std::chrono::steady_clock::now();
+    try {
+        experiment.run_units(todo, run.show_progress,
+                             [&](const std::vector<std::size_t>& units, std::vector<UnitResult>& results) {
+                                 for (std::size_t i = 0; i < units.size(); ++i)
+                                     partial.done[units[i]] = std::move(results[i]);
+                                 checkpoint();
+                             });
+    } catch (...) {
+        // Bad input found mid-way (a non-finite value in a later layer) is found again on a resume:
+        // a failed run leaves no checkpoint it started, only one it was resuming. A killed run
+        // never gets here, and its checkpoint stays.
+        if (wrote_checkpoint && !had_checkpoint) std::filesystem::remove(partial.path, ec);
+        if (made_folder) std::filesystem::remove(run.out_dir, ec);  // only if empty
+        throw;
+    }
+    partial.complete = true;
+    if (run.shard) {
+        checkpoint();
+        return outcome;
+    }
+    // The rate printed counts the steps replayed now, not those a resumed checkpoint held.
+    int64_t steps_now = 0;
+    for (std::size_t u : todo)
+        for (const StreamMetrics& m : partial.done.at(u).streams) steps_now += m.steps / partial.frame.group_size;
+    std::vector<UnitResult> units;
+    for (auto& [u, r] : partial.done) units.push_back(std::move(r));
+    outcome.result = build_result(partial.frame, units);
+    outcome.result->policy_steps = steps_now;
+    outcome.result->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    write_outputs(*outcome.result, run.out_dir);
+    std::filesystem::remove(partial.path, ec);  // the results are written: the checkpoint has served
+    return outcome;
+}
+
+MergeOutcome merge_partials(const std::vector<std::string>& inputs) {
+    std::vector<std::string> files;
+    for (const std::string& input : inputs) {
+        std::error_code ec;
+        if (std::filesystem::is_directory(input, ec)) {
+            std::vector<std::string> found;
+            for (const auto& entry : std::filesystem::directory_iterator(input, ec)) {
+                const std::string name = entry.path().filename().string();
+                if (name.rfind("partial-", 0) == 0 && name.size() > 5 && name.substr(name.size() - 5) == ".json")
+                    found.push_back(entry.path().string());
+            }
+            if (ec) throw InputError(input + ": cannot list (" + ec.message() + ")");
+            if (found.empty()) throw InputError(input + ": no partial results (partial-I-of-N.json) in this folder");
+            std::sort(found.begin(), found.end());
+            files.insert(files.end(), found.begin(), found.end());
+        } else {
+            files.push_back(input);
+        }
+    }
+    std::vector<Partial> partials;
+    for (const std::string& f : files) partials.push_back(read_partial(f));
+
+    const Partial& first = partials.front();
+    std::map<int, const Partial*> by_shard;
+    for (const Partial& p : partials) {
+        auto differ = [&](const std::string& what, const std::string& a, const std::string& b) {
+            throw InputError(p.path + ": " + what + " " + b + " differs from " + first.path + "'s " + a +
+                             ": partials of different runs cannot merge");
+        };
+        if (p.kvsim_version != first.kvsim_version) differ("kvsim version", first.kvsim_version, p.kvsim_version);
+        // The trace first: a different trace also changes the cells' description, and so the config's hash.
+        if (p.trace_sha256 != first.trace_sha256) differ("trace_sha256", first.trace_sha256, p.trace_sha256);
+        if (p.config_sha256 != first.config_sha256) differ("config_sha256", first.config_sha256, p.config_sha256);
+        if (p.shard.count != first.shard.count)
+            differ("shard count", std::to_string(first.shard.count), std::to_string(p.shard.count));
+        if (p.frame_text != first.frame_text) differ("sweep", "cells", "cells");
+        const auto [it, inserted] = by_shard.emplace(p.shard.index, &p);
+        if (!inserted)
+            throw InputError(p.path + ": shard " + p.shard.text() + " also in " + it->second->path +
+                             ": give each shard once");
+    }
+    // Every shard, each complete: else name the shards to rerun.
+    std::string missing;
+    std::size_t missing_units = 0;
+    for (int i = 0; i < first.shard.count; ++i) {
+        const ShardSpec shard{i, first.shard.count};
+        const auto [a, b] = shard_range(first.units, shard);
+        const auto it = by_shard.find(i);
+        const std::size_t have = it == by_shard.end() ? 0 : it->second->done.size();
+        if (have == b - a) continue;
+        missing_units += b - a - have;
+        missing += (missing.empty() ? "" : ", ") + shard.text() +
+                   (it == by_shard.end() ? " (no " + partial_file_name(shard) + ")"
+                                         : " (" + std::to_string(b - a - have) + " of " + std::to_string(b - a) +
+                                               " units unfinished)");
+    }
+    if (!missing.empty())
+        throw InputError("merge: " + std::to_string(missing_units) + " of " + std::to_string(first.units) +
+                         " units (cell x layer) missing; rerun with --resume: --shard " + missing);
+
+    std::vector<UnitResult> units(first.units);
+    for (const Partial& p : partials)
+        for (const auto& [u, r] : p.done) units[u] = r;
+    MergeOutcome out;
+    out.result = build_result(first.frame, units);
+    out.title = first.title;
+    out.format = first.format;
+    out.layout = first.layout;
+    out.shards = first.shard.count;
+    out.units = first.units;
+    return out;
+}
+
+namespace {
+
+// A word for a POSIX shell, single-quoted.
+std::string shell_quote(const std::string& word) {
+    std::string out = "'";
+    for (char c : word) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+    return out + "'";
+}
+
+}  // namespace
+
+void write_slurm_script(const SlurmScript& s) {
+    const std::string out_dir = std::filesystem::absolute(s.out_dir).lexically_normal().string();
+    std::string command = shell_quote(s.kvsim);
+    for (const std::string& a : s.sweep_args) command += " " + shell_quote(a);
+    command += " --out " + shell_quote(out_dir);
+    const std::string array = "0-" + std::to_string(s.shards - 1) +
+                              (s.max_running > 0 ? "%" + std::to_string(s.max_running) : "");
+    std::string text;
+    text += "#!/bin/bash\n";
+    text += "# Written by kvsim " KVSIM_VERSION ": a sweep as a Slurm job array of " + std::to_string(s.shards) +
+            " shards, then a merge job.\n";
+    text += "# Submit it with `bash " + s.path + "` on a node that runs sbatch: it submits itself as the\n";
+    text += "# array, then the merge, which starts once every shard has succeeded (afterok) and writes\n";
+    text += "# results.csv and results.json into " + out_dir + ".\n";
+    text += "# Each array task runs shard $SLURM_ARRAY_TASK_ID and resumes its own checkpoint, so a shard that\n";
+    text += "# failed or lost its node is rerun alone with `sbatch --array=I " + s.path + "`, redoing only what\n";
+    text += "# it had not finished; `kvsim merge` names the shards a merge still misses.\n";
+    text += "#SBATCH --job-name=" + s.job_name + "\n";
+    text += "#SBATCH --array=" + array + "\n";
+    text += "#SBATCH --output=" + out_dir + "/slurm-%A_%a.out\n";
+    text += "set -euo pipefail\n";
+    text += "cd " + shell_quote(s.workdir) + "\n";
+    text += "if [ \"${1:-}\" = merge ]; then\n";
+    text += "    exec " + shell_quote(s.kvsim) + " merge " + shell_quote(out_dir) + "\n";
+    text += "fi\n";
+    text += "if [ -z \"${SLURM_ARRAY_TASK_ID:-}\" ]; then\n";
+    text += "    script=$(readlink -f \"${BASH_SOURCE[0]}\")\n";
+    text += "    mkdir -p " + shell_quote(out_dir) + "\n";
+    text += "    array_job=$(sbatch --parsable \"$script\")\n";
+    text += "    array_job=${array_job%%;*}\n";
+    text += "    merge_job=$(sbatch --parsable --array=0 --job-name=" + s.job_name +
+            "-merge --dependency=afterok:\"$array_job\" --output=" + shell_quote(out_dir + "/slurm-merge-%A.out") +
+            " \"$script\" merge)\n";
+    text += "    echo \"submitted array job $array_job (" + std::to_string(s.shards) +
+            " shards) and merge job ${merge_job%%;*}\"\n";
+    text += "    exit 0\n";
+    text += "fi\n";
+    text += "exec " + command + " --shard \"$SLURM_ARRAY_TASK_ID/" + std::to_string(s.shards) + "\" --resume --quiet\n";
+    write_file_atomically(s.path, text);
+    if (::chmod(s.path.c_str(), 0755) != 0) throw InputError(s.path + ": cannot make executable");
+}
+
+}  // namespace kvsim

@@ -1,0 +1,68 @@
+// A sweep beyond one process: shards of its work units (sim/shard_plan.h) that each write a
+// partial results file, resumable checkpoints, the merge of partials into the files one machine
+// writes, and a Slurm batch script that runs the shards as a job array.
+#pragma once
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "sim/shard_plan.h"
+#include "src/config.h"
+#include "src/experiment.h"
+
+namespace kvsim {
+
+// "partial-I-of-N.json": a shard's partial results in the output folder. A run without --shard is
+// shard 0/1; its partial is its checkpoint, removed once results.csv and results.json are written.
+std::string partial_file_name(const ShardSpec& shard);
+
+struct ShardedRun {
+    std::string command;  // "run" or "sweep", for the tables' title
+    std::string config_path;
+    std::vector<std::string> identity;  // the flags that change results (--budgets, --set), hashed with the config
+    std::optional<ShardSpec> shard;     // none: the whole sweep, with results written at the end
+    bool resume = false;                // keep the units a previous run of this shard checkpointed
+    bool show_progress = false;
+    std::string out_dir;
+    std::string format, layout;  // how the merge prints the tables, as this run would
+};
+
+struct ShardedOutcome {
+    std::optional<ExperimentResult> result;  // the whole sweep's (no --shard)
+    std::size_t units = 0, units_resumed = 0, units_run = 0;
+    std::string partial_path;  // with --shard
+};
+
+// Runs the units of run.shard (all of them without one) and checkpoints each layer's as it
+// completes, atomically, into the partial file.
+ShardedOutcome run_sharded(const ExperimentConfig& config, const std::vector<GridAxis>& axes, const ShardedRun& run);
+
+struct MergeOutcome {
+    ExperimentResult result;
+    std::string title;  // the title a one-machine run prints over its tables
+    std::string format, layout;  // as the shards were asked to print
+    int shards = 0;
+    std::size_t units = 0;
+};
+
+// The partials in `inputs` (folders holding partial-*-of-*.json, or the files) merged: InputError
+// naming the file when they disagree on the kvsim version, config, trace or shard count, or naming
+// the shards to rerun when a cell is missing.
+MergeOutcome merge_partials(const std::vector<std::string>& inputs);
+
+struct SlurmScript {
+    std::string path;     // where the script goes
+    int shards = 0;       // the job array's size
+    int max_running = 0;  // at most this many shards at once (%M); 0: all
+    std::string kvsim;    // the kvsim binary (absolute)
+    std::string workdir;  // absolute: where the commands run
+    std::vector<std::string> sweep_args;  // the command and its arguments, without --shard and --out
+    std::string out_dir;
+    std::string job_name;
+};
+
+// Writes the batch script (atomically, executable): a job array over the shards, each taking its
+// shard from SLURM_ARRAY_TASK_ID and resuming its own checkpoint, and a merge job after them.
+void write_slurm_script(const SlurmScript& script);
+
+}  // namespace kvsim
