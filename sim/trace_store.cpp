@@ -280,6 +280,8 @@ TraceWriter::TraceWriter(const std::string& path, TraceMetadata metadata) : impl
     write_string_attr(root, "source_model_file", metadata.source_model_file);
     write_string_attr(root, "source_model_sha256", metadata.source_model_sha256);
     write_string_attr(root, "source_text_sha256", metadata.source_text_sha256);
+    if (metadata.source_sliding_window > 0) write_int_attr(root, "source_sliding_window", metadata.source_sliding_window);
+    if (!metadata.source_layers.empty()) write_string_attr(root, "source_layers", metadata.source_layers);
     write_string_attr(root, "kvsim_version", metadata.kvsim_version);
     ensure_group(root, "/sequences");
 }
@@ -326,20 +328,44 @@ void TraceWriter::write_attention_rows(int sequence, int layer, int head, int64_
 }
 
 void TraceWriter::write_qkv(int sequence, int layer, const QkvLayer& data, TensorDtype dtype) {
+    write_qkv_rows(sequence, layer, 0, data, dtype);
+}
+
+void TraceWriter::write_qkv_rows(int sequence, int layer, int64_t first_token, const QkvLayer& rows, TensorDtype dtype) {
     const TraceMetadata& m = impl_->metadata;
-    Handle group = ensure_group(impl_->h5.get(), sequence_group(sequence) + "/qkv/" + layer_name(layer));
+    const int64_t length = impl_->sequences.at(static_cast<std::size_t>(sequence)).length;
+    if (first_token < 0 || rows.tokens < 0 || first_token + rows.tokens > length)
+        throw std::logic_error("write_qkv_rows: tokens outside the sequence");
+    const std::string group_name = sequence_group(sequence) + "/qkv/" + layer_name(layer);
+    Handle group = ensure_group(impl_->h5.get(), group_name);
     Handle half = float16_type();
     const hid_t file_type = dtype == TensorDtype::float16 ? half.get() : H5T_IEEE_F32LE;
     auto write = [&](const char* name, const std::vector<float>& values, int64_t heads) {
-        const hsize_t dims[3] = {static_cast<hsize_t>(data.tokens), static_cast<hsize_t>(heads),
+        // The dataset spans the whole sequence, chunked by 256 tokens and compressed; it is made by
+        // the first write and each call fills its rows.
+        const hsize_t dims[3] = {static_cast<hsize_t>(length), static_cast<hsize_t>(heads),
                                  static_cast<hsize_t>(m.head_dim)};
-        if (values.size() != dims[0] * dims[1] * dims[2])
-            throw std::logic_error(std::string("write_qkv: ") + name + " has the wrong size");
-        const hsize_t chunk[3] = {std::max<hsize_t>(1, std::min<hsize_t>(dims[0], 256)), dims[1], dims[2]};
-        Handle space = space_handle(H5Screate_simple(3, dims, nullptr));
-        Handle layout = compressed_layout(3, chunk);
-        Handle dataset =
-            dataset_handle(H5Dcreate2(group.get(), name, file_type, space.get(), H5P_DEFAULT, layout.get(), H5P_DEFAULT));
+        const hsize_t per_token = dims[1] * dims[2];
+        if (values.size() != static_cast<std::size_t>(rows.tokens) * per_token)
+            throw std::logic_error(std::string("write_qkv_rows: ") + name + " has the wrong size");
+        Handle dataset;
+        if (H5Lexists(group.get(), name, H5P_DEFAULT) > 0) {
+            dataset = dataset_handle(H5Dopen2(group.get(), name, H5P_DEFAULT));
+        } else {
+            const hsize_t chunk[3] = {std::max<hsize_t>(1, std::min<hsize_t>(dims[0], 256)), dims[1], dims[2]};
+            Handle space = space_handle(H5Screate_simple(3, dims, nullptr));
+            Handle layout = compressed_layout(3, chunk);
+            dataset = dataset_handle(
+                H5Dcreate2(group.get(), name, file_type, space.get(), H5P_DEFAULT, layout.get(), H5P_DEFAULT));
+        }
+        if (!dataset.valid()) throw std::runtime_error(std::string("cannot write dataset ") + name);
+        if (rows.tokens == 0) return;
+        const hsize_t start[3] = {static_cast<hsize_t>(first_token), 0, 0};
+        const hsize_t count[3] = {static_cast<hsize_t>(rows.tokens), dims[1], dims[2]};
+        Handle file_space = space_handle(H5Dget_space(dataset.get()));
+        Handle memory_space = space_handle(H5Screate_simple(3, count, nullptr));
+        if (H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, start, nullptr, count, nullptr) < 0)
+            throw std::runtime_error(std::string("cannot select rows of dataset ") + name);
         herr_t status;
         if (dtype == TensorDtype::float16) {
             // Round to nearest even ourselves and hand HDF5 the bits, so no conversion path is in doubt.
@@ -348,22 +374,22 @@ void TraceWriter::write_qkv(int sequence, int layer, const QkvLayer& data, Tenso
             // accepts: refuse it here, where the user can still choose float32.
             for (std::size_t i = 0; i < halves.size(); ++i)
                 if (!Eigen::numext::isfinite(halves[i]) && std::isfinite(values[i])) {
-                    const std::size_t per_token = dims[1] * dims[2];
                     throw InputError(impl_->file.path() + ": " + name + " of " + sequence_group(sequence) + " layer " +
                                      std::to_string(layer) + " holds " + std::to_string(values[i]) + " (token " +
-                                     std::to_string(i / per_token) + ", head " + std::to_string(i % per_token / dims[2]) +
-                                     ", channel " + std::to_string(i % dims[2]) +
-                                     "), beyond float16's range of +-65504; store float32 instead");
+                                     std::to_string(first_token + static_cast<int64_t>(i / per_token)) + ", head " +
+                                     std::to_string(i % per_token / dims[2]) + ", channel " +
+                                     std::to_string(i % dims[2]) + "), beyond float16's range of +-65504; store float32 instead");
                 }
-            status = H5Dwrite(dataset.get(), half.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, halves.data());
+            status = H5Dwrite(dataset.get(), half.get(), memory_space.get(), file_space.get(), H5P_DEFAULT, halves.data());
         } else {
-            status = H5Dwrite(dataset.get(), H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, values.data());
+            status = H5Dwrite(dataset.get(), H5T_NATIVE_FLOAT, memory_space.get(), file_space.get(), H5P_DEFAULT,
+                              values.data());
         }
-        if (!dataset.valid() || status < 0) throw std::runtime_error(std::string("cannot write dataset ") + name);
+        if (status < 0) throw std::runtime_error(std::string("cannot write dataset ") + name);
     };
-    write("q", data.q, m.num_query_heads);
-    write("k", data.k, m.num_kv_heads);
-    write("v", data.v, m.num_kv_heads);
+    write("q", rows.q, m.num_query_heads);
+    write("k", rows.k, m.num_kv_heads);
+    write("v", rows.v, m.num_kv_heads);
 }
 
 void TraceWriter::write_tokens(int sequence, std::span<const int32_t> tokens) {
@@ -564,6 +590,9 @@ TraceReader::TraceReader(const std::string& path) : impl_(std::make_unique<Impl>
     m.source_model_file = r.string_attr(root, "", "source_model_file");
     m.source_model_sha256 = r.string_attr(root, "", "source_model_sha256");
     m.source_text_sha256 = r.string_attr(root, "", "source_text_sha256");
+    if (H5Aexists(root, "source_sliding_window") > 0)  // optional: only models with a window
+        m.source_sliding_window = r.int_attr(root, "", "source_sliding_window", 1, kInt);
+    if (H5Aexists(root, "source_layers") > 0) m.source_layers = r.string_attr(root, "", "source_layers");
     m.kvsim_version = r.string_attr(root, "", "kvsim_version");
 
     const int64_t num_sequences = r.int_attr(root, "", "num_sequences", 1, kInt);
