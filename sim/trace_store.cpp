@@ -183,8 +183,9 @@ Handle compressed_layout(int rank, const hsize_t* chunk) {
     return plist;
 }
 
-// Writes a whole 3-d dataset laid out by compressed_layout (chunks of `chunk_rows` along the
-// first axis) whose elements are `element_bytes` wide. HDF5 filters the chunks of one H5Dwrite
+// Writes rows [first_row, first_row + rows) of a 3-d dataset laid out by compressed_layout
+// (chunks of `chunk_rows` along the first axis; first_row a multiple of it, and the rows whole
+// chunks or the dataset's last) whose elements are `element_bytes` wide. HDF5 filters the chunks of one H5Dwrite
 // one after another on one core; here each chunk is shuffled and deflated exactly as its filter
 // pipeline would (byte planes, then a zlib stream), on every core, and handed to HDF5 as stored
 // bytes. Readers see an ordinary filtered dataset; the bytes do not depend on the thread count.
@@ -207,19 +208,18 @@ bool deflate_chunk(std::vector<unsigned char>& in, std::vector<unsigned char>& o
 }
 
 static_assert(std::endian::native == std::endian::little, "the chunks are written as this machine's bytes");
-bool write_chunks_in_parallel(hid_t dataset, const void* data, const hsize_t dims[3], hsize_t chunk_rows,
-                              std::size_t element_bytes) {
+bool write_chunks_in_parallel(hid_t dataset, const void* data, hsize_t first_row, hsize_t rows, const hsize_t dims[3],
+                              hsize_t chunk_rows, std::size_t element_bytes) {
     const std::size_t row_elements = dims[1] * dims[2], chunk_elements = chunk_rows * row_elements;
     const std::size_t chunk_bytes = chunk_elements * element_bytes;
-    const hsize_t chunks = (dims[0] + chunk_rows - 1) / chunk_rows;
+    const hsize_t first_chunk = first_row / chunk_rows, chunks = (rows + chunk_rows - 1) / chunk_rows;
     std::vector<std::vector<unsigned char>> stored(chunks);
     std::vector<int> failed(chunks, 0);
     const auto* bytes = static_cast<const unsigned char*>(data);
     tbb::parallel_for(hsize_t{0}, chunks, [&](hsize_t c) {
         // An edge chunk is stored whole, its missing rows zero (HDF5's own fill for them).
-        const std::size_t rows = std::min<hsize_t>(chunk_rows, dims[0] - c * chunk_rows);
+        const std::size_t present = std::min<hsize_t>(chunk_rows, rows - c * chunk_rows) * row_elements;
         const unsigned char* in = bytes + c * chunk_bytes;
-        const std::size_t present = rows * row_elements;
         std::vector<unsigned char> planes(chunk_bytes, 0);
         for (std::size_t b = 0; b < element_bytes; ++b) {
             unsigned char* plane = planes.data() + b * chunk_elements;
@@ -228,7 +228,7 @@ bool write_chunks_in_parallel(hid_t dataset, const void* data, const hsize_t dim
         failed[c] = !deflate_chunk(planes, stored[c]);
     });
     for (hsize_t c = 0; c < chunks; ++c) {
-        const hsize_t offset[3] = {c * chunk_rows, 0, 0};
+        const hsize_t offset[3] = {(first_chunk + c) * chunk_rows, 0, 0};
         if (failed[c] || H5Dwrite_chunk(dataset, H5P_DEFAULT, 0, offset, stored[c].size(), stored[c].data()) < 0)
             return false;
     }
@@ -339,6 +339,8 @@ TraceWriter::TraceWriter(const std::string& path, TraceMetadata metadata) : impl
     write_string_attr(root, "source_model_file", metadata.source_model_file);
     write_string_attr(root, "source_model_sha256", metadata.source_model_sha256);
     write_string_attr(root, "source_text_sha256", metadata.source_text_sha256);
+    if (metadata.source_sliding_window > 0) write_int_attr(root, "source_sliding_window", metadata.source_sliding_window);
+    if (!metadata.source_layers.empty()) write_string_attr(root, "source_layers", metadata.source_layers);
     write_string_attr(root, "kvsim_version", metadata.kvsim_version);
     ensure_group(root, "/sequences");
 }
@@ -385,20 +387,55 @@ void TraceWriter::write_attention_rows(int sequence, int layer, int head, int64_
 }
 
 void TraceWriter::write_qkv(int sequence, int layer, const QkvLayer& data, TensorDtype dtype) {
+    write_qkv_rows(sequence, layer, 0, data, dtype);
+}
+
+void TraceWriter::write_qkv_rows(int sequence, int layer, int64_t first_token, const QkvLayer& rows, TensorDtype dtype) {
     const TraceMetadata& m = impl_->metadata;
-    Handle group = ensure_group(impl_->h5.get(), sequence_group(sequence) + "/qkv/" + layer_name(layer));
+    const int64_t length = impl_->sequences.at(static_cast<std::size_t>(sequence)).length;
+    if (first_token < 0 || rows.tokens < 0 || first_token + rows.tokens > length)
+        throw std::logic_error("write_qkv_rows: tokens outside the sequence");
+    const std::string group_name = sequence_group(sequence) + "/qkv/" + layer_name(layer);
+    Handle group = ensure_group(impl_->h5.get(), group_name);
     Handle half = float16_type();
     const hid_t file_type = dtype == TensorDtype::float16 ? half.get() : H5T_IEEE_F32LE;
     auto write = [&](const char* name, const std::vector<float>& values, int64_t heads) {
-        const hsize_t dims[3] = {static_cast<hsize_t>(data.tokens), static_cast<hsize_t>(heads),
+        // The dataset spans the whole sequence, chunked by 256 tokens and compressed; it is made by
+        // the first write and each call fills its rows.
+        const hsize_t dims[3] = {static_cast<hsize_t>(length), static_cast<hsize_t>(heads),
                                  static_cast<hsize_t>(m.head_dim)};
-        if (values.size() != dims[0] * dims[1] * dims[2])
-            throw std::logic_error(std::string("write_qkv: ") + name + " has the wrong size");
-        const hsize_t chunk[3] = {std::max<hsize_t>(1, std::min<hsize_t>(dims[0], 256)), dims[1], dims[2]};
-        Handle space = space_handle(H5Screate_simple(3, dims, nullptr));
-        Handle layout = compressed_layout(3, chunk);
-        Handle dataset =
-            dataset_handle(H5Dcreate2(group.get(), name, file_type, space.get(), H5P_DEFAULT, layout.get(), H5P_DEFAULT));
+        const hsize_t per_token = dims[1] * dims[2];
+        if (values.size() != static_cast<std::size_t>(rows.tokens) * per_token)
+            throw std::logic_error(std::string("write_qkv_rows: ") + name + " has the wrong size");
+        const hsize_t chunk_rows = std::max<hsize_t>(1, std::min<hsize_t>(dims[0], 256));
+        Handle dataset;
+        if (H5Lexists(group.get(), name, H5P_DEFAULT) > 0) {
+            dataset = dataset_handle(H5Dopen2(group.get(), name, H5P_DEFAULT));
+        } else {
+            const hsize_t chunk[3] = {chunk_rows, dims[1], dims[2]};
+            Handle space = space_handle(H5Screate_simple(3, dims, nullptr));
+            Handle layout = compressed_layout(3, chunk);
+            dataset = dataset_handle(
+                H5Dcreate2(group.get(), name, file_type, space.get(), H5P_DEFAULT, layout.get(), H5P_DEFAULT));
+        }
+        if (!dataset.valid()) throw std::runtime_error(std::string("cannot write dataset ") + name);
+        if (rows.tokens == 0) return;
+        const hsize_t start[3] = {static_cast<hsize_t>(first_token), 0, 0};
+        const hsize_t count[3] = {static_cast<hsize_t>(rows.tokens), dims[1], dims[2]};
+        Handle file_space = space_handle(H5Dget_space(dataset.get()));
+        Handle memory_space = space_handle(H5Screate_simple(3, count, nullptr));
+        if (H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, start, nullptr, count, nullptr) < 0)
+            throw std::runtime_error(std::string("cannot select rows of dataset ") + name);
+        // Rows that fill whole chunks (or end the sequence) are deflated on every core and stored
+        // as chunks; any other run of rows goes through HDF5's own filters.
+        const bool whole_chunks = static_cast<hsize_t>(first_token) % chunk_rows == 0 &&
+                                  (static_cast<hsize_t>(rows.tokens) % chunk_rows == 0 || first_token + rows.tokens == length);
+        auto write_chunks = [&](const void* data, std::size_t element_bytes) -> herr_t {
+            return write_chunks_in_parallel(dataset.get(), data, static_cast<hsize_t>(first_token),
+                                            static_cast<hsize_t>(rows.tokens), dims, chunk_rows, element_bytes)
+                       ? 0
+                       : -1;
+        };
         herr_t status;
         if (dtype == TensorDtype::float16) {
             // Round to nearest even ourselves and hand HDF5 the bits, so no conversion path is in doubt.
@@ -407,22 +444,25 @@ void TraceWriter::write_qkv(int sequence, int layer, const QkvLayer& data, Tenso
             // accepts: refuse it here, where the user can still choose float32.
             for (std::size_t i = 0; i < halves.size(); ++i)
                 if (!Eigen::numext::isfinite(halves[i]) && std::isfinite(values[i])) {
-                    const std::size_t per_token = dims[1] * dims[2];
                     throw InputError(impl_->file.path() + ": " + name + " of " + sequence_group(sequence) + " layer " +
                                      std::to_string(layer) + " holds " + std::to_string(values[i]) + " (token " +
-                                     std::to_string(i / per_token) + ", head " + std::to_string(i % per_token / dims[2]) +
-                                     ", channel " + std::to_string(i % dims[2]) +
-                                     "), beyond float16's range of +-65504; store float32 instead");
+                                     std::to_string(first_token + static_cast<int64_t>(i / per_token)) + ", head " +
+                                     std::to_string(i % per_token / dims[2]) + ", channel " +
+                                     std::to_string(i % dims[2]) + "), beyond float16's range of +-65504; store float32 instead");
                 }
-            status = dataset.valid() && write_chunks_in_parallel(dataset.get(), halves.data(), dims, chunk[0], 2) ? 0 : -1;
+            status = whole_chunks ? write_chunks(halves.data(), 2)
+                                  : H5Dwrite(dataset.get(), half.get(), memory_space.get(), file_space.get(),
+                                             H5P_DEFAULT, halves.data());
         } else {
-            status = dataset.valid() && write_chunks_in_parallel(dataset.get(), values.data(), dims, chunk[0], 4) ? 0 : -1;
+            status = whole_chunks ? write_chunks(values.data(), 4)
+                                  : H5Dwrite(dataset.get(), H5T_NATIVE_FLOAT, memory_space.get(), file_space.get(),
+                                             H5P_DEFAULT, values.data());
         }
-        if (!dataset.valid() || status < 0) throw std::runtime_error(std::string("cannot write dataset ") + name);
+        if (status < 0) throw std::runtime_error(std::string("cannot write dataset ") + name);
     };
-    write("q", data.q, m.num_query_heads);
-    write("k", data.k, m.num_kv_heads);
-    write("v", data.v, m.num_kv_heads);
+    write("q", rows.q, m.num_query_heads);
+    write("k", rows.k, m.num_kv_heads);
+    write("v", rows.v, m.num_kv_heads);
 }
 
 void TraceWriter::write_tokens(int sequence, std::span<const int32_t> tokens) {
@@ -623,6 +663,9 @@ TraceReader::TraceReader(const std::string& path) : impl_(std::make_unique<Impl>
     m.source_model_file = r.string_attr(root, "", "source_model_file");
     m.source_model_sha256 = r.string_attr(root, "", "source_model_sha256");
     m.source_text_sha256 = r.string_attr(root, "", "source_text_sha256");
+    if (H5Aexists(root, "source_sliding_window") > 0)  // optional: only models with a window
+        m.source_sliding_window = r.int_attr(root, "", "source_sliding_window", 1, kInt);
+    if (H5Aexists(root, "source_layers") > 0) m.source_layers = r.string_attr(root, "", "source_layers");
     m.kvsim_version = r.string_attr(root, "", "kvsim_version");
 
     const int64_t num_sequences = r.int_attr(root, "", "num_sequences", 1, kInt);

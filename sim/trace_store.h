@@ -31,6 +31,12 @@ struct TraceMetadata {
     std::string source_model_file;
     std::string source_model_sha256;
     std::string source_text_sha256;
+    // The model's attention window (Mistral's sliding_window) when it has one, else 0: the
+    // capture attends in full; a replay may apply the window as a policy.
+    int64_t source_sliding_window = 0;
+    // A capture of some of the model's layers: the model layer of each trace layer, comma
+    // separated ("0,8,15"); empty when the trace holds every layer in order.
+    std::string source_layers;
     std::string kvsim_version;  // filled in by the writer
 };
 
@@ -78,7 +84,11 @@ public:
     int add_sequence(const std::string& name, int64_t length);
     // Writes decode steps [first_step, first_step + rows) of one (layer, query head), packed.
     void write_attention_rows(int sequence, int layer, int head, int64_t first_step, std::span<const float> rows);
+    // One layer's Q, K and V for the whole sequence (layer_data.tokens is its length).
     void write_qkv(int sequence, int layer, const QkvLayer& layer_data, TensorDtype dtype);
+    // Tokens [first_token, first_token + rows.tokens) of one layer, into datasets that span the
+    // sequence (made by the first call): a capture writes a long sequence chunk by chunk.
+    void write_qkv_rows(int sequence, int layer, int64_t first_token, const QkvLayer& rows, TensorDtype dtype);
     void write_tokens(int sequence, std::span<const int32_t> tokens);
     void commit();
 

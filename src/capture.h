@@ -2,6 +2,7 @@
 // and V are recorded into a qkv trace with the model's and text's provenance.
 #pragma once
 #include <string>
+#include <vector>
 
 #include "sim/trace_store.h"
 #include "src/model_text.h"
@@ -12,6 +13,9 @@ struct CaptureOptions {
     ModelInput input;
     TensorDtype dtype = TensorDtype::float32;
     std::string output_path;
+    // Model layers to record, ascending (empty = all): the trace's layer i is the model's layers[i],
+    // and the trace says so (TraceMetadata::source_layers).
+    std::vector<int> layers;
 };
 
 struct CaptureSummary {

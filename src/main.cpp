@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <map>
 #include <memory>
 
 #include "kvsim_version.h"
@@ -228,13 +229,16 @@ void add_model_flags(CLI::App* cmd, ModelInput& flags) {
     cmd->add_option("--split-on", flags.split_on, "separator between sequences, e.g. '<|endoftext|>'");
     cmd->add_option("--max-tokens", flags.max_tokens, "tokens per sequence, BOS included (default: the context)")
         ->check(CLI::Range(2, 1 << 30));
-    cmd->add_option("--context", flags.context, "the model's trained context, when the GGUF header overstates it")
+    cmd->add_option("--context", flags.context,
+                    "positions per sequence, at most the model's trained context (default: all of it)")
         ->check(CLI::Range(2, 1 << 30));
 }
 
-int run_capture(const ModelInput& input, const std::string& dtype, const std::string& out) {
+int run_capture(const ModelInput& input, const std::string& dtype, const std::vector<int>& layers,
+                const std::string& out) {
     CaptureOptions options;
     options.input = input;
+    options.layers = layers;
     options.dtype = dtype == "float16" ? TensorDtype::float16 : TensorDtype::float32;
     options.output_path = out;
     const CaptureSummary summary = capture_trace(options);
@@ -340,6 +344,10 @@ int trace_info(const std::string& path) {
         std::printf("source           model %s (sha256 %s)\n", m.source_model_file.c_str(),
                     m.source_model_sha256.c_str());
         if (!m.source_text_sha256.empty()) std::printf("text sha256      %s\n", m.source_text_sha256.c_str());
+        if (m.source_sliding_window > 0)
+            std::printf("sliding window   %lld positions (the model's; captured with full attention)\n",
+                        static_cast<long long>(m.source_sliding_window));
+        if (!m.source_layers.empty()) std::printf("model layers     %s\n", m.source_layers.c_str());
     }
     int64_t tokens = 0;
     for (const SequenceInfo& s : reader.sequences()) tokens += s.length;
@@ -433,11 +441,16 @@ int main(int argc, char** argv) {
 
     ModelInput capture_input, eval_input;
     std::string capture_dtype = "float32", capture_out;
+    std::vector<int> capture_layers;
     CLI::App* capture = app.add_subcommand("capture", "record a GGUF model's Q/K/V over a text into a trace");
     add_model_flags(capture, capture_input);
     capture->add_option("-o,--output", capture_out, "output trace (.h5)")->required();
     capture->add_option("--dtype", capture_dtype, "stored precision: float32 (default) or float16")
         ->check(CLI::IsMember({"float16", "float32"}));
+    capture->add_option("--store", capture_dtype, "stored precision: fp32 (default) or fp16 (as --dtype)")
+        ->transform(CLI::CheckedTransformer(std::map<std::string, std::string>{{"fp16", "float16"}, {"fp32", "float32"}}));
+    capture->add_option("--layers", capture_layers, "model layers to record, e.g. 0,8,15 (default: all)")
+        ->delimiter(',');
 
     ReplayFlags eval_flags;
     CLI::App* eval = app.add_subcommand("eval", "perplexity with each policy controlling the model's own cache");
@@ -512,7 +525,7 @@ int main(int argc, char** argv) {
         if (*run) return run_replay(run_flags, false);
         if (*sweep) return run_replay(sweep_flags, true);
         if (*merge) return run_merge(merge_flags);
-        if (*capture) return run_capture(capture_input, capture_dtype, capture_out);
+        if (*capture) return run_capture(capture_input, capture_dtype, capture_layers, capture_out);
         if (*eval) return run_eval_command(eval_flags, eval_input);
         if (*search) return run_search_command(search_flags, search_confirm);
         if (*exporter) return run_export(export_profile, export_format, export_out);

@@ -47,6 +47,10 @@ LoadedInput load_model_input(const ModelInput& input) {
         throw InputError(input.model_path + ": metadata key 'tokenizer.ggml.tokens': " +
                          std::to_string(tokenizer.vocab_size()) + " tokens, but tensor 'token_embd.weight' has " +
                          std::to_string(config.vocab_size) + " rows");
+    if (input.context > config.context_length)
+        throw InputError(input.model_path + ": --context " + std::to_string(input.context) +
+                         " is beyond the model's trained context of " + std::to_string(config.context_length) +
+                         " positions (metadata key '" + config.architecture + ".context_length')");
     const int limit = usable_context(config.context_length, input.context, input.max_tokens);
     TokenizedText text = tokenize_text(tokenizer, input.text_path, input.split_on, limit);
     // The KV cache holds what the longest sequence needs, not the header's context (which may

@@ -168,6 +168,26 @@ class ModelInput(KvsimTestCase):
         result = self.eval(model, "--format", "json")
         self.assertEqual(result.returncode, 0, result.stderr)
 
+    def test_capture_context_layers_and_store(self):
+        model = self.model(TinyLlama())  # trained context 64
+        self.assert_input_error(self.capture(model, "--context", "65"), "m.gguf: --context 65 is beyond the model's "
+                                "trained context of 64 positions (metadata key 'llama.context_length')")
+        self.assert_input_error(self.capture(model, "--layers", "1"), "--layers: layer 1 is not in the model")
+        self.assert_input_error(self.capture(model, "--layers", "0,0"), "--layers: 0 after 0")
+        self.assert_input_error(self.capture(model.replace("m.gguf", "x.gguf")), "x.gguf")
+        result = self.capture(model, "--context", "64", "--layers", "0", "--store", "fp16")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        info = kvsim("trace", "info", self.path("t.h5"))
+        self.assertIn("model layers     0", info.stdout)
+        result = self.capture(model, "--store", "fp8")
+        self.assertNotEqual(result.returncode, 0)
+        self.assertFalse(os.path.exists(self.path("t.h5")))
+
+    def test_an_unsupported_architecture_is_one_line_naming_it(self):
+        model = self.model(TinyLlama().set("general.architecture", STRING, "gemma2"))
+        self.assert_input_error(self.capture(model), "metadata key 'general.architecture': unsupported architecture "
+                                "'gemma2' (supported: llama, qwen2)")
+
     # Class 1: integers that wrap or overflow, inconsistent shapes.
 
     def test_metadata_integers_out_of_range_name_the_key(self):

@@ -517,6 +517,21 @@ const GgufTensorInfo& GgufFile::tensor(const std::string& name) const {
     throw InputError(path_ + ": missing tensor " + quoted(name));
 }
 
+std::vector<uint8_t> GgufFile::read_tensor_bytes(const std::string& name) const {
+    const GgufTensorInfo& info = tensor(name);
+    if (find_block_format(info.type_id) == nullptr) {
+        throw InputError(path_ + ": tensor " + quoted(name) + ": unsupported type " + tensor_type_name(info.type_id) +
+                         " (" + std::to_string(info.type_id) + "); supported: " + supported_type_names());
+    }
+    check_memory(info.byte_size(), path_ + ": tensor " + quoted(name));
+    std::vector<uint8_t> bytes(info.byte_size());
+    std::ifstream in(path_, std::ios::binary);
+    in.seekg(static_cast<std::streamoff>(data_offset_ + info.offset));
+    in.read(reinterpret_cast<char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+    if (!in) throw InputError(path_ + ": tensor " + quoted(name) + ": cannot read its data (file changed or truncated?)");
+    return bytes;
+}
+
 std::vector<float> GgufFile::read_tensor(const std::string& name) const {
     const GgufTensorInfo& info = tensor(name);
     const BlockFormat* format = find_block_format(info.type_id);
@@ -526,12 +541,7 @@ std::vector<float> GgufFile::read_tensor(const std::string& name) const {
     }
     check_memory(checked_add(info.byte_size(), checked_mul(info.element_count(), sizeof(float), path_), path_),
                  path_ + ": tensor " + quoted(name));
-    std::vector<uint8_t> bytes(info.byte_size());
-    std::ifstream in(path_, std::ios::binary);
-    in.seekg(static_cast<std::streamoff>(data_offset_ + info.offset));
-    in.read(reinterpret_cast<char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
-    if (!in) throw InputError(path_ + ": tensor " + quoted(name) + ": cannot read its data (file changed or truncated?)");
-
+    const std::vector<uint8_t> bytes = read_tensor_bytes(name);
     std::vector<float> values(info.element_count());
     format->dequantize(bytes.data(), values.size() / static_cast<size_t>(format->block_elements), values.data());
     return values;

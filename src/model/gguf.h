@@ -114,6 +114,8 @@ class GgufFile {
     // The tensor's elements as float (F16/BF16 and the block formats dequantised), in file order
     // (shape[0] fastest). Throws InputError for a missing tensor or an unsupported type.
     std::vector<float> read_tensor(const std::string& name) const;
+    // The tensor's data as the file stores it (byte_size() bytes), for a type this reader supports.
+    std::vector<uint8_t> read_tensor_bytes(const std::string& name) const;
 
     // One line "<path>: <what>" for InputError messages.
     std::string error_prefix() const { return path_ + ": "; }

@@ -204,21 +204,34 @@ void write_random_llama(const std::string& path, const LlamaConfig& config, uint
 GgufWriter random_llama_writer(const LlamaConfig& config, uint64_t seed, TensorType weight_type, bool tied_output) {
     const LlamaConfig& c = config;
     GgufWriter writer;
-    writer.set_string("general.architecture", "llama");
-    writer.set_string("general.name", "kvsim synthetic llama (random weights)");
-    writer.set_uint32("llama.context_length", static_cast<uint32_t>(c.context_length));
-    writer.set_uint32("llama.embedding_length", static_cast<uint32_t>(c.dim));
-    writer.set_uint32("llama.feed_forward_length", static_cast<uint32_t>(c.hidden_dim));
-    writer.set_uint32("llama.block_count", static_cast<uint32_t>(c.n_layers));
-    writer.set_uint32("llama.attention.head_count", static_cast<uint32_t>(c.n_heads));
-    writer.set_uint32("llama.attention.head_count_kv", static_cast<uint32_t>(c.n_kv_heads));
+    const std::string p = c.architecture + ".";  // the model keys' prefix
+    writer.set_string("general.architecture", c.architecture);
+    writer.set_string("general.name", "kvsim synthetic " + c.architecture + " (random weights)");
+    writer.set_uint32(p + "context_length", static_cast<uint32_t>(c.context_length));
+    writer.set_uint32(p + "embedding_length", static_cast<uint32_t>(c.dim));
+    writer.set_uint32(p + "feed_forward_length", static_cast<uint32_t>(c.hidden_dim));
+    writer.set_uint32(p + "block_count", static_cast<uint32_t>(c.n_layers));
+    writer.set_uint32(p + "attention.head_count", static_cast<uint32_t>(c.n_heads));
+    writer.set_uint32(p + "attention.head_count_kv", static_cast<uint32_t>(c.n_kv_heads));
     if (c.head_dim * c.n_heads != c.dim) {
-        writer.set_uint32("llama.attention.key_length", static_cast<uint32_t>(c.head_dim));
-        writer.set_uint32("llama.attention.value_length", static_cast<uint32_t>(c.head_dim));
+        writer.set_uint32(p + "attention.key_length", static_cast<uint32_t>(c.head_dim));
+        writer.set_uint32(p + "attention.value_length", static_cast<uint32_t>(c.head_dim));
     }
-    writer.set_uint32("llama.rope.dimension_count", static_cast<uint32_t>(c.head_dim));
-    writer.set_float32("llama.rope.freq_base", c.rope_theta);
-    writer.set_float32("llama.attention.layer_norm_rms_epsilon", c.norm_eps);
+    writer.set_uint32(p + "rope.dimension_count", static_cast<uint32_t>(c.head_dim));
+    writer.set_float32(p + "rope.freq_base", c.rope_theta);
+    writer.set_float32(p + "attention.layer_norm_rms_epsilon", c.norm_eps);
+    if (c.sliding_window > 0) writer.set_uint32(p + "attention.sliding_window", static_cast<uint32_t>(c.sliding_window));
+    const RopeScaling& scaling = c.rope_scaling;
+    if (scaling.kind == RopeScaling::Kind::linear) {
+        writer.set_string(p + "rope.scaling.type", "linear");
+        writer.set_float32(p + "rope.scaling.factor", static_cast<float>(scaling.factor));
+    } else if (scaling.kind == RopeScaling::Kind::llama3) {
+        writer.set_string(p + "rope.scaling.type", "llama3");
+        writer.set_float32(p + "rope.scaling.factor", static_cast<float>(scaling.factor));
+        writer.set_float32(p + "rope.scaling.low_freq_factor", static_cast<float>(scaling.low_freq_factor));
+        writer.set_float32(p + "rope.scaling.high_freq_factor", static_cast<float>(scaling.high_freq_factor));
+        writer.set_uint32(p + "rope.scaling.original_context_length", static_cast<uint32_t>(scaling.original_context));
+    }
 
     // A toy SentencePiece vocabulary: specials, byte fallback, printable ASCII, '▁' + letter,
     // letter pairs, then filler pieces; scores fall with the id, as in real vocabularies.
@@ -271,6 +284,14 @@ GgufWriter random_llama_writer(const LlamaConfig& config, uint64_t seed, TensorT
         random_matrix(prefix + "attn_q.weight", c.q_dim(), c.dim);
         random_matrix(prefix + "attn_k.weight", c.kv_dim(), c.dim);
         random_matrix(prefix + "attn_v.weight", c.kv_dim(), c.dim);
+        if (c.qkv_bias) {  // vectors, F32 as llama.cpp keeps them; unit variance so they matter
+            for (const auto& [name, size] : {std::pair{"attn_q.bias", c.q_dim()}, std::pair{"attn_k.bias", c.kv_dim()},
+                                             std::pair{"attn_v.bias", c.kv_dim()}}) {
+                std::vector<float> bias(static_cast<size_t>(size));
+                for (auto& value : bias) value = random.symmetric();
+                writer.add_tensor(prefix + name, {static_cast<uint64_t>(size)}, bias, TensorType::F32);
+            }
+        }
         random_matrix(prefix + "attn_output.weight", c.dim, c.q_dim());
         norm(prefix + "ffn_norm.weight");
         random_matrix(prefix + "ffn_gate.weight", c.hidden_dim, c.dim);

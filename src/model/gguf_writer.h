@@ -53,7 +53,9 @@ class GgufWriter {
     std::vector<PendingTensor> tensors_;
 };
 
-// A writer holding a Llama-architecture GGUF with the shapes of `config` and deterministic pseudo-random
+// A writer holding a GGUF of config.architecture (keys under its prefix; Q/K/V biases when
+// config.qkv_bias, the sliding window and RoPE scaling metadata when set) with the shapes of
+// `config` and deterministic pseudo-random
 // weights (uniform, variance 1/fan_in, so activations stay O(1)), RMSNorm weights 1, and a toy
 // SentencePiece vocabulary (<unk>, <s>, </s>, 256 byte tokens, then ASCII pieces) when
 // vocab_size >= 259. Without tied_output an output.weight tensor is added. Tests edit the writer

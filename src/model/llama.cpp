@@ -19,39 +19,13 @@ using RowMatrix = LlamaModel::RowMatrix;
 
 namespace {
 
-// Products smaller than this many multiply-adds stay on the calling thread: below it, handing
+// Attention over fewer multiply-adds than this stays on the calling thread: below it, handing
 // work to the second core costs more than it saves.
 constexpr int64_t kParallelMinMacs = int64_t{1} << 18;
 
-// Y[n][out] (+)= X[n][in] · Wᵀ for W stored [out][in] (row-major, as in the GGUF file). Large
-// products are split over blocks of W's rows (output features), one Eigen product per block,
-// so both cores stream disjoint parts of the weights.
-template <bool kAccumulate>
-void linear_impl(const Eigen::Ref<const RowMatrix>& x, const RowMatrix& w, Eigen::Ref<RowMatrix> y) {
-    const auto product = [&](Eigen::Index first_row, Eigen::Index rows) {
-        if constexpr (kAccumulate) {
-            y.middleCols(first_row, rows).noalias() += x * w.middleRows(first_row, rows).transpose();
-        } else {
-            y.middleCols(first_row, rows).noalias() = x * w.middleRows(first_row, rows).transpose();
-        }
-    };
-    const int64_t macs = int64_t{x.rows()} * w.rows() * w.cols();
-    if (macs < kParallelMinMacs) {
-        product(0, w.rows());
-        return;
-    }
-    // A matrix-vector product splits finely (blocks of 64 rows balance the two cores); a matrix
-    // product into ~8 blocks at most, since each block's product re-packs x.
-    const Eigen::Index row_grain = x.rows() == 1 ? 64 : std::max<Eigen::Index>(64, w.rows() / 8);
-    tbb::parallel_for(tbb::blocked_range<Eigen::Index>(0, w.rows(), row_grain),
-                      [&](const tbb::blocked_range<Eigen::Index>& rows) { product(rows.begin(), rows.size()); });
-}
-
-void linear(const Eigen::Ref<const RowMatrix>& x, const RowMatrix& w, Eigen::Ref<RowMatrix> y) {
-    linear_impl<false>(x, w, y);
-}
-void linear_add(const Eigen::Ref<const RowMatrix>& x, const RowMatrix& w, Eigen::Ref<RowMatrix> y) {
-    linear_impl<true>(x, w, y);
+void linear(const Eigen::Ref<const RowMatrix>& x, const WeightMatrix& w, Eigen::Ref<RowMatrix> y) { w.multiply(x, y); }
+void linear_add(const Eigen::Ref<const RowMatrix>& x, const WeightMatrix& w, Eigen::Ref<RowMatrix> y) {
+    w.multiply_add(x, y);
 }
 
 // RMSNorm (Zhang & Sennrich 2019), one row per token: out = x / sqrt(mean(x²) + eps) ⊙ weight.
@@ -62,18 +36,22 @@ void rms_norm(const Eigen::Ref<const RowMatrix>& x, const Eigen::VectorXf& weigh
     }
 }
 
-// RoPE (Su et al. 2021) on adjacent pairs (2i, 2i+1) within each head, as in Meta's Llama code and
-// llama.cpp's "normal" rope mode; the GGUF converters permute Hugging Face Q/K weights into it.
-void apply_rope(Eigen::Ref<RowMatrix> x, int head_dim, int start_pos, const RowMatrix& cos, const RowMatrix& sin) {
+// RoPE (Su et al. 2021) within each head: pair i is (2i, 2i+1) with adjacent pairing (Meta's
+// Llama code, llama.cpp's "normal" mode, into which the GGUF converters permute Llama's Q/K
+// weights) or (i, i + head_dim/2) with halves (Qwen2, llama.cpp's "neox" mode).
+void apply_rope(Eigen::Ref<RowMatrix> x, int head_dim, int start_pos, RopePairing pairing, const RowMatrix& cos,
+                const RowMatrix& sin) {
     const int pairs_per_head = head_dim / 2;
+    const int stride = pairing == RopePairing::adjacent ? 2 : 1;               // first element of pair i
+    const int partner = pairing == RopePairing::adjacent ? 1 : pairs_per_head;  // its partner's offset
     for (Eigen::Index i = 0; i < x.rows(); ++i) {
         float* row = x.row(i).data();
         const float* c = cos.row(start_pos + i).data();
         const float* s = sin.row(start_pos + i).data();
         for (Eigen::Index head_start = 0; head_start < x.cols(); head_start += head_dim) {
             for (int pair = 0; pair < pairs_per_head; ++pair) {
-                float& a = row[head_start + 2 * pair];
-                float& b = row[head_start + 2 * pair + 1];
+                float& a = row[head_start + stride * pair];
+                float& b = row[head_start + stride * pair + partner];
                 const float a0 = a, b0 = b;
                 a = a0 * c[pair] - b0 * s[pair];
                 b = a0 * s[pair] + b0 * c[pair];
@@ -159,6 +137,11 @@ std::vector<WeightShape> weight_shapes(const LlamaConfig& c, bool tied_output) {
         shapes.push_back({prefix + "attn_q.weight", c.q_dim(), c.dim});
         shapes.push_back({prefix + "attn_k.weight", c.kv_dim(), c.dim});
         shapes.push_back({prefix + "attn_v.weight", c.kv_dim(), c.dim});
+        if (c.qkv_bias) {
+            shapes.push_back({prefix + "attn_q.bias", c.q_dim(), 0});
+            shapes.push_back({prefix + "attn_k.bias", c.kv_dim(), 0});
+            shapes.push_back({prefix + "attn_v.bias", c.kv_dim(), 0});
+        }
         shapes.push_back({prefix + "attn_output.weight", c.dim, c.q_dim()});
         shapes.push_back({prefix + "ffn_norm.weight", c.dim, 0});
         shapes.push_back({prefix + "ffn_gate.weight", c.hidden_dim, c.dim});
@@ -170,7 +153,7 @@ std::vector<WeightShape> weight_shapes(const LlamaConfig& c, bool tied_output) {
     return shapes;
 }
 
-const GgufTensorInfo& checked_tensor(const GgufFile& file, const WeightShape& weight) {
+const GgufTensorInfo& checked_tensor(const GgufFile& file, const std::string& architecture, const WeightShape& weight) {
     const GgufTensorInfo& info = file.tensor(weight.name);
     const std::vector<uint64_t> expected =
         weight.cols == 0 ? std::vector<uint64_t>{static_cast<uint64_t>(weight.rows)}
@@ -182,31 +165,44 @@ const GgufTensorInfo& checked_tensor(const GgufFile& file, const WeightShape& we
             return "[" + out + "]";
         };
         throw InputError(file.path() + ": tensor '" + weight.name + "': shape " + text(info.shape) + ", expected " +
-                         text(expected) + " from the llama.* metadata");
+                         text(expected) + " from the " + architecture + ".* metadata");
     }
     return info;
 }
 
-// The tensor's values, which must all be finite: a NaN weight would only surface later as NaN
-// attention, far from its cause.
-std::vector<float> read_finite_tensor(const GgufFile& file, const std::string& name) {
-    std::vector<float> values = file.read_tensor(name);
-    if (const Eigen::Index bad = first_non_finite(values.data(), static_cast<Eigen::Index>(values.size())); bad >= 0) {
+// A tensor the forward pass reads, whose weights must all be finite: a NaN weight would only
+// surface later as NaN attention, far from its cause.
+void check_finite(const GgufFile& file, const std::string& name, int64_t bad, float value) {
+    if (bad >= 0)
         throw InputError(file.path() + ": tensor '" + name + "': element " + std::to_string(bad) + " is " +
-                         (std::isnan(values[bad]) ? "NaN" : "infinite") + " (weights must be finite)");
+                         (std::isnan(value) ? "NaN" : "infinite") + " (weights must be finite)");
+}
+
+// F32 as an Eigen matrix; any other type kept in the file's encoding (weight_matrix.h).
+WeightMatrix load_matrix(const GgufFile& file, const std::string& architecture, const WeightShape& weight) {
+    const GgufTensorInfo& info = checked_tensor(file, architecture, weight);
+    WeightMatrix matrix;
+    if (info.type_id == static_cast<uint32_t>(TensorType::F32)) {
+        const std::vector<float> values = file.read_tensor(weight.name);
+        matrix = WeightMatrix::from_floats(Eigen::Map<const RowMatrix>(values.data(), weight.rows, weight.cols));
+    } else {
+        const BlockFormat* format = find_block_format(info.type_id);
+        if (format == nullptr) file.read_tensor_bytes(weight.name);  // throws, naming the tensor and type
+        matrix = WeightMatrix::from_blocks(*format, weight.rows, weight.cols, file.read_tensor_bytes(weight.name));
     }
-    return values;
+    if (const int64_t bad = matrix.first_non_finite(); bad >= 0) {
+        std::vector<float> row(static_cast<size_t>(weight.cols));
+        matrix.decode_row(static_cast<int>(bad / weight.cols), row.data());
+        check_finite(file, weight.name, bad, row[static_cast<size_t>(bad % weight.cols)]);
+    }
+    return matrix;
 }
 
-RowMatrix load_matrix(const GgufFile& file, const WeightShape& weight) {
-    checked_tensor(file, weight);
-    const std::vector<float> values = read_finite_tensor(file, weight.name);
-    return Eigen::Map<const RowMatrix>(values.data(), weight.rows, weight.cols);
-}
-
-Eigen::VectorXf load_vector(const GgufFile& file, const WeightShape& weight) {
-    checked_tensor(file, weight);
-    const std::vector<float> values = read_finite_tensor(file, weight.name);
+Eigen::VectorXf load_vector(const GgufFile& file, const std::string& architecture, const WeightShape& weight) {
+    checked_tensor(file, architecture, weight);
+    const std::vector<float> values = file.read_tensor(weight.name);
+    const Eigen::Index bad = first_non_finite(values.data(), static_cast<Eigen::Index>(values.size()));
+    if (bad >= 0) check_finite(file, weight.name, bad, values[static_cast<size_t>(bad)]);
     return Eigen::Map<const Eigen::VectorXf>(values.data(), weight.rows);
 }
 
@@ -230,67 +226,128 @@ int64_t LlamaConfig::matmul_flops_per_token() const {
     return 2 * (n_layers * per_layer + int64_t{vocab_size} * dim);
 }
 
+std::vector<double> LlamaConfig::rope_frequencies() const {
+    const int pairs = head_dim / 2;
+    std::vector<double> frequencies(static_cast<size_t>(pairs));
+    const double pi = std::acos(-1.0);
+    for (int i = 0; i < pairs; ++i) {
+        // Computed in double: p / theta^(2i / head_dim) at p ~ 10^5 needs more than float's digits.
+        double frequency = 1.0 / std::pow(static_cast<double>(rope_theta), 2.0 * i / head_dim);
+        switch (rope_scaling.kind) {
+            case RopeScaling::Kind::none: break;
+            case RopeScaling::Kind::linear: frequency /= rope_scaling.factor; break;
+            case RopeScaling::Kind::llama3: {
+                // Llama 3.1: wavelengths shorter than original_context / high_freq_factor keep their
+                // frequency, those longer than original_context / low_freq_factor are divided by
+                // factor, and those between blend the two linearly in original_context / wavelength.
+                const RopeScaling& r = rope_scaling;
+                const double wavelength = 2.0 * pi / frequency;
+                const double context = r.original_context;
+                if (wavelength > context / r.low_freq_factor) {
+                    frequency /= r.factor;
+                } else if (wavelength >= context / r.high_freq_factor) {
+                    const double smooth =
+                        (context / wavelength - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
+                    frequency = (1.0 - smooth) * frequency / r.factor + smooth * frequency;
+                }
+                break;
+            }
+        }
+        frequencies[static_cast<size_t>(i)] = frequency;
+    }
+    return frequencies;
+}
+
 LlamaConfig LlamaConfig::from_gguf(const GgufFile& file) {
     const std::string architecture = file.get_string("general.architecture");
-    if (architecture != "llama") {
+    if (architecture != "llama" && architecture != "qwen2") {
         throw InputError(file.path() + ": metadata key 'general.architecture': unsupported architecture '" +
-                         architecture + "' (only 'llama')");
+                         architecture + "' (supported: llama, qwen2)");
     }
     const auto fail = [&](const std::string& key, const std::string& why) {
         throw InputError(file.path() + ": metadata key '" + key + "': " + why);
     };
+    const std::string p = architecture + ".";  // every model key's prefix
     LlamaConfig config;
-    config.dim = required_int(file, "llama.embedding_length");
-    config.hidden_dim = required_int(file, "llama.feed_forward_length");
-    config.n_layers = required_int(file, "llama.block_count");
-    config.n_heads = required_int(file, "llama.attention.head_count");
-    config.n_kv_heads = checked_int(file, "llama.attention.head_count_kv",
-                                    file.get_int("llama.attention.head_count_kv", config.n_heads), 1);
-    if (!file.find("llama.attention.key_length") && config.dim % config.n_heads != 0)
-        fail("llama.embedding_length", std::to_string(config.dim) + " is not a multiple of head_count " +
-                                           std::to_string(config.n_heads) + " (and key_length is absent)");
-    config.head_dim = checked_int(file, "llama.attention.key_length",
-                                  file.get_int("llama.attention.key_length", config.dim / config.n_heads), 2);
-    config.context_length = required_int(file, "llama.context_length");
-    config.rope_theta = positive_float(file, "llama.rope.freq_base", file.get_double("llama.rope.freq_base", 10000.0));
-    config.norm_eps = positive_float(file, "llama.attention.layer_norm_rms_epsilon",
-                                     file.get_double("llama.attention.layer_norm_rms_epsilon"));
+    config.architecture = architecture;
+    config.dim = required_int(file, p + "embedding_length");
+    config.hidden_dim = required_int(file, p + "feed_forward_length");
+    config.n_layers = required_int(file, p + "block_count");
+    config.n_heads = required_int(file, p + "attention.head_count");
+    config.n_kv_heads = checked_int(file, p + "attention.head_count_kv",
+                                    file.get_int(p + "attention.head_count_kv", config.n_heads), 1);
+    if (!file.find(p + "attention.key_length") && config.dim % config.n_heads != 0)
+        fail(p + "embedding_length", std::to_string(config.dim) + " is not a multiple of head_count " +
+                                         std::to_string(config.n_heads) + " (and key_length is absent)");
+    config.head_dim = checked_int(file, p + "attention.key_length",
+                                  file.get_int(p + "attention.key_length", config.dim / config.n_heads), 2);
+    config.context_length = required_int(file, p + "context_length");
+    config.rope_theta = positive_float(file, p + "rope.freq_base", file.get_double(p + "rope.freq_base", 10000.0));
+    config.norm_eps = positive_float(file, p + "attention.layer_norm_rms_epsilon",
+                                     file.get_double(p + "attention.layer_norm_rms_epsilon"));
+    config.rope_pairing = architecture == "qwen2" ? RopePairing::halves : RopePairing::adjacent;
+    if (file.find(p + "attention.sliding_window"))
+        config.sliding_window = checked_int(file, p + "attention.sliding_window",
+                                            file.get_int(p + "attention.sliding_window"), 0);
 
     if (config.n_kv_heads > config.n_heads || config.n_heads % config.n_kv_heads != 0)
-        fail("llama.attention.head_count_kv", "head_count " + std::to_string(config.n_heads) +
-                                                  " is not a multiple of head_count_kv " +
-                                                  std::to_string(config.n_kv_heads));
-    if (config.head_dim % 2 != 0) fail("llama.attention.key_length", "head size must be even for RoPE");
+        fail(p + "attention.head_count_kv", "head_count " + std::to_string(config.n_heads) +
+                                                " is not a multiple of head_count_kv " +
+                                                std::to_string(config.n_kv_heads));
+    if (config.head_dim % 2 != 0) fail(p + "attention.key_length", "head size must be even for RoPE");
     // Q and K widths are ints everywhere (Eigen indices, hook spans): their products must fit.
     if (int64_t{config.n_heads} * config.head_dim > std::numeric_limits<int>::max())
-        fail("llama.attention.key_length", "head size " + std::to_string(config.head_dim) + " x head_count " +
-                                               std::to_string(config.n_heads) + " overflows an int");
-    if (file.get_int("llama.attention.value_length", config.head_dim) != config.head_dim)
-        fail("llama.attention.value_length", "differs from key_length (not supported)");
-    if (file.get_int("llama.rope.dimension_count", config.head_dim) != config.head_dim)
-        fail("llama.rope.dimension_count", "partial rotary embedding is not supported (must equal the head size)");
-    if (file.find("llama.rope.scaling.type") && file.get_string("llama.rope.scaling.type") != "none")
-        fail("llama.rope.scaling.type", "RoPE scaling '" + file.get_string("llama.rope.scaling.type") +
-                                            "' is not supported");
+        fail(p + "attention.key_length", "head size " + std::to_string(config.head_dim) + " x head_count " +
+                                             std::to_string(config.n_heads) + " overflows an int");
+    if (file.get_int(p + "attention.value_length", config.head_dim) != config.head_dim)
+        fail(p + "attention.value_length", "differs from key_length (not supported)");
+    if (file.get_int(p + "rope.dimension_count", config.head_dim) != config.head_dim)
+        fail(p + "rope.dimension_count", "partial rotary embedding is not supported (must equal the head size)");
 
-    // The vocabulary size is the embedding's row count (llama.vocab_size is optional in GGUF).
+    // RoPE scaling: none, linear (every frequency divided by factor) or Llama 3.1's.
+    const std::string scaling_type = file.find(p + "rope.scaling.type") ? file.get_string(p + "rope.scaling.type") : "none";
+    RopeScaling& scaling = config.rope_scaling;
+    const auto scaling_number = [&](const std::string& key, double fallback) -> double {
+        return positive_float(file, p + "rope.scaling." + key, file.get_double(p + "rope.scaling." + key, fallback));
+    };
+    if (scaling_type == "linear") {
+        scaling.kind = RopeScaling::Kind::linear;
+        scaling.factor = scaling_number("factor", 1.0);
+    } else if (scaling_type == "llama3") {
+        scaling.kind = RopeScaling::Kind::llama3;
+        scaling.factor = scaling_number("factor", 8.0);
+        scaling.low_freq_factor = scaling_number("low_freq_factor", 1.0);
+        scaling.high_freq_factor = scaling_number("high_freq_factor", 4.0);
+        scaling.original_context = required_int(file, p + "rope.scaling.original_context_length");
+        if (!(scaling.high_freq_factor > scaling.low_freq_factor))
+            fail(p + "rope.scaling.high_freq_factor", "must be greater than low_freq_factor");
+    } else if (scaling_type != "none") {
+        fail(p + "rope.scaling.type", "RoPE scaling '" + scaling_type + "' is not supported (supported: none, linear, llama3)");
+    }
+
+    // The vocabulary size is the embedding's row count (<arch>.vocab_size is optional in GGUF).
     const GgufTensorInfo& embedding = file.tensor("token_embd.weight");
     if (embedding.shape.size() != 2 || embedding.shape[1] > static_cast<uint64_t>(std::numeric_limits<int>::max()))
         throw InputError(file.path() + ": tensor 'token_embd.weight': expected a matrix [dim, vocab]");
     config.vocab_size = static_cast<int>(embedding.shape[1]);
-    if (file.find("llama.vocab_size") && file.get_int("llama.vocab_size") != config.vocab_size)
-        fail("llama.vocab_size", std::to_string(file.get_int("llama.vocab_size")) + " differs from the " +
-                                     std::to_string(config.vocab_size) + " rows of tensor 'token_embd.weight'");
+    if (file.find(p + "vocab_size") && file.get_int(p + "vocab_size") != config.vocab_size)
+        fail(p + "vocab_size", std::to_string(file.get_int(p + "vocab_size")) + " differs from the " +
+                                   std::to_string(config.vocab_size) + " rows of tensor 'token_embd.weight'");
+
+    // Q/K/V biases: Qwen2 has them; a llama file may too (llama.cpp reads them when present).
+    const bool has_bias = file.find_tensor("blk.0.attn_q.bias") != nullptr;
+    if (architecture == "qwen2" && !has_bias) file.tensor("blk.0.attn_q.bias");  // throws, naming it
+    config.qkv_bias = has_bias;
 
     // Every weight the forward pass reads, with the shape the metadata implies: checked here, so
     // nothing later sizes a buffer by metadata that the tensors do not back. Each block has nine
     // tensors: a block_count the file's tensors cannot hold is refused before the list is built.
     if (int64_t{config.n_layers} > static_cast<int64_t>(file.tensors().size() / 9))
-        fail("llama.block_count", std::to_string(config.n_layers) + " blocks need " +
-                                      std::to_string(9 * int64_t{config.n_layers}) + " tensors, the file has " +
-                                      std::to_string(file.tensors().size()));
+        fail(p + "block_count", std::to_string(config.n_layers) + " blocks need " +
+                                    std::to_string(9 * int64_t{config.n_layers}) + " tensors, the file has " +
+                                    std::to_string(file.tensors().size()));
     for (const WeightShape& weight : weight_shapes(config, file.find_tensor("output.weight") == nullptr))
-        checked_tensor(file, weight);
+        checked_tensor(file, architecture, weight);
     return config;
 }
 
@@ -305,26 +362,27 @@ LlamaModel LlamaModel::load(const GgufFile& file, int max_context) {
     model.path_ = path;
     model.config_ = LlamaConfig::from_gguf(file);
     const LlamaConfig& c = model.config_;
-    if (file.find("rope_freqs.weight"))
-        throw InputError(path + ": tensor 'rope_freqs.weight': RoPE frequency factors are not supported");
     model.tied_output_ = file.find_tensor("output.weight") == nullptr;
     model.max_positions_ = (max_context > 0 && max_context < c.context_length) ? max_context : c.context_length;
 
-    // The whole plan is checked before anything is allocated: the weights as fp32, plus the
-    // largest tensor's file bytes and floats while it is being read, then the KV cache and RoPE
-    // tables for max_positions_.
+    // The whole plan is checked before anything is allocated: the weights as held (F32 as floats,
+    // other types as their file bytes), plus the largest tensor while it is being read (an F32
+    // tensor's bytes and floats, another's bytes and a tile decoded to check it), then the KV
+    // cache and RoPE tables for max_positions_.
     const std::vector<WeightShape> weights = weight_shapes(c, model.tied_output_);
     uint64_t weight_bytes = 0, reading_bytes = 0;
     for (const WeightShape& weight : weights) {
         const GgufTensorInfo& info = file.tensor(weight.name);
         const uint64_t floats = checked_mul(info.element_count(), sizeof(float), path + ": weights");
-        weight_bytes = checked_add(weight_bytes, floats, path + ": weights");
-        reading_bytes = std::max(reading_bytes, checked_add(floats, info.byte_size(), path + ": weights"));
+        const bool as_floats = weight.cols == 0 || info.type_id == static_cast<uint32_t>(TensorType::F32);
+        weight_bytes = checked_add(weight_bytes, as_floats ? floats : info.byte_size(), path + ": weights");
+        const uint64_t tile = static_cast<uint64_t>(WeightMatrix::kTileRows) * static_cast<uint64_t>(weight.cols) * sizeof(float);
+        reading_bytes = std::max(reading_bytes, checked_add(as_floats ? floats : tile, info.byte_size(), path + ": weights"));
     }
     check_memory(checked_add(weight_bytes, reading_bytes, path),
-                 path + ": weights (" + std::to_string(weights.size()) + " tensors as fp32)");
+                 path + ": weights (" + std::to_string(weights.size()) + " tensors)");
     const std::string positions_what =
-        path + (model.max_positions_ == c.context_length ? ": metadata key 'llama.context_length'" : "") +
+        path + (model.max_positions_ == c.context_length ? ": metadata key '" + c.architecture + ".context_length'" : "") +
         ": weights and a KV cache of " + std::to_string(model.max_positions_) + " positions";
     const uint64_t cache_floats = checked_mul(
         checked_mul(checked_mul(static_cast<uint64_t>(c.n_layers), static_cast<uint64_t>(c.n_kv_heads), positions_what),
@@ -338,8 +396,8 @@ LlamaModel LlamaModel::load(const GgufFile& file, int max_context) {
                  positions_what);
 
     size_t next_weight = 0;
-    const auto matrix = [&] { return load_matrix(file, weights[next_weight++]); };
-    const auto vector = [&] { return load_vector(file, weights[next_weight++]); };
+    const auto matrix = [&] { return load_matrix(file, c.architecture, weights[next_weight++]); };
+    const auto vector = [&] { return load_vector(file, c.architecture, weights[next_weight++]); };
     model.token_embedding_ = matrix();
     model.layers_.reserve(static_cast<size_t>(c.n_layers));
     for (int l = 0; l < c.n_layers; ++l) {  // in weight_shapes' order
@@ -348,6 +406,11 @@ LlamaModel LlamaModel::load(const GgufFile& file, int max_context) {
         layer.wq = matrix();
         layer.wk = matrix();
         layer.wv = matrix();
+        if (c.qkv_bias) {
+            layer.bq = vector().transpose();
+            layer.bk = vector().transpose();
+            layer.bv = vector().transpose();
+        }
         layer.wo = matrix();
         layer.ffn_norm = vector();
         layer.w_gate = matrix();
@@ -358,14 +421,28 @@ LlamaModel LlamaModel::load(const GgufFile& file, int max_context) {
     model.output_norm_ = vector();
     if (!model.tied_output_) model.output_ = matrix();
 
-    // Rotation angle of pair i at position p: p / theta^(2i / head_dim), computed in double.
+    // Per-pair frequencies from the metadata, or, when the file has a rope_freqs.weight tensor
+    // (llama.cpp's converter writes Llama 3.1's scaling so), the base frequencies divided by it.
+    std::vector<double> frequencies = c.rope_frequencies();
+    if (file.find_tensor("rope_freqs.weight")) {
+        const WeightShape shape{"rope_freqs.weight", c.head_dim / 2, 0};
+        const Eigen::VectorXf divisors = load_vector(file, c.architecture, shape);
+        LlamaConfig unscaled = c;
+        unscaled.rope_scaling = RopeScaling{};
+        frequencies = unscaled.rope_frequencies();
+        for (int i = 0; i < c.head_dim / 2; ++i) {
+            if (!(divisors[i] > 0.0f))
+                throw InputError(path + ": tensor 'rope_freqs.weight': element " + std::to_string(i) + " is " +
+                                 std::to_string(divisors[i]) + " (frequency divisors must be positive)");
+            frequencies[static_cast<size_t>(i)] /= divisors[i];
+        }
+    }
     const int pairs = c.head_dim / 2;
     model.rope_cos_.resize(model.max_positions_, pairs);
     model.rope_sin_.resize(model.max_positions_, pairs);
     for (int pos = 0; pos < model.max_positions_; ++pos) {
         for (int i = 0; i < pairs; ++i) {
-            const double frequency = 1.0 / std::pow(static_cast<double>(c.rope_theta), 2.0 * i / c.head_dim);
-            const double angle = pos * frequency;
+            const double angle = pos * frequencies[static_cast<size_t>(i)];
             model.rope_cos_(pos, i) = static_cast<float>(std::cos(angle));
             model.rope_sin_(pos, i) = static_cast<float>(std::sin(angle));
         }
@@ -378,12 +455,15 @@ LlamaModel LlamaModel::load(const GgufFile& file, int max_context) {
 }
 
 uint64_t LlamaModel::memory_bytes() const {
-    uint64_t floats = static_cast<uint64_t>(token_embedding_.size()) + output_.size() + output_norm_.size() +
-                      rope_cos_.size() + rope_sin_.size() + key_cache_.size() + value_cache_.size();
-    for (const Layer& layer : layers_)
-        floats += layer.attn_norm.size() + layer.ffn_norm.size() + layer.wq.size() + layer.wk.size() +
-                  layer.wv.size() + layer.wo.size() + layer.w_gate.size() + layer.w_up.size() + layer.w_down.size();
-    return floats * sizeof(float);
+    uint64_t bytes = token_embedding_.memory_bytes() + output_.memory_bytes();
+    uint64_t floats = static_cast<uint64_t>(output_norm_.size()) + rope_cos_.size() + rope_sin_.size() +
+                      key_cache_.size() + value_cache_.size();
+    for (const Layer& layer : layers_) {
+        floats += layer.attn_norm.size() + layer.ffn_norm.size() + layer.bq.size() + layer.bk.size() + layer.bv.size();
+        for (const WeightMatrix* w : {&layer.wq, &layer.wk, &layer.wv, &layer.wo, &layer.w_gate, &layer.w_up, &layer.w_down})
+            bytes += w->memory_bytes();
+    }
+    return bytes + floats * sizeof(float);
 }
 
 NonFiniteError::NonFiniteError(const std::string& model_path, const std::string& quantity, int layer, int position)
@@ -472,7 +552,7 @@ const float* LlamaModel::forward_batch(std::span<const int> tokens, int start_po
     auto xb = xb_.topRows(n);  // normalised input / block output
     auto q = q_.topRows(n), k = k_.topRows(n), v = v_.topRows(n);
     auto gate = gate_.topRows(n), up = up_.topRows(n);
-    for (int i = 0; i < n; ++i) x.row(i) = token_embedding_.row(tokens[i]);
+    for (int i = 0; i < n; ++i) token_embedding_.decode_row(tokens[i], x.row(i).data());
 
     for (int l = 0; l < c.n_layers; ++l) {
         const Layer& layer = layers_[l];
@@ -482,8 +562,13 @@ const float* LlamaModel::forward_batch(std::span<const int> tokens, int start_po
         linear(xb, layer.wq, q);
         linear(xb, layer.wk, k);
         linear(xb, layer.wv, v);
-        apply_rope(q, c.head_dim, start_pos, rope_cos_, rope_sin_);
-        apply_rope(k, c.head_dim, start_pos, rope_cos_, rope_sin_);
+        if (c.qkv_bias) {
+            q.rowwise() += layer.bq;
+            k.rowwise() += layer.bk;
+            v.rowwise() += layer.bv;
+        }
+        apply_rope(q, c.head_dim, start_pos, c.rope_pairing, rope_cos_, rope_sin_);
+        apply_rope(k, c.head_dim, start_pos, c.rope_pairing, rope_cos_, rope_sin_);
         attention(l, n, start_pos, hooks);  // writes attn_out_
         linear_add(attn_out_.topRows(n), layer.wo, x);
 

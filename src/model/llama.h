@@ -2,15 +2,20 @@
 // llama2.c's run.c (Karpathy): RMSNorm, rotary position embedding (RoPE), grouped-query
 // attention over the model's own KV cache, SwiGLU feed-forward, tied or separate classifier.
 // Matrix products use Eigen; a chunk of tokens is processed with matrix-matrix products.
+// Two GGUF architectures share it: `llama` (Llama 1-3, Mistral, SmolLM; Llama 3.1's RoPE
+// frequency scaling) and `qwen2` (biases on Q, K and V, RoPE over the two halves of a head).
 //
 // References: Touvron et al. 2023, "Llama 2" (architecture); Zhang & Sennrich 2019 (RMSNorm);
-// Su et al. 2021, "RoFormer" (RoPE); Ainslie et al. 2023, "GQA"; Shazeer 2020 (SwiGLU).
+// Su et al. 2021, "RoFormer" (RoPE); Ainslie et al. 2023, "GQA"; Shazeer 2020 (SwiGLU);
+// Meta 2024, "The Llama 3 Herd of Models" and its reference code (RoPE frequency scaling);
+// Qwen team 2024, "Qwen2 Technical Report".
 #pragma once
 
 #include <Eigen/Core>
 #include <cstdint>
 
 #include "base/errors.h"
+#include "src/model/weight_matrix.h"
 #include <span>
 #include <string>
 #include <vector>
@@ -19,7 +24,24 @@ namespace kvsim::model {
 
 class GgufFile;
 
+// Which elements of a head RoPE rotates together: pair i is (2i, 2i+1) in Meta's Llama code (and
+// llama.cpp's "normal" mode, into which the GGUF converters permute Llama's Q/K weights), (i,
+// i + head_dim/2) in Qwen2 (llama.cpp's "neox" mode; the weights are stored unpermuted).
+enum class RopePairing { adjacent, halves };
+
+// RoPE frequency scaling from the metadata (`<arch>.rope.scaling.*`); a `rope_freqs.weight`
+// tensor, as llama.cpp's converter writes for Llama 3.1, overrides it (LlamaModel::load).
+struct RopeScaling {
+    enum class Kind { none, linear, llama3 } kind = Kind::none;
+    double factor = 1.0;            // rope.scaling.factor
+    double low_freq_factor = 1.0;   // rope.scaling.low_freq_factor (llama3)
+    double high_freq_factor = 4.0;  // rope.scaling.high_freq_factor (llama3)
+    int original_context = 0;       // rope.scaling.original_context_length (llama3)
+};
+
 struct LlamaConfig {
+    // The metadata keys below are read under the architecture's prefix ("llama.", "qwen2.").
+    std::string architecture = "llama";  // general.architecture
     int dim = 0;             // residual stream width (llama.embedding_length)
     int hidden_dim = 0;      // SwiGLU width (llama.feed_forward_length)
     int n_layers = 0;        // llama.block_count
@@ -30,6 +52,16 @@ struct LlamaConfig {
     int context_length = 0;  // llama.context_length
     float rope_theta = 10000.0f;  // llama.rope.freq_base
     float norm_eps = 1e-5f;       // llama.attention.layer_norm_rms_epsilon
+    RopePairing rope_pairing = RopePairing::adjacent;  // halves for qwen2
+    RopeScaling rope_scaling;
+    bool qkv_bias = false;  // blk.N.attn_{q,k,v}.bias present (required for qwen2)
+    // llama.attention.sliding_window (Mistral): 0 when absent. Recorded, not applied: kvsim
+    // captures full attention, and the window goes into the trace's provenance.
+    int sliding_window = 0;
+
+    // Per RoPE pair i < head_dim/2: the rotation's angular frequency (radians per position),
+    // rope_theta^(-2i/head_dim) divided by the scaling's factor for that pair.
+    std::vector<double> rope_frequencies() const;
 
     // from_gguf checks that both fit in an int.
     int q_dim() const { return n_heads * head_dim; }
@@ -104,7 +136,8 @@ class LlamaModel {
   public:
     using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
-    // Loads weights (dequantised to fp32) and allocates a KV cache for the GGUF's context_length,
+    // Loads weights (F32 as they are; other types kept in the file's encoding and decoded tile by
+    // tile inside the matrix products, see weight_matrix.h) and allocates a KV cache for the GGUF's context_length,
     // or for max_context positions when 0 < max_context < context_length: pass the positions
     // actually needed, since a header may claim a context of 2^31 positions. Throws InputError
     // naming the file and the key or tensor: a tensor whose weights are not all finite, or a plan
@@ -147,12 +180,13 @@ class LlamaModel {
   private:
     struct Layer {
         Eigen::VectorXf attn_norm, ffn_norm;  // RMSNorm gains [dim]
-        RowMatrix wq, wk, wv, wo;             // [q_dim][dim], [kv_dim][dim] x2, [dim][q_dim]
-        RowMatrix w_gate, w_up, w_down;       // [hidden][dim] x2, [dim][hidden]
+        WeightMatrix wq, wk, wv, wo;          // [q_dim][dim], [kv_dim][dim] x2, [dim][q_dim]
+        WeightMatrix w_gate, w_up, w_down;    // [hidden][dim] x2, [dim][hidden]
+        Eigen::RowVectorXf bq, bk, bv;        // Q/K/V biases when config.qkv_bias, else empty
     };
 
     LlamaModel() = default;
-    const RowMatrix& classifier() const { return tied_output_ ? token_embedding_ : output_; }
+    const WeightMatrix& classifier() const { return tied_output_ ? token_embedding_ : output_; }
     void ensure_chunk_capacity(int n_tokens);
     void attention(int layer, int n_tokens, int start_pos, ForwardHooks* hooks);
     size_t cache_offset(int layer, int kv_head, int pos) const;
@@ -163,10 +197,10 @@ class LlamaModel {
     int next_pos_ = 0;  // first position not yet in the cache
     bool tied_output_ = false;
 
-    RowMatrix token_embedding_;  // [vocab][dim]
+    WeightMatrix token_embedding_;  // [vocab][dim]
     std::vector<Layer> layers_;
     Eigen::VectorXf output_norm_;
-    RowMatrix output_;  // [vocab][dim]; empty when tied to token_embedding_
+    WeightMatrix output_;  // [vocab][dim]; empty when tied to token_embedding_
 
     // RoPE rotation of pair i at position p: rope_cos_(p, i), rope_sin_(p, i).
     RowMatrix rope_cos_, rope_sin_;

@@ -1,0 +1,138 @@
+// Capture of sequences longer than one forward chunk: Q/K/V streamed into the trace chunk by
+// chunk, the model's sliding window recorded, --context held to the trained context, fp16 storage.
+#include <doctest/doctest.h>
+
+#include <Eigen/Core>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "base/errors.h"
+#include "sim/trace_store.h"
+#include "src/capture.h"
+#include "src/model/gguf_writer.h"
+#include "src/model/llama.h"
+#include "src/model/tokenizer.h"
+#include "tests/model/test_util.h"
+
+using namespace kvsim;
+using kvsim::model::testing::ScratchDir;
+
+namespace {
+
+// Records every layer's Q, K and V of every position, running the model one token at a time.
+struct AllQkv : model::ForwardHooks {
+    std::vector<QkvLayer> layers;
+    const model::LlamaConfig* config;
+    AllQkv(const model::LlamaConfig& c, int tokens) : layers(c.n_layers), config(&c) {
+        for (QkvLayer& layer : layers) {
+            layer.tokens = tokens;
+            layer.q.resize(static_cast<size_t>(tokens) * c.q_dim());
+            layer.k.resize(static_cast<size_t>(tokens) * c.kv_dim());
+            layer.v.resize(static_cast<size_t>(tokens) * c.kv_dim());
+        }
+    }
+    void after_qkv(int layer, int pos, float* q, float* k, float* v) override {
+        std::memcpy(layers[layer].q.data() + static_cast<size_t>(pos) * config->q_dim(), q, config->q_dim() * sizeof(float));
+        std::memcpy(layers[layer].k.data() + static_cast<size_t>(pos) * config->kv_dim(), k, config->kv_dim() * sizeof(float));
+        std::memcpy(layers[layer].v.data() + static_cast<size_t>(pos) * config->kv_dim(), v, config->kv_dim() * sizeof(float));
+    }
+};
+
+float worst_difference(const std::vector<float>& a, const std::vector<float>& b) {
+    REQUIRE(a.size() == b.size());
+    float worst = 0.0f;
+    for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::fabs(a[i] - b[i]));
+    return worst;
+}
+
+}  // namespace
+
+TEST_CASE("capture: a sequence of several chunks is streamed into the trace position by position") {
+    ScratchDir scratch;
+    model::LlamaConfig config = model::testing::tiny_config();
+    config.context_length = 1024;
+    config.sliding_window = 96;
+    const std::string model_path = scratch.file("long.gguf"), text = scratch.file("long.txt");
+    model::write_random_llama(model_path, config, 31);
+    {
+        std::ofstream out(text);
+        for (int i = 0; i < 60; ++i) out << "the cat sat on the mat " << i << ". ";
+    }
+    CaptureOptions options;
+    options.input = {model_path, text, "", 0, 0};
+    options.output_path = scratch.file("long.h5");
+    const CaptureSummary summary = capture_trace(options);
+    REQUIRE(summary.sequences == 1);
+    CHECK(summary.tokens > 600);  // more than two of capture's 256-token chunks
+
+    const TraceReader trace(options.output_path);
+    CHECK(trace.metadata().source_sliding_window == 96);
+    const std::vector<int32_t> stored = trace.read_tokens(0);
+    const std::vector<int> tokens(stored.begin(), stored.end());
+    model::LlamaModel llama = model::LlamaModel::load(model_path, static_cast<int>(tokens.size()));
+    AllQkv expected(llama.config(), static_cast<int>(tokens.size()));
+    for (size_t pos = 0; pos < tokens.size(); ++pos) llama.forward(tokens[pos], static_cast<int>(pos), &expected);
+    for (int layer = 0; layer < config.n_layers; ++layer) {
+        CAPTURE(layer);
+        const QkvLayer captured = trace.read_qkv(0, layer);
+        // Chunked against token by token: float summation order only (a misplaced row is O(1) off).
+        CHECK(worst_difference(captured.q, expected.layers[layer].q) < 1e-4f);
+        CHECK(worst_difference(captured.k, expected.layers[layer].k) < 1e-4f);
+        CHECK(worst_difference(captured.v, expected.layers[layer].v) < 1e-4f);
+    }
+
+    SUBCASE("--layers records a subset, and the trace names the model's layers") {
+        options.layers = {1};
+        options.output_path = scratch.file("layer1.h5");
+        capture_trace(options);
+        const TraceReader subset(options.output_path);
+        CHECK(subset.metadata().num_layers == 1);
+        CHECK(subset.metadata().source_layers == "1");
+        const QkvLayer a = subset.read_qkv(0, 0), b = trace.read_qkv(0, 1);
+        CHECK(a.q == b.q);
+        CHECK(a.k == b.k);
+        CHECK(a.v == b.v);
+        for (const std::vector<int>& bad : {std::vector<int>{2}, std::vector<int>{1, 0}, std::vector<int>{1, 1}}) {
+            options.layers = bad;
+            options.output_path = scratch.file("bad.h5");
+            CHECK_THROWS_AS(capture_trace(options), InputError);
+            CHECK_FALSE(std::filesystem::exists(options.output_path));
+        }
+    }
+    SUBCASE("fp16 storage holds the fp32 capture rounded to half precision") {
+        options.dtype = TensorDtype::float16;
+        options.output_path = scratch.file("long16.h5");
+        capture_trace(options);
+        const TraceReader half(options.output_path);
+        CHECK(std::filesystem::file_size(options.output_path) < std::filesystem::file_size(scratch.file("long.h5")));
+        for (int layer = 0; layer < config.n_layers; ++layer) {
+            const QkvLayer a = half.read_qkv(0, layer), b = trace.read_qkv(0, layer);
+            std::vector<float> rounded(b.k.size());
+            for (size_t i = 0; i < b.k.size(); ++i) rounded[i] = static_cast<float>(Eigen::half(b.k[i]));
+            CHECK(a.k == rounded);
+        }
+    }
+}
+
+TEST_CASE("capture: --context beyond the trained context is one line naming the key, and no trace is written") {
+    ScratchDir scratch;
+    const model::LlamaConfig config = model::testing::tiny_config();  // context 64
+    const std::string model_path = scratch.file("m.gguf"), text = scratch.file("t.txt");
+    model::write_random_llama(model_path, config, 32);
+    std::ofstream(text) << "the cat sat on the mat";
+    CaptureOptions options;
+    options.input = {model_path, text, "", 0, 65};
+    options.output_path = scratch.file("t.h5");
+    try {
+        capture_trace(options);
+        FAIL("no error");
+    } catch (const InputError& error) {
+        CHECK(std::string(error.what()) == model_path + ": --context 65 is beyond the model's trained context of 64 "
+                                                        "positions (metadata key 'llama.context_length')");
+    }
+    CHECK_FALSE(std::filesystem::exists(options.output_path));
+    options.input.context = 64;
+    CHECK(capture_trace(options).sequences == 1);
+}
