@@ -393,14 +393,14 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     if (fit_streaming) {
         const TempFolder scratch("search");  // the probe plans streaming_attention reads
         FitInput input{&spec, fitting_source.get(), heldout_source.get(), out.shape, harness, scratch.path(),
-                       [&](double f) { stage_progress(streaming_stage, f); }};
+                       [&](double f) { stage_progress(streaming_stage, f); }, run.trace_path, fitting};
         fit_streaming_heads(input, out);
     }
     // Tier profiles for stratigraphic, at the same targets.
     if (fit_tiers) {
         const TempFolder scratch("search");  // the plans stratigraphic reads
         FitInput input{&spec, fitting_source.get(), heldout_source.get(), out.shape, harness, scratch.path(),
-                       [&](double f) { stage_progress(tiers_stage, f); }};
+                       [&](double f) { stage_progress(tiers_stage, f); }, run.trace_path, fitting};
         fit_tier_profiles(input, out);
     }
     // Ranks of low-rank K/V latents, with grouping at the same bytes.
@@ -433,7 +433,7 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
         auto same = std::find_if(off_target.begin(), off_target.end(), [&](const auto& o) {
             const SearchRecord& f = out.records[o.first];
             return f.target == r.target && f.bytes_per_token == r.bytes_per_token &&
-                   f.streaming_heads.empty() == r.streaming_heads.empty();
+                   f.streaming_heads.empty() == r.streaming_heads.empty() && (f.fit == "ranks") == (r.fit == "ranks");
         });
         if (same == off_target.end())
             off_target.push_back({i, r.method});
@@ -449,7 +449,9 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
         std::snprintf(line, sizeof line, " at %s hold%s %.4g bytes per token, %.1f%% from the target's %.4g: %s",
                       r.target.c_str(), names.find("; ") == std::string::npos ? "s" : "", r.bytes_per_token,
                       100 * (r.bytes_per_token / wanted - 1), wanted,
-                      r.streaming_heads.empty()
+                      r.fit == "ranks" ? "a rank moves the bytes in steps of a number per token plus its share of "
+                                         "the bases, and the next step would pass the target."
+                      : r.streaming_heads.empty()
                           ? "at budgets this small one token of one unit is more than 1% of the bytes."
                           : "a head streams whole or not at all, so the bytes move in steps of one head, and the "
                             "next head would pass the target.");

@@ -51,6 +51,8 @@ KvBasesFitter::KvBasesFitter(int num_layers, int num_kv_heads, int head_dim)
     key_diff_.assign(layers_, Eigen::MatrixXd::Zero(heads_, heads_));
     value_diff_ = key_diff_;
     key_norm_.assign(layers_, Eigen::VectorXd::Zero(heads_));
+    key_sum_.assign(layers_, Eigen::VectorXd::Zero(static_cast<Eigen::Index>(heads_) * dim_));
+    value_sum_ = key_sum_;
     value_norm_ = key_norm_;
     tokens_.assign(layers_, 0);
 }
@@ -65,6 +67,7 @@ void KvBasesFitter::add(int layer, const QkvLayer& data) {
         // One product gives every head's own moment (its diagonal block) and the joint moment.
         const Eigen::MatrixXd moment = tokens.transpose() * tokens;
         (which == 0 ? joint_key_moment_ : joint_value_moment_)[layer] += moment;
+        (which == 0 ? key_sum_ : value_sum_)[layer] += tokens.colwise().sum().transpose();
         auto& own = which == 0 ? key_moment_ : value_moment_;
         auto& diff = which == 0 ? key_diff_ : value_diff_;
         auto& norm = which == 0 ? key_norm_ : value_norm_;
@@ -90,13 +93,20 @@ KvBases KvBasesFitter::finish(std::vector<int> fitted_sequences) const {
     out.fitted_sequences = std::move(fitted_sequences);
     for (int layer = 0; layer < layers_; ++layer) {
         const double n = std::max<int64_t>(tokens_[layer], 1);
+        // Covariance = E[x x^T] - mean mean^T.
+        auto centred = [n](const Eigen::MatrixXd& moment, const Eigen::VectorXd& sum) {
+            const Eigen::VectorXd mean = sum / n;
+            PcaBasis b = pca_from_second_moment(moment / n - mean * mean.transpose());
+            b.mean = mean;
+            return b;
+        };
         for (int kv = 0; kv < heads_; ++kv) {
             const std::size_t u = static_cast<std::size_t>(layer) * heads_ + kv;
-            out.key.push_back(pca_from_second_moment(key_moment_[u] / n));
-            out.value.push_back(pca_from_second_moment(value_moment_[u] / n));
+            out.key.push_back(centred(key_moment_[u], key_sum_[layer].segment(kv * dim_, dim_)));
+            out.value.push_back(centred(value_moment_[u], value_sum_[layer].segment(kv * dim_, dim_)));
         }
-        out.joint_key.push_back(pca_from_second_moment(joint_key_moment_[layer] / n));
-        out.joint_value.push_back(pca_from_second_moment(joint_value_moment_[layer] / n));
+        out.joint_key.push_back(centred(joint_key_moment_[layer], key_sum_[layer]));
+        out.joint_value.push_back(centred(joint_value_moment_[layer], value_sum_[layer]));
         // A pair's distance: the squared difference of their keys, relative to the keys' energy,
         // plus the same for values; what mean-pooling the pair would lose, to first order.
         Eigen::MatrixXd distance = Eigen::MatrixXd::Zero(heads_, heads_);
@@ -136,9 +146,10 @@ Json basis_json(const PcaBasis& b) {
         for (Eigen::Index i = 0; i < b.vectors.rows(); ++i) column.push_back(b.vectors(i, j));
         vectors.push_back(std::move(column));
     }
-    Json energy = Json::array();
+    Json energy = Json::array(), mean = Json::array();
     for (Eigen::Index j = 0; j < b.energy.size(); ++j) energy.push_back(b.energy[j]);
-    return Json{{"vectors", std::move(vectors)}, {"energy", std::move(energy)}};
+    for (Eigen::Index j = 0; j < b.mean.size(); ++j) mean.push_back(b.mean[j]);
+    return Json{{"vectors", std::move(vectors)}, {"energy", std::move(energy)}, {"mean", std::move(mean)}};
 }
 
 // One basis: `vectors`, n lists of n numbers, and `energy`, n numbers.
@@ -146,6 +157,10 @@ PcaBasis basis_from_json(const Json& node, int n, const std::string& where) {
     if (!node.is_object()) throw InputError(where + ": expected an object with vectors and energy");
     const auto vectors = node.find("vectors");
     const auto energy = node.find("energy");
+    const auto mean = node.find("mean");
+    if (mean == node.end() || !mean->is_array()) throw InputError(where + ".mean: missing or not a list");
+    if (mean->size() != static_cast<std::size_t>(n))
+        throw InputError(where + ".mean: " + std::to_string(mean->size()) + " values, expected " + std::to_string(n));
     if (vectors == node.end() || !vectors->is_array())
         throw InputError(where + ".vectors: missing or not a list");
     if (energy == node.end() || !energy->is_array()) throw InputError(where + ".energy: missing or not a list");
@@ -158,6 +173,11 @@ PcaBasis basis_from_json(const Json& node, int n, const std::string& where) {
     PcaBasis b;
     b.vectors.resize(n, n);
     b.energy.resize(n);
+    b.mean.resize(n);
+    for (int j = 0; j < n; ++j) {
+        if (!(*mean)[j].is_number()) throw InputError(where + ".mean[" + std::to_string(j) + "]: not a number");
+        b.mean[j] = (*mean)[j].get<double>();
+    }
     for (int j = 0; j < n; ++j) {
         const Json& column = (*vectors)[j];
         const std::string at = where + ".vectors[" + std::to_string(j) + "]";
@@ -170,7 +190,7 @@ PcaBasis basis_from_json(const Json& node, int n, const std::string& where) {
         if (!(*energy)[j].is_number()) throw InputError(where + ".energy[" + std::to_string(j) + "]: not a number");
         b.energy[j] = (*energy)[j].get<double>();
     }
-    if (!b.vectors.allFinite() || !b.energy.allFinite()) throw InputError(where + ": a value is not finite");
+    if (!b.vectors.allFinite() || !b.energy.allFinite() || !b.mean.allFinite()) throw InputError(where + ": a value is not finite");
     return b;
 }
 
@@ -412,9 +432,9 @@ double KvProjection::share(int num_kv_heads) const {
 }
 
 double KvProjection::basis_bytes(int layer, int kv, int num_kv_heads, int head_dim) const {
-    // A rank-r up-projection is n x r numbers at fp16 (n: the head size, or the layer's width for a
-    // joint latent); a head at full rank stores its vectors as they are and needs none.
-    const auto up = [](int n, int rank) { return rank >= n ? 0.0 : 2.0 * n * rank; };
+    // A rank-r up-projection is n x r numbers at fp16 plus the mean's n (n: the head size, or the
+    // layer's width for a joint latent); a head at full rank stores its vectors as they are.
+    const auto up = [](int n, int rank) { return rank >= n ? 0.0 : 2.0 * n * (rank + 1); };
     switch (kind) {
         case Kind::low_rank:
             return up(head_dim, stored_key_dim(layer, kv, head_dim)) + up(head_dim, stored_value_dim(layer, kv, head_dim));
@@ -463,7 +483,7 @@ void project_tokens(const KvProjection& p, int layer, int num_kv_heads, int head
         const Eigen::MatrixXd down = b.vectors.leftCols(rank).transpose();
         for (int64_t t = 0; t < count; ++t) {
             const Eigen::VectorXd token = Eigen::Map<const Eigen::VectorXf>(x + t * width, width).cast<double>();
-            Eigen::Map<Eigen::VectorXf>(latent + t * width, rank) = (down * token).cast<float>();
+            Eigen::Map<Eigen::VectorXf>(latent + t * width, rank) = (down * (token - b.mean)).cast<float>();
         }
         return;
     }
@@ -475,7 +495,7 @@ void project_tokens(const KvProjection& p, int layer, int num_kv_heads, int head
         for (int64_t t = 0; t < count; ++t) {
             const int64_t at = t * width + static_cast<int64_t>(kv) * head_dim;
             const Eigen::VectorXd token = Eigen::Map<const Eigen::VectorXf>(x + at, head_dim).cast<double>();
-            Eigen::Map<Eigen::VectorXf>(latent + at, rank) = (down * token).cast<float>();
+            Eigen::Map<Eigen::VectorXf>(latent + at, rank) = (down * (token - b.mean)).cast<float>();
         }
     }
 }
@@ -497,7 +517,7 @@ void reconstruct_tokens(const KvProjection& p, int layer, int num_kv_heads, int 
         const Eigen::MatrixXd up = b.vectors.leftCols(rank);
         for (int64_t t = 0; t < count; ++t) {
             const Eigen::VectorXd c = Eigen::Map<const Eigen::VectorXf>(latent + t * width, rank).cast<double>();
-            Eigen::Map<Eigen::VectorXf>(out + t * width, width) = (up * c).cast<float>();
+            Eigen::Map<Eigen::VectorXf>(out + t * width, width) = (b.mean + up * c).cast<float>();
         }
         return;
     }
@@ -513,7 +533,7 @@ void reconstruct_tokens(const KvProjection& p, int layer, int num_kv_heads, int 
                 continue;
             }
             const Eigen::VectorXd c = Eigen::Map<const Eigen::VectorXf>(latent + at, rank).cast<double>();
-            Eigen::Map<Eigen::VectorXf>(out + at, head_dim) = (up * c).cast<float>();
+            Eigen::Map<Eigen::VectorXf>(out + at, head_dim) = (b.mean + up * c).cast<float>();
         }
     }
 }

@@ -17,15 +17,18 @@ namespace kvsim {
 
 struct TierArrays;  // sim/precision.h
 
-// Principal directions of a set of vectors, from their (uncentred) second-moment matrix: columns
-// by descending eigenvalue, each of unit length. Uncentred, because a cache stores the projection
-// B^T x and attends to B B^T x with no offset (MLA's down- and up-projections have no bias); the
-// leading eigenvectors of E[x x^T] are then exactly the rank-r projection with the least mean
-// squared reconstruction error, and no mean vector needs storing.
+// Principal directions of a set of vectors, centred: the eigenvectors of their covariance, columns
+// by descending eigenvalue, each of unit length, and their mean. The cache stores c = B^T (x - mean)
+// and attends to mean + B c. Centred, because keys share a large common direction (on stories260K
+// the uncentred first component holds 72% of a head's key energy) that adds the same amount to
+// every logit of a query and so moves no attention weight: an uncentred basis spends its first
+// rank on it and drops directions that do. The mean costs n numbers per head once, not per token.
 struct PcaBasis {
     Eigen::MatrixXd vectors;  // n x n
-    Eigen::VectorXd energy;   // n eigenvalues of E[x x^T], descending (>= 0 up to rounding)
+    Eigen::VectorXd energy;   // n eigenvalues of the covariance, descending (>= 0 up to rounding)
+    Eigen::VectorXd mean;     // n
 };
+// The basis of a covariance matrix (vectors and energy; mean left empty).
 PcaBasis pca_from_second_moment(const Eigen::MatrixXd& second_moment);
 
 // What a fit writes and the policies read: per (layer, KV head) bases of keys and values (head
@@ -50,6 +53,7 @@ public:
 private:
     int layers_, heads_, dim_;
     std::vector<Eigen::MatrixXd> key_moment_, value_moment_, joint_key_moment_, joint_value_moment_;
+    std::vector<Eigen::VectorXd> key_sum_, value_sum_;    // per layer: summed rows (every head's)
     std::vector<Eigen::MatrixXd> key_diff_, value_diff_;  // per layer: summed |x_a - x_b|^2
     std::vector<Eigen::VectorXd> key_norm_, value_norm_;  // per layer: summed |x_a|^2 per head
     std::vector<int64_t> tokens_;                         // per layer

@@ -100,6 +100,18 @@ TEST_CASE("PCA of points on a rotated ellipse: the closed-form axes and energies
     CHECK(value.vectors(1, 0) == doctest::Approx(std::cos(theta)).epsilon(1e-6));
     // One head: the joint basis is the head's own.
     CHECK(bases.joint_key[0].energy[0] == doctest::Approx(s1 * s1 / 2).epsilon(1e-6));
+    CHECK(std::abs(key.mean[0]) < 1e-9);
+
+    // Shifted by a constant: the same axes and energies about the mean, which is the shift.
+    for (int t = 0; t < n; ++t) layer.k[2 * t] += 5.0f, layer.k[2 * t + 1] -= 2.0f;
+    KvBasesFitter shifted(1, 1, 2);
+    shifted.add(0, layer);
+    const PcaBasis moved = shifted.finish({0}).key[0];
+    CHECK(moved.mean[0] == doctest::Approx(5.0).epsilon(1e-6));
+    CHECK(moved.mean[1] == doctest::Approx(-2.0).epsilon(1e-6));
+    CHECK(moved.energy[0] == doctest::Approx(s1 * s1 / 2).epsilon(1e-5));
+    CHECK(moved.energy[1] == doctest::Approx(s2 * s2 / 2).epsilon(1e-5));
+    CHECK(moved.vectors(0, 0) == doctest::Approx(std::cos(theta)).epsilon(1e-5));
 }
 
 TEST_CASE("projection at full rank reconstructs within float rounding; rank 1 keeps the main axis") {
@@ -147,18 +159,18 @@ TEST_CASE("lowrank in the replay: rank = head size errs by exactly 0; bytes foll
     const ResultRecord& low = row("lowrank(key_rank=2,value_rank=2)");
     CHECK(mid.output_rel_error > 0);
     CHECK(low.output_rel_error > mid.output_rel_error);
-    // Per token: K and V latents at fp16 (2 bytes a number); per step the fp16 up-projections
-    // (16 x rank numbers each), held whatever the context: bytes/token = 2 (rk + rv) + B S / C.
+    // Per token: K and V latents at fp16 (2 bytes a number); per step the fp16 up-projections and
+    // means (16 x (rank + 1) numbers each), held whatever the context: bytes/token = 2 (rk + rv) + B S / C.
     const TraceReader reader(tiny.trace);
     const AttentionShape shape = trace_shape(reader, 0);
     double steps = 0, context = 0;
     for (int64_t last : shape.last_steps)
         for (int64_t t = 1; t <= last; ++t) steps += 1, context += t + 1;
-    CHECK(mid.bytes_per_token == doctest::Approx(2.0 * (3 + 8) + 2.0 * 16 * (3 + 8) * steps / context).epsilon(1e-12));
+    CHECK(mid.bytes_per_token == doctest::Approx(2.0 * (3 + 8) + 2.0 * 16 * (3 + 1 + 8 + 1) * steps / context).epsilon(1e-12));
     // A joint latent of 8 numbers for the layer's 2 KV heads: each head carries half of it.
     const ResultRecord& joint = row("lowrank(key_rank=8,value_rank=8,joint=1)");
     CHECK(joint.bytes_per_token ==
-          doctest::Approx((2.0 * 16 + 2.0 * 32 * 16 * steps / context) / 2).epsilon(1e-12));
+          doctest::Approx((2.0 * 16 + 2.0 * 32 * (8 + 1) * 2 * steps / context) / 2).epsilon(1e-12));
     CHECK(joint.output_rel_error > 0);
 }
 
