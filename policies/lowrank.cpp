@@ -72,6 +72,11 @@ std::pair<std::string, std::string> check_group_heads(const ParamValues& p, cons
     return {};
 }
 
+void refuse_context(const std::string& policy, const std::pair<std::string, std::string>& check) {
+    if (!check.second.empty())
+        throw InputError(policy + (check.first.empty() ? "" : "." + check.first) + ": " + check.second);
+}
+
 // Alone, a projection policy keeps every token.
 auto keep_all_projected(
     std::function<std::shared_ptr<const KvProjection>(const ParamValues&, const PolicyContext&)> projection) {
@@ -98,6 +103,7 @@ PolicyDescriptor lowrank_descriptor() {
                                 "overrides key_rank and value_rank", false, true}},
         nullptr, nullptr};
     d.projection = [](const ParamValues& p, const PolicyContext& ctx) -> std::shared_ptr<const KvProjection> {
+            refuse_context("lowrank", check_lowrank(p, ctx));  // a caller that skipped check_context
             auto projection = std::make_shared<KvProjection>();
             projection->bases = load_kv_bases(ctx.files->at("bases"), ctx.num_layers, ctx.num_kv_heads, ctx.head_dim);
             const bool joint = p.at("joint") == 1;
@@ -132,6 +138,7 @@ PolicyDescriptor group_heads_descriptor() {
          {"bases", 0, false, 0, "the bases file, whose head distances a fitted grouping reads", false, true}},
         nullptr, nullptr};
     d.projection = [](const ParamValues& p, const PolicyContext& ctx) -> std::shared_ptr<const KvProjection> {
+            refuse_context("group_heads", check_group_heads(p, ctx));
             auto projection = std::make_shared<KvProjection>();
             projection->kind = KvProjection::Kind::grouping;
             projection->group_size = param_int(p, "group");
