@@ -99,28 +99,28 @@ PolicyDescriptor lowrank_descriptor() {
          {"value_rank", 4, true, 1, "numbers a token's value keeps per KV head (joint: per layer)"},
          {"joint", 0, true, 0, "1: one latent per token for the layer's KV heads together"},
          {"bases", 0, false, 0, "the bases (kvsim trace bases, or kvsim search with fit: [ranks])", false, true},
-         {"ranks", 0, false, 0, "fitted ranks per (layer, KV head) (ranks.json from kvsim search); "
-                                "overrides key_rank and value_rank", false, true}},
+         {"ranks", 0, false, 0, "fitted ranks per (layer, KV head), or per layer for joint (ranks-*.json from kvsim "
+                                "search); overrides key_rank and value_rank", false, true}},
         nullptr, nullptr};
     d.projection = [](const ParamValues& p, const PolicyContext& ctx) -> std::shared_ptr<const KvProjection> {
-            refuse_context("lowrank", check_lowrank(p, ctx));  // a caller that skipped check_context
-            auto projection = std::make_shared<KvProjection>();
-            projection->bases = load_kv_bases(ctx.files->at("bases"), ctx.num_layers, ctx.num_kv_heads, ctx.head_dim);
-            const bool joint = p.at("joint") == 1;
-            projection->kind = joint ? KvProjection::Kind::joint_low_rank : KvProjection::Kind::low_rank;
-            const std::size_t units = joint ? ctx.num_layers : static_cast<std::size_t>(ctx.num_layers) * ctx.num_kv_heads;
-            if (const std::string* ranks = file_of(ctx, "ranks")) {
-                const FittedRanks fitted = load_fitted_ranks(*ranks, ctx.num_layers, ctx.num_kv_heads, ctx.head_dim);
-                if (fitted.joint != joint)
-                    throw InputError(*ranks + ": ranks fitted " + (fitted.joint ? "per layer (joint)" : "per KV head") +
-                                     ", but the policy's joint is " + std::to_string(param_int(p, "joint")));
-                projection->key_rank = fitted.key_rank;
-                projection->value_rank = fitted.value_rank;
-            } else {
-                projection->key_rank.assign(units, param_int(p, "key_rank"));
-                projection->value_rank.assign(units, param_int(p, "value_rank"));
-            }
-            return projection;
+        refuse_context("lowrank", check_lowrank(p, ctx));  // a caller that skipped check_context
+        auto projection = std::make_shared<KvProjection>();
+        projection->bases = load_kv_bases(ctx.files->at("bases"), ctx.num_layers, ctx.num_kv_heads, ctx.head_dim);
+        const bool joint = p.at("joint") == 1;
+        projection->kind = joint ? KvProjection::Kind::joint_low_rank : KvProjection::Kind::low_rank;
+        const std::size_t units = joint ? ctx.num_layers : static_cast<std::size_t>(ctx.num_layers) * ctx.num_kv_heads;
+        if (const std::string* ranks = file_of(ctx, "ranks")) {
+            const FittedRanks fitted = load_fitted_ranks(*ranks, ctx.num_layers, ctx.num_kv_heads, ctx.head_dim);
+            if (fitted.joint != joint)
+                throw InputError(*ranks + ": ranks fitted " + (fitted.joint ? "per layer (joint)" : "per KV head") +
+                                 ", but the policy's joint is " + std::to_string(param_int(p, "joint")));
+            projection->key_rank = fitted.key_rank;
+            projection->value_rank = fitted.value_rank;
+        } else {
+            projection->key_rank.assign(units, param_int(p, "key_rank"));
+            projection->value_rank.assign(units, param_int(p, "value_rank"));
+        }
+        return projection;
     };
     d.make = keep_all_projected(d.projection);
     d.keeps_everything = true;
@@ -138,15 +138,15 @@ PolicyDescriptor group_heads_descriptor() {
          {"bases", 0, false, 0, "the bases file, whose head distances a fitted grouping reads", false, true}},
         nullptr, nullptr};
     d.projection = [](const ParamValues& p, const PolicyContext& ctx) -> std::shared_ptr<const KvProjection> {
-            refuse_context("group_heads", check_group_heads(p, ctx));
-            auto projection = std::make_shared<KvProjection>();
-            projection->kind = KvProjection::Kind::grouping;
-            projection->group_size = param_int(p, "group");
-            projection->fitted_groups = p.at("fitted") == 1;
-            if (projection->fitted_groups)
-                projection->bases =
-                    load_kv_bases(ctx.files->at("bases"), ctx.num_layers, ctx.num_kv_heads, ctx.head_dim);
-            return projection;
+        refuse_context("group_heads", check_group_heads(p, ctx));
+        auto projection = std::make_shared<KvProjection>();
+        projection->kind = KvProjection::Kind::grouping;
+        projection->group_size = param_int(p, "group");
+        projection->fitted_groups = p.at("fitted") == 1;
+        if (projection->fitted_groups)
+            projection->bases =
+                load_kv_bases(ctx.files->at("bases"), ctx.num_layers, ctx.num_kv_heads, ctx.head_dim);
+        return projection;
     };
     d.make = keep_all_projected(d.projection);
     d.keeps_everything = true;

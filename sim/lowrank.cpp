@@ -40,8 +40,31 @@ PcaBasis pca_from_second_moment(const Eigen::MatrixXd& second_moment) {
     return basis;
 }
 
-KvBasesFitter::KvBasesFitter(int num_layers, int num_kv_heads, int head_dim)
-    : layers_(num_layers), heads_(num_kv_heads), dim_(head_dim) {
+void apply_rope_rows(float* rows, int64_t first_pos, int64_t count, int num_heads, int head_dim, double theta,
+                     bool inverse) {
+    const int pairs = head_dim / 2;
+    std::vector<float> cosine(pairs), sine(pairs);
+    for (int64_t t = 0; t < count; ++t) {
+        const int64_t pos = first_pos + t;
+        for (int i = 0; i < pairs; ++i) {
+            const double angle = pos * (1.0 / std::pow(theta, 2.0 * i / head_dim));
+            cosine[i] = static_cast<float>(std::cos(angle));
+            sine[i] = inverse ? -static_cast<float>(std::sin(angle)) : static_cast<float>(std::sin(angle));
+        }
+        float* row = rows + t * num_heads * head_dim;
+        for (int h = 0; h < num_heads; ++h)
+            for (int i = 0; i < pairs; ++i) {
+                float& a = row[h * head_dim + 2 * i];
+                float& b = row[h * head_dim + 2 * i + 1];
+                const float a0 = a, b0 = b;
+                a = a0 * cosine[i] - b0 * sine[i];
+                b = a0 * sine[i] + b0 * cosine[i];
+            }
+    }
+}
+
+KvBasesFitter::KvBasesFitter(int num_layers, int num_kv_heads, int head_dim, double rope_theta)
+    : layers_(num_layers), heads_(num_kv_heads), dim_(head_dim), rope_theta_(rope_theta) {
     const Eigen::MatrixXd zero_head = Eigen::MatrixXd::Zero(dim_, dim_);
     const Eigen::MatrixXd zero_joint = Eigen::MatrixXd::Zero(heads_ * dim_, heads_ * dim_);
     key_moment_.assign(static_cast<std::size_t>(layers_) * heads_, zero_head);
@@ -60,8 +83,13 @@ KvBasesFitter::KvBasesFitter(int num_layers, int num_kv_heads, int head_dim)
 void KvBasesFitter::add(int layer, const QkvLayer& data) {
     const Eigen::Index width = static_cast<Eigen::Index>(heads_) * dim_;
     using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+    std::vector<float> unrotated;
+    if (rope_theta_ > 0) {  // keys as they were before RoPE
+        unrotated = data.k;
+        apply_rope_rows(unrotated.data(), 0, data.tokens, heads_, dim_, rope_theta_, true);
+    }
     for (int which = 0; which < 2; ++which) {
-        const std::vector<float>& x = which == 0 ? data.k : data.v;
+        const std::vector<float>& x = which == 0 ? (rope_theta_ > 0 ? unrotated : data.k) : data.v;
         const Eigen::Map<const RowMajor> all(x.data(), data.tokens, width);
         const Eigen::MatrixXd tokens = all.cast<double>();
         // One product gives every head's own moment (its diagonal block) and the joint moment.
@@ -91,6 +119,7 @@ KvBases KvBasesFitter::finish(std::vector<int> fitted_sequences) const {
     out.num_kv_heads = heads_;
     out.head_dim = dim_;
     out.fitted_sequences = std::move(fitted_sequences);
+    if (rope_theta_ > 0) out.keys = "pre_rope", out.rope_theta = rope_theta_;
     for (int layer = 0; layer < layers_; ++layer) {
         const double n = std::max<int64_t>(tokens_[layer], 1);
         // Covariance = E[x x^T] - mean mean^T.
@@ -123,14 +152,17 @@ KvBases KvBasesFitter::finish(std::vector<int> fitted_sequences) const {
     return out;
 }
 
-KvBases fit_kv_bases(const std::string& trace_path, const std::vector<int>& sequences) {
+KvBases fit_kv_bases(const std::string& trace_path, const std::vector<int>& sequences, double rope_theta) {
     const TraceReader reader(trace_path);
     const std::vector<int> chosen = selected_sequences(reader, sequences);
     auto source = open_trace_source(trace_path, 0, chosen);
     auto* qkv = dynamic_cast<QkvSource*>(source.get());
     if (!qkv) throw InputError(trace_path + ": bases are fitted on keys and values, but this trace records attention only");
     const QkvShape& shape = qkv->qkv_shape();
-    KvBasesFitter fitter(source->shape().num_layers, shape.num_kv_heads, shape.head_dim);
+    if (rope_theta > 0 && shape.head_dim % 2 != 0)
+        throw InputError(trace_path + ": RoPE rotates pairs of dimensions, but the head size is " +
+                         std::to_string(shape.head_dim));
+    KvBasesFitter fitter(source->shape().num_layers, shape.num_kv_heads, shape.head_dim, rope_theta);
     for (std::size_t s = 0; s < chosen.size(); ++s)
         for (int layer = 0; layer < source->shape().num_layers; ++layer)
             fitter.add(layer, qkv->layer_data(static_cast<int>(s), layer));
@@ -232,8 +264,18 @@ std::shared_ptr<const KvBases> parse_kv_bases(const std::string& path) {
         bases->head_dim > 4096 || bases->num_layers > 4096)
         throw InputError(path + ": num_layers, num_kv_heads and head_dim must be in 1..4096");
     const int layers = bases->num_layers, heads = bases->num_kv_heads, dim = bases->head_dim;
-    bases->keys = root.value("keys", std::string("post_rope"));
-    if (bases->keys != "post_rope") throw InputError(path + ".keys: only post_rope key bases are supported");
+    const auto keys = root.find("keys");
+    if (keys == root.end() || !keys->is_string() || (*keys != "post_rope" && *keys != "pre_rope"))
+        throw InputError(path + ": 'keys' must be post_rope or pre_rope");
+    bases->keys = keys->get<std::string>();
+    if (bases->keys == "pre_rope") {
+        const auto theta = root.find("rope_theta");
+        if (theta == root.end() || !theta->is_number() || !(theta->get<double>() > 0) ||
+            !std::isfinite(theta->get<double>()))
+            throw InputError(path + ": 'rope_theta' must be a positive number for pre_rope keys");
+        if (bases->head_dim % 2 != 0) throw InputError(path + ": pre_rope keys need an even head_dim");
+        bases->rope_theta = theta->get<double>();
+    }
     const Json& per_head = list_field(root, "heads", static_cast<std::size_t>(layers) * heads, path);
     for (std::size_t u = 0; u < per_head.size(); ++u) {
         const std::string where = path + ": heads[" + std::to_string(u) + "]";
@@ -292,6 +334,7 @@ std::string kv_bases_json(const KvBases& bases) {
               {"num_kv_heads", bases.num_kv_heads},
               {"head_dim", bases.head_dim},
               {"keys", bases.keys},
+              {"rope_theta", bases.rope_theta},
               {"fitted_sequences", bases.fitted_sequences},
               {"heads", std::move(heads)},
               {"joint", std::move(joint)},
@@ -454,9 +497,19 @@ std::string check_rank(int rank, int most, const std::string& what) {
     return {};
 }
 
+// Low-rank reconstruction in the bases' own frame (before RoPE for pre-RoPE keys).
+static void reconstruct_unrotated(const KvProjection& p, int layer, int num_kv_heads, int head_dim, bool key,
+                                  const float* latent, const float* original, float* out, int64_t count);
+
 void project_tokens(const KvProjection& p, int layer, int num_kv_heads, int head_dim, bool key, const float* x,
-                    float* latent, int64_t count) {
+                    float* latent, int64_t count, int64_t first_pos) {
     const int width = num_kv_heads * head_dim;
+    std::vector<float> unrotated;
+    if (key && p.kind != KvProjection::Kind::grouping && p.bases->rope_theta > 0) {
+        unrotated.assign(x, x + count * width);
+        apply_rope_rows(unrotated.data(), first_pos, count, num_kv_heads, head_dim, p.bases->rope_theta, true);
+        x = unrotated.data();
+    }
     std::fill(latent, latent + count * width, 0.0f);
     if (p.kind == KvProjection::Kind::grouping) {
         // Each head's slot holds its group's mean: the one K (or V) the group stores.
@@ -501,12 +554,34 @@ void project_tokens(const KvProjection& p, int layer, int num_kv_heads, int head
 }
 
 void reconstruct_tokens(const KvProjection& p, int layer, int num_kv_heads, int head_dim, bool key,
-                        const float* latent, const float* original, float* out, int64_t count) {
+                        const float* latent, const float* original, float* out, int64_t count, int64_t first_pos) {
     const int width = num_kv_heads * head_dim;
     if (p.kind == KvProjection::Kind::grouping) {  // the slots already hold what each head reads
         std::copy(latent, latent + count * width, out);
         return;
     }
+    if (key && p.bases->rope_theta > 0) {  // pre-RoPE bases: reconstruct, then rotate into place
+        reconstruct_unrotated(p, layer, num_kv_heads, head_dim, key, latent, nullptr, out, count);
+        apply_rope_rows(out, first_pos, count, num_kv_heads, head_dim, p.bases->rope_theta, false);
+        if (!original) return;
+        // A head at full rank keeps its recorded keys, exactly.
+        const bool joint = p.kind == KvProjection::Kind::joint_low_rank;
+        for (int kv = 0; kv < num_kv_heads; ++kv) {
+            const int rank = joint ? p.key_rank[layer] : p.key_rank[static_cast<std::size_t>(layer) * num_kv_heads + kv];
+            if (rank < (joint ? width : head_dim)) continue;
+            for (int64_t t = 0; t < count; ++t) {
+                const int64_t at = t * width + static_cast<int64_t>(kv) * head_dim;
+                std::copy(original + at, original + at + head_dim, out + at);
+            }
+        }
+        return;
+    }
+    reconstruct_unrotated(p, layer, num_kv_heads, head_dim, key, latent, original, out, count);
+}
+
+static void reconstruct_unrotated(const KvProjection& p, int layer, int num_kv_heads, int head_dim, bool key,
+                                  const float* latent, const float* original, float* out, int64_t count) {
+    const int width = num_kv_heads * head_dim;
     if (p.kind == KvProjection::Kind::joint_low_rank) {
         const int rank = key ? p.key_rank[layer] : p.value_rank[layer];
         if (original && rank >= width) {

@@ -95,7 +95,7 @@ void IncrementalTiers::reconstruct(bool key, const std::vector<float>& latent, s
                                    int64_t count) {
     const int64_t at = first * kv_heads_ * head_dim_;
     reconstruct_tokens(*projection_, layer_, kv_heads_, head_dim_, key, latent.data() + at, nullptr, out.data() + at,
-                       count);
+                       count, first);
 }
 
 void IncrementalTiers::add_token(int64_t t, const float* k, const float* v) {
@@ -106,12 +106,12 @@ void IncrementalTiers::add_token(int64_t t, const float* k, const float* v) {
     if (projected) {
         float* lk = latent_k_.data() + t * width;
         float* lv = latent_v_.data() + t * width;
-        project_tokens(*projection_, layer_, kv_heads_, head_dim_, true, k, lk, 1);
-        project_tokens(*projection_, layer_, kv_heads_, head_dim_, false, v, lv, 1);
+        project_tokens(*projection_, layer_, kv_heads_, head_dim_, true, k, lk, 1, t);
+        project_tokens(*projection_, layer_, kv_heads_, head_dim_, false, v, lv, 1, t);
         reconstruct_tokens(*projection_, layer_, kv_heads_, head_dim_, true, lk, k,
-                           arrays_.storage_k16.data() + t * width, 1);
+                           arrays_.storage_k16.data() + t * width, 1, t);
         reconstruct_tokens(*projection_, layer_, kv_heads_, head_dim_, false, lv, v,
-                           arrays_.storage_v16.data() + t * width, 1);
+                           arrays_.storage_v16.data() + t * width, 1, t);
     }
     if (!tiered_) return;
     const TierFormat& f = arrays_.format;

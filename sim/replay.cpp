@@ -78,7 +78,11 @@ private:
         const uint64_t per_head_wanted = static_cast<uint64_t>(block_floats_per_head());
         const bool values = options_.output_error || options_.memory;
         uint64_t tier_copies = 0;  // combinations that may hold quantised copies of the layer's K and V
-        for (const ReplayCombo& c : combos_) tier_copies += c.quantize.has_value() || c.policy->keeps_everything;
+        for (const ReplayCombo& c : combos_) {
+            tier_copies += c.quantize.has_value() || c.policy->keeps_everything;
+            // A projection's latents and reconstruction (sim/lowrank.h): about as many copies again.
+            tier_copies += c.project != nullptr || c.policy->projection != nullptr;
+        }
         for (std::size_t s = 0; s < shape_.sequence_lengths.size(); ++s) {
             const std::string what = source_.description() + ": sequence " + shape_.sequence_names[s] + " (" +
                                      std::to_string(shape_.sequence_lengths[s]) + " tokens)";

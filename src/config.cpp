@@ -105,7 +105,16 @@ public:
     SearchSpec search_spec(const YAML::Node& node) const {
         SearchSpec spec;
         spec.where = where(node, "search");
-        only_keys(node, "search", {"policy", "split", "target", "objective", "fit", "grid", "streaming", "tiers"});
+        only_keys(node, "search", {"policy", "split", "target", "objective", "fit", "grid", "streaming", "tiers", "ranks"});
+        if (const YAML::Node ranks = node["ranks"]) {  // fit: ranks: {pre_rope_theta: 10000} fits keys before RoPE
+            if (!ranks.IsMap()) fail(ranks, "search.ranks", "expected a map, e.g. {pre_rope_theta: 10000}");
+            only_keys(ranks, "search.ranks", {"pre_rope_theta"});
+            if (const YAML::Node theta = ranks["pre_rope_theta"]) {
+                spec.ranks_pre_rope_theta = number(theta, "search.ranks.pre_rope_theta");
+                if (!(spec.ranks_pre_rope_theta > 0))
+                    fail(theta, "search.ranks.pre_rope_theta", "must be a positive number (the model's RoPE base)");
+            }
+        }
         spec.tiers_where = spec.where + ".tiers";
         if (const YAML::Node tiers = node["tiers"]) {  // stratigraphic's parameters for fit: tiers
             spec.tiers_where = where(tiers, "search.tiers");

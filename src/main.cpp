@@ -1,4 +1,5 @@
 // kvsim: replay recorded attention through KV-cache policies, side by side.
+#include <cmath>
 #include <tbb/global_control.h>
 #include <unistd.h>
 
@@ -319,6 +320,10 @@ int main(int argc, char** argv) {
     bases->add_option("--sequences", bases_sequences, "fit on these sequences (indices; default: every one)")
         ->delimiter(',');
     bases->add_option("-o,--output", bases_out, "output bases file (.json)")->required();
+    double bases_rope_theta = 0;
+    bases->add_option("--pre-rope-theta", bases_rope_theta,
+                      "fit key bases before RoPE: the recorded keys rotated back with this RoPE base (the model's "
+                      "rope freq_base, e.g. 10000); lowrank then applies RoPE after reconstruction");
 
     CLI::App* policies = app.add_subcommand("policies", "list the policies and their parameters");
 
@@ -420,7 +425,9 @@ int main(int argc, char** argv) {
         if (*synth) return trace_synth(synth_generator, synth_name, synth_dtype, synth_out);
         if (*info) return trace_info(info_path);
         if (*bases) {
-            write_kv_bases(bases_out, fit_kv_bases(bases_trace, bases_sequences));
+            if (bases_rope_theta < 0 || !std::isfinite(bases_rope_theta))
+                throw InputError("--pre-rope-theta: must be a positive number");
+            write_kv_bases(bases_out, fit_kv_bases(bases_trace, bases_sequences, bases_rope_theta));
             std::printf("wrote %s\n", bases_out.c_str());
             return 0;
         }

@@ -210,6 +210,8 @@ class Cli(KvsimTestCase):
         self.outputs = ("b2.json",)
         self.assert_input_error(kvsim("trace", "bases", attention, "-o", self.path("b2.json")),
                                 "attention.h5: bases are fitted on keys and values")
+        self.assert_input_error(kvsim("trace", "bases", trace, "--pre-rope-theta", "-1", "-o", self.path("b2.json")),
+                                "--pre-rope-theta: must be a positive number")
 
     def test_bad_flags(self):
         config = self.write("small.yaml", SMALL)
