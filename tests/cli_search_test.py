@@ -293,6 +293,10 @@ class Search(KvsimTestCase):
             ("  policy: {h2o: {recent_window: 8}}\n", "  policy: {h2o: {recent_window: 500}}\n",
              "search.policy.h2o: recent_window = 500 must be less than the budget 456, the longest sequence's"),
             ("  policy: {h2o: {recent_window: 8}}\n", "  policy: full\n", "full keeps every token"),
+            ("  fit: [layer_budgets, head_budgets]\n", "  fit: [ranks]\n  ranks: {pre_rope_theta: 0}\n",
+             "search.ranks.pre_rope_theta: must be a positive number"),
+            ("  fit: [layer_budgets, head_budgets]\n", "  fit: [ranks]\n  objective: retained_mass\n",
+             "search.fit: ranks are fitted by their output error"),
         ]
         for old, new, fragment in cases:
             with self.subTest(new=new):
