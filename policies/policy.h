@@ -10,6 +10,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace kvsim {
@@ -18,6 +19,7 @@ namespace kvsim {
 // cache does). At step `pos` it sees the attention on the positions it holds, then admits `pos`;
 // when the cache is over budget it chooses victims.
 class StreamingHeadState;  // sim/streaming_heads.h
+struct KvProjection;        // sim/lowrank.h
 
 // How precisely a cached position's key or value is held. Eviction decides which positions stay;
 // tiers decide how coarsely, and compose with any eviction policy (policies/quantized.h).
@@ -69,6 +71,9 @@ public:
     // A streaming head's decayed linear state, which stands for the tokens it let go; nullptr for
     // every other policy. The harness feeds it each token's key and value and reads its output.
     virtual StreamingHeadState* linear_state() const { return nullptr; }
+    // How the cache holds each token in fewer numbers (a low-rank latent, a KV-head group's shared
+    // K and V), composed with eviction and tiers; nullptr for a cache of whole head vectors.
+    virtual const KvProjection* projection() const { return nullptr; }
 
     // --- Cross-head selection (Ada-KV, policies/adakv.h): scored eviction policies override these. ---
 
@@ -152,6 +157,13 @@ struct PolicyDescriptor {
     // a streaming head's linear state): output error shows what it loses, retained mass cannot.
     // Last, so the descriptors' positional initialisers above keep their meaning.
     bool changes_values = false;
+    // Checks of parameters against the trace's shape (a rank above the head size): returns the
+    // parameter at fault and what is wrong, or an empty problem when fine.
+    std::function<std::pair<std::string, std::string>(const ParamValues&, const PolicyContext&)> check_context =
+        nullptr;
+    // A projection policy (lowrank, group_heads): how its cache holds each token, so that it can
+    // wrap an eviction policy too ({evict: h2o, project: {lowrank: {...}}}).
+    std::function<std::shared_ptr<const KvProjection>(const ParamValues&, const PolicyContext&)> projection = nullptr;
 };
 
 // The quantisation composed with an eviction policy: {evict: h2o, quantize: {bits: 4, older_than: 128}}.
@@ -169,6 +181,11 @@ std::string quantize_label(const QuantizeRule& rule);  // "int4(older_than=128)"
 
 // Wraps an eviction policy so that what it keeps is held at the rule's precision.
 std::unique_ptr<Policy> make_quantized(std::unique_ptr<Policy> inner, const QuantizeRule& rule);
+
+// Keeps every position (the full cache; the base of whole-cache quantisers and projections).
+std::unique_ptr<Policy> make_keep_all();
+// Wraps a policy so that each token it keeps is held through a projection (policies/lowrank.cpp).
+std::unique_ptr<Policy> make_projected(std::unique_ptr<Policy> inner, std::shared_ptr<const KvProjection> projection);
 
 const std::vector<PolicyDescriptor>& policy_registry();
 const PolicyDescriptor* find_policy(std::string_view name);

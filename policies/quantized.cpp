@@ -31,6 +31,7 @@ public:
     std::size_t bytes_per_slot() const override { return inner_->bytes_per_slot(); }
     bool sizes_itself() const override { return inner_->sizes_itself(); }
     const TierFormat* tier_format() const override { return &format_; }
+    const KvProjection* projection() const override { return inner_->projection(); }
     int eviction_target(int budget) const override { return inner_->eviction_target(budget); }
     bool held_scores(HeldScores& out) override { return inner_->held_scores(out); }
     void evict_to(int keep, std::vector<int32_t>& victims) override { inner_->evict_to(keep, victims); }
@@ -94,6 +95,8 @@ std::string quantize_label(const QuantizeRule& rule) {
         args += (args.empty() ? "" : ",") + std::string("value_group=") + std::to_string(rule.value_group);
     return args.empty() ? label : label + "(" + args + ")";
 }
+
+std::unique_ptr<Policy> make_keep_all() { return std::make_unique<KeepAll>(); }
 
 std::unique_ptr<Policy> make_quantized(std::unique_ptr<Policy> inner, const QuantizeRule& rule) {
     return std::make_unique<Quantized>(std::move(inner), rule);

@@ -19,13 +19,15 @@ PolicyDescriptor int8_descriptor();
 PolicyDescriptor int4_descriptor();
 PolicyDescriptor streaming_attention_descriptor();
 PolicyDescriptor stratigraphic_descriptor();
+PolicyDescriptor lowrank_descriptor();
+PolicyDescriptor group_heads_descriptor();
 
 const std::vector<PolicyDescriptor>& policy_registry() {
     static const std::vector<PolicyDescriptor> registry = {
         sliding_window_descriptor(), streaming_llm_descriptor(), h2o_descriptor(),   scissorhands_descriptor(),
         tova_descriptor(),           snapkv_descriptor(),        pyramidkv_descriptor(),       full_descriptor(),
         int8_descriptor(),           int4_descriptor(),          streaming_attention_descriptor(),
-        stratigraphic_descriptor(),
+        stratigraphic_descriptor(),  lowrank_descriptor(),       group_heads_descriptor(),
     };
     return registry;
 }

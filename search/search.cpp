@@ -15,6 +15,7 @@
 #include "policies/policy.h"
 #include "search/allocation.h"
 #include "search/streaming_fit.h"
+#include "search/rank_fit.h"
 #include "search/tier_fit.h"
 #include "sim/qkv_attention.h"
 #include "sim/replay.h"
@@ -95,6 +96,16 @@ std::string join(const std::vector<int>& v, const char* sep) {
 
 // What a record keeps, for tables: its layer budgets, or how many heads stream.
 std::string budgets_text(const SearchRecord& r) {
+    if (r.fit == "ranks") {
+        if (r.replay_policy == "group_heads")
+            return "groups of " + std::to_string(static_cast<int>(r.replay_params.at("group"))) + " KV heads";
+        double key = 0, value = 0;
+        for (std::size_t u = 0; u < r.key_rank.size(); ++u) key += r.key_rank[u], value += r.value_rank[u];
+        char text[160];
+        std::snprintf(text, sizeof text, "mean rank K %.3g, V %.3g %s", key / r.key_rank.size(),
+                      value / r.value_rank.size(), r.replay_params.at("joint") == 1 ? "per layer (joint)" : "per KV head");
+        return text;
+    }
     if (r.tiers.num_layers > 0) {
         double f = 0, e = 0, q = 0;
         for (std::size_t u = 0; u < r.tiers.fp16.size(); ++u) f += r.tiers.fp16[u], e += r.tiers.int8[u], q += r.tiers.int4[u];
@@ -123,7 +134,10 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     const bool output_error = out.objective == "output_rel_error";
     auto fits = [&](const char* name) { return std::find(spec.fits.begin(), spec.fits.end(), name) != spec.fits.end(); };
     const bool fit_layers = fits("layer_budgets"), fit_heads = fits("head_budgets"), fit_streaming = fits("streaming");
-    const bool fit_tiers = fits("tiers"), fit_budgets = fit_layers || fit_heads;
+    const bool fit_tiers = fits("tiers"), fit_budgets = fit_layers || fit_heads, fit_ranks_ = fits("ranks");
+    if (fit_ranks_ && (!qkv || !output_error))
+        throw InputError(spec.fits_where + ": ranks are fitted by their output error on keys and values, which needs a "
+                                           "Q/K/V trace and objective output_rel_error");
     if (output_error && !qkv)
         throw InputError(spec.objective_where + ": output_rel_error needs a Q/K/V trace, but " + run.trace_path +
                          " records attention only (use objective: retained_mass)");
@@ -218,11 +232,12 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     }
 
     // Progress on a terminal: each fit (budgets, streaming, tiers) an equal share of the bar.
-    const int stages = (fit_budgets ? 1 : 0) + (fit_streaming ? 1 : 0) + (fit_tiers ? 1 : 0);
+    const int stages = (fit_budgets ? 1 : 0) + (fit_streaming ? 1 : 0) + (fit_tiers ? 1 : 0) + (fit_ranks_ ? 1 : 0);
     auto stage_progress = [&](int stage, double f) {
         if (run.progress) run.progress((stage + std::min(f, 1.0)) / std::max(stages, 1));
     };
     const int streaming_stage = fit_budgets ? 1 : 0, tiers_stage = streaming_stage + (fit_streaming ? 1 : 0);
+    const int ranks_stage = tiers_stage + (fit_tiers ? 1 : 0);
 
     // Budget fits: per-unit curves from one fitting pass, every method in one held-out pass.
     std::vector<std::string> curve_notes;
@@ -378,15 +393,22 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     if (fit_streaming) {
         const TempFolder scratch("search");  // the probe plans streaming_attention reads
         FitInput input{&spec, fitting_source.get(), heldout_source.get(), out.shape, harness, scratch.path(),
-                       [&](double f) { stage_progress(streaming_stage, f); }};
+                       [&](double f) { stage_progress(streaming_stage, f); }, run.trace_path, fitting};
         fit_streaming_heads(input, out);
     }
     // Tier profiles for stratigraphic, at the same targets.
     if (fit_tiers) {
         const TempFolder scratch("search");  // the plans stratigraphic reads
         FitInput input{&spec, fitting_source.get(), heldout_source.get(), out.shape, harness, scratch.path(),
-                       [&](double f) { stage_progress(tiers_stage, f); }};
+                       [&](double f) { stage_progress(tiers_stage, f); }, run.trace_path, fitting};
         fit_tier_profiles(input, out);
+    }
+    // Ranks of low-rank K/V latents, with grouping at the same bytes.
+    if (fit_ranks_) {
+        const TempFolder scratch("search");  // the bases and rank plans lowrank reads
+        FitInput input{&spec, fitting_source.get(), heldout_source.get(), out.shape, harness, scratch.path(),
+                       [&](double f) { stage_progress(ranks_stage, f); }, run.trace_path, fitting};
+        fit_ranks(input, out);
     }
 
     // One block per target in the tables: the targets in the config's order, methods as they came.
@@ -411,7 +433,7 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
         auto same = std::find_if(off_target.begin(), off_target.end(), [&](const auto& o) {
             const SearchRecord& f = out.records[o.first];
             return f.target == r.target && f.bytes_per_token == r.bytes_per_token &&
-                   f.streaming_heads.empty() == r.streaming_heads.empty();
+                   f.streaming_heads.empty() == r.streaming_heads.empty() && (f.fit == "ranks") == (r.fit == "ranks");
         });
         if (same == off_target.end())
             off_target.push_back({i, r.method});
@@ -427,7 +449,9 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
         std::snprintf(line, sizeof line, " at %s hold%s %.4g bytes per token, %.1f%% from the target's %.4g: %s",
                       r.target.c_str(), names.find("; ") == std::string::npos ? "s" : "", r.bytes_per_token,
                       100 * (r.bytes_per_token / wanted - 1), wanted,
-                      r.streaming_heads.empty()
+                      r.fit == "ranks" ? "a rank moves the bytes in steps of a number per token plus its share of "
+                                         "the bases, and the next step would pass the target."
+                      : r.streaming_heads.empty()
                           ? "at budgets this small one token of one unit is more than 1% of the bytes."
                           : "a head streams whole or not at all, so the bytes move in steps of one head, and the "
                             "next head would pass the target.");
@@ -549,6 +573,13 @@ void write_search_outputs(const SearchOutcome& o, const std::string& dir) {
             j["streaming_heads"] = std::vector<int>(r.streaming_heads.begin(), r.streaming_heads.end());
             j["lambda"] = r.lambda;
         }
+        if (r.fit == "ranks") {
+            j["replay_policy"] = r.replay_policy;
+            Json params = Json::object();
+            for (const auto& [name, value] : r.replay_params) params[name] = value;
+            j["replay_params"] = params;
+            if (!r.key_rank.empty()) j["key_rank"] = r.key_rank, j["value_rank"] = r.value_rank;
+        }
         if (r.tiers.num_layers > 0) {
             j["tiers"] = Json::parse(tier_shares_json(r.tiers));
             Json params = Json::object();
@@ -623,6 +654,16 @@ void write_search_outputs(const SearchOutcome& o, const std::string& dir) {
             primary = &p;
     }
     if (primary) add("profile.json", profile_json(*primary));
+    // fit: ranks: the bases and each fitted method's ranks, for the lowrank policy to read.
+    if (o.bases) add("bases.json", kv_bases_json(*o.bases));
+    for (const SearchRecord& r : o.records) {
+        if (r.fit != "ranks" || r.key_rank.empty() || r.method.rfind("fitted", 0) != 0) continue;
+        const bool joint = r.replay_params.at("joint") == 1;
+        std::string name = std::string("ranks-") + (joint ? "joint-" : "heads-") + r.target + ".json";
+        std::replace(name.begin(), name.end(), '/', '_');
+        add(name, fitted_ranks_json(FittedRanks{joint, r.key_rank, r.value_rank}, o.shape.num_layers,
+                                    o.shape.num_kv_heads, o.shape.head_dim));
+    }
     for (auto& f : files) f->commit();
 }
 

@@ -10,6 +10,7 @@
 #pragma once
 #include <functional>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -18,6 +19,7 @@
 #include "sim/tier_shares.h"
 #include "sim/attention_source.h"
 #include "sim/harness.h"
+#include "sim/lowrank.h"
 
 namespace kvsim {
 
@@ -47,6 +49,10 @@ struct SearchRecord {
     // Streaming and tier records: every parameter of the policy they replay (streaming_attention,
     // stratigraphic); budget records replay the search's own policy.
     ParamValues replay_params;
+    // Rank records (fit: ranks): the projection policy replayed (lowrank, group_heads) and, for
+    // lowrank, its ranks per (layer, KV head), or per layer for a joint latent (joint in replay_params).
+    std::string replay_policy;
+    std::vector<int> key_rank, value_rank;
     bool writes_profile = false;  // a fitted method: run_search writes its profile
 };
 
@@ -59,6 +65,7 @@ struct SearchOutcome {
     std::vector<int> grid;
     std::vector<SearchRecord> records;
     std::vector<Profile> profiles;     // one per fitted method and target
+    std::shared_ptr<const KvBases> bases;  // fit: ranks: the bases fitted on the fitting sequences
     std::vector<std::string> notes;    // non-convex curves, the direction of the layer profile, ...
     double seconds = 0;
 };
@@ -83,6 +90,8 @@ struct FitInput {
     HarnessOptions harness;
     std::string scratch_folder;  // where plan files are written (and removed with it)
     std::function<void(double)> progress;  // the fit's share done, 0..1; may be empty
+    std::string trace_path;      // the trace, and the fitting sequences' indices in it (fit: ranks)
+    std::vector<int> fitting_indices;
 };
 
 // The held-out table for a terminal: one block per target, one row per method.

@@ -48,10 +48,12 @@ struct SearchSpec {
     // and int4_share shape the published baseline), as given; defaults fill the rest.
     std::map<std::string, double> tier_params;
     std::string tiers_where;
+    // fit: ranks: > 0 fits key bases before RoPE, the recorded keys rotated back with this base.
+    double ranks_pre_rope_theta = 0;
 };
 
 inline const std::vector<std::string>& known_search_fits() {
-    static const std::vector<std::string> fits = {"layer_budgets", "head_budgets", "streaming", "tiers"};
+    static const std::vector<std::string> fits = {"layer_budgets", "head_budgets", "streaming", "tiers", "ranks"};
     return fits;
 }
 

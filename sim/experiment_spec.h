@@ -62,6 +62,11 @@ struct PolicyEntry {
     bool adakv = false;                      // {evict: NAME, adakv: {floor: 0.2}}: Ada-KV across KV heads
     std::map<std::string, double> adakv_params;  // floor
     std::string adakv_where;                 // "FILE:LINE: policies[2].adakv"
+    // {evict: NAME, project: {lowrank: {...}}}: each kept token held through a projection policy.
+    std::string project;                           // lowrank or group_heads; empty for none
+    std::map<std::string, double> project_params;
+    std::map<std::string, std::string> project_files;
+    std::string project_where;                     // "FILE:LINE: policies[2].project.lowrank"
     // {profile: FILE}: a fitted profile brings its own budgets (its one column) and the shape
     // of the model it was fitted to.
     std::vector<BudgetColumn> profile_budgets;  // empty, or the profile's one column

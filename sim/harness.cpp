@@ -81,8 +81,10 @@ void Harness::set_values(const CacheValues& values) {
         value_tier_.assign(is_kept_.size(), 0);
     }
     for (int tier = 0; tier < 3; ++tier) {
-        key_bytes_[tier] = key_bytes(static_cast<Tier>(tier), values.head_dim, policy_->tier_format());
-        value_bytes_[tier] = value_bytes(static_cast<Tier>(tier), values.head_dim, policy_->tier_format());
+        const int key_dim = values.key_dim > 0 ? values.key_dim : values.head_dim;
+        const int value_dim = values.value_dim > 0 ? values.value_dim : values.head_dim;
+        key_bytes_[tier] = values.byte_share * key_bytes(static_cast<Tier>(tier), key_dim, policy_->tier_format());
+        value_bytes_[tier] = values.byte_share * value_bytes(static_cast<Tier>(tier), value_dim, policy_->tier_format());
     }
 }
 
@@ -135,6 +137,7 @@ void Harness::measure_values(const GroupStep& s) {
         for (int32_t p : kept_) bytes += key_bytes_[key_tier_[p]] + value_bytes_[value_tier_[p]];
         if (state) bytes = state->bytes();  // its exact tokens at fp16 and the linear state
         bytes += static_cast<double>(policy_->bytes_per_slot()) * (kept_.size() + 1);
+        bytes += values_.fixed_bytes;  // held at every step: amortised over the context
         metrics_.cache_bytes += bytes;
         metrics_.fp16_bytes += 4.0 * d * (t + 1);
         metrics_.context_tokens += t + 1;

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "sim/lowrank.h"
 #include "sim/quantize.h"
 
 namespace kvsim {
@@ -38,11 +39,23 @@ void build_tier_arrays(const QkvLayer& layer, int num_kv_heads, int head_dim, Ti
     arrays.v[2] = arrays.storage_v4.data();
 }
 
-IncrementalTiers::IncrementalTiers(const TierFormat* format, int64_t tokens, int num_kv_heads, int head_dim)
+IncrementalTiers::IncrementalTiers(const TierFormat* format, int64_t tokens, int num_kv_heads, int head_dim,
+                                   const KvProjection* projection, int layer)
     : tiered_(format != nullptr), tokens_(tokens), kv_heads_(num_kv_heads), head_dim_(head_dim),
-      k_(tokens * num_kv_heads * head_dim), v_(k_.size()) {
+      quant_heads_(num_kv_heads), quant_dim_(head_dim), k_(tokens * num_kv_heads * head_dim), v_(k_.size()),
+      layer_(layer) {
     arrays_.k[0] = k_.data();
     arrays_.v[0] = v_.data();
+    if (projection) {
+        projection_ = std::make_shared<KvProjection>(*projection);
+        if (projection->kind == KvProjection::Kind::joint_low_rank) quant_heads_ = 1, quant_dim_ = num_kv_heads * head_dim;
+        for (auto* storage : {&latent_k_, &latent_v_, &arrays_.storage_k16, &arrays_.storage_v16})
+            storage->assign(k_.size(), 0.0f);
+        arrays_.k[0] = arrays_.storage_k16.data();
+        arrays_.v[0] = arrays_.storage_v16.data();
+        if (tiered_)
+            for (auto* storage : {&latent_k8_, &latent_v8_, &latent_k4_, &latent_v4_}) storage->assign(k_.size(), 0.0f);
+    }
     if (!tiered_) return;
     arrays_.format = *format;
     for (auto* storage : {&arrays_.storage_k8, &arrays_.storage_v8, &arrays_.storage_k4, &arrays_.storage_v4})
@@ -57,44 +70,78 @@ IncrementalTiers::IncrementalTiers(const TierFormat* format, int64_t tokens, int
 void IncrementalTiers::quantize_values(int64_t t, const float* v_in, float* v_out, const float* k_in, float* k_out,
                                        int bits) {
     const QuantSpec spec = spec_for(arrays_.format, bits);
-    const int group = std::min(spec.value_group, head_dim_);
-    const int64_t row = t * kv_heads_ * head_dim_;
-    for (int g = 0; g < kv_heads_; ++g)
-        for (int c = 0; c < head_dim_; c += group) {
-            const int64_t at = row + static_cast<int64_t>(g) * head_dim_ + c;
-            roundtrip_group(v_in + at, v_out + at, group, 1, bits);
-            if (spec.per_token_keys) roundtrip_group(k_in + at, k_out + at, group, 1, bits);
+    const int group = std::min(spec.value_group, quant_dim_);
+    const int64_t row = t * quant_heads_ * quant_dim_;
+    for (int g = 0; g < quant_heads_; ++g)
+        for (int c = 0; c < quant_dim_; c += group) {
+            const int64_t at = row + static_cast<int64_t>(g) * quant_dim_ + c;
+            const int n = std::min(group, quant_dim_ - c);
+            roundtrip_group(v_in + at, v_out + at, n, 1, bits);
+            if (spec.per_token_keys) roundtrip_group(k_in + at, k_out + at, n, 1, bits);
         }
 }
 
 // A complete KIVI key group: each channel's scale spans the group's tokens.
 void IncrementalTiers::quantize_key_group(int64_t first, int64_t count, const float* k_in, float* k_out, int bits) {
-    const int64_t stride = static_cast<int64_t>(kv_heads_) * head_dim_;
-    for (int g = 0; g < kv_heads_; ++g)
-        for (int c = 0; c < head_dim_; ++c) {
-            const int64_t at = first * stride + static_cast<int64_t>(g) * head_dim_ + c;
+    const int64_t stride = static_cast<int64_t>(quant_heads_) * quant_dim_;
+    for (int g = 0; g < quant_heads_; ++g)
+        for (int c = 0; c < quant_dim_; ++c) {
+            const int64_t at = first * stride + static_cast<int64_t>(g) * quant_dim_ + c;
             roundtrip_group(k_in + at, k_out + at, count, stride, bits);
         }
+}
+
+void IncrementalTiers::reconstruct(bool key, const std::vector<float>& latent, std::vector<float>& out, int64_t first,
+                                   int64_t count) {
+    const int64_t at = first * kv_heads_ * head_dim_;
+    reconstruct_tokens(*projection_, layer_, kv_heads_, head_dim_, key, latent.data() + at, nullptr, out.data() + at,
+                       count, first);
 }
 
 void IncrementalTiers::add_token(int64_t t, const float* k, const float* v) {
     const std::size_t width = static_cast<std::size_t>(kv_heads_) * head_dim_;
     std::copy(k, k + width, k_.begin() + t * width);
     std::copy(v, v + width, v_.begin() + t * width);
+    const bool projected = projection_ != nullptr;
+    if (projected) {
+        float* lk = latent_k_.data() + t * width;
+        float* lv = latent_v_.data() + t * width;
+        project_tokens(*projection_, layer_, kv_heads_, head_dim_, true, k, lk, 1, t);
+        project_tokens(*projection_, layer_, kv_heads_, head_dim_, false, v, lv, 1, t);
+        reconstruct_tokens(*projection_, layer_, kv_heads_, head_dim_, true, lk, k,
+                           arrays_.storage_k16.data() + t * width, 1, t);
+        reconstruct_tokens(*projection_, layer_, kv_heads_, head_dim_, false, lv, v,
+                           arrays_.storage_v16.data() + t * width, 1, t);
+    }
     if (!tiered_) return;
     const TierFormat& f = arrays_.format;
-    float *k8 = arrays_.storage_k8.data(), *v8 = arrays_.storage_v8.data();
-    float *k4 = arrays_.storage_k4.data(), *v4 = arrays_.storage_v4.data();
+    // What is quantised: the token's vectors, or a projected cache's latents (rebuilt below).
+    const std::vector<float>& k_in = projected ? latent_k_ : k_;
+    const std::vector<float>& v_in = projected ? latent_v_ : v_;
+    std::vector<float>& k8 = projected ? latent_k8_ : arrays_.storage_k8;
+    std::vector<float>& v8 = projected ? latent_v8_ : arrays_.storage_v8;
+    std::vector<float>& k4 = projected ? latent_k4_ : arrays_.storage_k4;
+    std::vector<float>& v4 = projected ? latent_v4_ : arrays_.storage_v4;
     // int4 comes from the original values, or from the int8 form a token sank from.
-    const float* k4_from = f.int4_from_int8 ? k8 : k_.data();
-    const float* v4_from = f.int4_from_int8 ? v8 : v_.data();
-    quantize_values(t, v_.data(), v8, k_.data(), k8, 8);
-    quantize_values(t, v4_from, v4, k4_from, k4, 4);
+    const float* k4_from = f.int4_from_int8 ? k8.data() : k_in.data();
+    const float* v4_from = f.int4_from_int8 ? v8.data() : v_in.data();
+    quantize_values(t, v_in.data(), v8.data(), k_in.data(), k8.data(), 8);
+    quantize_values(t, v4_from, v4.data(), k4_from, k4.data(), 4);
+    if (projected) {
+        reconstruct(false, v8, arrays_.storage_v8, t, 1);
+        reconstruct(false, v4, arrays_.storage_v4, t, 1);
+        if (f.per_token_keys) {
+            reconstruct(true, k8, arrays_.storage_k8, t, 1);
+            reconstruct(true, k4, arrays_.storage_k4, t, 1);
+        }
+    }
     if (!f.per_token_keys) {
         for (int bits : {8, 4}) {
             const int group = spec_for(f, bits).key_group;
-            if ((t + 1) % group == 0)
-                quantize_key_group(t + 1 - group, group, bits == 8 ? k_.data() : k4_from, bits == 8 ? k8 : k4, bits);
+            if ((t + 1) % group != 0) continue;
+            std::vector<float>& out = bits == 8 ? k8 : k4;
+            quantize_key_group(t + 1 - group, group, bits == 8 ? k_in.data() : k4_from, out.data(), bits);
+            if (projected) reconstruct(true, out, bits == 8 ? arrays_.storage_k8 : arrays_.storage_k4, t + 1 - group, group);
         }
     }
 }

@@ -4,6 +4,7 @@
 #pragma once
 #include <Eigen/Core>
 #include <array>
+#include <memory>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -19,13 +20,17 @@ struct TierArrays {
     TierFormat format;
     std::array<const float*, 3> k{}, v{};
     std::vector<float> storage_k8, storage_v8, storage_k4, storage_v4;
+    std::vector<float> storage_k16, storage_v16;  // a projected cache's reconstruction (sim/lowrank.h)
 };
 
 // The same tiers built token by token, for a model running live (kvsim eval): a value is
 // quantised as its token arrives, a KIVI key group when its last token arrives.
+// With a projection (sim/lowrank.h), what is quantised is the token's latent, as the cache stores
+// it, and every tier serves the reconstruction.
 class IncrementalTiers {
 public:
-    IncrementalTiers(const TierFormat* format, int64_t tokens, int num_kv_heads, int head_dim);
+    IncrementalTiers(const TierFormat* format, int64_t tokens, int num_kv_heads, int head_dim,
+                     const KvProjection* projection = nullptr, int layer = 0);
     // Token t's keys and values for every KV head (num_kv_heads * head_dim floats each).
     void add_token(int64_t t, const float* k, const float* v);
     const TierArrays& arrays() const { return arrays_; }
@@ -33,11 +38,17 @@ public:
 private:
     void quantize_values(int64_t t, const float* v_in, float* v_out, const float* k_in, float* k_out, int bits);
     void quantize_key_group(int64_t first, int64_t count, const float* k_in, float* k_out, int bits);
+    // Projected caches: rebuilds tokens [first, first + count) of a tier from its latents.
+    void reconstruct(bool key, const std::vector<float>& latent, std::vector<float>& out, int64_t first, int64_t count);
     bool tiered_;
     int64_t tokens_;
     int kv_heads_, head_dim_;
+    int quant_heads_, quant_dim_;  // how quantisation groups a row: per KV head, or one joint latent
     std::vector<float> k_, v_;
     TierArrays arrays_;
+    std::shared_ptr<const KvProjection> projection_;  // a copy: the policy may go first
+    int layer_ = 0;
+    std::vector<float> latent_k_, latent_v_, latent_k8_, latent_v8_, latent_k4_, latent_v4_;
 };
 
 // Builds the int8 and int4 tiers of `layer` for `format` (fp16 points into `layer` itself).

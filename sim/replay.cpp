@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "sim/heavy_hitters.h"
+#include "sim/lowrank.h"
 #include "sim/precision.h"
 #include "sim/qkv_attention.h"
 #include "base/errors.h"
@@ -78,7 +79,11 @@ private:
         const uint64_t per_head_wanted = static_cast<uint64_t>(block_floats_per_head());
         const bool values = options_.output_error || options_.memory;
         uint64_t tier_copies = 0;  // combinations that may hold quantised copies of the layer's K and V
-        for (const ReplayCombo& c : combos_) tier_copies += c.quantize.has_value() || c.policy->keeps_everything;
+        for (const ReplayCombo& c : combos_) {
+            tier_copies += c.quantize.has_value() || c.policy->keeps_everything;
+            // A projection's latents and reconstruction (sim/lowrank.h): about as many copies again.
+            tier_copies += c.project != nullptr || c.policy->projection != nullptr;
+        }
         for (std::size_t s = 0; s < shape_.sequence_lengths.size(); ++s) {
             const std::string what = source_.description() + ": sequence " + shape_.sequence_names[s] + " (" +
                                      std::to_string(shape_.sequence_lengths[s]) + " tokens)";
@@ -165,29 +170,51 @@ private:
         return harnesses;
     }
 
-    // The tiers each distinct precision format serves for this layer, built once and shared.
-    const TierArrays* arrays_for(const TierFormat* format) {
-        for (const auto& a : tier_arrays_)
-            if ((format == nullptr) == (a->k[1] == nullptr) && (!format || a->format == *format)) return a.get();
+    // The tiers each distinct precision format (and projection) serves for this layer, built once
+    // and shared.
+    const TierArrays* arrays_for(const TierFormat* format, const KvProjection* projection) {
+        for (std::size_t i = 0; i < tier_arrays_.size(); ++i) {
+            const TierArrays& a = *tier_arrays_[i];
+            const KvProjection* built = array_projections_[i].get();
+            if ((format == nullptr) != (a.k[1] == nullptr) || (format && !(a.format == *format))) continue;
+            if ((projection == nullptr) != (built == nullptr) || (projection && !(*projection == *built))) continue;
+            return &a;
+        }
         auto arrays = std::make_unique<TierArrays>();
-        arrays->k[0] = layer_values_->k.data();
-        arrays->v[0] = layer_values_->v.data();
-        if (format) {
-            arrays->format = *format;
-            build_tier_arrays(*layer_values_, kv_heads_, head_dim_, *arrays);
+        if (projection) {
+            build_projected_arrays(*projection, layer_index_, *layer_values_, kv_heads_, head_dim_, format, *arrays);
+        } else {
+            arrays->k[0] = layer_values_->k.data();
+            arrays->v[0] = layer_values_->v.data();
+            if (format) {
+                arrays->format = *format;
+                build_tier_arrays(*layer_values_, kv_heads_, head_dim_, *arrays);
+            }
         }
         tier_arrays_.push_back(std::move(arrays));
+        array_projections_.push_back(projection ? std::make_unique<KvProjection>(*projection) : nullptr);
         return tier_arrays_.back().get();
     }
 
     void attach_values(int s, int layer, std::vector<Harness>& harnesses) {
         tier_arrays_.clear();
+        array_projections_.clear();
         layer_values_ = &qkv_->layer_data(s, layer);
-        fp16_arrays_ = arrays_for(nullptr);
-        for (std::size_t job = 0; job < harnesses.size(); ++job)
-            harnesses[job].set_values({arrays_for(harnesses[job].policy().tier_format()),
-                                       static_cast<int>(job / combos_.size()), kv_heads_, head_dim_,
-                                       options_.output_error, options_.memory});
+        layer_index_ = layer;
+        fp16_arrays_ = arrays_for(nullptr, nullptr);
+        for (std::size_t job = 0; job < harnesses.size(); ++job) {
+            const Policy& policy = harnesses[job].policy();
+            const int kv = static_cast<int>(job / combos_.size());
+            CacheValues values{arrays_for(policy.tier_format(), policy.projection()), kv, kv_heads_, head_dim_,
+                               options_.output_error, options_.memory};
+            if (const KvProjection* p = policy.projection()) {
+                values.key_dim = p->stored_key_dim(layer, kv, head_dim_);
+                values.value_dim = p->stored_value_dim(layer, kv, head_dim_);
+                values.byte_share = p->share(kv_heads_);
+                values.fixed_bytes = p->basis_bytes(layer, kv, kv_heads_, head_dim_);
+            }
+            harnesses[job].set_values(values);
+        }
     }
 
     void replay_layer(int s, int layer, std::vector<Harness>& harnesses) {
@@ -406,6 +433,8 @@ private:
     std::vector<uint8_t> all_fp16_;
     const QkvLayer* layer_values_ = nullptr;
     std::vector<std::unique_ptr<TierArrays>> tier_arrays_;
+    std::vector<std::unique_ptr<KvProjection>> array_projections_;  // index-aligned: what each was built for
+    int layer_index_ = 0;
     const TierArrays* fp16_arrays_ = nullptr;
 };
 

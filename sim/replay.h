@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "base/errors.h"
 #include "base/size_limits.h"
 #include "policies/adakv.h"
 #include "policies/policy.h"
@@ -38,6 +39,11 @@ struct ReplayCombo {
     // {evict: ..., adakv: {...}}: the layer's KV heads share the sum of their budgets (Ada-KV), so
     // they replay together, step by step, as one job.
     std::optional<AdaKvRule> adakv;
+    // {evict: ..., project: {lowrank: {...}}}: each kept token held through a projection policy.
+    const PolicyDescriptor* project = nullptr;
+    ParamValues project_params;
+    std::map<std::string, std::string> project_files;
+    std::string project_where;
 
     // The config key of a parameter ("...policies[2].snapkv.obs_window", "--set snapkv.obs_window").
     std::string key_of(const std::string& param) const {
@@ -75,8 +81,19 @@ struct ReplayCombo {
     // The policy instance for one (layer, KV head) stream, composed with its quantisation rule.
     std::unique_ptr<Policy> make(PolicyContext ctx) const {
         ctx.files = &files;
+        if (policy->check_context) {
+            const auto [param, problem] = policy->check_context(params, ctx);
+            if (!problem.empty()) throw InputError(key_of(param) + ": " + problem);
+        }
         check_param_memory(ctx);
         std::unique_ptr<Policy> p = policy->make(params, ctx);
+        if (project) {
+            PolicyContext projected = ctx;
+            projected.files = &project_files;
+            const auto [param, problem] = project->check_context(project_params, projected);
+            if (!problem.empty()) throw InputError(project_where + (param.empty() ? "" : "." + param) + ": " + problem);
+            p = make_projected(std::move(p), project->projection(project_params, projected));
+        }
         return quantize ? make_quantized(std::move(p), *quantize) : std::move(p);
     }
 };

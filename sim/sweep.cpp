@@ -102,6 +102,23 @@ std::vector<ReplayCombo> expand_sweep(const std::vector<PolicyEntry>& policies, 
                 const std::string file = name + "=" + std::filesystem::path(path).filename().string();
                 label = label.back() == ')' ? label.substr(0, label.size() - 1) + "," + file + ")" : label + "(" + file + ")";
             }
+            const PolicyDescriptor* project = nullptr;
+            ParamValues project_values;
+            if (!entry.project.empty()) {
+                project = find_policy(entry.project);
+                if (!project || !project->projection)
+                    throw InputError(entry.project_where + ": '" + entry.project +
+                                     "' is not a projection (known: lowrank, group_heads)");
+                project_values = resolve_params(*project, entry.project_params, entry.project_where);
+                check_file_params(*project, entry.project_files, entry.project_where);
+                std::string projected = policy_label(*project, entry.project_params);
+                for (const auto& [name, path] : entry.project_files) {
+                    const std::string file = name + "=" + std::filesystem::path(path).filename().string();
+                    projected = projected.back() == ')' ? projected.substr(0, projected.size() - 1) + "," + file + ")"
+                                                        : projected + "(" + file + ")";
+                }
+                label += "+" + projected;
+            }
             if (adakv) label += "+" + adakv_label(*adakv);
             if (quantize) label += "+" + quantize_label(*quantize);
             // A profile's row is named by the profile, and holds at its own budgets only.
@@ -115,7 +132,8 @@ std::vector<ReplayCombo> expand_sweep(const std::vector<PolicyEntry>& policies, 
                     if (!problem.empty()) throw InputError(entry.where + ": " + label + ": " + problem);
                 }
                 combos.push_back({policy, values, 0, {}, 0, kEveryBudget, label, quantize, entry.files, entry.where,
-                                  param_where, {}});
+                                  param_where, {}, {}, project, project_values, entry.project_files,
+                                  entry.project_where});
             } else for (const BudgetColumn& column : columns) {
                 // A profile must suit its smallest layer budget.
                 const std::vector<int>& per = column.head_budgets.empty() ? column.layer_budgets : column.head_budgets;
@@ -129,7 +147,8 @@ std::vector<ReplayCombo> expand_sweep(const std::vector<PolicyEntry>& policies, 
                 }
                 combos.push_back({policy, values, column.budget, column.layer_budgets, column.compression,
                                   profile ? std::string("profile") : column.label, label, quantize, entry.files,
-                                  entry.where, param_where, column.head_budgets, adakv});
+                                  entry.where, param_where, column.head_budgets, adakv, project, project_values,
+                                  entry.project_files, entry.project_where});
             }
             std::size_t a = axes.size();
             while (a > 0 && ++index[a - 1] == axes[a - 1]->values.size()) index[--a] = 0;

@@ -105,7 +105,16 @@ public:
     SearchSpec search_spec(const YAML::Node& node) const {
         SearchSpec spec;
         spec.where = where(node, "search");
-        only_keys(node, "search", {"policy", "split", "target", "objective", "fit", "grid", "streaming", "tiers"});
+        only_keys(node, "search", {"policy", "split", "target", "objective", "fit", "grid", "streaming", "tiers", "ranks"});
+        if (const YAML::Node ranks = node["ranks"]) {  // fit: ranks: {pre_rope_theta: 10000} fits keys before RoPE
+            if (!ranks.IsMap()) fail(ranks, "search.ranks", "expected a map, e.g. {pre_rope_theta: 10000}");
+            only_keys(ranks, "search.ranks", {"pre_rope_theta"});
+            if (const YAML::Node theta = ranks["pre_rope_theta"]) {
+                spec.ranks_pre_rope_theta = number(theta, "search.ranks.pre_rope_theta");
+                if (!(spec.ranks_pre_rope_theta > 0))
+                    fail(theta, "search.ranks.pre_rope_theta", "must be a positive number (the model's RoPE base)");
+            }
+        }
         spec.tiers_where = spec.where + ".tiers";
         if (const YAML::Node tiers = node["tiers"]) {  // stratigraphic's parameters for fit: tiers
             spec.tiers_where = where(tiers, "search.tiers");
@@ -224,7 +233,7 @@ public:
                 const std::string name = string(fit[i], key);
                 const auto& known = known_search_fits();
                 if (std::find(known.begin(), known.end(), name) == known.end())
-                    fail(fit[i], key, "unknown fit '" + name + "' (this kvsim fits: layer_budgets, head_budgets, streaming, tiers)");
+                    fail(fit[i], key, "unknown fit '" + name + "' (this kvsim fits: layer_budgets, head_budgets, streaming, tiers, ranks)");
                 if (std::find(spec.fits.begin(), spec.fits.end(), name) != spec.fits.end())
                     fail(fit[i], key, "'" + name + "' is listed twice");
                 spec.fits.push_back(name);
@@ -371,15 +380,18 @@ ExperimentConfig load_config(const std::string& path) {
         // {evict: h2o, quantize: {bits: 4, older_than: 128}}: an eviction policy and a quantisation;
         // {evict: h2o, adakv: {floor: 0.2}}: its budget shared across a layer's KV heads (either or both).
         YAML::Node item = policies[i];
-        YAML::Node quantize, adakv;  // a default Node is a defined null: has_quantize, has_adakv say which
+        // {evict: h2o, project: {lowrank: {key_rank: 4, bases: b.json}}}: each kept token projected.
+        YAML::Node quantize, adakv, project;  // a default Node is a defined null: has_quantize, has_adakv say which
         const bool composed = item.IsMap() && item["evict"];
         const bool has_quantize = composed && item["quantize"], has_adakv = composed && item["adakv"];
+        const bool has_project = composed && item["project"];
         if (composed) {
-            p.only_keys(item, key, {"evict", "quantize", "adakv"});
+            p.only_keys(item, key, {"evict", "quantize", "adakv", "project"});
             quantize = item["quantize"];
             adakv = item["adakv"];
-            if (!has_quantize && !has_adakv)
-                p.fail(item, key, "'evict' needs a 'quantize' or 'adakv' map beside it (or list the policy alone)");
+            project = item["project"];
+            if (!has_quantize && !has_adakv && !has_project)
+                p.fail(item, key, "'evict' needs a 'quantize', 'adakv' or 'project' map beside it (or list the policy alone)");
             if (has_quantize && !quantize.IsMap()) p.fail(quantize, key + ".quantize", "expected a map, e.g. {bits: 4, older_than: 128}");
             if (has_adakv && !adakv.IsMap() && !adakv.IsNull()) p.fail(adakv, key + ".adakv", "expected a map, e.g. {floor: 0.2}");
             item = item["evict"];
@@ -417,6 +429,22 @@ ExperimentConfig load_config(const std::string& path) {
         }
         entry.name = name;
         entry.where = p.where(policies[i], key + "." + name);
+        if (has_project) {
+            auto [projection, projection_params] = p.named_item(project, key + ".project");
+            entry.project = projection;
+            entry.project_where = p.where(project, key + ".project." + projection);
+            const std::string at = key + ".project." + projection;
+            if (projection_params && !projection_params.IsNull()) {
+                if (!projection_params.IsMap()) p.fail(projection_params, at, "expected a map of parameters");
+                for (const auto& kv : projection_params) {
+                    const std::string param = p.string(kv.first, at);
+                    if (is_file_param(projection, param))
+                        entry.project_files[param] = resolve_against(path, p.string(kv.second, at + "." + param));
+                    else
+                        entry.project_params[param] = p.number(kv.second, at + "." + param);
+                }
+            }
+        }
         if (has_adakv) {
             entry.adakv = true;
             entry.adakv_where = entry.where + ".adakv";
@@ -511,7 +539,7 @@ ExperimentConfig load_config(const std::string& path) {
 
 bool changes_values(const PolicyEntry& entry) {
     const PolicyDescriptor* policy = find_policy(entry.name);
-    return entry.quantized || (policy && policy->changes_values);
+    return entry.quantized || !entry.project.empty() || (policy && policy->changes_values);
 }
 
 std::vector<std::string> table_metrics(const ExperimentConfig& config, bool values_known) {

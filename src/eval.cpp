@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "sim/heavy_hitters.h"
+#include "sim/lowrank.h"
 #include "sim/precision.h"
 #include "sim/harness.h"
 #include "sim/replay.h"
@@ -64,15 +65,23 @@ public:
             }
         }
         const Policy& probe = harnesses_.front().policy();
-        simulated_ = probe.tier_format() != nullptr || probe.linear_state() != nullptr;
+        const KvProjection* projection = probe.projection();
+        simulated_ = probe.tier_format() != nullptr || probe.linear_state() != nullptr || projection != nullptr;
         // Every (layer, KV head) measures its memory; simulated caches also their output error
         // against the model's own full-cache attention at the same step.
         for (int layer = 0; layer < config_.n_layers; ++layer) {
             tiers_.emplace_back(std::make_unique<IncrementalTiers>(probe.tier_format(), length, config_.n_kv_heads,
-                                                                   config_.head_dim));
-            for (int kv = 0; kv < config_.n_kv_heads; ++kv)
-                harnesses_[layer * config_.n_kv_heads + kv].set_values(
-                    {&tiers_[layer]->arrays(), kv, config_.n_kv_heads, config_.head_dim, simulated_, true});
+                                                                   config_.head_dim, projection, layer));
+            for (int kv = 0; kv < config_.n_kv_heads; ++kv) {
+                CacheValues values{&tiers_[layer]->arrays(), kv, config_.n_kv_heads, config_.head_dim, simulated_, true};
+                if (projection) {  // the model attends to the K and V the cache reconstructs
+                    values.key_dim = projection->stored_key_dim(layer, kv, config_.head_dim);
+                    values.value_dim = projection->stored_value_dim(layer, kv, config_.head_dim);
+                    values.byte_share = projection->share(config_.n_kv_heads);
+                    values.fixed_bytes = projection->basis_bytes(layer, kv, config_.n_kv_heads, config_.head_dim);
+                }
+                harnesses_[layer * config_.n_kv_heads + kv].set_values(values);
+            }
         }
         rows_.resize(group_);
         self_.resize(group_);

@@ -1,4 +1,5 @@
 // kvsim: replay recorded attention through KV-cache policies, side by side.
+#include <cmath>
 #include <tbb/global_control.h>
 #include <unistd.h>
 
@@ -13,6 +14,7 @@
 #include "kvsim_version.h"
 #include "policies/adakv.h"
 #include "sim/attention_source.h"
+#include "sim/lowrank.h"
 #include "sim/synthetic_qkv.h"
 #include "sim/trace_store.h"
 #include "src/config.h"
@@ -436,6 +438,17 @@ int main(int argc, char** argv) {
     synth->add_option("-o,--output", synth_out, "output file (.h5)")->required();
     CLI::App* info = trace->add_subcommand("info", "print a trace's metadata and size");
     info->add_option("file", info_path, "trace file (.h5)")->required();
+    std::string bases_trace, bases_out;
+    std::vector<int> bases_sequences;
+    CLI::App* bases = trace->add_subcommand("bases", "fit K/V PCA bases and head distances (lowrank, group_heads)");
+    bases->add_option("file", bases_trace, "Q/K/V trace file (.h5)")->required();
+    bases->add_option("--sequences", bases_sequences, "fit on these sequences (indices; default: every one)")
+        ->delimiter(',');
+    bases->add_option("-o,--output", bases_out, "output bases file (.json)")->required();
+    double bases_rope_theta = 0;
+    bases->add_option("--pre-rope-theta", bases_rope_theta,
+                      "fit key bases before RoPE: the recorded keys rotated back with this RoPE base (the model's "
+                      "rope freq_base, e.g. 10000); lowrank then applies RoPE after reconstruction");
 
     CLI::App* policies = app.add_subcommand("policies", "list the policies and their parameters");
 
@@ -542,6 +555,13 @@ int main(int argc, char** argv) {
         }
         if (*synth) return trace_synth(synth_generator, synth_name, synth_dtype, synth_out);
         if (*info) return trace_info(info_path);
+        if (*bases) {
+            if (bases_rope_theta < 0 || !std::isfinite(bases_rope_theta))
+                throw InputError("--pre-rope-theta: must be a positive number");
+            write_kv_bases(bases_out, fit_kv_bases(bases_trace, bases_sequences, bases_rope_theta));
+            std::printf("wrote %s\n", bases_out.c_str());
+            return 0;
+        }
         if (*report) {
             const int figures = write_report_plots(report_dir);
             std::printf("wrote %s/plots/report.md (%d figures)\n", report_dir.c_str(), figures);

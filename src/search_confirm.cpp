@@ -10,6 +10,7 @@
 #include "base/errors.h"
 #include "search/streaming_fit.h"
 #include "search/tier_fit.h"
+#include "sim/lowrank.h"
 #include "sim/trace_store.h"
 #include "src/eval.h"
 
@@ -33,8 +34,34 @@ void confirm_in_the_loop(SearchOutcome& outcome, const SearchSpec& spec, const M
     // Streaming plans are files streaming_attention reads; they live until the eval is done.
     const TempFolder scratch("confirm");
     std::vector<std::unique_ptr<StreamingPlanFile>> plans;
+    std::string bases_path;  // fit: ranks: the bases lowrank and a fitted grouping read
+    if (outcome.bases) {
+        bases_path = scratch.path() + "/bases.json";
+        write_kv_bases(bases_path, *outcome.bases);
+    }
     for (std::size_t i = 0; i < outcome.records.size(); ++i) {
         const SearchRecord& r = outcome.records[i];
+        if (r.fit == "ranks") {  // lowrank reads its ranks from a plan; a grouping is its parameters
+            const std::string name = "confirm-" + std::to_string(i) + ".json";
+            PolicyEntry entry;
+            entry.name = r.replay_policy;
+            entry.where = spec.fits_where;
+            if (r.replay_policy == "lowrank") {
+                const bool joint = r.replay_params.at("joint") == 1;
+                entry.params = {{"joint", joint ? 1.0 : 0.0}};
+                write_fitted_ranks(scratch.path() + "/" + name, FittedRanks{joint, r.key_rank, r.value_rank},
+                                   outcome.shape.num_layers, outcome.shape.num_kv_heads, outcome.shape.head_dim);
+                entry.files = {{"bases", bases_path}, {"ranks", scratch.path() + "/" + name}};
+                record_of["ranks=" + name] = i;
+            } else {
+                entry.params = r.replay_params;
+                write_kv_bases(scratch.path() + "/" + name, *outcome.bases);  // names the row apart
+                entry.files = {{"bases", scratch.path() + "/" + name}};
+                record_of["bases=" + name] = i;
+            }
+            config.policies.push_back(entry);
+            continue;
+        }
         if (!r.streaming_heads.empty()) {
             const std::string name = "confirm-" + std::to_string(i);
             plans.push_back(std::make_unique<StreamingPlanFile>(scratch.path(), name, outcome.shape.num_layers,
@@ -77,9 +104,10 @@ void confirm_in_the_loop(SearchOutcome& outcome, const SearchSpec& spec, const M
         if (r.label == "full") continue;
         // A budget row is labelled "policy [column]"; a streaming row names its plan file.
         std::string key;
-        const auto plan = r.label.find("profile=confirm-");
-        if (plan != std::string::npos) {
-            const std::size_t end = std::min(r.label.find(".yaml", plan), r.label.find(".json", plan));
+        const auto mark = r.label.find("=confirm-");
+        if (mark != std::string::npos) {  // "name=confirm-N.json": the file parameter that names the row
+            const std::size_t plan = r.label.find_last_of("(,", mark) + 1;
+            const std::size_t end = std::min(r.label.find(".yaml", mark), r.label.find(".json", mark));
             key = r.label.substr(plan, end + 5 - plan);
         } else if (const auto open = r.label.rfind(" ["); open != std::string::npos) {
             key = r.label.substr(open + 2, r.label.size() - open - 3);

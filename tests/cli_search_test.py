@@ -186,6 +186,39 @@ class Search(KvsimTestCase):
         self.assert_input_error(kvsim("run", config, "--out", self.path("bad-plan-run"), "-q"),
                                 bad + ": tiers[0][0]: the shares fp16 + int8 + int4 sum to 1.2 > 1")
 
+    def test_rank_fit_replays_exactly(self):
+        text = (SEARCH.replace("trace: %s" % TRACE, "trace: {path: %s, max_steps: 96}" % TRACE)
+                .replace("target: [2x, 3x]", "target: [2x]").replace("fit: [layer_budgets, head_budgets]", "fit: [ranks]"))
+        result = self.search(text)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        records = {r["method"]: r for r in json.loads(read(os.path.join(self.out, "search.json")))["records"]}
+        fitted = records["fitted ranks per (layer, KV head)"]
+        joint = records["fitted joint latent ranks per layer"]
+        for r in (fitted, joint, records["KV heads grouped by 2, contiguous"]):  # the target's bytes, within 1%
+            self.assertLess(abs(r["bytes_per_token"] / 16 - 1), 0.01, r["method"])
+        self.assertEqual(len(fitted["key_rank"]), 20)
+        self.assertEqual(len(joint["key_rank"]), 5)
+        self.assertTrue(all(1 <= k <= 8 for k in fitted["key_rank"] + fitted["value_rank"]))
+        uniform = [r for m, r in records.items() if m.startswith("uniform rank")][0]
+        self.assertLessEqual(fitted["fitting"], uniform["fitting"])  # the greedy starts from less
+        # The written bases and ranks replay the held-out figures exactly.
+        config = self.write("replay.yaml", "trace: {path: %s, sequences: [3, 4], max_steps: 96}\nbudgets: [8]\n"
+                                           "policies: [{lowrank: {bases: %s, ranks: %s}}]\n"
+                                           "metrics: [output_rel_error, bytes_per_token]\n"
+                            % (TRACE, os.path.join(self.out, "bases.json"), os.path.join(self.out, "ranks-heads-2x.json")))
+        run = self.path("run")
+        result = kvsim("run", config, "--out", run, "-q")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        replayed = json.loads(read(os.path.join(run, "results.json")))[0]
+        self.assertEqual(replayed["output_rel_error"], fitted["heldout"])
+        self.assertEqual(replayed["bytes_per_token"], fitted["bytes_per_token"])
+        # Ranks fitted per layer are not ranks per KV head.
+        config = self.write("joint.yaml", "trace: {path: %s, sequences: [3]}\nbudgets: [8]\n"
+                                          "policies: [{lowrank: {bases: %s, ranks: %s}}]\n"
+                            % (TRACE, os.path.join(self.out, "bases.json"), os.path.join(self.out, "ranks-joint-2x.json")))
+        self.assert_input_error(kvsim("run", config, "--out", self.path("joint-run"), "-q"),
+                                "ranks-joint-2x.json: ranks fitted per layer (joint), but the policy's joint is 0")
+
     @unittest.skipUnless(os.path.exists(MODEL), "../shared/models/stories260K is not present")
     def test_confirmation_in_the_loop(self):
         one_target = (SEARCH.replace("target: [2x, 3x]", "target: 2x")
@@ -260,6 +293,10 @@ class Search(KvsimTestCase):
             ("  policy: {h2o: {recent_window: 8}}\n", "  policy: {h2o: {recent_window: 500}}\n",
              "search.policy.h2o: recent_window = 500 must be less than the budget 456, the longest sequence's"),
             ("  policy: {h2o: {recent_window: 8}}\n", "  policy: full\n", "full keeps every token"),
+            ("  fit: [layer_budgets, head_budgets]\n", "  fit: [ranks]\n  ranks: {pre_rope_theta: 0}\n",
+             "search.ranks.pre_rope_theta: must be a positive number"),
+            ("  fit: [layer_budgets, head_budgets]\n", "  fit: [ranks]\n  objective: retained_mass\n",
+             "search.fit: ranks are fitted by their output error"),
         ]
         for old, new, fragment in cases:
             with self.subTest(new=new):

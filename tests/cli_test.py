@@ -169,6 +169,50 @@ class Cli(KvsimTestCase):
         self.assert_input_error(kvsim("run", values, "--out", out), "need a Q/K/V trace")
         self.assertFalse(os.path.exists(out))
 
+    def test_lowrank_and_group_heads(self):
+        trace = self.path("tiny.h5")
+        self.assertEqual(kvsim("trace", "synth", "qkv", "--name", "tiny-256", "-o", trace).returncode, 0)
+        bases = self.path("bases.json")
+        result = kvsim("trace", "bases", trace, "-o", bases)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        out = self.path("out")
+        base = "trace: tiny.h5\nbudgets: [48]\nmetrics: [output_rel_error, bytes_per_token]\npolicies:\n"
+        config = self.write("ok.yaml", base + "  - {lowrank: {key_rank: 16, value_rank: 16, bases: bases.json}}\n"
+                                              "  - {lowrank: {key_rank: 4, value_rank: 4, bases: bases.json}}\n"
+                                              "  - {group_heads: {group: 2}}\n"
+                                              "  - {evict: h2o, project: {lowrank: {key_rank: 4, bases: bases.json}}}\n")
+        result = kvsim("run", config, "--out", self.path("ok-out"), "--format", "json")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        records = {r["label"]: r for r in json.loads(result.stdout)}
+        self.assertEqual(records["lowrank(key_rank=16,value_rank=16,bases=bases.json)"]["output_rel_error"], 0)
+        self.assertGreater(records["lowrank(bases=bases.json)"]["output_rel_error"], 0)
+        self.assertEqual(records["group_heads"]["bytes_per_token"], 32)  # 2 heads share 64 bytes of fp16 K and V
+        composed = records["h2o+lowrank(bases=bases.json)"]
+        self.assertGreater(composed["output_rel_error"], records["lowrank(bases=bases.json)"]["output_rel_error"])
+
+        zero = self.write("zero.yaml", base + "  - {lowrank: {key_rank: 0, bases: bases.json}}\n")
+        self.assert_input_error(kvsim("run", zero, "--out", out), "zero.yaml:5: policies[0].lowrank.key_rank: must be >= 1, got 0")
+        high = self.write("high.yaml", base + "  - {evict: h2o, project: {lowrank: {value_rank: 17, bases: bases.json}}}\n")
+        self.assert_input_error(kvsim("run", high, "--out", out), "policies[0].project.lowrank.value_rank: value_rank = 17 "
+                                                                  "must be in 1..16")
+        other = self.path("stories-bases.json")
+        self.assertEqual(kvsim("trace", "bases", os.path.abspath("data/tinystories-stories260K.h5"),
+                               "--sequences", "0", "-o", other).returncode, 0)
+        shape = self.write("shape.yaml", base + "  - {lowrank: {bases: stories-bases.json}}\n")
+        self.assert_input_error(kvsim("run", shape, "--out", out), "stories-bases.json: bases of 5 layers x 4 KV heads x "
+                                                                   "head size 8, but the trace has 3 x 2 x 16")
+        odd = self.write("odd.yaml", base + "  - {group_heads: {group: 3}}\n")
+        self.assert_input_error(kvsim("run", odd, "--out", out), "group = 3 must divide the trace's 2 KV heads")
+        self.assertFalse(os.path.exists(out))
+        # Fitting bases needs keys and values; nothing is written when it fails.
+        attention = self.path("attention.h5")
+        self.assertEqual(kvsim("trace", "synth", "policybook", "-o", attention).returncode, 0)
+        self.outputs = ("b2.json",)
+        self.assert_input_error(kvsim("trace", "bases", attention, "-o", self.path("b2.json")),
+                                "attention.h5: bases are fitted on keys and values")
+        self.assert_input_error(kvsim("trace", "bases", trace, "--pre-rope-theta", "-1", "-o", self.path("b2.json")),
+                                "--pre-rope-theta: must be a positive number")
+
     def test_bad_flags(self):
         config = self.write("small.yaml", SMALL)
         self.assertEqual(kvsim("run", config, "--format", "xml").returncode, 2)

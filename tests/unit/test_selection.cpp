@@ -205,7 +205,11 @@ TEST_CASE("every policy keeps the harness contract on rows of NaN, infinities an
     const std::vector<std::vector<float>> patterns = {
         {kNaN}, {kInf}, {-kInf}, {-0.25f, 0.5f}, {kNaN, 0.1f, kInf, -0.0f, kDenormal, 3e38f, -3e38f},
         {kDenormal}, {-0.0f, 0.0f}};
-    for (const PolicyDescriptor& d : policy_registry())
+    for (const PolicyDescriptor& d : policy_registry()) {
+        // A policy that needs a trace's keys and values (or a file) to run is not driven by rows alone.
+        if (d.check_context &&
+            !d.check_context(resolve_params(d, {}, "test"), PolicyContext{6, 7, 0, 1, 0, 1, 0}).second.empty())
+            continue;
         for (const auto& pattern : patterns)
             for (AttentionView view : {AttentionView::raw, AttentionView::renormalized}) {
                 std::map<std::string, double> params;
@@ -221,6 +225,7 @@ TEST_CASE("every policy keeps the harness contract on rows of NaN, infinities an
                 else
                     CHECK(error == "");
             }
+    }
 }
 
 TEST_CASE("the renormalized view stays finite when a head's kept and own weights underflow") {

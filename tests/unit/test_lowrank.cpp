@@ -1,0 +1,330 @@
+// Low-rank K/V latents and KV-head grouping: the PCA against a closed form, exactness at full rank
+// and for identical heads, memory arithmetic, composition, and bad input.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <numbers>
+#include <unistd.h>
+
+#include "helpers.h"
+#include "base/errors.h"
+#include "sim/attention_source.h"
+#include "sim/lowrank.h"
+#include "sim/precision.h"
+#include "sim/synthetic_qkv.h"
+#include "src/config.h"
+#include "src/experiment.h"
+
+using namespace kvsim;
+using namespace kvsim::test;
+
+namespace {
+
+std::string scratch(const std::string& name) {
+    return temp_dir() + "/lowrank-" + std::to_string(::getpid()) + "-" + name;
+}
+
+// The tiny synthetic Q/K/V trace as a file (bases are fitted from files) and its bases.
+struct TinyTrace {
+    std::string trace = scratch("tiny.h5"), bases = scratch("tiny-bases.json");
+    TinyTrace() {
+        write_synthetic_qkv_trace(synthetic_qkv_trace("tiny-256", "test"), trace, TensorDtype::float32);
+        write_kv_bases(bases, fit_kv_bases(trace, {}));
+    }
+    ~TinyTrace() {
+        std::filesystem::remove(trace);
+        std::filesystem::remove(bases);
+    }
+};
+
+ExperimentConfig config_on(const std::string& trace, std::vector<PolicyEntry> policies) {
+    ExperimentConfig config;
+    config.file = "cfg.yaml";
+    config.trace.path = trace;
+    config.budgets = {64};
+    config.policies = std::move(policies);
+    config.metrics = {"output_rel_error", "bytes_per_token", "compression_ratio"};
+    return config;
+}
+
+PolicyEntry lowrank(const std::string& bases, int key_rank, int value_rank, int joint = 0) {
+    PolicyEntry e = entry("lowrank", {{"key_rank", key_rank}, {"value_rank", value_rank}, {"joint", joint}});
+    e.files["bases"] = bases;
+    return e;
+}
+
+// A row's label: the parameters that differ from their defaults, then the files by name.
+std::string with_bases(const std::string& label, const std::string& bases) {
+    const std::string file = "bases=" + std::filesystem::path(bases).filename().string();
+    return label.back() == ')' ? label.substr(0, label.size() - 1) + "," + file + ")" : label + "(" + file + ")";
+}
+
+const ResultRecord& record(const std::vector<ResultRecord>& records, const std::string& label) {
+    for (const ResultRecord& r : records)
+        if (r.label == label && r.layer < 0) return r;
+    throw std::runtime_error("no record " + label);
+}
+
+}  // namespace
+
+TEST_CASE("PCA of points on a rotated ellipse: the closed-form axes and energies") {
+    // x_t = R(theta) (s1 cos phi_t, s2 sin phi_t), phi_t = 2 pi t / n: the mean of x x^T is
+    // R diag(s1^2 / 2, s2^2 / 2) R^T exactly, so the principal directions are R's columns.
+    const double theta = 0.7, s1 = 3.0, s2 = 1.25;
+    const int n = 360;
+    QkvLayer layer;
+    layer.tokens = n;
+    for (int t = 0; t < n; ++t) {
+        const double phi = 2 * std::numbers::pi * t / n;
+        const double a = s1 * std::cos(phi), b = s2 * std::sin(phi);
+        const float x = static_cast<float>(std::cos(theta) * a - std::sin(theta) * b);
+        const float y = static_cast<float>(std::sin(theta) * a + std::cos(theta) * b);
+        layer.k.insert(layer.k.end(), {x, y});
+        layer.v.insert(layer.v.end(), {y, x});  // values: the mirror image
+    }
+    KvBasesFitter fitter(1, 1, 2);
+    fitter.add(0, layer);
+    const KvBases bases = fitter.finish({0});
+    const PcaBasis& key = bases.key[0];
+    CHECK(key.energy[0] == doctest::Approx(s1 * s1 / 2).epsilon(1e-6));
+    CHECK(key.energy[1] == doctest::Approx(s2 * s2 / 2).epsilon(1e-6));
+    // The sign of an eigenvector is fixed by its largest component being positive.
+    CHECK(key.vectors(0, 0) == doctest::Approx(std::cos(theta)).epsilon(1e-6));
+    CHECK(key.vectors(1, 0) == doctest::Approx(std::sin(theta)).epsilon(1e-6));
+    CHECK(std::abs(key.vectors(0, 1)) == doctest::Approx(std::sin(theta)).epsilon(1e-6));
+    CHECK(std::abs(key.vectors(1, 1)) == doctest::Approx(std::cos(theta)).epsilon(1e-6));
+    const PcaBasis& value = bases.value[0];
+    CHECK(value.vectors(0, 0) == doctest::Approx(std::sin(theta)).epsilon(1e-6));
+    CHECK(value.vectors(1, 0) == doctest::Approx(std::cos(theta)).epsilon(1e-6));
+    // One head: the joint basis is the head's own.
+    CHECK(bases.joint_key[0].energy[0] == doctest::Approx(s1 * s1 / 2).epsilon(1e-6));
+    CHECK(std::abs(key.mean[0]) < 1e-9);
+
+    // Shifted by a constant: the same axes and energies about the mean, which is the shift.
+    for (int t = 0; t < n; ++t) layer.k[2 * t] += 5.0f, layer.k[2 * t + 1] -= 2.0f;
+    KvBasesFitter shifted(1, 1, 2);
+    shifted.add(0, layer);
+    const PcaBasis moved = shifted.finish({0}).key[0];
+    CHECK(moved.mean[0] == doctest::Approx(5.0).epsilon(1e-6));
+    CHECK(moved.mean[1] == doctest::Approx(-2.0).epsilon(1e-6));
+    CHECK(moved.energy[0] == doctest::Approx(s1 * s1 / 2).epsilon(1e-5));
+    CHECK(moved.energy[1] == doctest::Approx(s2 * s2 / 2).epsilon(1e-5));
+    CHECK(moved.vectors(0, 0) == doctest::Approx(std::cos(theta)).epsilon(1e-5));
+}
+
+TEST_CASE("projection at full rank reconstructs within float rounding; rank 1 keeps the main axis") {
+    TinyTrace tiny;
+    auto bases = load_kv_bases(tiny.bases, 3, 2, 16);
+    const QkvLayer layer = generate_synthetic_qkv_layer(synthetic_qkv_trace("tiny-256", "test"), 1);
+    KvProjection p;
+    p.bases = bases;
+    p.key_rank.assign(6, 16);
+    p.value_rank.assign(6, 16);
+    std::vector<float> kl, vl, k, v;
+    project_layer(p, 1, layer, 2, 16, kl, vl);
+    reconstruct_layer(p, 1, layer.tokens, 2, 16, kl, vl, k, v);
+    double err = 0, norm = 0;
+    for (std::size_t i = 0; i < k.size(); ++i) err += std::pow(k[i] - layer.k[i], 2), norm += std::pow(layer.k[i], 2);
+    // An orthonormal basis in doubles, values in floats: a few float ulps per component.
+    CHECK(std::sqrt(err / norm) < 1e-6);
+    // Fewer dimensions lose energy, less at higher rank (the bases were fitted on this trace).
+    double previous = 0;
+    for (int rank : {12, 8, 4, 1}) {
+        p.key_rank.assign(6, rank);
+        project_layer(p, 1, layer, 2, 16, kl, vl);
+        reconstruct_layer(p, 1, layer.tokens, 2, 16, kl, vl, k, v);
+        double e = 0;
+        for (std::size_t i = 0; i < k.size(); ++i) e += std::pow(k[i] - layer.k[i], 2);
+        CHECK(e > previous);
+        previous = e;
+    }
+}
+
+TEST_CASE("pre-RoPE keys: reconstruction at full rank followed by RoPE gives the recorded keys") {
+    // tiny-256 applies RoPE with base 10000 to its keys, as the Llama forward pass does.
+    TinyTrace tiny;
+    const std::string pre = scratch("pre-rope.json");
+    write_kv_bases(pre, fit_kv_bases(tiny.trace, {}, 10000));
+    auto bases = load_kv_bases(pre, 3, 2, 16);
+    CHECK(bases->keys == "pre_rope");
+    CHECK(bases->rope_theta == 10000);
+    const QkvLayer layer = generate_synthetic_qkv_layer(synthetic_qkv_trace("tiny-256", "test"), 2);
+    // Rotating back and forth is the identity up to float rounding.
+    std::vector<float> keys = layer.k;
+    apply_rope_rows(keys.data(), 0, layer.tokens, 2, 16, 10000, true);
+    apply_rope_rows(keys.data(), 0, layer.tokens, 2, 16, 10000, false);
+    double err = 0, norm = 0;
+    for (std::size_t i = 0; i < keys.size(); ++i) err += std::pow(keys[i] - layer.k[i], 2), norm += std::pow(layer.k[i], 2);
+    CHECK(std::sqrt(err / norm) < 1e-6);
+    // Projected on the pre-RoPE bases at full rank, reconstructed, rotated at each token's position.
+    KvProjection p;
+    p.bases = bases;
+    p.key_rank.assign(6, 16);
+    p.value_rank.assign(6, 16);
+    std::vector<float> kl, vl, k, v;
+    project_layer(p, 2, layer, 2, 16, kl, vl);
+    reconstruct_layer(p, 2, layer.tokens, 2, 16, kl, vl, k, v);
+    err = 0;
+    for (std::size_t i = 0; i < k.size(); ++i) err += std::pow(k[i] - layer.k[i], 2);
+    CHECK(std::sqrt(err / norm) < 1e-5);  // two rotations and a basis change in float
+    // Token by token (as kvsim eval builds the cache) agrees with the whole layer at once.
+    p.key_rank.assign(6, 5);
+    project_layer(p, 2, layer, 2, 16, kl, vl);
+    reconstruct_layer(p, 2, layer.tokens, 2, 16, kl, vl, k, v);
+    std::vector<float> one(32), latent(32), back(32);
+    for (int64_t t : {int64_t{0}, int64_t{17}, int64_t{255}}) {
+        project_tokens(p, 2, 2, 16, true, layer.k.data() + t * 32, latent.data(), 1, t);
+        reconstruct_tokens(p, 2, 2, 16, true, latent.data(), nullptr, back.data(), 1, t);
+        for (int i = 0; i < 32; ++i) CHECK(back[i] == k[t * 32 + i]);
+    }
+    // In the replay: exact at full rank, and an error below full rank.
+    PolicyEntry exact = lowrank(pre, 16, 16), low = lowrank(pre, 5, 16);
+    const auto records = run_experiment(config_on(tiny.trace, {exact, low}), {}, false).records;
+    CHECK(record(records, with_bases("lowrank(key_rank=16,value_rank=16)", pre)).output_rel_error == 0.0);
+    CHECK(record(records, with_bases("lowrank(key_rank=5,value_rank=16)", pre)).output_rel_error > 0);
+    std::filesystem::remove(pre);
+}
+
+TEST_CASE("lowrank in the replay: rank = head size errs by exactly 0; bytes follow the ranks and bases") {
+    TinyTrace tiny;
+    const auto records = run_experiment(config_on(tiny.trace, {entry("full"), lowrank(tiny.bases, 16, 16),
+                                                               lowrank(tiny.bases, 3, 8), lowrank(tiny.bases, 2, 2),
+                                                               lowrank(tiny.bases, 32, 32, 1),
+                                                               lowrank(tiny.bases, 8, 8, 1)}),
+                                        {}, false)
+                             .records;
+    auto row = [&](const std::string& label) -> const ResultRecord& { return record(records, with_bases(label, tiny.bases)); };
+    const ResultRecord& exact = row("lowrank(key_rank=16,value_rank=16)");
+    CHECK(exact.output_rel_error == 0.0);
+    CHECK(exact.bytes_per_token == record(records, "full").bytes_per_token);  // no bases at full rank
+    CHECK(row("lowrank(key_rank=32,value_rank=32,joint=1)").output_rel_error == 0.0);
+    const ResultRecord& mid = row("lowrank(key_rank=3,value_rank=8)");
+    const ResultRecord& low = row("lowrank(key_rank=2,value_rank=2)");
+    CHECK(mid.output_rel_error > 0);
+    CHECK(low.output_rel_error > mid.output_rel_error);
+    // Per token: K and V latents at fp16 (2 bytes a number); per step the fp16 up-projections and
+    // means (16 x (rank + 1) numbers each), held whatever the context: bytes/token = 2 (rk + rv) + B S / C.
+    const TraceReader reader(tiny.trace);
+    const AttentionShape shape = trace_shape(reader, 0);
+    double steps = 0, context = 0;
+    for (int64_t last : shape.last_steps)
+        for (int64_t t = 1; t <= last; ++t) steps += 1, context += t + 1;
+    CHECK(mid.bytes_per_token == doctest::Approx(2.0 * (3 + 8) + 2.0 * 16 * (3 + 1 + 8 + 1) * steps / context).epsilon(1e-12));
+    // A joint latent of 8 numbers for the layer's 2 KV heads: each head carries half of it.
+    const ResultRecord& joint = row("lowrank(key_rank=8,value_rank=8,joint=1)");
+    CHECK(joint.bytes_per_token ==
+          doctest::Approx((2.0 * 16 + 2.0 * 32 * (8 + 1) * 2 * steps / context) / 2).epsilon(1e-12));
+    CHECK(joint.output_rel_error > 0);
+}
+
+TEST_CASE("group_heads: identical heads lose nothing; grouping halves the bytes") {
+    // Two KV heads with the same keys and values: their mean is each of them, bit for bit.
+    QkvLayer layer = generate_synthetic_qkv_layer(synthetic_qkv_trace("tiny-256", "test"), 0);
+    for (int64_t t = 0; t < layer.tokens; ++t)
+        for (int i = 0; i < 16; ++i) {
+            layer.k[(t * 2 + 1) * 16 + i] = layer.k[t * 2 * 16 + i];
+            layer.v[(t * 2 + 1) * 16 + i] = layer.v[t * 2 * 16 + i];
+        }
+    KvProjection p;
+    p.kind = KvProjection::Kind::grouping;
+    p.group_size = 2;
+    TierArrays arrays;
+    build_projected_arrays(p, 0, layer, 2, 16, nullptr, arrays);
+    CHECK(arrays.storage_k16 == layer.k);
+    CHECK(arrays.storage_v16 == layer.v);
+    // With int8 latents, both copies quantise alike.
+    TierFormat format;
+    TierArrays tiered;
+    build_projected_arrays(p, 0, layer, 2, 16, &format, tiered);
+    for (int64_t t = 0; t < layer.tokens; ++t)
+        for (int i = 0; i < 16; ++i) CHECK(tiered.k[1][(t * 2 + 1) * 16 + i] == tiered.k[1][t * 2 * 16 + i]);
+
+    TinyTrace tiny;
+    PolicyEntry fitted = entry("group_heads", {{"group", 2}, {"fitted", 1}});
+    fitted.files["bases"] = tiny.bases;
+    const auto records =
+        run_experiment(config_on(tiny.trace, {entry("full"), entry("group_heads", {{"group", 2}}), fitted}), {}, false)
+            .records;
+    const ResultRecord& grouped = record(records, "group_heads");
+    CHECK(grouped.output_rel_error > 0);
+    CHECK(grouped.compression_ratio == doctest::Approx(2.0).epsilon(1e-12));
+    // With two heads there is one way to pair them: the fitted grouping is the contiguous one.
+    CHECK(record(records, with_bases("group_heads(fitted=1)", tiny.bases)).output_rel_error ==
+          grouped.output_rel_error);
+}
+
+TEST_CASE("grouping by similarity pairs the nearest heads") {
+    Eigen::MatrixXd distance(4, 4);
+    distance << 0, 5, 1, 5,  //
+        5, 0, 5, 2,          //
+        1, 5, 0, 5,          //
+        5, 2, 5, 0;
+    CHECK(group_heads_of_layer(4, 2, &distance) == std::vector<int>{0, 1, 0, 1});
+    CHECK(group_heads_of_layer(4, 2, nullptr) == std::vector<int>{0, 0, 1, 1});
+    CHECK(group_heads_of_layer(4, 4, &distance) == std::vector<int>{0, 0, 0, 0});
+}
+
+TEST_CASE("lowrank composes with eviction and quantisation") {
+    TinyTrace tiny;
+    PolicyEntry quantised = lowrank(tiny.bases, 8, 8);
+    quantised.quantized = true;
+    quantised.quantize = {{"bits", 8}, {"key_group", 16}};
+    PolicyEntry evicted = entry("sliding_window");
+    evicted.project = "lowrank";
+    evicted.project_params = {{"key_rank", 8}, {"value_rank", 8}};
+    evicted.project_files = {{"bases", tiny.bases}};
+    evicted.project_where = "test: project.lowrank";
+    const auto records =
+        run_experiment(config_on(tiny.trace, {entry("sliding_window"), lowrank(tiny.bases, 8, 8), quantised, evicted}),
+                       {}, false)
+            .records;
+    const std::string label = with_bases("lowrank(key_rank=8,value_rank=8)", tiny.bases);
+    const ResultRecord& plain = record(records, label);
+    const ResultRecord& int8 = record(records, label + "+int8(key_group=16)");
+    // int8 latents: the error moves a little, the latent's bytes shrink from 2 to about 1 a number.
+    CHECK(int8.output_rel_error != plain.output_rel_error);
+    CHECK(std::abs(int8.output_rel_error - plain.output_rel_error) < 0.05 * plain.output_rel_error);
+    CHECK(int8.bytes_per_token < 0.7 * plain.bytes_per_token);
+    // Evicted and projected: fewer tokens, each in fewer numbers.
+    const ResultRecord& window = record(records, "sliding_window");
+    const ResultRecord& both = record(records, with_bases("sliding_window+lowrank(key_rank=8,value_rank=8)", tiny.bases));
+    CHECK(both.bytes_per_token < window.bytes_per_token);
+    CHECK(both.bytes_per_token < plain.bytes_per_token);
+    CHECK(both.output_rel_error > window.output_rel_error);
+}
+
+TEST_CASE("bad ranks and bases of the wrong shape are input errors naming the key or file") {
+    TinyTrace tiny;
+    auto message = [&](const PolicyEntry& e) -> std::string {
+        try {
+            run_experiment(config_on(tiny.trace, {e}), {}, false);
+        } catch (const InputError& error) {
+            return error.what();
+        }
+        return "no error";
+    };
+    CHECK(contains(message(lowrank(tiny.bases, 17, 4)), "test: lowrank.key_rank: key_rank = 17 must be in 1..16"));
+    CHECK(contains(message(lowrank(tiny.bases, 4, 33, 1)), "test: lowrank.value_rank: value_rank = 33 must be in 1..32"));
+    CHECK_THROWS_AS(resolve_params(*find_policy("lowrank"), {{"key_rank", 0}}, "x"), InputError);
+    CHECK(contains(message(entry("lowrank")), "lowrank needs a bases file"));
+    CHECK(contains(message(entry("group_heads", {{"group", 3}})), "group = 3 must divide the trace's 2 KV heads"));
+
+    // Bases fitted to another shape.
+    KvBasesFitter other(3, 2, 8);
+    const std::string wrong = scratch("wrong-shape.json");
+    write_kv_bases(wrong, other.finish({}));
+    CHECK(contains(message(lowrank(wrong, 4, 4)), wrong + ": bases of 3 layers x 2 KV heads x head size 8, but the "
+                                                          "trace has 3 x 2 x 16"));
+    // A basis vector cut short.
+    std::ifstream in(tiny.bases);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const std::size_t at = text.find("\"vectors\":[[") + 12;
+    text.erase(at, text.find(',', at) + 1 - at);  // drop the first number of the first vector
+    const std::string cut = scratch("cut.json");
+    std::ofstream(cut) << text;
+    CHECK(contains(message(lowrank(cut, 4, 4)), cut + ": heads[0].key.vectors[0]: expected a list of 16 numbers"));
+    std::filesystem::remove(wrong);
+    std::filesystem::remove(cut);
+}
