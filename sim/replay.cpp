@@ -1,7 +1,6 @@
 #include "sim/replay.h"
 
 #include <tbb/parallel_for.h>
-#include <tbb/task_group.h>
 
 #include <algorithm>
 
@@ -218,49 +217,25 @@ private:
     }
 
     void replay_layer(int s, int layer, std::vector<Harness>& harnesses) {
-        const int64_t length = shape_.sequence_lengths[s], last = shape_.last_steps[s];
+        const int64_t length = shape_.sequence_lengths[s];
         const int64_t block_floats = block_floats_per_head();
-        if (last < 1) return;
-        int64_t first = 1, end = attention_block_end(first, last, block_floats);
-        source_.read_block(s, layer, first, end, block_);
-        for (;;) {
-            // The next block is read (generated, inflated, or computed from Q and K) while this
-            // one replays: a source that works on one core (a generator, HDF5's inflation) no
-            // longer leaves the other idle. Blocks are still read in order, so nothing changes.
-            const bool more = end <= last;
-            const int64_t next_end = more ? attention_block_end(end, last, block_floats) : end;
-            tbb::task_group reader;
-            if (more) reader.run([&] { source_.read_block(s, layer, end, next_end, next_block_); });
-            try {
-                replay_block(first, end, length, harnesses);
-            } catch (...) {
-                try {
-                    reader.wait();
-                } catch (...) {  // the replay's own error is the one to report
-                }
-                throw;
-            }
-            reader.wait();
+        for (int64_t first = 1; first <= shape_.last_steps[s];) {
+            const int64_t end = attention_block_end(first, shape_.last_steps[s], block_floats);
+            source_.read_block(s, layer, first, end, block_);
+            recorded_self_ = !block_.self_weight.empty();
+            if (!raw_view_ && !recorded_self_) self_weight_from_row_sums(block_);
+            shared_work(first, end, length);
+            tbb::parallel_for(std::size_t{0}, jobs_.size(), [&](std::size_t j) {
+                const Job& job = jobs_[j];
+                if (job.kv >= 0)
+                    advance(harnesses[job.kv * combos_.size() + job.combo], job.kv, first, end);
+                else
+                    advance_layer(harnesses, job.combo, first, end);
+            });
             steps_done_ += end - first;
-            if (options_.progress) options_.progress(static_cast<double>(steps_done_) / total_steps_);
-            if (!more) break;
-            std::swap(block_, next_block_);
             first = end;
-            end = next_end;
+            if (options_.progress) options_.progress(static_cast<double>(steps_done_) / total_steps_);
         }
-    }
-
-    void replay_block(int64_t first, int64_t end, int64_t length, std::vector<Harness>& harnesses) {
-        recorded_self_ = !block_.self_weight.empty();
-        if (!raw_view_ && !recorded_self_) self_weight_from_row_sums(block_);
-        shared_work(first, end, length);
-        tbb::parallel_for(std::size_t{0}, jobs_.size(), [&](std::size_t j) {
-            const Job& job = jobs_[j];
-            if (job.kv >= 0)
-                advance(harnesses[job.kv * combos_.size() + job.combo], job.kv, first, end);
-            else
-                advance_layer(harnesses, job.combo, first, end);
-        });
     }
 
     // Once per block for all combinations: every query head's heavy hitters, the full cache's
@@ -421,7 +396,7 @@ private:
     int64_t total_steps_ = 0, steps_done_ = 0;
     std::vector<Job> jobs_;
 
-    AttentionBlock block_, next_block_;  // the block replaying, and the next one being read
+    AttentionBlock block_;
     int block_k_ = 0;  // heavy hitters per row in this block: k, or fewer where rows are shorter
     bool recorded_self_ = false;
     std::vector<int32_t> heavy_;                    // [query head][row][k]
