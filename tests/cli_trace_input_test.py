@@ -123,7 +123,7 @@ class TraceInput(KvsimTestCase):
 
     def test_a_replay_over_the_memory_limit_names_the_sequence(self):
         config = self.write("plan.yaml", "trace: {synthetic: policybook}\nbudgets: [256]\npolicies: [h2o]\n")
-        self.assert_input_error(kvsim("run", config, "--out", self.out, memory="1M"),
+        self.assert_input_error(kvsim("run", config, "--out", self.out, memory="256K"),
                                 "sequence decode-4096 (4096 tokens), layer 0: replaying 1 configurations over 1 KV "
                                 "heads needs")
 

@@ -202,7 +202,7 @@ TEST_CASE("sizes that only a config or trace could make huge allocate what the s
 
 TEST_CASE("a replay whose plan is over the memory limit is refused before the first step, naming the sequence") {
     auto source = make_policybook_source(PolicybookTraceSpec{}, 0);
-    const MemoryLimit limit(1 << 20);
+    const MemoryLimit limit(1 << 18);  // the plan: a 256 KB block of rows, and the policy's state
     std::string error;
     try {
         replay(*source, expand_sweep({entry("h2o")}, {}, std::vector<int>{256}), ReplayOptions{});
@@ -211,7 +211,7 @@ TEST_CASE("a replay whose plan is over the memory limit is refused before the fi
     }
     CHECK(contains(error, "policybook/decode-4096 (generated in-process): sequence decode-4096 (4096 tokens), layer 0: "
                           "replaying 1 configurations over 1 KV heads needs"));
-    CHECK(contains(error, "over the memory limit of 1.0 MiB"));
+    CHECK(contains(error, "over the memory limit of 262144 bytes"));
 }
 
 TEST_CASE("PyramidKV's layer share does not overflow for the largest ratio and budget a config allows") {
