@@ -60,7 +60,12 @@ int main(int argc, char** argv) {
     // 2. The whole replay.
     std::vector<PolicyEntry> policies;
     for (const char* name : {"sliding_window", "streaming_llm", "h2o", "scissorhands", "tova", "snapkv", "pyramidkv"})
-        policies.push_back({name, {}, "bench"});
+    {
+        PolicyEntry entry;
+        entry.name = name;
+        entry.where = "bench";
+        policies.push_back(entry);
+    }
     const auto combos = expand_sweep(policies, {}, {256, 512, 1024});
     start = Clock::now();
     replay(*source, combos, ReplayOptions{});

@@ -332,7 +332,11 @@ void replay_trace(Bytes& in) {
     const std::unique_ptr<kvsim::AttentionSource> source = kvsim::open_trace_source(scratch_file(), 40);
     const bool qkv = dynamic_cast<kvsim::QkvSource*>(source.get()) != nullptr;
     auto entry = [](const std::string& name, std::map<std::string, double> params = {}) {
-        return kvsim::PolicyEntry{name, std::move(params), "fuzz: " + name, {}, false, {}};
+        kvsim::PolicyEntry e;  // the other fields keep their defaults
+        e.name = name;
+        e.params = std::move(params);
+        e.where = "fuzz: " + name;
+        return e;
     };
     std::vector<kvsim::PolicyEntry> policies = {
         entry("sliding_window"), entry("streaming_llm", {{"sinks", 1}}), entry("h2o", {{"recent_window", 1}}),

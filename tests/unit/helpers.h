@@ -46,7 +46,11 @@ inline const Row& find_row(const std::vector<Row>& rows, const std::string& labe
 }
 
 inline PolicyEntry entry(const std::string& name, std::map<std::string, double> params = {}) {
-    return PolicyEntry{name, std::move(params), "test: " + name};
+    PolicyEntry e;  // the other fields keep their defaults
+    e.name = name;
+    e.params = std::move(params);
+    e.where = "test: " + name;
+    return e;
 }
 
 inline bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
