@@ -10,6 +10,7 @@
 #include "base/atomic_file.h"
 #include "base/errors.h"
 #include "base/input_file.h"
+#include "base/json_file.h"
 #include "sim/experiment_spec.h"
 
 namespace kvsim {
@@ -139,19 +140,7 @@ std::string profile_json(const Profile& p) {
 }
 
 Profile load_profile(const std::string& path) {
-    require_regular_file(path);
-    std::ifstream in(path, std::ios::binary);
-    if (!in) throw InputError(path + ": cannot read");
-    std::stringstream text;
-    text << in.rdbuf();
-    Json root;
-    try {
-        root = Json::parse(text.str());
-    } catch (const Json::parse_error& e) {
-        throw InputError(path + ": not valid JSON (byte " + std::to_string(e.byte) + ")");
-    } catch (const Json::exception&) {  // a number past double's range (out_of_range 406)
-        throw InputError(path + ": not valid JSON (a number past double's range)");
-    }
+    const Json root = load_json_file(path);
     ProfileReader r(path, root);
     if (!root.is_object()) r.fail("(top level)", "expected a JSON object");
     if (r.string(r.at(root, "format", ""), "format") != kProfileFormat)

@@ -14,6 +14,7 @@
 #include "base/atomic_file.h"
 #include "base/errors.h"
 #include "base/input_file.h"
+#include "base/json_file.h"
 #include "sim/precision.h"
 #include "sim/qkv_attention.h"
 
@@ -243,17 +244,7 @@ const Json& list_field(const Json& root, const char* key, std::size_t size, cons
 }
 
 std::shared_ptr<const KvBases> parse_kv_bases(const std::string& path) {
-    require_regular_file(path);
-    std::ifstream in(path);
-    if (!in) throw InputError(path + ": cannot read");
-    std::stringstream text;
-    text << in.rdbuf();
-    Json root;
-    try {
-        root = Json::parse(text.str());
-    } catch (const Json::exception&) {
-        throw InputError(path + ": not valid JSON");
-    }
+    const Json root = load_json_file(path);
     if (!root.is_object() || root.value("format", "") != "kvsim-kv-bases")
         throw InputError(path + ": 'format' is not kvsim-kv-bases (write the file with kvsim trace bases)");
     auto bases = std::make_shared<KvBases>();
@@ -377,17 +368,7 @@ void write_fitted_ranks(const std::string& path, const FittedRanks& ranks, int n
 }
 
 FittedRanks load_fitted_ranks(const std::string& path, int num_layers, int num_kv_heads, int head_dim) {
-    require_regular_file(path);
-    std::ifstream in(path);
-    if (!in) throw InputError(path + ": cannot read");
-    std::stringstream text;
-    text << in.rdbuf();
-    Json root;
-    try {
-        root = Json::parse(text.str());
-    } catch (const Json::exception&) {
-        throw InputError(path + ": not valid JSON");
-    }
+    const Json root = load_json_file(path);
     if (!root.is_object() || root.value("format", "") != "kvsim-ranks")
         throw InputError(path + ": 'format' is not kvsim-ranks (kvsim search writes ranks.json)");
     if (int_field(root, "num_layers", path) != num_layers || int_field(root, "num_kv_heads", path) != num_kv_heads ||

@@ -14,6 +14,7 @@
 #include "base/atomic_file.h"
 #include "base/errors.h"
 #include "base/input_file.h"
+#include "base/json_file.h"
 #include "base/sha256.h"
 #include "kvsim_version.h"
 #include "src/report.h"
@@ -154,16 +155,11 @@ std::string partial_text(const Partial& p) {
 }
 
 Partial read_partial(const std::string& path) {
-    require_regular_file(path);
-    std::ifstream in(path, std::ios::binary);
-    if (!in) throw InputError(path + ": cannot read");
-    std::stringstream text;
-    text << in.rdbuf();
+    const Json j = load_json_file(path);
     Partial p;
     p.path = path;
     const char* key = "";
     try {
-        const Json j = Json::parse(text.str());
         key = "kvsim_partial_results";
         if (j.at(key).get<int>() != kPartialFormat) throw std::invalid_argument("unknown format version");
         key = "kvsim_version";
