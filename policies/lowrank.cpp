@@ -107,6 +107,9 @@ PolicyDescriptor lowrank_descriptor() {
         auto projection = std::make_shared<KvProjection>();
         projection->bases = load_kv_bases(ctx.files->at("bases"), ctx.num_layers, ctx.num_kv_heads, ctx.head_dim);
         const bool joint = p.at("joint") == 1;
+        if (joint && projection->bases->joint_key.empty())
+            throw InputError(ctx.files->at("bases") + ": joint = 1 needs joint bases, and this file was fitted without "
+                                                      "them (kvsim trace bases --no-joint)");
         projection->kind = joint ? KvProjection::Kind::joint_low_rank : KvProjection::Kind::low_rank;
         const std::size_t units = joint ? ctx.num_layers : static_cast<std::size_t>(ctx.num_layers) * ctx.num_kv_heads;
         if (const std::string* ranks = file_of(ctx, "ranks")) {

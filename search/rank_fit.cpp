@@ -63,7 +63,8 @@ void fit_ranks(const FitInput& in, SearchOutcome& out) {
     const std::size_t heads = static_cast<std::size_t>(L) * K;
 
     // Bases from the fitting sequences only: the held-out figures never saw them.
-    auto bases = std::make_shared<KvBases>(fit_kv_bases(in.trace_path, in.fitting_indices, spec.ranks_pre_rope_theta));
+    auto bases = std::make_shared<KvBases>(fit_kv_bases(in.trace_path, in.fitting_indices,
+                                                                KeyFrame{spec.ranks_pre_rope, spec.ranks_pre_rope_theta}));
     const std::string bases_path = in.scratch_folder + "/bases.json";
     write_kv_bases(bases_path, *bases);
     out.bases = bases;

@@ -48,7 +48,9 @@ struct SearchSpec {
     // and int4_share shape the published baseline), as given; defaults fill the rest.
     std::map<std::string, double> tier_params;
     std::string tiers_where;
-    // fit: ranks: > 0 fits key bases before RoPE, the recorded keys rotated back with this base.
+    // fit: ranks: {pre_rope: true} fits key bases before RoPE with the RoPE the trace records;
+    // pre_rope_theta (which implies pre_rope) gives the base for a trace that records none.
+    bool ranks_pre_rope = false;
     double ranks_pre_rope_theta = 0;
 };
 

@@ -41,37 +41,15 @@ PcaBasis pca_from_second_moment(const Eigen::MatrixXd& second_moment) {
     return basis;
 }
 
-void apply_rope_rows(float* rows, int64_t first_pos, int64_t count, int num_heads, int head_dim, double theta,
-                     bool inverse) {
-    const int pairs = head_dim / 2;
-    std::vector<float> cosine(pairs), sine(pairs);
-    for (int64_t t = 0; t < count; ++t) {
-        const int64_t pos = first_pos + t;
-        for (int i = 0; i < pairs; ++i) {
-            const double angle = pos * (1.0 / std::pow(theta, 2.0 * i / head_dim));
-            cosine[i] = static_cast<float>(std::cos(angle));
-            sine[i] = inverse ? -static_cast<float>(std::sin(angle)) : static_cast<float>(std::sin(angle));
-        }
-        float* row = rows + t * num_heads * head_dim;
-        for (int h = 0; h < num_heads; ++h)
-            for (int i = 0; i < pairs; ++i) {
-                float& a = row[h * head_dim + 2 * i];
-                float& b = row[h * head_dim + 2 * i + 1];
-                const float a0 = a, b0 = b;
-                a = a0 * cosine[i] - b0 * sine[i];
-                b = a0 * sine[i] + b0 * cosine[i];
-            }
-    }
-}
-
-KvBasesFitter::KvBasesFitter(int num_layers, int num_kv_heads, int head_dim, double rope_theta)
-    : layers_(num_layers), heads_(num_kv_heads), dim_(head_dim), rope_theta_(rope_theta) {
+KvBasesFitter::KvBasesFitter(int num_layers, int num_kv_heads, int head_dim, Rope rope, bool joint)
+    : layers_(num_layers), heads_(num_kv_heads), dim_(head_dim), rope_(std::move(rope)), joint_(joint) {
     const Eigen::MatrixXd zero_head = Eigen::MatrixXd::Zero(dim_, dim_);
-    const Eigen::MatrixXd zero_joint = Eigen::MatrixXd::Zero(heads_ * dim_, heads_ * dim_);
     key_moment_.assign(static_cast<std::size_t>(layers_) * heads_, zero_head);
     value_moment_ = key_moment_;
-    joint_key_moment_.assign(layers_, zero_joint);
-    joint_value_moment_ = joint_key_moment_;
+    if (joint_) {
+        joint_key_moment_.assign(layers_, Eigen::MatrixXd::Zero(heads_ * dim_, heads_ * dim_));
+        joint_value_moment_ = joint_key_moment_;
+    }
     key_diff_.assign(layers_, Eigen::MatrixXd::Zero(heads_, heads_));
     value_diff_ = key_diff_;
     key_norm_.assign(layers_, Eigen::VectorXd::Zero(heads_));
@@ -85,31 +63,44 @@ void KvBasesFitter::add(int layer, const QkvLayer& data) {
     const Eigen::Index width = static_cast<Eigen::Index>(heads_) * dim_;
     using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
     std::vector<float> unrotated;
-    if (rope_theta_ > 0) {  // keys as they were before RoPE
+    const std::vector<float>* keys = &data.k;
+    if (rope_.known() && !data.k_pre_rope.empty()) {  // keys as the model had them before RoPE
+        keys = &data.k_pre_rope;
+    } else if (rope_.known()) {  // the same, up to float rounding: the recorded keys rotated back
         unrotated = data.k;
-        apply_rope_rows(unrotated.data(), 0, data.tokens, heads_, dim_, rope_theta_, true);
+        apply_rope_rows(unrotated.data(), 0, data.tokens, heads_, dim_, rope_, true);
+        keys = &unrotated;
     }
     for (int which = 0; which < 2; ++which) {
-        const std::vector<float>& x = which == 0 ? (rope_theta_ > 0 ? unrotated : data.k) : data.v;
+        const std::vector<float>& x = which == 0 ? *keys : data.v;
         const Eigen::Map<const RowMajor> all(x.data(), data.tokens, width);
         const Eigen::MatrixXd tokens = all.cast<double>();
-        // One product gives every head's own moment (its diagonal block) and the joint moment.
-        const Eigen::MatrixXd moment = tokens.transpose() * tokens;
-        (which == 0 ? joint_key_moment_ : joint_value_moment_)[layer] += moment;
         (which == 0 ? key_sum_ : value_sum_)[layer] += tokens.colwise().sum().transpose();
         auto& own = which == 0 ? key_moment_ : value_moment_;
         auto& diff = which == 0 ? key_diff_ : value_diff_;
         auto& norm = which == 0 ? key_norm_ : value_norm_;
-        for (int a = 0; a < heads_; ++a) {
-            own[static_cast<std::size_t>(layer) * heads_ + a] += moment.block(a * dim_, a * dim_, dim_, dim_);
-            norm[layer][a] += moment.block(a * dim_, a * dim_, dim_, dim_).trace();
+        // Head a's moment, and tr(M_ab) = sum over tokens of x_a . x_b between heads: blocks of the
+        // joint moment where it is fitted (one product gives all), else head by head.
+        Eigen::MatrixXd cross(heads_, heads_);
+        if (joint_) {
+            const Eigen::MatrixXd moment = tokens.transpose() * tokens;
+            (which == 0 ? joint_key_moment_ : joint_value_moment_)[layer] += moment;
+            for (int a = 0; a < heads_; ++a) {
+                own[static_cast<std::size_t>(layer) * heads_ + a] += moment.block(a * dim_, a * dim_, dim_, dim_);
+                for (int b = 0; b < heads_; ++b) cross(a, b) = moment.block(a * dim_, b * dim_, dim_, dim_).trace();
+            }
+        } else {
+            for (int a = 0; a < heads_; ++a) {
+                const auto head = tokens.middleCols(a * dim_, dim_);
+                own[static_cast<std::size_t>(layer) * heads_ + a] += head.transpose() * head;
+                for (int b = 0; b < heads_; ++b) cross(a, b) = head.cwiseProduct(tokens.middleCols(b * dim_, dim_)).sum();
+            }
         }
         // |x_a - x_b|^2 summed over tokens = tr(M_aa) + tr(M_bb) - 2 tr(M_ab).
-        for (int a = 0; a < heads_; ++a)
-            for (int b = 0; b < heads_; ++b)
-                diff[layer](a, b) += moment.block(a * dim_, a * dim_, dim_, dim_).trace() +
-                                     moment.block(b * dim_, b * dim_, dim_, dim_).trace() -
-                                     2 * moment.block(a * dim_, b * dim_, dim_, dim_).trace();
+        for (int a = 0; a < heads_; ++a) {
+            norm[layer][a] += cross(a, a);
+            for (int b = 0; b < heads_; ++b) diff[layer](a, b) += cross(a, a) + cross(b, b) - 2 * cross(a, b);
+        }
     }
     tokens_[layer] += data.tokens;
 }
@@ -120,7 +111,7 @@ KvBases KvBasesFitter::finish(std::vector<int> fitted_sequences) const {
     out.num_kv_heads = heads_;
     out.head_dim = dim_;
     out.fitted_sequences = std::move(fitted_sequences);
-    if (rope_theta_ > 0) out.keys = "pre_rope", out.rope_theta = rope_theta_;
+    if (rope_.known()) out.keys = "pre_rope", out.rope = rope_;
     for (int layer = 0; layer < layers_; ++layer) {
         const double n = std::max<int64_t>(tokens_[layer], 1);
         // Covariance = E[x x^T] - mean mean^T.
@@ -135,8 +126,10 @@ KvBases KvBasesFitter::finish(std::vector<int> fitted_sequences) const {
             out.key.push_back(centred(key_moment_[u], key_sum_[layer].segment(kv * dim_, dim_)));
             out.value.push_back(centred(value_moment_[u], value_sum_[layer].segment(kv * dim_, dim_)));
         }
-        out.joint_key.push_back(centred(joint_key_moment_[layer], key_sum_[layer]));
-        out.joint_value.push_back(centred(joint_value_moment_[layer], value_sum_[layer]));
+        if (joint_) {
+            out.joint_key.push_back(centred(joint_key_moment_[layer], key_sum_[layer]));
+            out.joint_value.push_back(centred(joint_value_moment_[layer], value_sum_[layer]));
+        }
         // A pair's distance: the squared difference of their keys, relative to the keys' energy,
         // plus the same for values; what mean-pooling the pair would lose, to first order.
         Eigen::MatrixXd distance = Eigen::MatrixXd::Zero(heads_, heads_);
@@ -153,20 +146,54 @@ KvBases KvBasesFitter::finish(std::vector<int> fitted_sequences) const {
     return out;
 }
 
-KvBases fit_kv_bases(const std::string& trace_path, const std::vector<int>& sequences, double rope_theta) {
+Rope pre_rope_of_trace(const TraceMetadata& metadata, const std::string& path, double rope_theta) {
+    if (metadata.head_dim % 2 != 0)
+        throw InputError(path + ": RoPE rotates pairs of dimensions, but the head size is " + std::to_string(metadata.head_dim));
+    if (!metadata.rope.known()) {
+        if (!(rope_theta > 0))
+            throw InputError(path + ": keys before RoPE need the model's RoPE, which this trace does not record "
+                                    "(captured before kvsim recorded it): give the model's RoPE base (rope_theta, "
+                                    "e.g. 10000), or capture again");
+        return Rope{RopePairing::adjacent, rope_base_frequencies(rope_theta, static_cast<int>(metadata.head_dim))};
+    }
+    if (rope_theta > 0) {
+        // A base given for a trace that records its RoPE must describe that RoPE: unscaled,
+        // adjacent pairs, the same base (to rounding).
+        const std::vector<double> given = rope_base_frequencies(rope_theta, static_cast<int>(metadata.head_dim));
+        bool same = metadata.rope.pairing == RopePairing::adjacent;
+        for (std::size_t i = 0; same && i < given.size(); ++i)
+            same = std::abs(given[i] - metadata.rope.frequencies[i]) <= 1e-9 * given[i];
+        if (!same)
+            throw InputError(path + ": the trace records the model's RoPE (" + to_string(metadata.rope.pairing) +
+                             " pairs, its own frequencies), and a RoPE base of " + std::to_string(rope_theta) +
+                             " does not describe it: leave rope_theta out");
+    }
+    return metadata.rope;
+}
+
+KvBases fit_kv_bases(const std::string& trace_path, const std::vector<int>& sequences, const KeyFrame& keys) {
     const TraceReader reader(trace_path);
     const std::vector<int> chosen = selected_sequences(reader, sequences);
     auto source = open_trace_source(trace_path, 0, chosen);
     auto* qkv = dynamic_cast<QkvSource*>(source.get());
     if (!qkv) throw InputError(trace_path + ": bases are fitted on keys and values, but this trace records attention only");
     const QkvShape& shape = qkv->qkv_shape();
-    if (rope_theta > 0 && shape.head_dim % 2 != 0)
-        throw InputError(trace_path + ": RoPE rotates pairs of dimensions, but the head size is " +
-                         std::to_string(shape.head_dim));
-    KvBasesFitter fitter(source->shape().num_layers, shape.num_kv_heads, shape.head_dim, rope_theta);
+    const Rope rope = keys.pre_rope ? pre_rope_of_trace(reader.metadata(), trace_path, keys.rope_theta) : Rope{};
+    KvBasesFitter fitter(source->shape().num_layers, shape.num_kv_heads, shape.head_dim, rope, keys.joint);
+    QkvLayer with_pre_rope;
     for (std::size_t s = 0; s < chosen.size(); ++s)
-        for (int layer = 0; layer < source->shape().num_layers; ++layer)
-            fitter.add(layer, qkv->layer_data(static_cast<int>(s), layer));
+        for (int layer = 0; layer < source->shape().num_layers; ++layer) {
+            const QkvLayer& data = qkv->layer_data(static_cast<int>(s), layer);
+            if (rope.known() && reader.metadata().pre_rope_keys) {
+                with_pre_rope.tokens = data.tokens;
+                with_pre_rope.k = data.k;
+                with_pre_rope.v = data.v;
+                reader.read_pre_rope_keys(chosen[s], layer, with_pre_rope.k_pre_rope);
+                fitter.add(layer, with_pre_rope);
+            } else {
+                fitter.add(layer, data);
+            }
+        }
     return fitter.finish(chosen);
 }
 
@@ -260,12 +287,31 @@ std::shared_ptr<const KvBases> parse_kv_bases(const std::string& path) {
         throw InputError(path + ": 'keys' must be post_rope or pre_rope");
     bases->keys = keys->get<std::string>();
     if (bases->keys == "pre_rope") {
-        const auto theta = root.find("rope_theta");
-        if (theta == root.end() || !theta->is_number() || !(theta->get<double>() > 0) ||
-            !std::isfinite(theta->get<double>()))
-            throw InputError(path + ": 'rope_theta' must be a positive number for pre_rope keys");
         if (bases->head_dim % 2 != 0) throw InputError(path + ": pre_rope keys need an even head_dim");
-        bases->rope_theta = theta->get<double>();
+        const auto rope = root.find("rope");
+        const auto theta = root.find("rope_theta");  // files written before the RoPE was recorded
+        if (rope == root.end() && theta != root.end()) {
+            if (!theta->is_number() || !(theta->get<double>() > 0) || !std::isfinite(theta->get<double>()))
+                throw InputError(path + ": 'rope_theta' must be a positive number for pre_rope keys");
+            bases->rope = Rope{RopePairing::adjacent, rope_base_frequencies(theta->get<double>(), bases->head_dim)};
+        } else if (rope == root.end() || !rope->is_object())
+            throw InputError(path + ": 'rope' must be an object {pairing, frequencies} for pre_rope keys");
+        else {
+            const auto pairing = rope->find("pairing");
+            if (pairing == rope->end() || !pairing->is_string() ||
+                !parse_rope_pairing(pairing->get<std::string>(), bases->rope.pairing))
+                throw InputError(path + ": 'rope.pairing' must be adjacent or halves");
+            const auto frequencies = rope->find("frequencies");
+            if (frequencies == rope->end() || !frequencies->is_array() ||
+                frequencies->size() != static_cast<std::size_t>(bases->head_dim / 2))
+                throw InputError(path + ": 'rope.frequencies' must hold head_dim / 2 = " +
+                                 std::to_string(bases->head_dim / 2) + " numbers");
+            for (const Json& f : *frequencies) {
+                if (!f.is_number() || !(f.get<double>() > 0) || !std::isfinite(f.get<double>()))
+                    throw InputError(path + ": 'rope.frequencies' must be positive numbers");
+                bases->rope.frequencies.push_back(f.get<double>());
+            }
+        }
     }
     const Json& per_head = list_field(root, "heads", static_cast<std::size_t>(layers) * heads, path);
     for (std::size_t u = 0; u < per_head.size(); ++u) {
@@ -274,14 +320,18 @@ std::shared_ptr<const KvBases> parse_kv_bases(const std::string& path) {
         bases->key.push_back(basis_from_json(per_head[u].value("key", Json()), dim, where + ".key"));
         bases->value.push_back(basis_from_json(per_head[u].value("value", Json()), dim, where + ".value"));
     }
-    const Json& joint = list_field(root, "joint", layers, path);
+    // Joint bases are optional (kvsim trace bases --no-joint): a joint lowrank policy refuses a file without.
+    const bool has_joint = root.contains("joint");
+    const Json& joint = has_joint ? list_field(root, "joint", layers, path) : root;
     const Json& distance = list_field(root, "head_distance", layers, path);
     for (int layer = 0; layer < layers; ++layer) {
         const std::string where = path + ": joint[" + std::to_string(layer) + "]";
-        if (!joint[layer].is_object()) throw InputError(where + ": expected an object");
-        bases->joint_key.push_back(basis_from_json(joint[layer].value("key", Json()), heads * dim, where + ".key"));
-        bases->joint_value.push_back(
-            basis_from_json(joint[layer].value("value", Json()), heads * dim, where + ".value"));
+        if (has_joint) {
+            if (!joint[layer].is_object()) throw InputError(where + ": expected an object");
+            bases->joint_key.push_back(basis_from_json(joint[layer].value("key", Json()), heads * dim, where + ".key"));
+            bases->joint_value.push_back(
+                basis_from_json(joint[layer].value("value", Json()), heads * dim, where + ".value"));
+        }
         const std::string at = path + ": head_distance[" + std::to_string(layer) + "]";
         const Json& rows = distance[layer];
         if (!rows.is_array() || rows.size() != static_cast<std::size_t>(heads))
@@ -310,7 +360,8 @@ std::string kv_bases_json(const KvBases& bases) {
                              {"key", basis_json(bases.key[u])},
                              {"value", basis_json(bases.value[u])}});
     for (int layer = 0; layer < bases.num_layers; ++layer) {
-        joint.push_back(Json{{"key", basis_json(bases.joint_key[layer])}, {"value", basis_json(bases.joint_value[layer])}});
+        if (!bases.joint_key.empty())
+            joint.push_back(Json{{"key", basis_json(bases.joint_key[layer])}, {"value", basis_json(bases.joint_value[layer])}});
         Json rows = Json::array();
         for (int a = 0; a < bases.num_kv_heads; ++a) {
             Json row = Json::array();
@@ -325,11 +376,12 @@ std::string kv_bases_json(const KvBases& bases) {
               {"num_kv_heads", bases.num_kv_heads},
               {"head_dim", bases.head_dim},
               {"keys", bases.keys},
-              {"rope_theta", bases.rope_theta},
               {"fitted_sequences", bases.fitted_sequences},
               {"heads", std::move(heads)},
-              {"joint", std::move(joint)},
               {"head_distance", std::move(distance)}};
+    if (!bases.joint_key.empty()) root["joint"] = std::move(joint);
+    if (bases.rope.known())
+        root["rope"] = Json{{"pairing", to_string(bases.rope.pairing)}, {"frequencies", bases.rope.frequencies}};
     return root.dump() + "\n";
 }
 
@@ -486,9 +538,9 @@ void project_tokens(const KvProjection& p, int layer, int num_kv_heads, int head
                     float* latent, int64_t count, int64_t first_pos) {
     const int width = num_kv_heads * head_dim;
     std::vector<float> unrotated;
-    if (key && p.kind != KvProjection::Kind::grouping && p.bases->rope_theta > 0) {
+    if (key && p.kind != KvProjection::Kind::grouping && p.bases->rope.known()) {
         unrotated.assign(x, x + count * width);
-        apply_rope_rows(unrotated.data(), first_pos, count, num_kv_heads, head_dim, p.bases->rope_theta, true);
+        apply_rope_rows(unrotated.data(), first_pos, count, num_kv_heads, head_dim, p.bases->rope, true);
         x = unrotated.data();
     }
     std::fill(latent, latent + count * width, 0.0f);
@@ -541,9 +593,9 @@ void reconstruct_tokens(const KvProjection& p, int layer, int num_kv_heads, int 
         std::copy(latent, latent + count * width, out);
         return;
     }
-    if (key && p.bases->rope_theta > 0) {  // pre-RoPE bases: reconstruct, then rotate into place
+    if (key && p.bases->rope.known()) {  // pre-RoPE bases: reconstruct, then rotate into place
         reconstruct_unrotated(p, layer, num_kv_heads, head_dim, key, latent, nullptr, out, count);
-        apply_rope_rows(out, first_pos, count, num_kv_heads, head_dim, p.bases->rope_theta, false);
+        apply_rope_rows(out, first_pos, count, num_kv_heads, head_dim, p.bases->rope, false);
         if (!original) return;
         // A head at full rank keeps its recorded keys, exactly.
         const bool joint = p.kind == KvProjection::Kind::joint_low_rank;

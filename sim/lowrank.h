@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "policies/policy.h"
+#include "sim/rope.h"
 #include "sim/trace_store.h"
 
 namespace kvsim {
@@ -37,10 +38,12 @@ PcaBasis pca_from_second_moment(const Eigen::MatrixXd& second_moment);
 // size square), and per layer the pairwise distance between KV heads that a fitted grouping uses.
 struct KvBases {
     int num_layers = 0, num_kv_heads = 0, head_dim = 0;
-    std::string keys = "post_rope";               // what the key bases were fitted on: post_rope or pre_rope
-    double rope_theta = 0;                        // pre_rope: the RoPE base that rotates keys back and forth
+    // What the key bases were fitted on: the keys as recorded (post_rope), or before RoPE
+    // (pre_rope; `rope` then rotates reconstructed keys into place and recorded keys back).
+    std::string keys = "post_rope";
+    Rope rope;  // pre_rope only
     std::vector<PcaBasis> key, value;             // per layer * num_kv_heads + kv
-    std::vector<PcaBasis> joint_key, joint_value; // per layer
+    std::vector<PcaBasis> joint_key, joint_value; // per layer; empty when fitted without (KeyFrame... joint)
     std::vector<Eigen::MatrixXd> head_distance;   // per layer: num_kv_heads square, symmetric, zero diagonal
     std::vector<int> fitted_sequences;            // trace indices the bases were fitted on
 };
@@ -48,14 +51,18 @@ struct KvBases {
 // Accumulates second moments and head distances layer by layer over the fitting sequences.
 class KvBasesFitter {
 public:
-    // rope_theta > 0: key bases are fitted before RoPE (Palu's way), the recorded keys rotated back.
-    KvBasesFitter(int num_layers, int num_kv_heads, int head_dim, double rope_theta = 0);
+    // A known `rope`: key bases are fitted before RoPE (Palu's way): on the keys recorded before
+    // RoPE where data holds them (k_pre_rope), else on the recorded keys rotated back.
+    // joint = false leaves the joint bases out: a joint latent over 8 KV heads of 128 is 1,024 wide,
+    // and its bases (two 1,024-square matrices per layer) outweigh every per-head basis together.
+    KvBasesFitter(int num_layers, int num_kv_heads, int head_dim, Rope rope = {}, bool joint = true);
     void add(int layer, const QkvLayer& data);  // every token of one sequence's layer
     KvBases finish(std::vector<int> fitted_sequences) const;
 
 private:
     int layers_, heads_, dim_;
-    double rope_theta_;
+    Rope rope_;
+    bool joint_;
     std::vector<Eigen::MatrixXd> key_moment_, value_moment_, joint_key_moment_, joint_value_moment_;
     std::vector<Eigen::VectorXd> key_sum_, value_sum_;    // per layer: summed rows (every head's)
     std::vector<Eigen::MatrixXd> key_diff_, value_diff_;  // per layer: summed |x_a - x_b|^2
@@ -63,16 +70,24 @@ private:
     std::vector<int64_t> tokens_;                         // per layer
 };
 
-// Fits bases on `sequences` (indices into the trace file; empty: every one) of a Q/K/V trace,
-// every token of every layer: InputError naming the file where it records attention only.
-KvBases fit_kv_bases(const std::string& trace_path, const std::vector<int>& sequences, double rope_theta = 0);
+// Which keys the key bases are fitted on.
+struct KeyFrame {
+    bool pre_rope = false;  // before RoPE (Palu's way), with RoPE applied after reconstruction
+    // For a trace that records no RoPE: the model's RoPE base (adjacent pairs, unscaled); a
+    // trace that records its RoPE (every capture since it was added) needs none.
+    double rope_theta = 0;
+    bool joint = true;  // also fit the joint bases (one per layer over its KV heads concatenated)
+};
 
-// RoPE on adjacent pairs (2i, 2i+1) within each head, as the Llama forward pass applies it
-// (src/model/llama.cpp: angle p / theta^(2i / head_dim) in double, the rotation in float), on
-// `count` rows of num_heads * head_dim floats at positions first_pos, first_pos + 1, ...;
-// inverse rotates back.
-void apply_rope_rows(float* rows, int64_t first_pos, int64_t count, int num_heads, int head_dim, double theta,
-                     bool inverse);
+// The RoPE pre-RoPE key bases of this trace rotate by: the one the trace records, else adjacent
+// pairs at `rope_theta`. InputError naming the file when there is neither, when the head size is
+// odd, or when a given rope_theta disagrees with the recorded RoPE.
+Rope pre_rope_of_trace(const TraceMetadata& metadata, const std::string& path, double rope_theta);
+
+// Fits bases on `sequences` (indices into the trace file; empty: every one) of a Q/K/V trace,
+// every token of every layer: InputError naming the file where it records attention only. Pre-RoPE
+// keys come from the trace's k_pre_rope where it records them.
+KvBases fit_kv_bases(const std::string& trace_path, const std::vector<int>& sequences, const KeyFrame& keys = {});
 
 // Writes the bases as JSON (atomically); reads them back, validating every shape against the
 // trace's (num_layers, num_kv_heads, head_dim): InputError naming the file and the key. Reads are

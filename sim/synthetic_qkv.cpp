@@ -10,6 +10,7 @@
 
 #include "sim/qkv_attention.h"
 #include "sim/rng.h"
+#include "sim/rope.h"
 #include "base/errors.h"
 
 namespace kvsim {
@@ -26,26 +27,24 @@ std::vector<float> unit_vector(NormalStream& normal, int d) {
     return u;
 }
 
-// RoPE as Llama applies it: adjacent pairs (2i, 2i+1) rotated by pos / theta^(2i/d).
-struct Rope {
-    Rope(int64_t tokens, int d, float theta) : half(d / 2), cos_sin(tokens * d) {
-        for (int64_t pos = 0; pos < tokens; ++pos)
-            for (int i = 0; i < half; ++i) {
-                const double angle = pos * std::pow(static_cast<double>(theta), -2.0 * i / d);
-                cos_sin[(pos * half + i) * 2] = static_cast<float>(std::cos(angle));
-                cos_sin[(pos * half + i) * 2 + 1] = static_cast<float>(std::sin(angle));
-            }
+// RoPE as Llama applies it (adjacent pairs), by pos * theta^(-2i/d): the frequencies the trace
+// records (TraceMetadata::rope), tabulated per position.
+Rope synthetic_rope(int d, float theta) {
+    Rope rope;
+    for (int i = 0; i < d / 2; ++i) rope.frequencies.push_back(std::pow(static_cast<double>(theta), -2.0 * i / d));
+    return rope;
+}
+
+struct RopeTable {
+    RopeTable(int64_t tokens, int d, float theta) : d(d), cos(tokens * (d / 2)), sin(tokens * (d / 2)) {
+        const Rope rope = synthetic_rope(d, theta);
+        for (int64_t pos = 0; pos < tokens; ++pos) rope_cos_sin(rope.frequencies, pos, &cos[pos * (d / 2)], &sin[pos * (d / 2)]);
     }
     void apply(float* x, int64_t pos) const {
-        const float* cs = cos_sin.data() + pos * half * 2;
-        for (int i = 0; i < half; ++i) {
-            const float a = x[2 * i], b = x[2 * i + 1], c = cs[2 * i], s = cs[2 * i + 1];
-            x[2 * i] = a * c - b * s;
-            x[2 * i + 1] = a * s + b * c;
-        }
+        rotate_head(x, d, RopePairing::adjacent, &cos[pos * (d / 2)], &sin[pos * (d / 2)]);
     }
-    int half;
-    std::vector<float> cos_sin;
+    int d;
+    std::vector<float> cos, sin;
 };
 
 class SyntheticQkvSource : public QkvSource {
@@ -77,12 +76,13 @@ SyntheticQkvSpec synthetic_qkv_trace(const std::string& name, const std::string&
     // name, layers, query heads, KV heads, head size, tokens, seed, sinks, heavy hitters, RoPE theta
     static const SyntheticQkvSpec shapes[] = {
         {"llama-1b-4096", 16, 32, 8, 128, 4096, 1, 4, 32, 500000.0f},  // Llama-3.2-1B's shape
+        {"llama-1b-1024", 16, 32, 8, 128, 1024, 1, 4, 32, 500000.0f},  // the same at 1,024 tokens
         {"small-1024", 4, 8, 2, 64, 1024, 1, 4, 16, 10000.0f},         // value-level benchmarks
         {"tiny-256", 3, 4, 2, 16, 256, 1, 4, 8, 10000.0f},             // tests
     };
     for (const SyntheticQkvSpec& spec : shapes)
         if (spec.name == name) return spec;
-    throw InputError(where + ": unknown synthetic qkv trace '" + name + "' (known: llama-1b-4096, small-1024, tiny-256)");
+    throw InputError(where + ": unknown synthetic qkv trace '" + name + "' (known: llama-1b-4096, llama-1b-1024, small-1024, tiny-256)");
 }
 
 QkvLayer generate_synthetic_qkv_layer(const SyntheticQkvSpec& spec, int layer) {
@@ -97,7 +97,7 @@ QkvLayer generate_synthetic_qkv_layer(const SyntheticQkvSpec& spec, int layer) {
     // Deeper layers attend more sharply (as PyramidKV observes): structure grows with depth.
     const float depth = spec.num_layers > 1 ? static_cast<float>(layer) / (spec.num_layers - 1) : 0.5f;
     const float sharp = 0.7f + 0.6f * depth;
-    const Rope rope(T, d, spec.rope_theta);
+    const RopeTable rope(T, d, spec.rope_theta);
     // One stream of draws runs through the KV heads in order. Each head's few directions and
     // amplitudes are drawn here in that order; its tokens' draws, a known count, are skipped and
     // replayed below by a copy of the stream, so the heads fill in parallel with the same values.
@@ -163,6 +163,7 @@ void write_synthetic_qkv_trace(const SyntheticQkvSpec& spec, const std::string& 
     m.source_kind = "synthetic";
     m.source_generator = "synthetic-qkv/" + spec.name;
     m.source_seed = spec.seed;
+    if (spec.head_dim % 2 == 0) m.rope = synthetic_rope(spec.head_dim, spec.rope_theta);
     TraceWriter writer(path, m);
     for (int s = 0; s < sequences; ++s) {
         SyntheticQkvSpec one = spec;

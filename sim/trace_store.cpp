@@ -151,6 +151,14 @@ void write_int_attr(hid_t obj, const char* name, int64_t value) {
         throw std::runtime_error(std::string("cannot write attribute ") + name);
 }
 
+void write_double_array_attr(hid_t obj, const char* name, const std::vector<double>& values) {
+    const hsize_t n = values.size();
+    Handle space = space_handle(H5Screate_simple(1, &n, nullptr));
+    Handle attr = attr_handle(H5Acreate2(obj, name, H5T_IEEE_F64LE, space.get(), H5P_DEFAULT, H5P_DEFAULT));
+    if (!attr.valid() || H5Awrite(attr.get(), H5T_NATIVE_DOUBLE, values.data()) < 0)
+        throw std::runtime_error(std::string("cannot write attribute ") + name);
+}
+
 // Creates every missing group along `path` (like mkdir -p).
 Handle ensure_group(hid_t file, const std::string& path) {
     std::string partial;
@@ -341,6 +349,11 @@ TraceWriter::TraceWriter(const std::string& path, TraceMetadata metadata) : impl
     write_string_attr(root, "source_text_sha256", metadata.source_text_sha256);
     if (metadata.source_sliding_window > 0) write_int_attr(root, "source_sliding_window", metadata.source_sliding_window);
     if (!metadata.source_layers.empty()) write_string_attr(root, "source_layers", metadata.source_layers);
+    if (metadata.rope.known()) {
+        write_string_attr(root, "rope_pairing", to_string(metadata.rope.pairing));
+        write_double_array_attr(root, "rope_frequencies", metadata.rope.frequencies);
+    }
+    if (metadata.pre_rope_keys) write_int_attr(root, "pre_rope_keys", 1);
     write_string_attr(root, "kvsim_version", metadata.kvsim_version);
     ensure_group(root, "/sequences");
 }
@@ -463,6 +476,10 @@ void TraceWriter::write_qkv_rows(int sequence, int layer, int64_t first_token, c
     write("q", rows.q, m.num_query_heads);
     write("k", rows.k, m.num_kv_heads);
     write("v", rows.v, m.num_kv_heads);
+    if (m.pre_rope_keys)
+        write("k_pre_rope", rows.k_pre_rope, m.num_kv_heads);
+    else if (!rows.k_pre_rope.empty())
+        throw std::logic_error("write_qkv_rows: keys before RoPE for a trace that does not record them");
 }
 
 void TraceWriter::write_tokens(int sequence, std::span<const int32_t> tokens) {
@@ -543,6 +560,42 @@ struct TraceReader::Impl {
             fail(obj_name + "attribute '" + name + "' = " + std::to_string(value) + " must be <= " +
                  std::to_string(max_value) + why);
         return value;
+    }
+
+    // A one-dimensional floating-point attribute of exactly `size` elements, as doubles.
+    std::vector<double> double_array_attr(hid_t obj, const char* name, std::size_t size) const {
+        Handle attr = open_attr(obj, "", name);
+        Handle type = type_handle(H5Aget_type(attr.get()));
+        Handle space = space_handle(H5Aget_space(attr.get()));
+        const hssize_t points = H5Sget_simple_extent_npoints(space.get());
+        if (H5Tget_class(type.get()) != H5T_FLOAT || H5Sget_simple_extent_ndims(space.get()) != 1 ||
+            points != static_cast<hssize_t>(size))
+            fail("root attribute '" + std::string(name) + "' must be " + std::to_string(size) +
+                 " floating-point numbers (head_dim / 2)");
+        std::vector<double> values(size);
+        if (H5Aread(attr.get(), H5T_NATIVE_DOUBLE, values.data()) < 0) fail(std::string("cannot read attribute '") + name + "'");
+        return values;
+    }
+
+    // One layer's Q, K, V or pre-RoPE K ([tokens][heads][head_dim]) into out, every value checked.
+    void read_tensor(int sequence, int layer, const char* tensor, std::vector<float>& out, int64_t heads) const {
+        const hsize_t t = static_cast<hsize_t>(sequences.at(sequence).length), d = static_cast<hsize_t>(metadata.head_dim);
+        const std::string name = qkv_path(sequence, layer, tensor);
+        Handle dataset = open_dataset(name, H5T_FLOAT, {t, static_cast<hsize_t>(heads), d});
+        // Every element is overwritten; a buffer too small is freed first, so that growing it
+        // never holds the old and the new one at once.
+        if (out.capacity() < t * heads * d) out = std::vector<float>();
+        out.resize(t * heads * d);
+        if (!read_as_floats(dataset.get(), out.size(), out.data()))
+            fail("cannot read dataset '" + name + "' (truncated or corrupt)");
+        // Checked as the layer is read: one NaN or Inf would reach the softmax and the selection.
+        const std::size_t bad = first_flagged(out.data(), out.size(), non_finite_bits);
+        if (bad < out.size()) {
+            const uint64_t per_token = static_cast<uint64_t>(heads) * d;
+            fail("dataset '" + name + "': element " + std::to_string(bad) + " (token " + std::to_string(bad / per_token) +
+                 ", head " + std::to_string(bad % per_token / d) + ", channel " + std::to_string(bad % d) + ") is " +
+                 format_float(out[bad]) + "; Q, K and V must be finite");
+        }
     }
 
     // Opens a dataset and checks its element class and shape.
@@ -666,6 +719,28 @@ TraceReader::TraceReader(const std::string& path) : impl_(std::make_unique<Impl>
     if (H5Aexists(root, "source_sliding_window") > 0)  // optional: only models with a window
         m.source_sliding_window = r.int_attr(root, "", "source_sliding_window", 1, kInt);
     if (H5Aexists(root, "source_layers") > 0) m.source_layers = r.string_attr(root, "", "source_layers");
+    // Optional: the RoPE a capture recorded, both attributes or neither.
+    const bool has_pairing = H5Aexists(root, "rope_pairing") > 0, has_frequencies = H5Aexists(root, "rope_frequencies") > 0;
+    if (has_pairing != has_frequencies)
+        r.fail(std::string("root attribute '") + (has_pairing ? "rope_frequencies" : "rope_pairing") +
+               "' is missing (a trace records both RoPE attributes or neither)");
+    if (has_pairing) {
+        const std::string pairing = r.string_attr(root, "", "rope_pairing");
+        if (!parse_rope_pairing(pairing, m.rope.pairing))
+            r.fail("root attribute 'rope_pairing' is '" + pairing + "' (expected adjacent or halves)");
+        if (m.kind != TraceKind::qkv || m.head_dim % 2 != 0)
+            r.fail("root attribute 'rope_frequencies': RoPE is recorded only for a qkv trace of even head_dim");
+        m.rope.frequencies = r.double_array_attr(root, "rope_frequencies", static_cast<std::size_t>(m.head_dim / 2));
+        for (std::size_t i = 0; i < m.rope.frequencies.size(); ++i)
+            if (!(m.rope.frequencies[i] > 0) || !std::isfinite(m.rope.frequencies[i]))
+                r.fail("root attribute 'rope_frequencies': element " + std::to_string(i) + " is " +
+                       format_float(m.rope.frequencies[i]) + "; frequencies must be positive and finite");
+    }
+    if (H5Aexists(root, "pre_rope_keys") > 0) {
+        m.pre_rope_keys = r.int_attr(root, "", "pre_rope_keys", 0, 1) == 1;
+        if (m.pre_rope_keys && !m.rope.known())
+            r.fail("root attribute 'pre_rope_keys' is 1 but the trace records no RoPE (rope_pairing, rope_frequencies)");
+    }
     m.kvsim_version = r.string_attr(root, "", "kvsim_version");
 
     const int64_t num_sequences = r.int_attr(root, "", "num_sequences", 1, kInt);
@@ -695,6 +770,7 @@ TraceReader::TraceReader(const std::string& path) : impl_(std::make_unique<Impl>
                 check(qkv_path(s, layer, "q"), {t, static_cast<hsize_t>(m.num_query_heads), d});
                 check(qkv_path(s, layer, "k"), {t, static_cast<hsize_t>(m.num_kv_heads), d});
                 check(qkv_path(s, layer, "v"), {t, static_cast<hsize_t>(m.num_kv_heads), d});
+                if (m.pre_rope_keys) check(qkv_path(s, layer, "k_pre_rope"), {t, static_cast<hsize_t>(m.num_kv_heads), d});
             }
         }
         const std::string tokens = group_name + "/tokens";
@@ -767,28 +843,21 @@ void TraceReader::read_qkv(int sequence, int layer, QkvLayer& data) const {
                  impl_->path + ": '" + layer_group + "' (q, k and v of " + std::to_string(t) + " tokens x " +
                      std::to_string(m.num_query_heads) + "+2x" + std::to_string(m.num_kv_heads) + " heads x " +
                      std::to_string(d) + ")");
-    auto read = [&](const char* tensor, std::vector<float>& out, int64_t heads) {
-        const std::string name = qkv_path(sequence, layer, tensor);
-        Handle dataset = impl_->open_dataset(name, H5T_FLOAT, {t, static_cast<hsize_t>(heads), d});
-        // Every element is overwritten; a buffer too small is freed first, so that growing it
-        // never holds the old and the new one at once.
-        if (out.capacity() < t * heads * d) out = std::vector<float>();
-        out.resize(t * heads * d);
-        if (!read_as_floats(dataset.get(), out.size(), out.data()))
-            impl_->fail("cannot read dataset '" + name + "' (truncated or corrupt)");
-        // Checked as the layer is read: one NaN or Inf would reach the softmax and the selection.
-        const std::size_t bad = first_flagged(out.data(), out.size(), non_finite_bits);
-        if (bad < out.size()) {
-            const uint64_t per_token = static_cast<uint64_t>(heads) * d;
-            impl_->fail("dataset '" + name + "': element " + std::to_string(bad) + " (token " +
-                        std::to_string(bad / per_token) + ", head " + std::to_string(bad % per_token / d) +
-                        ", channel " + std::to_string(bad % d) + ") is " + format_float(out[bad]) +
-                        "; Q, K and V must be finite");
-        }
-    };
-    read("q", data.q, m.num_query_heads);
-    read("k", data.k, m.num_kv_heads);
-    read("v", data.v, m.num_kv_heads);
+    impl_->read_tensor(sequence, layer, "q", data.q, m.num_query_heads);
+    impl_->read_tensor(sequence, layer, "k", data.k, m.num_kv_heads);
+    impl_->read_tensor(sequence, layer, "v", data.v, m.num_kv_heads);
+}
+
+void TraceReader::read_pre_rope_keys(int sequence, int layer, std::vector<float>& out) const {
+    const TraceMetadata& m = impl_->metadata;
+    if (!m.pre_rope_keys)
+        impl_->fail("records no keys before RoPE (capture with --pre-rope-keys to record them)");
+    const uint64_t floats = checked_mul(checked_mul(static_cast<uint64_t>(impl_->sequences.at(sequence).length),
+                                                    static_cast<uint64_t>(m.num_kv_heads), impl_->path),
+                                        static_cast<uint64_t>(m.head_dim), impl_->path);
+    check_memory(checked_mul(floats, sizeof(float), impl_->path),
+                 impl_->path + ": '" + qkv_path(sequence, layer, "k_pre_rope") + "'");
+    impl_->read_tensor(sequence, layer, "k_pre_rope", out, m.num_kv_heads);
 }
 
 std::vector<int32_t> TraceReader::read_tokens(int sequence) const {
@@ -820,6 +889,7 @@ std::vector<DatasetSize> TraceReader::dataset_sizes() const {
                 for (int head = 0; head < m.num_query_heads; ++head) add(attention_path(s, layer, head));
             } else {
                 for (const char* tensor : {"q", "k", "v"}) add(qkv_path(s, layer, tensor));
+                if (m.pre_rope_keys) add(qkv_path(s, layer, "k_pre_rope"));
             }
         }
     return sizes;

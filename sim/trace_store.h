@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "sim/rope.h"
+
 namespace kvsim {
 
 inline constexpr const char* kTraceFormat = "kvsim-trace";
@@ -37,6 +39,12 @@ struct TraceMetadata {
     // A capture of some of the model's layers: the model layer of each trace layer, comma
     // separated ("0,8,15"); empty when the trace holds every layer in order.
     std::string source_layers;
+    // The RoPE the model applied to the recorded Q and K (a capture records it); unknown (no
+    // frequencies) for synthetic traces and for captures before kvsim recorded it.
+    Rope rope;
+    // The trace also holds each layer's keys as they were before RoPE (`kvsim capture
+    // --pre-rope-keys`): dataset k_pre_rope beside k.
+    bool pre_rope_keys = false;
     std::string kvsim_version;  // filled in by the writer
 };
 
@@ -73,6 +81,9 @@ struct QkvLayer {
     std::vector<float> q;  // [tokens][num_query_heads][head_dim]
     std::vector<float> k;  // [tokens][num_kv_heads][head_dim]
     std::vector<float> v;  // [tokens][num_kv_heads][head_dim]
+    // [tokens][num_kv_heads][head_dim]: the keys before RoPE, where the trace records them and they
+    // were asked for (TraceReader::read_pre_rope_keys); empty otherwise.
+    std::vector<float> k_pre_rope;
 };
 
 class TraceWriter {
@@ -124,6 +135,9 @@ public:
     // The same into `data`, over its buffers where they are large enough: a replay reads layer
     // after layer without faulting in and clearing a fresh layer's pages each time.
     void read_qkv(int sequence, int layer, QkvLayer& data) const;
+    // The keys of one layer before RoPE, into out: InputError naming the file when the trace does
+    // not record them (metadata().pre_rope_keys), or on a value that is not finite.
+    void read_pre_rope_keys(int sequence, int layer, std::vector<float>& out) const;
     std::vector<int32_t> read_tokens(int sequence) const;  // empty when the trace stores none
 
     uint64_t file_bytes() const;

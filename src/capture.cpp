@@ -24,13 +24,11 @@ constexpr int kCaptureChunk = 256;
 class QkvRecorder : public model::ForwardHooks {
 public:
     // trace_layer[l]: where model layer l goes in the trace, -1 when not recorded.
-    QkvRecorder(const model::LlamaConfig& config, std::vector<int> trace_layer, int tokens, int recorded)
-        : config_(config), trace_layer_(std::move(trace_layer)), layers_(static_cast<std::size_t>(recorded)) {
-        for (QkvLayer& layer : layers_) {
-            layer.q.resize(static_cast<std::size_t>(tokens) * config.q_dim());
-            layer.k.resize(static_cast<std::size_t>(tokens) * config.kv_dim());
-            layer.v.resize(static_cast<std::size_t>(tokens) * config.kv_dim());
-        }
+    QkvRecorder(const model::LlamaConfig& config, std::vector<int> trace_layer, int tokens, int recorded,
+                bool pre_rope_keys)
+        : config_(config), trace_layer_(std::move(trace_layer)), layers_(static_cast<std::size_t>(recorded)),
+          pre_rope_keys_(pre_rope_keys) {
+        start_chunk(0, tokens);
     }
     // The next chunk starts at first_pos and has `tokens` positions.
     void start_chunk(int first_pos, int tokens) {
@@ -40,7 +38,14 @@ public:
             layer.q.resize(static_cast<std::size_t>(tokens) * config_.q_dim());
             layer.k.resize(static_cast<std::size_t>(tokens) * config_.kv_dim());
             layer.v.resize(static_cast<std::size_t>(tokens) * config_.kv_dim());
+            if (pre_rope_keys_) layer.k_pre_rope.resize(static_cast<std::size_t>(tokens) * config_.kv_dim());
         }
+    }
+    void before_rope(int layer, int pos, const float* k) override {
+        if (!pre_rope_keys_ || trace_layer_[layer] < 0) return;
+        QkvLayer& out = layers_[trace_layer_[layer]];
+        const std::size_t row = static_cast<std::size_t>(pos - first_pos_);
+        std::memcpy(out.k_pre_rope.data() + row * config_.kv_dim(), k, config_.kv_dim() * sizeof(float));
     }
     void after_qkv(int layer, int pos, float* q, float* k, float* v) override {
         if (trace_layer_[layer] < 0) return;
@@ -56,6 +61,7 @@ private:
     const model::LlamaConfig& config_;
     std::vector<int> trace_layer_;
     std::vector<QkvLayer> layers_;
+    bool pre_rope_keys_;
     int first_pos_ = 0;
 };
 
@@ -101,6 +107,8 @@ CaptureSummary capture_trace(const CaptureOptions& options) {
     m.source_model_sha256 = sha256_file(model_path);
     m.source_text_sha256 = text.text_sha256;
     m.source_sliding_window = c.sliding_window;
+    m.rope = llama.rope();
+    m.pre_rope_keys = options.pre_rope_keys;
     TraceWriter writer(options.output_path, m);
 
     CaptureSummary summary;
@@ -112,9 +120,9 @@ CaptureSummary capture_trace(const CaptureOptions& options) {
         // One chunk's Q, K and V of every layer, held until written, next to the model itself.
         const std::string what = model_path + ": Q/K/V of " + sequence_name + " (chunks of " + std::to_string(chunk) + " tokens)";
         const uint64_t per_token_bytes = checked_mul(
-            static_cast<uint64_t>(recorded), (static_cast<uint64_t>(c.q_dim()) + 2ull * c.kv_dim()) * sizeof(float), what);
+            static_cast<uint64_t>(recorded), (static_cast<uint64_t>(c.q_dim()) + (options.pre_rope_keys ? 3ull : 2ull) * c.kv_dim()) * sizeof(float), what);
         check_memory(checked_add(checked_mul(per_token_bytes, static_cast<uint64_t>(chunk), what), llama.memory_bytes(), what), what);
-        QkvRecorder recorder(c, trace_layer, chunk, recorded);
+        QkvRecorder recorder(c, trace_layer, chunk, recorded, options.pre_rope_keys);
         const int sequence = writer.add_sequence(TokenizedText::trace_sequence_name(options.input.text_path, i), length);
         llama.reset();
         for (int start = 0; start < length; start += chunk) {

@@ -1,5 +1,5 @@
 // `kvsim capture`: a GGUF model reads text teacher-forced; every layer's Q and K (after RoPE)
-// and V are recorded into a qkv trace with the model's and text's provenance.
+// and V are recorded into a qkv trace with the model's and text's provenance and its RoPE.
 #pragma once
 #include <string>
 #include <vector>
@@ -16,6 +16,8 @@ struct CaptureOptions {
     // Model layers to record, ascending (empty = all): the trace's layer i is the model's layers[i],
     // and the trace says so (TraceMetadata::source_layers).
     std::vector<int> layers;
+    // Also record each layer's keys before RoPE (k_pre_rope), for low-rank keys fitted before RoPE.
+    bool pre_rope_keys = false;
 };
 
 struct CaptureSummary {

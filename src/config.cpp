@@ -106,13 +106,17 @@ public:
         SearchSpec spec;
         spec.where = where(node, "search");
         only_keys(node, "search", {"policy", "split", "target", "objective", "fit", "grid", "streaming", "tiers", "ranks"});
-        if (const YAML::Node ranks = node["ranks"]) {  // fit: ranks: {pre_rope_theta: 10000} fits keys before RoPE
-            if (!ranks.IsMap()) fail(ranks, "search.ranks", "expected a map, e.g. {pre_rope_theta: 10000}");
-            only_keys(ranks, "search.ranks", {"pre_rope_theta"});
+        if (const YAML::Node ranks = node["ranks"]) {  // fit: ranks: {pre_rope: true} fits keys before RoPE
+            if (!ranks.IsMap()) fail(ranks, "search.ranks", "expected a map, e.g. {pre_rope: true}");
+            only_keys(ranks, "search.ranks", {"pre_rope", "pre_rope_theta"});
+            if (const YAML::Node pre = ranks["pre_rope"]) spec.ranks_pre_rope = boolean(pre, "search.ranks.pre_rope");
             if (const YAML::Node theta = ranks["pre_rope_theta"]) {
                 spec.ranks_pre_rope_theta = number(theta, "search.ranks.pre_rope_theta");
                 if (!(spec.ranks_pre_rope_theta > 0))
                     fail(theta, "search.ranks.pre_rope_theta", "must be a positive number (the model's RoPE base)");
+                if (ranks["pre_rope"] && !spec.ranks_pre_rope)
+                    fail(theta, "search.ranks.pre_rope_theta", "is a RoPE base for pre_rope keys, but pre_rope is false");
+                spec.ranks_pre_rope = true;
             }
         }
         spec.tiers_where = spec.where + ".tiers";

@@ -237,8 +237,9 @@ void add_model_flags(CLI::App* cmd, ModelInput& flags) {
 }
 
 int run_capture(const ModelInput& input, const std::string& dtype, const std::vector<int>& layers,
-                const std::string& out) {
+                bool pre_rope_keys, const std::string& out) {
     CaptureOptions options;
+    options.pre_rope_keys = pre_rope_keys;
     options.input = input;
     options.layers = layers;
     options.dtype = dtype == "float16" ? TensorDtype::float16 : TensorDtype::float32;
@@ -351,6 +352,10 @@ int trace_info(const std::string& path) {
                         static_cast<long long>(m.source_sliding_window));
         if (!m.source_layers.empty()) std::printf("model layers     %s\n", m.source_layers.c_str());
     }
+    if (m.rope.known())
+        std::printf("rope             %s pairs, %zu frequencies from %.6g to %.6g rad/position%s\n",
+                    to_string(m.rope.pairing), m.rope.frequencies.size(), m.rope.frequencies.front(),
+                    m.rope.frequencies.back(), m.pre_rope_keys ? "; keys also recorded before RoPE" : "");
     int64_t tokens = 0;
     for (const SequenceInfo& s : reader.sequences()) tokens += s.length;
     std::printf("sequences        %zu (%lld tokens)\n", reader.sequences().size(), static_cast<long long>(tokens));
@@ -446,9 +451,16 @@ int main(int argc, char** argv) {
         ->delimiter(',');
     bases->add_option("-o,--output", bases_out, "output bases file (.json)")->required();
     double bases_rope_theta = 0;
+    bool bases_pre_rope = false, bases_no_joint = false;
+    bases->add_flag("--no-joint", bases_no_joint,
+                    "leave out the joint bases (one per layer over its KV heads; 1,024 wide at 8 KV heads of 128, and "
+                    "larger than every per-head basis together): for lowrank with joint = 0 only");
+    bases->add_flag("--pre-rope", bases_pre_rope,
+                    "fit key bases before RoPE (Palu's way), with the RoPE the trace records (and its keys before RoPE "
+                    "where captured with --pre-rope-keys); lowrank then applies RoPE after reconstruction");
     bases->add_option("--pre-rope-theta", bases_rope_theta,
-                      "fit key bases before RoPE: the recorded keys rotated back with this RoPE base (the model's "
-                      "rope freq_base, e.g. 10000); lowrank then applies RoPE after reconstruction");
+                      "--pre-rope for a trace that records no RoPE: the model's RoPE base (rope freq_base, e.g. 10000; "
+                      "adjacent pairs, unscaled)");
 
     CLI::App* policies = app.add_subcommand("policies", "list the policies and their parameters");
 
@@ -464,6 +476,9 @@ int main(int argc, char** argv) {
         ->transform(CLI::CheckedTransformer(std::map<std::string, std::string>{{"fp16", "float16"}, {"fp32", "float32"}}));
     capture->add_option("--layers", capture_layers, "model layers to record, e.g. 0,8,15 (default: all)")
         ->delimiter(',');
+    bool capture_pre_rope_keys = false;
+    capture->add_flag("--pre-rope-keys", capture_pre_rope_keys,
+                      "also record each layer's keys before RoPE (k_pre_rope), for low-rank keys fitted before RoPE");
 
     ReplayFlags eval_flags;
     CLI::App* eval = app.add_subcommand("eval", "perplexity with each policy controlling the model's own cache");
@@ -538,7 +553,7 @@ int main(int argc, char** argv) {
         if (*run) return run_replay(run_flags, false);
         if (*sweep) return run_replay(sweep_flags, true);
         if (*merge) return run_merge(merge_flags);
-        if (*capture) return run_capture(capture_input, capture_dtype, capture_layers, capture_out);
+        if (*capture) return run_capture(capture_input, capture_dtype, capture_layers, capture_pre_rope_keys, capture_out);
         if (*eval) return run_eval_command(eval_flags, eval_input);
         if (*search) return run_search_command(search_flags, search_confirm);
         if (*exporter) return run_export(export_profile, export_format, export_out);
@@ -558,7 +573,8 @@ int main(int argc, char** argv) {
         if (*bases) {
             if (bases_rope_theta < 0 || !std::isfinite(bases_rope_theta))
                 throw InputError("--pre-rope-theta: must be a positive number");
-            write_kv_bases(bases_out, fit_kv_bases(bases_trace, bases_sequences, bases_rope_theta));
+            const KeyFrame keys{bases_pre_rope || bases_rope_theta > 0, bases_rope_theta, !bases_no_joint};
+            write_kv_bases(bases_out, fit_kv_bases(bases_trace, bases_sequences, keys));
             std::printf("wrote %s\n", bases_out.c_str());
             return 0;
         }

@@ -212,6 +212,10 @@ class Cli(KvsimTestCase):
                                 "attention.h5: bases are fitted on keys and values")
         self.assert_input_error(kvsim("trace", "bases", trace, "--pre-rope-theta", "-1", "-o", self.path("b2.json")),
                                 "--pre-rope-theta: must be a positive number")
+        # Keys before RoPE: the shipped trace predates the recorded RoPE, so it needs the base.
+        self.assert_input_error(kvsim("trace", "bases", os.path.abspath("data/tinystories-stories260K.h5"), "--pre-rope",
+                                      "-o", self.path("b2.json")),
+                                "keys before RoPE need the model's RoPE, which this trace does not record")
 
     def test_bad_flags(self):
         config = self.write("small.yaml", SMALL)

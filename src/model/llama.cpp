@@ -36,27 +36,15 @@ void rms_norm(const Eigen::Ref<const RowMatrix>& x, const Eigen::VectorXf& weigh
     }
 }
 
-// RoPE (Su et al. 2021) within each head: pair i is (2i, 2i+1) with adjacent pairing (Meta's
-// Llama code, llama.cpp's "normal" mode, into which the GGUF converters permute Llama's Q/K
-// weights) or (i, i + head_dim/2) with halves (Qwen2, llama.cpp's "neox" mode).
+// RoPE (sim/rope.h) on a chunk's rows, from the per-position cos/sin tables.
 void apply_rope(Eigen::Ref<RowMatrix> x, int head_dim, int start_pos, RopePairing pairing, const RowMatrix& cos,
                 const RowMatrix& sin) {
-    const int pairs_per_head = head_dim / 2;
-    const int stride = pairing == RopePairing::adjacent ? 2 : 1;               // first element of pair i
-    const int partner = pairing == RopePairing::adjacent ? 1 : pairs_per_head;  // its partner's offset
     for (Eigen::Index i = 0; i < x.rows(); ++i) {
         float* row = x.row(i).data();
         const float* c = cos.row(start_pos + i).data();
         const float* s = sin.row(start_pos + i).data();
-        for (Eigen::Index head_start = 0; head_start < x.cols(); head_start += head_dim) {
-            for (int pair = 0; pair < pairs_per_head; ++pair) {
-                float& a = row[head_start + stride * pair];
-                float& b = row[head_start + stride * pair + partner];
-                const float a0 = a, b0 = b;
-                a = a0 * c[pair] - b0 * s[pair];
-                b = a0 * s[pair] + b0 * c[pair];
-            }
-        }
+        for (Eigen::Index head_start = 0; head_start < x.cols(); head_start += head_dim)
+            rotate_head(row + head_start, head_dim, pairing, c, s);
     }
 }
 
@@ -227,12 +215,9 @@ int64_t LlamaConfig::matmul_flops_per_token() const {
 }
 
 std::vector<double> LlamaConfig::rope_frequencies() const {
-    const int pairs = head_dim / 2;
-    std::vector<double> frequencies(static_cast<size_t>(pairs));
+    std::vector<double> frequencies = rope_base_frequencies(rope_theta, head_dim);
     const double pi = std::acos(-1.0);
-    for (int i = 0; i < pairs; ++i) {
-        // Computed in double: p / theta^(2i / head_dim) at p ~ 10^5 needs more than float's digits.
-        double frequency = 1.0 / std::pow(static_cast<double>(rope_theta), 2.0 * i / head_dim);
+    for (double& frequency : frequencies) {
         switch (rope_scaling.kind) {
             case RopeScaling::Kind::none: break;
             case RopeScaling::Kind::linear: frequency /= rope_scaling.factor; break;
@@ -253,7 +238,6 @@ std::vector<double> LlamaConfig::rope_frequencies() const {
                 break;
             }
         }
-        frequencies[static_cast<size_t>(i)] = frequency;
     }
     return frequencies;
 }
@@ -440,13 +424,9 @@ LlamaModel LlamaModel::load(const GgufFile& file, int max_context) {
     const int pairs = c.head_dim / 2;
     model.rope_cos_.resize(model.max_positions_, pairs);
     model.rope_sin_.resize(model.max_positions_, pairs);
-    for (int pos = 0; pos < model.max_positions_; ++pos) {
-        for (int i = 0; i < pairs; ++i) {
-            const double angle = pos * frequencies[static_cast<size_t>(i)];
-            model.rope_cos_(pos, i) = static_cast<float>(std::cos(angle));
-            model.rope_sin_(pos, i) = static_cast<float>(std::sin(angle));
-        }
-    }
+    for (int pos = 0; pos < model.max_positions_; ++pos)
+        rope_cos_sin(frequencies, pos, model.rope_cos_.row(pos).data(), model.rope_sin_.row(pos).data());
+    model.rope_ = Rope{c.rope_pairing, frequencies};
 
     model.key_cache_.assign(cache_floats, 0.0f);
     model.value_cache_.assign(cache_floats, 0.0f);
@@ -567,6 +547,8 @@ const float* LlamaModel::forward_batch(std::span<const int> tokens, int start_po
             k.rowwise() += layer.bk;
             v.rowwise() += layer.bv;
         }
+        if (hooks)
+            for (int i = 0; i < n; ++i) hooks->before_rope(l, start_pos + i, k.row(i).data());
         apply_rope(q, c.head_dim, start_pos, c.rope_pairing, rope_cos_, rope_sin_);
         apply_rope(k, c.head_dim, start_pos, c.rope_pairing, rope_cos_, rope_sin_);
         attention(l, n, start_pos, hooks);  // writes attn_out_

@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "base/errors.h"
+#include "sim/rope.h"
 #include "src/model/weight_matrix.h"
 #include <span>
 #include <string>
@@ -24,10 +25,7 @@ namespace kvsim::model {
 
 class GgufFile;
 
-// Which elements of a head RoPE rotates together: pair i is (2i, 2i+1) in Meta's Llama code (and
-// llama.cpp's "normal" mode, into which the GGUF converters permute Llama's Q/K weights), (i,
-// i + head_dim/2) in Qwen2 (llama.cpp's "neox" mode; the weights are stored unpermuted).
-enum class RopePairing { adjacent, halves };
+using kvsim::RopePairing;  // sim/rope.h: which elements of a head RoPE rotates together
 
 // RoPE frequency scaling from the metadata (`<arch>.rope.scaling.*`); a `rope_freqs.weight`
 // tensor, as llama.cpp's converter writes for Llama 3.1, overrides it (LlamaModel::load).
@@ -110,6 +108,9 @@ struct ForwardHooks {
     virtual void after_qkv(int layer, int pos, float* q, float* k, float* v) {
         (void)layer, (void)pos, (void)q, (void)k, (void)v;
     }
+    // Called once per layer per token before RoPE with the key row (n_kv_heads*head_dim), for a
+    // capture that records keys as they were before rotation (read only).
+    virtual void before_rope(int layer, int pos, const float* k) { (void)layer, (void)pos, (void)k; }
     // Positions that this layer's KV head may attend to at this step: nullptr = all 0..pos; else a
     // mask of length pos+1 (1 = kept), read before the next hook call. Masked positions are left out
     // of the softmax (renormalised over kept ones); if none is kept the head's output is zero.
@@ -147,6 +148,9 @@ class LlamaModel {
 
     const std::string& path() const { return path_; }
     const LlamaConfig& config() const { return config_; }
+    // The RoPE this model applies: its pairing and per-pair frequencies (from the metadata, or
+    // rope_freqs.weight), as a capture records it in the trace.
+    const Rope& rope() const { return rope_; }
     int max_positions() const { return max_positions_; }  // positions the KV cache holds
     bool tied_output() const { return tied_output_; }
     // Bytes the weights, RoPE tables and KV cache take (what a copy of the model costs).
@@ -204,6 +208,7 @@ class LlamaModel {
 
     // RoPE rotation of pair i at position p: rope_cos_(p, i), rope_sin_(p, i).
     RowMatrix rope_cos_, rope_sin_;
+    Rope rope_;  // the pairing and per-pair frequencies the tables were computed from
 
     // KV cache: [layer][kv_head][position][head_dim], so one head's keys are one contiguous matrix.
     std::vector<float> key_cache_, value_cache_;

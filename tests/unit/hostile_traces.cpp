@@ -3,6 +3,7 @@
 #include <hdf5.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <stdexcept>
@@ -112,7 +113,8 @@ std::vector<std::string> hostile_trace_kinds() {
             "qkv-fp16-nan",      "qkv-overflow",       "attention-nan",    "attention-above-one",
             "attention-negative", "attention-row-sum", "length-2e31",      "attention-unstored",
             "qkv-unstored",      "big-chunk",          "num-layers-2e32",  "string-array",
-            "external-link",     "qkv-beyond-fp16",    "qkv-beyond-fp16-stored-fp16"};
+            "external-link",     "qkv-beyond-fp16",    "qkv-beyond-fp16-stored-fp16", "rope-short",
+            "rope-negative",     "rope-half",          "pre-rope-keys-missing"};
 }
 
 void write_hostile_trace(const std::string& kind, const std::string& path) {
@@ -212,6 +214,39 @@ void write_hostile_trace(const std::string& kind, const std::string& path) {
         H5Aclose(a);
         H5Sclose(space);
         H5Tclose(type);
+        H5Fclose(f);
+    } else if (kind == "rope-short" || kind == "rope-negative" || kind == "rope-half" ||
+               kind == "pre-rope-keys-missing") {
+        // The recorded RoPE: 3 frequencies for head size 8, a negative one, a pairing without
+        // frequencies, or keys before RoPE claimed but not stored.
+        write_qkv(path, random_qkv_layer(kHostileQkvTokens, m, 1), random_qkv_layer(kHostileQkvTokens, m, 2));
+        const hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+        auto add_string = [&](const char* name, const char* value) {
+            const hid_t type = H5Tcopy(H5T_C_S1);
+            H5Tset_size(type, std::strlen(value));
+            const hid_t space = H5Screate(H5S_SCALAR);
+            const hid_t a = H5Acreate2(f, name, type, space, H5P_DEFAULT, H5P_DEFAULT);
+            H5Awrite(a, type, value);
+            H5Aclose(a), H5Sclose(space), H5Tclose(type);
+        };
+        auto add_doubles = [&](const std::vector<double>& values) {
+            const hsize_t n = values.size();
+            const hid_t space = H5Screate_simple(1, &n, nullptr);
+            const hid_t a = H5Acreate2(f, "rope_frequencies", H5T_IEEE_F64LE, space, H5P_DEFAULT, H5P_DEFAULT);
+            H5Awrite(a, H5T_NATIVE_DOUBLE, values.data());
+            H5Aclose(a), H5Sclose(space);
+        };
+        add_string("rope_pairing", "adjacent");
+        if (kind == "rope-short") add_doubles({1.0, 0.1, 0.01});
+        if (kind == "rope-negative") add_doubles({1.0, 0.1, -0.01, 0.001});
+        if (kind == "pre-rope-keys-missing") {
+            add_doubles({1.0, 0.1, 0.01, 0.001});
+            const int64_t one = 1;
+            const hid_t space = H5Screate(H5S_SCALAR);
+            const hid_t a = H5Acreate2(f, "pre_rope_keys", H5T_STD_I64LE, space, H5P_DEFAULT, H5P_DEFAULT);
+            H5Awrite(a, H5T_NATIVE_INT64, &one);
+            H5Aclose(a), H5Sclose(space);
+        }
         H5Fclose(f);
     } else {
         throw std::invalid_argument("unknown hostile trace kind '" + kind + "'");

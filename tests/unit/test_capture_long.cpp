@@ -136,3 +136,59 @@ TEST_CASE("capture: --context beyond the trained context is one line naming the 
     options.input.context = 64;
     CHECK(capture_trace(options).sequences == 1);
 }
+
+TEST_CASE("capture --pre-rope-keys: the model's RoPE recorded, and the keys before it, which RoPE turns into k") {
+    ScratchDir scratch;
+    // Llama with Llama 3.1 frequency scaling (adjacent pairs), and qwen2 (halves): a replay that
+    // rotated by theta alone, or by adjacent pairs, would not give back the recorded keys.
+    model::LlamaConfig llama31 = model::testing::tiny_config();
+    llama31.rope_scaling = {model::RopeScaling::Kind::llama3, 8.0, 1.0, 4.0, 32};
+    model::LlamaConfig qwen2 = model::testing::tiny_config();
+    qwen2.architecture = "qwen2";
+    qwen2.qkv_bias = true;
+    qwen2.rope_theta = 1000000.0f;
+    for (const model::LlamaConfig& config : {llama31, qwen2}) {
+        CAPTURE(config.architecture);
+        const std::string model_path = scratch.file(config.architecture + ".gguf"), text = scratch.file("t.txt");
+        model::write_random_llama(model_path, config, 41);
+        std::ofstream(text) << "the cat sat on the mat. the dog ran to the park and back again.";
+        CaptureOptions options;
+        options.input = {model_path, text, "", 0, 0};
+        options.output_path = scratch.file(config.architecture + ".h5");
+        options.pre_rope_keys = true;
+        capture_trace(options);
+
+        const TraceReader trace(options.output_path);
+        const model::LlamaModel llama = model::LlamaModel::load(model_path);
+        const TraceMetadata& m = trace.metadata();
+        CHECK(m.pre_rope_keys);
+        CHECK(m.rope == llama.rope());
+        CHECK(m.rope.pairing == (config.architecture == "qwen2" ? RopePairing::halves : RopePairing::adjacent));
+        const std::vector<double> expected = config.rope_frequencies();
+        REQUIRE(m.rope.frequencies.size() == expected.size());
+        for (std::size_t i = 0; i < expected.size(); ++i) CHECK(m.rope.frequencies[i] == doctest::Approx(expected[i]));
+        for (int layer = 0; layer < config.n_layers; ++layer) {
+            CAPTURE(layer);
+            const QkvLayer recorded = trace.read_qkv(0, layer);
+            std::vector<float> before;
+            trace.read_pre_rope_keys(0, layer, before);
+            REQUIRE(before.size() == recorded.k.size());
+            CHECK(before != recorded.k);
+            // The same tables and the same float arithmetic as the forward pass: exactly k.
+            apply_rope_rows(before.data(), 0, recorded.tokens, config.n_kv_heads, config.head_dim, m.rope, false);
+            CHECK(before == recorded.k);
+        }
+    }
+    SUBCASE("without the flag the RoPE is still recorded, the keys before it not") {
+        CaptureOptions options;
+        options.input = {scratch.file("qwen2.gguf"), scratch.file("t.txt"), "", 0, 0};
+        options.output_path = scratch.file("plain.h5");
+        capture_trace(options);
+        const TraceReader trace(options.output_path);
+        CHECK_FALSE(trace.metadata().pre_rope_keys);
+        CHECK(trace.metadata().rope.pairing == RopePairing::halves);
+        std::vector<float> out;
+        CHECK_THROWS_WITH_AS(trace.read_pre_rope_keys(0, 0, out), doctest::Contains("records no keys before RoPE"),
+                             InputError);
+    }
+}

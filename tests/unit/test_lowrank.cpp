@@ -146,15 +146,23 @@ TEST_CASE("pre-RoPE keys: reconstruction at full rank followed by RoPE gives the
     // tiny-256 applies RoPE with base 10000 to its keys, as the Llama forward pass does.
     TinyTrace tiny;
     const std::string pre = scratch("pre-rope.json");
-    write_kv_bases(pre, fit_kv_bases(tiny.trace, {}, 10000));
+    // The synthetic trace records the RoPE it applied; no base needs to be given.
+    write_kv_bases(pre, fit_kv_bases(tiny.trace, {}, KeyFrame{true, 0}));
     auto bases = load_kv_bases(pre, 3, 2, 16);
     CHECK(bases->keys == "pre_rope");
-    CHECK(bases->rope_theta == 10000);
+    REQUIRE(bases->rope.frequencies.size() == 8);
+    CHECK(bases->rope.pairing == RopePairing::adjacent);
+    for (int i = 0; i < 8; ++i) CHECK(bases->rope.frequencies[i] == doctest::Approx(std::pow(10000.0, -i / 8.0)).epsilon(1e-12));
+    // A base given for it must agree with what it records.
+    const std::string given = scratch("pre-rope-given.json");
+    write_kv_bases(given, fit_kv_bases(tiny.trace, {}, KeyFrame{true, 10000}));
+    CHECK_THROWS_WITH_AS(fit_kv_bases(tiny.trace, {}, KeyFrame{true, 500000}),
+                         doctest::Contains("does not describe it: leave rope_theta out"), InputError);
     const QkvLayer layer = generate_synthetic_qkv_layer(synthetic_qkv_trace("tiny-256", "test"), 2);
     // Rotating back and forth is the identity up to float rounding.
     std::vector<float> keys = layer.k;
-    apply_rope_rows(keys.data(), 0, layer.tokens, 2, 16, 10000, true);
-    apply_rope_rows(keys.data(), 0, layer.tokens, 2, 16, 10000, false);
+    apply_rope_rows(keys.data(), 0, layer.tokens, 2, 16, bases->rope, true);
+    apply_rope_rows(keys.data(), 0, layer.tokens, 2, 16, bases->rope, false);
     double err = 0, norm = 0;
     for (std::size_t i = 0; i < keys.size(); ++i) err += std::pow(keys[i] - layer.k[i], 2), norm += std::pow(layer.k[i], 2);
     CHECK(std::sqrt(err / norm) < 1e-6);
@@ -293,6 +301,40 @@ TEST_CASE("lowrank composes with eviction and quantisation") {
     CHECK(both.bytes_per_token < window.bytes_per_token);
     CHECK(both.bytes_per_token < plain.bytes_per_token);
     CHECK(both.output_rel_error > window.output_rel_error);
+}
+
+TEST_CASE("bases without the joint ones: the same per-head bases and distances, a smaller file, joint refused") {
+    TinyTrace tiny;
+    const std::string per_head = scratch("per-head.json");
+    KeyFrame keys;
+    keys.joint = false;
+    write_kv_bases(per_head, fit_kv_bases(tiny.trace, {}, keys));
+    const auto all = load_kv_bases(tiny.bases, 3, 2, 16), some = load_kv_bases(per_head, 3, 2, 16);
+    CHECK(some->joint_key.empty());
+    CHECK(all->joint_key.size() == 3);
+    CHECK(std::filesystem::file_size(per_head) < std::filesystem::file_size(tiny.bases));
+    // Head by head or as blocks of the joint moment: the same sums in another order.
+    for (std::size_t u = 0; u < all->key.size(); ++u) {
+        CHECK((all->key[u].mean - some->key[u].mean).norm() <= 1e-9 * all->key[u].mean.norm());
+        CHECK((all->value[u].energy - some->value[u].energy).norm() <= 1e-9 * all->value[u].energy.norm());
+        for (int j = 0; j < 16; ++j)  // each direction, up to its sign convention
+            CHECK(std::abs(all->key[u].vectors.col(j).dot(some->key[u].vectors.col(j))) > 1 - 1e-6);
+    }
+    for (int layer = 0; layer < 3; ++layer)
+        CHECK((all->head_distance[layer] - some->head_distance[layer]).norm() <= 1e-9 * all->head_distance[layer].norm());
+    // Per-head ranks replay from it exactly as from the full file; a joint latent is refused.
+    const auto records =
+        run_experiment(config_on(tiny.trace, {lowrank(tiny.bases, 5, 6), lowrank(per_head, 5, 6)}), {}, false).records;
+    CHECK(record(records, with_bases("lowrank(key_rank=5,value_rank=6)", tiny.bases)).output_rel_error ==
+          doctest::Approx(record(records, with_bases("lowrank(key_rank=5,value_rank=6)", per_head)).output_rel_error)
+              .epsilon(1e-6));
+    try {
+        run_experiment(config_on(tiny.trace, {lowrank(per_head, 4, 4, 1)}), {}, false);
+        FAIL("no error");
+    } catch (const InputError& error) {
+        CHECK(contains(error.what(), per_head + ": joint = 1 needs joint bases, and this file was fitted without them"));
+    }
+    std::filesystem::remove(per_head);
 }
 
 TEST_CASE("bad ranks and bases of the wrong shape are input errors naming the key or file") {

@@ -132,6 +132,17 @@ TEST_CASE("counts past int and strings of several elements are refused, not narr
     CHECK(contains(replay_error(hostile("string-array")), "attribute 'model_name' is not one string"));
 }
 
+TEST_CASE("a recorded RoPE must be whole: head_dim / 2 positive frequencies, with its pairing, before keys claimed") {
+    CHECK(contains(replay_error(hostile("rope-short")),
+                   "root attribute 'rope_frequencies' must be 4 floating-point numbers (head_dim / 2)"));
+    CHECK(contains(replay_error(hostile("rope-negative")),
+                   "root attribute 'rope_frequencies': element 2 is -0.01; frequencies must be positive and finite"));
+    CHECK(contains(replay_error(hostile("rope-half")),
+                   "root attribute 'rope_frequencies' is missing (a trace records both RoPE attributes or neither)"));
+    CHECK(contains(replay_error(hostile("pre-rope-keys-missing")),
+                   "missing dataset '/sequences/000000/qkv/layer_000/k_pre_rope'"));
+}
+
 TEST_CASE("a trace cannot make the reader follow a link into another file") {
     CHECK(contains(replay_error(hostile("external-link")),
                    "'/sequences/000000/qkv/layer_001/k' is a soft or external link; a trace holds its datasets itself"));
