@@ -142,7 +142,7 @@ void add_cluster_flags(CLI::App* cmd, ReplayFlags& flags) {
 // Writes the Slurm script of --emit-slurm: `args`, the command and the flags every shard is given,
 // and `units`, the work units the shards share, counted by the caller from the checked config.
 int emit_slurm_script(const ReplayFlags& flags, const std::string& out_dir, const std::vector<std::string>& args,
-                      std::size_t units, const std::string& unit_name) {
+                      std::size_t units, const std::string& unit_name, const std::string& outputs) {
     if (!flags.shard.empty() || flags.resume)
         throw InputError("--emit-slurm: the script gives each array task its --shard and --resume; drop them");
     if (flags.slurm_shards < 1) throw InputError("--emit-slurm " + flags.emit_slurm + ": --shards N is required");
@@ -156,10 +156,11 @@ int emit_slurm_script(const ReplayFlags& flags, const std::string& out_dir, cons
                                                     : flags.slurm_shards;
     script.kvsim = std::filesystem::read_symlink("/proc/self/exe").string();
     script.workdir = std::filesystem::current_path().string();
-    script.sweep_args = args;
-    if (flags.threads > 0) script.sweep_args.insert(script.sweep_args.end(), {"--threads", std::to_string(flags.threads)});
+    script.command_args = args;
+    if (flags.threads > 0) script.command_args.insert(script.command_args.end(), {"--threads", std::to_string(flags.threads)});
     script.out_dir = out_dir;
     script.job_name = "kvsim-" + std::filesystem::path(flags.config).stem().string();
+    script.outputs = outputs;
     write_slurm_script(script);
     std::printf("wrote %s: %d shards (at most %d at once) of %zu work units; submit it with: bash %s\n",
                 script.path.c_str(), script.shards, script.max_running, units, script.path.c_str());
@@ -172,7 +173,8 @@ int emit_sweep_slurm_script(const ReplayFlags& flags, const CommandSetup& setup,
     std::vector<std::string> args = {command, flags.config};
     if (!flags.budgets.empty()) args.insert(args.end(), {"--budgets", flags.budgets});
     for (const std::string& set : flags.sets) args.insert(args.end(), {"--set", set});
-    return emit_slurm_script(flags, setup.out_dir, args, experiment.unit_count(), "cells x layers");
+    return emit_slurm_script(flags, setup.out_dir, args, experiment.unit_count(), "cells x layers",
+                             "results.csv and results.json");
 }
 
 int run_replay(const ReplayFlags& flags, bool sweep) {
@@ -360,7 +362,8 @@ int run_search_command(const ReplayFlags& flags, const ModelInput& confirm) {
             if (confirm.max_tokens > 0) args.insert(args.end(), {"--max-tokens", std::to_string(confirm.max_tokens)});
             if (confirm.context > 0) args.insert(args.end(), {"--context", std::to_string(confirm.context)});
         }
-        return emit_slurm_script(flags, setup.out_dir, args, grid.unit_count(), "grid budgets x layers");
+        return emit_slurm_script(flags, setup.out_dir, args, grid.unit_count(), "grid budgets x layers",
+                                 "search.json, search.csv, report.md and the profiles");
     }
     if (flags.slurm_shards > 0 || flags.slurm_max_running > 0)
         throw InputError("--shards and --max-running size the job array of --emit-slurm; to run one shard, give --shard I/N");

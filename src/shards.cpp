@@ -704,17 +704,17 @@ std::string shell_quote(const std::string& word) {
 void write_slurm_script(const SlurmScript& s) {
     const std::string out_dir = std::filesystem::absolute(s.out_dir).lexically_normal().string();
     std::string command = shell_quote(s.kvsim);
-    for (const std::string& a : s.sweep_args) command += " " + shell_quote(a);
+    for (const std::string& a : s.command_args) command += " " + shell_quote(a);
     command += " --out " + shell_quote(out_dir);
     const std::string array = "0-" + std::to_string(s.shards - 1) +
                               (s.max_running > 0 ? "%" + std::to_string(s.max_running) : "");
     std::string text;
     text += "#!/bin/bash\n";
-    text += "# Written by kvsim " KVSIM_VERSION ": a sweep as a Slurm job array of " + std::to_string(s.shards) +
-            " shards, then a merge job.\n";
+    text += "# Written by kvsim " KVSIM_VERSION ": a " + s.command_args.front() + " as a Slurm job array of " +
+            std::to_string(s.shards) + " shards, then a merge job.\n";
     text += "# Submit it with `bash " + s.path + "` on a node that runs sbatch: it submits itself as the\n";
     text += "# array, then the merge, which starts once every shard has succeeded (afterok) and writes\n";
-    text += "# results.csv and results.json into " + out_dir + ".\n";
+    text += "# " + s.outputs + " into " + out_dir + ".\n";
     text += "# Each array task runs shard $SLURM_ARRAY_TASK_ID and resumes its own checkpoint, so a shard that\n";
     text += "# failed or lost its node is rerun alone with `sbatch --array=I " + s.path + "`, redoing only what\n";
     text += "# it had not finished; `kvsim merge` names the shards a merge still misses.\n";

@@ -95,9 +95,10 @@ struct SlurmScript {
     int max_running = 0;  // at most this many shards at once (%M); 0: all
     std::string kvsim;    // the kvsim binary (absolute)
     std::string workdir;  // absolute: where the commands run
-    std::vector<std::string> sweep_args;  // the command and its arguments, without --shard and --out
+    std::vector<std::string> command_args;  // the command and its arguments, without --shard and --out
     std::string out_dir;
     std::string job_name;
+    std::string outputs = "results.csv and results.json";  // what the merge writes, for the script's comment
 };
 
 // Writes the batch script (atomically, executable): a job array over the shards, each taking its
