@@ -256,7 +256,6 @@ SearchSetup::SearchSetup(const SearchSpec& spec, const SearchRun& run) : reader(
             throw InputError(target.where + ": " + target.label + " (" + detail + "): nothing to fit");
         }
     }
-
 }
 
 namespace {
