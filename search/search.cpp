@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <map>
+#include <optional>
 #include <random>
 
 #include "base/atomic_file.h"
@@ -19,6 +21,7 @@
 #include "search/tier_fit.h"
 #include "sim/qkv_attention.h"
 #include "sim/replay.h"
+#include "sim/shard_plan.h"
 #include "sim/sweep.h"
 #include "sim/trace_store.h"
 
@@ -123,19 +126,42 @@ std::string budgets_text(const SearchRecord& r) {
 
 }  // namespace
 
-SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
-    const auto start = std::chrono::steady_clock::now();
-    const TraceReader reader(run.trace_path);
+// What every part of a search starts from, checked: the trace, the objective and fits, the
+// policy, the split, the grid and the replay options. A whole search and a shard of its grid
+// replay both begin here, so they refuse the same input and measure the same units.
+struct SearchSetup {
+    SearchSetup(const SearchSpec& spec, const SearchRun& run);
+
+    TraceReader reader;
+    SearchOutcome out;  // trace, objective, split, shape and grid filled in
+    bool qkv = false, output_error = false;
+    bool fit_layers = false, fit_heads = false, fit_streaming = false, fit_tiers = false, fit_budgets = false,
+         fit_ranks = false;
+    const PolicyDescriptor* policy = nullptr;
+    ParamValues params;
+    std::vector<int> heldout, fitting;  // indices into the trace
+    std::unique_ptr<AttentionSource> fitting_source, heldout_source;
+    int num_layers = 0, num_kv_heads = 0, head_dim = 0;
+    std::optional<ByteModel> heldout_bytes;
+    HarnessOptions harness;
+    ReplayOptions options;
+    double full_fp16 = 0;  // bytes per token of the full fp16 cache on the held-out sequences
+};
+
+SearchSetup::SearchSetup(const SearchSpec& spec, const SearchRun& run) : reader(run.trace_path) {
     const TraceMetadata& meta = reader.metadata();
-    const bool qkv = meta.kind == TraceKind::qkv;
-    SearchOutcome out;
+    qkv = meta.kind == TraceKind::qkv;
     out.trace = run.trace_path;
     out.objective = spec.objective.empty() ? (qkv ? "output_rel_error" : "retained_mass") : spec.objective;
-    const bool output_error = out.objective == "output_rel_error";
+    output_error = out.objective == "output_rel_error";
     auto fits = [&](const char* name) { return std::find(spec.fits.begin(), spec.fits.end(), name) != spec.fits.end(); };
-    const bool fit_layers = fits("layer_budgets"), fit_heads = fits("head_budgets"), fit_streaming = fits("streaming");
-    const bool fit_tiers = fits("tiers"), fit_budgets = fit_layers || fit_heads, fit_ranks_ = fits("ranks");
-    if (fit_ranks_ && (!qkv || !output_error))
+    fit_layers = fits("layer_budgets");
+    fit_heads = fits("head_budgets");
+    fit_streaming = fits("streaming");
+    fit_tiers = fits("tiers");
+    fit_budgets = fit_layers || fit_heads;
+    fit_ranks = fits("ranks");
+    if (fit_ranks && (!qkv || !output_error))
         throw InputError(spec.fits_where + ": ranks are fitted by their output error on keys and values, which needs a "
                                            "Q/K/V trace and objective output_rel_error");
     if (output_error && !qkv)
@@ -158,29 +184,30 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
         throw InputError(run.trace_path + ": the trace records no head size, and byte targets are counted from it");
 
     // The policy whose budgets are fitted.
-    const PolicyDescriptor* policy = find_policy(spec.policy.name);
+    policy = find_policy(spec.policy.name);
     if (!policy)
         throw InputError(spec.policy.where + ": unknown policy '" + spec.policy.name + "' (known: " +
                          known_policy_names() + ")");
     if (policy->keeps_everything)
         throw InputError(spec.policy.where + ": " + spec.policy.name + " keeps every token; search fits eviction budgets");
-    const ParamValues params = resolve_params(*policy, spec.policy.params, spec.policy.where);
+    params = resolve_params(*policy, spec.policy.params, spec.policy.where);
 
     // The split.
     const int count = static_cast<int>(reader.sequences().size());
-    const std::vector<int> heldout = heldout_indices(spec, count, run.trace_path);
-    std::vector<int> fitting;
+    heldout = heldout_indices(spec, count, run.trace_path);
     for (int s = 0; s < count; ++s)
         if (!std::binary_search(heldout.begin(), heldout.end(), s)) fitting.push_back(s);
     for (int s : fitting) out.fitting_sequences.push_back(reader.sequences()[s].name);
     for (int s : heldout) out.heldout_sequences.push_back(reader.sequences()[s].name);
     out.heldout_indices = heldout;
 
-    auto fitting_source = open_trace_source(run.trace_path, run.max_steps, fitting);
-    auto heldout_source = open_trace_source(run.trace_path, run.max_steps, heldout);
+    fitting_source = open_trace_source(run.trace_path, run.max_steps, fitting);
+    heldout_source = open_trace_source(run.trace_path, run.max_steps, heldout);
     const AttentionShape& shape = fitting_source->shape();
-    const int L = shape.num_layers, K = shape.num_kv_heads;
-    const int head_dim = static_cast<int>(meta.head_dim);
+    num_layers = shape.num_layers;
+    num_kv_heads = shape.num_kv_heads;
+    head_dim = static_cast<int>(meta.head_dim);
+    const int L = num_layers, K = num_kv_heads;
     out.shape = {meta.model_name, L, shape.num_query_heads, K, head_dim};
 
     // The budget grid: from the smallest budget the policy accepts to the longest sequence.
@@ -203,20 +230,19 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
 
     const int slot_bytes = static_cast<int>(
         policy->make(params, PolicyContext{out.grid.front(), out.grid.front() + 1, 0, L, 0, K, head_dim})->bytes_per_slot());
-    const ByteModel heldout_bytes(heldout_source->shape().last_steps, head_dim, slot_bytes);
+    heldout_bytes.emplace(heldout_source->shape().last_steps, head_dim, slot_bytes);
 
-    const HarnessOptions harness = named_harness_options(run.attention_view, run.group_reduce, qkv, 0);
-    ReplayOptions options;
+    harness = named_harness_options(run.attention_view, run.group_reduce, qkv, 0);
     options.harness = harness;
     options.output_error = output_error;
     options.memory = qkv;
 
     // Every target must lie between what the smallest grid budget holds and the full cache.
-    const double full_fp16 = heldout_bytes.full_fp16_bytes_per_token();
+    full_fp16 = heldout_bytes->full_fp16_bytes_per_token();
     for (const SearchTarget& target : spec.targets) {
         const double bytes = target.bytes(full_fp16);
-        const double floor_bytes = heldout_bytes.bytes_per_token(out.grid.front());
-        const double ceiling_bytes = heldout_bytes.bytes_per_token(out.grid.back());
+        const double floor_bytes = heldout_bytes->bytes_per_token(out.grid.front());
+        const double ceiling_bytes = heldout_bytes->bytes_per_token(out.grid.back());
         char detail[160];
         if (fit_budgets && bytes < floor_bytes) {
             std::snprintf(detail, sizeof detail, "%.4g bytes per token is below the %.4g that budget %d alone holds",
@@ -230,6 +256,95 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
             throw InputError(target.where + ": " + target.label + " (" + detail + "): nothing to fit");
         }
     }
+}
+
+namespace {
+
+// The grid replay's results from every unit's streams, each (layer, KV head) summed over the
+// fitting sequences in the order replay() sums them, so the curves are the same bits.
+std::vector<ComboResult> combine_grid_units(const SearchSetup& setup, const std::vector<SearchUnitStreams>& units) {
+    const std::size_t budgets = setup.out.grid.size(), sequences = setup.fitting.size();
+    const int layers = setup.num_layers;
+    const auto kv_heads = static_cast<std::size_t>(setup.num_kv_heads);
+    const std::vector<WorkUnit> all = enumerate_work(budgets, layers);
+    if (units.size() != all.size()) throw std::logic_error("search: grid units missing");
+    std::vector<ComboResult> results(budgets);
+    for (ComboResult& r : results) r.by_stream.resize(sequences * layers * kv_heads);
+    for (std::size_t u = 0; u < all.size(); ++u) {
+        if (units[u].size() != sequences * kv_heads) throw std::logic_error("search: grid unit streams missing");
+        ComboResult& r = results[all[u].cell];
+        for (std::size_t s = 0; s < sequences; ++s)
+            for (std::size_t kv = 0; kv < kv_heads; ++kv)
+                r.by_stream[(s * layers + all[u].layer) * kv_heads + kv] = units[u][s * kv_heads + kv];
+    }
+    for (ComboResult& r : results) sum_streams(r, sequences, layers, setup.num_kv_heads);
+    return results;
+}
+
+}  // namespace
+
+SearchGridReplay::SearchGridReplay(const SearchSpec& spec, const SearchRun& run)
+    : setup_(std::make_unique<SearchSetup>(spec, run)), policy_(spec.policy), progress_(run.progress) {
+    if (!setup_->fit_budgets)
+        throw InputError(spec.fits_where + ": --shard divides the grid replay of the budget fits (layer_budgets, "
+                                           "head_budgets), and this search has neither; run it without --shard");
+}
+
+SearchGridReplay::~SearchGridReplay() = default;
+
+const std::vector<int>& SearchGridReplay::grid() const { return setup_->out.grid; }
+int SearchGridReplay::num_layers() const { return setup_->num_layers; }
+int SearchGridReplay::num_kv_heads() const { return setup_->num_kv_heads; }
+std::size_t SearchGridReplay::unit_count() const { return grid().size() * static_cast<std::size_t>(num_layers()); }
+const std::vector<std::string>& SearchGridReplay::fitting_sequences() const { return setup_->out.fitting_sequences; }
+
+void SearchGridReplay::run_units(const std::vector<std::size_t>& units, const LayerDone& layer_done) {
+    const std::vector<ReplayCombo> combos = expand_sweep({policy_}, {}, grid());
+    const std::vector<WorkUnit> all = enumerate_work(grid().size(), num_layers());
+    // The units by layer, in enumeration order: one lockstep replay per layer, as a sweep's shard.
+    std::map<int, std::vector<std::size_t>> by_layer;
+    for (std::size_t u : units) by_layer[all.at(u).layer].push_back(u);
+    const std::size_t sequences = setup_->fitting.size();
+    const auto kv_heads = static_cast<std::size_t>(setup_->num_kv_heads);
+    std::size_t layers_done = 0;
+    for (const auto& [layer, layer_units] : by_layer) {
+        std::vector<ReplayCombo> layer_combos;
+        for (std::size_t u : layer_units) layer_combos.push_back(combos[all[u].cell]);
+        ReplayOptions options = setup_->options;
+        options.layers = {layer};
+        if (progress_)
+            options.progress = [&, layers = by_layer.size()](double f) {
+                progress_((static_cast<double>(layers_done) + f) / static_cast<double>(layers));
+            };
+        const std::vector<ComboResult> results = replay(*setup_->fitting_source, layer_combos, options);
+        std::vector<SearchUnitStreams> streams(layer_units.size());
+        for (std::size_t i = 0; i < layer_units.size(); ++i)
+            for (std::size_t s = 0; s < sequences; ++s)
+                for (std::size_t kv = 0; kv < kv_heads; ++kv)
+                    streams[i].push_back(results[i].by_stream[(s * num_layers() + layer) * kv_heads + kv]);
+        ++layers_done;
+        layer_done(layer_units, streams);
+    }
+}
+
+SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
+    const auto start = std::chrono::steady_clock::now();
+    SearchSetup setup(spec, run);
+    SearchOutcome& out = setup.out;
+    const TraceMetadata& meta = setup.reader.metadata();
+    const bool output_error = setup.output_error;
+    const bool fit_layers = setup.fit_layers, fit_heads = setup.fit_heads, fit_streaming = setup.fit_streaming;
+    const bool fit_tiers = setup.fit_tiers, fit_budgets = setup.fit_budgets, fit_ranks_ = setup.fit_ranks;
+    const PolicyDescriptor* policy = setup.policy;
+    const ParamValues& params = setup.params;
+    const std::vector<int>& fitting = setup.fitting;
+    std::unique_ptr<AttentionSource>& fitting_source = setup.fitting_source;
+    std::unique_ptr<AttentionSource>& heldout_source = setup.heldout_source;
+    const int L = setup.num_layers, K = setup.num_kv_heads;
+    const ByteModel& heldout_bytes = *setup.heldout_bytes;
+    const HarnessOptions& harness = setup.harness;
+    ReplayOptions options = setup.options;
+    const double full_fp16 = setup.full_fp16;
 
     // Progress on a terminal: each fit (budgets, streaming, tiers) an equal share of the bar.
     const int stages = (fit_budgets ? 1 : 0) + (fit_streaming ? 1 : 0) + (fit_tiers ? 1 : 0) + (fit_ranks_ ? 1 : 0);
@@ -244,9 +359,15 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     PolicyEntry entry = spec.policy;
     if (fit_budgets) {
         // One lockstep pass over the fitting set: every grid budget side by side.
-        const std::vector<ReplayCombo> grid_combos = expand_sweep({entry}, {}, out.grid);
-        if (run.progress) options.progress = [&](double f) { stage_progress(0, 0.7 * f); };
-        const std::vector<ComboResult> measured = replay(*fitting_source, grid_combos, options);
+        // Or its units' streams, measured by shards (kvsim search --shard) and summed as replay sums.
+        std::vector<ComboResult> measured;
+        if (run.measured_units) {
+            measured = combine_grid_units(setup, *run.measured_units);
+        } else {
+            const std::vector<ReplayCombo> grid_combos = expand_sweep({entry}, {}, out.grid);
+            if (run.progress) options.progress = [&](double f) { stage_progress(0, 0.7 * f); };
+            measured = replay(*fitting_source, grid_combos, options);
+        }
 
         std::vector<UnitCurve> layer_curves(L), head_curves(static_cast<std::size_t>(L) * K);
         for (int l = 0; l < L; ++l) {
@@ -521,7 +642,7 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
         out.profiles.push_back(p);
     }
     out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    return out;
+    return std::move(out);
 }
 
 std::string format_search_table(const SearchOutcome& o) {

@@ -77,9 +77,44 @@ struct SearchRun {
     std::string attention_view;         // "raw", "renormalized", or "" for the trace kind's default
     std::string group_reduce = "mean";  // "mean", "max" or "sum"
     std::function<void(double)> progress;
+    // The grid replay's units measured already, by shards (SearchGridReplay), indexed by unit:
+    // run_search sums them instead of replaying the grid, and does the rest as it would.
+    const std::vector<std::vector<StreamMetrics>>* measured_units = nullptr;
 };
 
 SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run);
+
+struct SearchSetup;
+
+// One unit's measurements: per (fitting sequence, KV head), sequence-major.
+using SearchUnitStreams = std::vector<StreamMetrics>;
+
+// The budget fits' measurement, the grid replay over the fitting sequences, divided into work units
+// as a sweep's are (sim/shard_plan.h): one grid budget over one layer, every fitting sequence and
+// KV head included, numbered unit = layer * grid size + the budget's place in the grid. The fits
+// allocate across every layer and head at once, so a shard of a search is a share of these units;
+// the fits, the held-out confirmation and the other fits run once every unit is measured.
+class SearchGridReplay {
+public:
+    // Checks the search as run_search does; InputError also when it fits no budgets.
+    SearchGridReplay(const SearchSpec& spec, const SearchRun& run);
+    ~SearchGridReplay();
+
+    const std::vector<int>& grid() const;
+    int num_layers() const;
+    int num_kv_heads() const;
+    std::size_t unit_count() const;
+    const std::vector<std::string>& fitting_sequences() const;
+
+    // Replays `units` layer by layer, calling layer_done with each layer's units and their streams.
+    using LayerDone = std::function<void(const std::vector<std::size_t>& units, std::vector<SearchUnitStreams>& streams)>;
+    void run_units(const std::vector<std::size_t>& units, const LayerDone& layer_done);
+
+private:
+    std::unique_ptr<SearchSetup> setup_;
+    PolicyEntry policy_;
+    std::function<void(double)> progress_;
+};
 
 // What a fit beside the budget fits (streaming heads, tier profiles) replays with.
 struct FitInput {

@@ -125,8 +125,8 @@ void emit_results(const std::vector<ResultRecord>& records, const std::string& t
 
 void add_cluster_flags(CLI::App* cmd, ReplayFlags& flags) {
     cmd->add_option("--shard", flags.shard,
-                    "run shard I of N (I/N, from 0): the I-th share of the work units (cells x layers); writes "
-                    "partial-I-of-N.json into the output folder for kvsim merge");
+                    "run shard I of N (I/N, from 0): the I-th share of the work units (cells x layers; a search's: "
+                    "grid budgets x layers); writes partial-I-of-N.json into the output folder for kvsim merge");
     cmd->add_flag("--resume", flags.resume,
                   "keep the work units a previous run of the same shard (or whole run) checkpointed in the output "
                   "folder, and do only the rest");
@@ -139,15 +139,16 @@ void add_cluster_flags(CLI::App* cmd, ReplayFlags& flags) {
         ->check(CLI::Range(1, 1000000));
 }
 
-int emit_slurm_script(const ReplayFlags& flags, const CommandSetup& setup, const std::string& command) {
+// Writes the Slurm script of --emit-slurm: `args`, the command and the flags every shard is given,
+// and `units`, the work units the shards share, counted by the caller from the checked config.
+int emit_slurm_script(const ReplayFlags& flags, const std::string& out_dir, const std::vector<std::string>& args,
+                      std::size_t units, const std::string& unit_name, const std::string& outputs) {
     if (!flags.shard.empty() || flags.resume)
         throw InputError("--emit-slurm: the script gives each array task its --shard and --resume; drop them");
     if (flags.slurm_shards < 1) throw InputError("--emit-slurm " + flags.emit_slurm + ": --shards N is required");
-    // The config must be valid before a cluster runs it: expanded and checked against its trace.
-    const Experiment experiment(setup.config, setup.axes);
-    if (static_cast<std::size_t>(flags.slurm_shards) > experiment.unit_count())
-        throw InputError("--shards " + std::to_string(flags.slurm_shards) + ": more shards than the sweep's " +
-                         std::to_string(experiment.unit_count()) + " work units (cells x layers)");
+    if (static_cast<std::size_t>(flags.slurm_shards) > units)
+        throw InputError("--shards " + std::to_string(flags.slurm_shards) + ": more shards than the " + args.front() +
+                         "'s " + std::to_string(units) + " work units (" + unit_name + ")");
     SlurmScript script;
     script.path = flags.emit_slurm;
     script.shards = flags.slurm_shards;
@@ -155,22 +156,31 @@ int emit_slurm_script(const ReplayFlags& flags, const CommandSetup& setup, const
                                                     : flags.slurm_shards;
     script.kvsim = std::filesystem::read_symlink("/proc/self/exe").string();
     script.workdir = std::filesystem::current_path().string();
-    script.sweep_args = {command, flags.config};
-    if (!flags.budgets.empty()) script.sweep_args.insert(script.sweep_args.end(), {"--budgets", flags.budgets});
-    for (const std::string& set : flags.sets) script.sweep_args.insert(script.sweep_args.end(), {"--set", set});
-    if (flags.threads > 0) script.sweep_args.insert(script.sweep_args.end(), {"--threads", std::to_string(flags.threads)});
-    script.out_dir = setup.out_dir;
+    script.command_args = args;
+    if (flags.threads > 0) script.command_args.insert(script.command_args.end(), {"--threads", std::to_string(flags.threads)});
+    script.out_dir = out_dir;
     script.job_name = "kvsim-" + std::filesystem::path(flags.config).stem().string();
+    script.outputs = outputs;
     write_slurm_script(script);
     std::printf("wrote %s: %d shards (at most %d at once) of %zu work units; submit it with: bash %s\n",
-                script.path.c_str(), script.shards, script.max_running, experiment.unit_count(), script.path.c_str());
+                script.path.c_str(), script.shards, script.max_running, units, script.path.c_str());
     return 0;
+}
+
+int emit_sweep_slurm_script(const ReplayFlags& flags, const CommandSetup& setup, const std::string& command) {
+    // The config must be valid before a cluster runs it: expanded and checked against its trace.
+    const Experiment experiment(setup.config, setup.axes);
+    std::vector<std::string> args = {command, flags.config};
+    if (!flags.budgets.empty()) args.insert(args.end(), {"--budgets", flags.budgets});
+    for (const std::string& set : flags.sets) args.insert(args.end(), {"--set", set});
+    return emit_slurm_script(flags, setup.out_dir, args, experiment.unit_count(), "cells x layers",
+                             "results.csv and results.json");
 }
 
 int run_replay(const ReplayFlags& flags, bool sweep) {
     const CommandSetup setup = set_up(flags);
     const std::string command = sweep ? "sweep" : "run";
-    if (!flags.emit_slurm.empty()) return emit_slurm_script(flags, setup, command);
+    if (!flags.emit_slurm.empty()) return emit_sweep_slurm_script(flags, setup, command);
     if (flags.slurm_shards > 0 || flags.slurm_max_running > 0)
         throw InputError("--shards and --max-running size the job array of --emit-slurm; to run one shard, give --shard I/N");
     ShardedRun run;
@@ -205,6 +215,45 @@ int run_replay(const ReplayFlags& flags, bool sweep) {
     return 0;
 }
 
+// What run_search needs of a config besides its search: section, checked.
+SearchRun search_run_of(const ExperimentConfig& config) {
+    if (!config.search) throw InputError(config.file + ": missing key 'search' (what kvsim search fits)");
+    if (config.trace.path.empty())
+        throw InputError(config.trace.where + ": search needs a trace file (trace: PATH); write a synthetic one with "
+                                              "kvsim trace synth");
+    if (!config.trace.sequences.empty())
+        throw InputError(config.trace.where + ".sequences: search splits the trace itself; give search.split instead");
+    if (config.prefill_tokens > 0)
+        throw InputError(config.file + ": prefill_tokens: search fits pure-decode budgets; remove it");
+    SearchRun run;
+    run.config_file = config.file;
+    run.trace_path = config.trace.path;
+    run.max_steps = config.trace.max_steps;
+    run.attention_view = config.attention_view;
+    run.group_reduce = config.group_reduce;
+    return run;
+}
+
+// The end of a search, on one machine or in the merge of its shards: the model in the loop when
+// asked, the output files, the tables and notes.
+int finish_search(SearchRun run, const ExperimentConfig& config, const ModelInput& confirm, const std::string& out_dir,
+                  bool quiet) {
+    ProgressBar bar(!quiet);
+    run.progress = [&bar](double fraction) { bar.update(fraction); };
+    SearchOutcome outcome = run_search(*config.search, run);
+    bar.finish();
+    if (!confirm.model_path.empty()) confirm_in_the_loop(outcome, *config.search, confirm, config.file, !quiet);
+    write_search_outputs(outcome, out_dir);
+    std::cout << format_search_table(outcome);
+    if (!outcome.notes.empty()) {
+        std::cout << "\nnotes\n";
+        for (const std::string& n : outcome.notes) std::cout << "  " << n << "\n";
+    }
+    std::cout.flush();
+    if (!quiet) std::fprintf(stderr, "\nkvsim: search in %.1f s; results in %s/\n", outcome.seconds, out_dir.c_str());
+    return 0;
+}
+
 struct MergeFlags {
     std::vector<std::string> inputs;
     std::string out, format, layout;
@@ -212,7 +261,22 @@ struct MergeFlags {
 };
 
 int run_merge(const MergeFlags& flags) {
-    const MergeOutcome merged = merge_partials(flags.inputs);
+    const std::vector<std::string> files = partial_files(flags.inputs);
+    if (holds_search_partials(files)) {
+        // A search's shards: the merge runs the rest of the search, as one machine would.
+        if (!flags.format.empty() || !flags.layout.empty())
+            throw InputError("--format and --layout: a search prints its own tables; drop them");
+        const SearchMerge merged = merge_search_partials(files);
+        SearchRun run = search_run_of(merged.config);
+        run.measured_units = &merged.units;
+        const int status =
+            finish_search(run, merged.config, merged.confirm, flags.out.empty() ? flags.inputs.front() : flags.out,
+                          flags.quiet);
+        if (!flags.quiet)
+            std::fprintf(stderr, "kvsim: merged %d search shards (%zu work units)\n", merged.shards, merged.unit_count);
+        return status;
+    }
+    const MergeOutcome merged = merge_partials(files);
     const ExperimentResult& result = merged.result;
     const std::string out_dir = flags.out.empty() ? flags.inputs.front() : flags.out;
     write_outputs(result, out_dir);
@@ -285,37 +349,47 @@ int run_eval_command(const ReplayFlags& flags, const ModelInput& input) {
 int run_search_command(const ReplayFlags& flags, const ModelInput& confirm) {
     const CommandSetup setup = set_up(flags);
     const ExperimentConfig& config = setup.config;
-    if (!config.search) throw InputError(config.file + ": missing key 'search' (what kvsim search fits)");
-    if (config.trace.path.empty())
-        throw InputError(config.trace.where + ": search needs a trace file (trace: PATH); write a synthetic one with "
-                                              "kvsim trace synth");
-    if (!config.trace.sequences.empty())
-        throw InputError(config.trace.where + ".sequences: search splits the trace itself; give search.split instead");
-    if (config.prefill_tokens > 0)
-        throw InputError(config.file + ": prefill_tokens: search fits pure-decode budgets; remove it");
-    SearchRun run;
-    run.config_file = config.file;
-    run.trace_path = config.trace.path;
-    run.max_steps = config.trace.max_steps;
-    run.attention_view = config.attention_view;
-    run.group_reduce = config.group_reduce;
-    ProgressBar bar(!flags.quiet);
-    run.progress = [&bar](double fraction) { bar.update(fraction); };
-    SearchOutcome outcome = run_search(*config.search, run);
-    bar.finish();
+    SearchRun run = search_run_of(config);
     if (!confirm.model_path.empty() || !confirm.text_path.empty()) {
         if (confirm.model_path.empty() || confirm.text_path.empty())
             throw InputError("--model and --text: confirmation in the loop needs both");
-        confirm_in_the_loop(outcome, *config.search, confirm, config.file, !flags.quiet);
     }
-    write_search_outputs(outcome, setup.out_dir);
-    std::cout << format_search_table(outcome);
-    if (!outcome.notes.empty()) {
-        std::cout << "\nnotes\n";
-        for (const std::string& n : outcome.notes) std::cout << "  " << n << "\n";
+    if (!flags.emit_slurm.empty()) {
+        const SearchGridReplay grid(*config.search, run);  // checked before a cluster runs it
+        std::vector<std::string> args = {"search", flags.config};
+        if (!confirm.model_path.empty()) {
+            args.insert(args.end(), {"--model", confirm.model_path, "--text", confirm.text_path});
+            if (!confirm.split_on.empty()) args.insert(args.end(), {"--split-on", confirm.split_on});
+            if (confirm.max_tokens > 0) args.insert(args.end(), {"--max-tokens", std::to_string(confirm.max_tokens)});
+            if (confirm.context > 0) args.insert(args.end(), {"--context", std::to_string(confirm.context)});
+        }
+        return emit_slurm_script(flags, setup.out_dir, args, grid.unit_count(), "grid budgets x layers",
+                                 "search.json, search.csv, report.md and the profiles");
     }
-    std::cout.flush();
-    if (!flags.quiet) std::fprintf(stderr, "\nkvsim: search in %.1f s; results in %s/\n", outcome.seconds, setup.out_dir.c_str());
+    if (flags.slurm_shards > 0 || flags.slurm_max_running > 0)
+        throw InputError("--shards and --max-running size the job array of --emit-slurm; to run one shard, give --shard I/N");
+    if (flags.shard.empty()) {
+        if (flags.resume)
+            throw InputError("--resume: a search checkpoints only as shards of its grid replay; give --shard I/N");
+        return finish_search(run, config, confirm, setup.out_dir, flags.quiet);
+    }
+    SearchShardRun shard_run;
+    shard_run.config_path = flags.config;
+    shard_run.confirm = confirm;
+    shard_run.shard = parse_shard(flags.shard, "--shard");
+    shard_run.resume = flags.resume;
+    shard_run.out_dir = setup.out_dir;
+    ProgressBar bar(!flags.quiet);
+    run.progress = [&bar](double fraction) { bar.update(fraction); };
+    const SearchShardOutcome outcome = run_search_shard(*config.search, run, shard_run);
+    bar.finish();
+    if (!flags.quiet) {
+        if (outcome.units_resumed > 0)
+            std::fprintf(stderr, "kvsim: resumed: %zu of %zu work units were done, %zu replayed now\n",
+                         outcome.units_resumed, outcome.units, outcome.units_run);
+        std::fprintf(stderr, "kvsim: search shard %s: %zu work units; partial results in %s (kvsim merge %s)\n",
+                     shard_run.shard.text().c_str(), outcome.units, outcome.partial_path.c_str(), setup.out_dir.c_str());
+    }
     return 0;
 }
 
@@ -423,7 +497,8 @@ int main(int argc, char** argv) {
 
     MergeFlags merge_flags;
     CLI::App* merge = app.add_subcommand(
-        "merge", "combine the partial results of a sweep's shards (--shard I/N) into results.csv and results.json");
+        "merge", "combine the partial results of a sweep's shards (--shard I/N) into results.csv and results.json, or "
+                 "finish a search from its shards' measurements");
     merge->add_option("dirs", merge_flags.inputs, "folders holding partial-I-of-N.json (or the files)")->required();
     merge->add_option("--out", merge_flags.out, "folder for results.csv and results.json (default: the first folder)");
     merge->add_option("--format", merge_flags.format, "what to print: table (default), csv or json")
@@ -504,6 +579,7 @@ int main(int argc, char** argv) {
         ->check(CLI::Range(2, 1 << 30));
     search->add_option("--context", search_confirm.context, "the model's trained context, as at capture")
         ->check(CLI::Range(2, 1 << 30));
+    add_cluster_flags(search, search_flags);
 
     GenerateOptions generate_options;
     CLI::App* generate = app.add_subcommand(

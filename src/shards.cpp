@@ -340,7 +340,7 @@ ShardedOutcome run_sharded(const ExperimentConfig& config, const std::vector<Gri
     return outcome;
 }
 
-MergeOutcome merge_partials(const std::vector<std::string>& inputs) {
+std::vector<std::string> partial_files(const std::vector<std::string>& inputs) {
     std::vector<std::string> files;
     for (const std::string& input : inputs) {
         std::error_code ec;
@@ -359,6 +359,37 @@ MergeOutcome merge_partials(const std::vector<std::string>& inputs) {
             files.push_back(input);
         }
     }
+    return files;
+}
+
+namespace {
+
+// Every shard present and complete, `done` holding each present shard's finished units: else an
+// InputError naming the shards to rerun.
+void refuse_missing_units(std::size_t units, int shards, const std::map<int, std::size_t>& done, const char* unit_name) {
+    std::string missing;
+    std::size_t missing_units = 0;
+    for (int i = 0; i < shards; ++i) {
+        const ShardSpec shard{i, shards};
+        const auto [a, b] = shard_range(units, shard);
+        const auto it = done.find(i);
+        const std::size_t have = it == done.end() ? 0 : it->second;
+        if (have == b - a) continue;
+        missing_units += b - a - have;
+        missing += (missing.empty() ? "" : ", ") + shard.text() +
+                   (it == done.end() ? " (no " + partial_file_name(shard) + ")"
+                                     : " (" + std::to_string(b - a - have) + " of " + std::to_string(b - a) +
+                                           " units unfinished)");
+    }
+    if (!missing.empty())
+        throw InputError("merge: " + std::to_string(missing_units) + " of " + std::to_string(units) + " units (" +
+                         unit_name + ") missing; rerun with --resume: --shard " + missing);
+}
+
+}  // namespace
+
+MergeOutcome merge_partials(const std::vector<std::string>& inputs) {
+    const std::vector<std::string> files = partial_files(inputs);
     std::vector<Partial> partials;
     for (const std::string& f : files) partials.push_back(read_partial(f));
 
@@ -381,24 +412,9 @@ MergeOutcome merge_partials(const std::vector<std::string>& inputs) {
             throw InputError(p.path + ": shard " + p.shard.text() + " also in " + it->second->path +
                              ": give each shard once");
     }
-    // Every shard, each complete: else name the shards to rerun.
-    std::string missing;
-    std::size_t missing_units = 0;
-    for (int i = 0; i < first.shard.count; ++i) {
-        const ShardSpec shard{i, first.shard.count};
-        const auto [a, b] = shard_range(first.units, shard);
-        const auto it = by_shard.find(i);
-        const std::size_t have = it == by_shard.end() ? 0 : it->second->done.size();
-        if (have == b - a) continue;
-        missing_units += b - a - have;
-        missing += (missing.empty() ? "" : ", ") + shard.text() +
-                   (it == by_shard.end() ? " (no " + partial_file_name(shard) + ")"
-                                         : " (" + std::to_string(b - a - have) + " of " + std::to_string(b - a) +
-                                               " units unfinished)");
-    }
-    if (!missing.empty())
-        throw InputError("merge: " + std::to_string(missing_units) + " of " + std::to_string(first.units) +
-                         " units (cell x layer) missing; rerun with --resume: --shard " + missing);
+    std::map<int, std::size_t> done;
+    for (const auto& [index, p] : by_shard) done[index] = p->done.size();
+    refuse_missing_units(first.units, first.shard.count, done, "cell x layer");
 
     std::vector<UnitResult> units(first.units);
     for (const Partial& p : partials)
@@ -410,6 +426,267 @@ MergeOutcome merge_partials(const std::vector<std::string>& inputs) {
     out.layout = first.layout;
     out.shards = first.shard.count;
     out.units = first.units;
+    return out;
+}
+
+// Search shards: a share of the grid replay's units (SearchGridReplay), checkpointed as a sweep's
+// shard is, and their merge, which runs the rest of the search as one machine would.
+namespace {
+
+constexpr int kSearchPartialFormat = 1;
+
+struct SearchPartial {
+    std::string path;
+    std::string kvsim_version, config_path, config_sha256, trace_sha256;
+    ModelInput confirm;
+    ShardSpec shard;
+    std::size_t units = 0, first = 0, end = 0;
+    bool complete = false;
+    std::vector<int> grid;
+    int num_layers = 0, num_kv_heads = 0;
+    std::vector<std::string> fitting_sequences;
+    std::map<std::size_t, SearchUnitStreams> done;
+};
+
+Json confirm_json(const ModelInput& m) {
+    return {{"model", m.model_path}, {"text", m.text_path}, {"split_on", m.split_on}, {"max_tokens", m.max_tokens},
+            {"context", m.context}};
+}
+
+// What a search shard's measurements depend on besides the trace and the kvsim version: the config
+// file's bytes, the grid and split it expands to, and the model flags the merge confirms with.
+std::string search_config_hash(const std::string& config_path, const SearchPartial& p) {
+    Sha256 hash;
+    const std::string config = read_whole_file(config_path);
+    hash.update(config.data(), config.size());
+    const std::string rest = '\0' + Json{{"grid", p.grid}, {"num_layers", p.num_layers},
+                                         {"num_kv_heads", p.num_kv_heads}, {"fitting_sequences", p.fitting_sequences},
+                                         {"confirm", confirm_json(p.confirm)}}.dump();
+    hash.update(rest.data(), rest.size());
+    return hash.hex_digest();
+}
+
+std::string search_partial_text(const SearchPartial& p) {
+    Json results = Json::array();
+    const std::vector<WorkUnit> all = enumerate_work(p.grid.size(), p.num_layers);
+    for (const auto& [unit, streams] : p.done) {
+        Json list = Json::array();
+        for (const StreamMetrics& m : streams) list.push_back(stream_json(m));
+        results.push_back(Json{{"unit", unit}, {"budget", p.grid.at(all.at(unit).cell)}, {"layer", all.at(unit).layer},
+                               {"streams", list}});
+    }
+    Json j = {{"kvsim_search_partial", kSearchPartialFormat},
+              {"kvsim_version", p.kvsim_version},
+              {"config", p.config_path},
+              {"config_sha256", p.config_sha256},
+              {"trace_sha256", p.trace_sha256},
+              {"confirm", confirm_json(p.confirm)},
+              {"shard", p.shard.index},
+              {"shards", p.shard.count},
+              {"units", p.units},
+              {"first_unit", p.first},
+              {"end_unit", p.end},
+              {"complete", p.complete},
+              {"grid", p.grid},
+              {"num_layers", p.num_layers},
+              {"num_kv_heads", p.num_kv_heads},
+              {"fitting_sequences", p.fitting_sequences},
+              {"results", results}};
+    return to_json_text(j) + "\n";
+}
+
+SearchPartial read_search_partial(const std::string& path) {
+    const Json j = load_json_file(path);
+    SearchPartial p;
+    p.path = path;
+    const char* key = "";
+    try {
+        key = "kvsim_search_partial";
+        if (j.at(key).get<int>() != kSearchPartialFormat) throw std::invalid_argument("unknown format version");
+        key = "kvsim_version";
+        p.kvsim_version = j.at(key).get<std::string>();
+        key = "config";
+        p.config_path = j.at(key).get<std::string>();
+        key = "config_sha256";
+        p.config_sha256 = j.at(key).get<std::string>();
+        key = "trace_sha256";
+        p.trace_sha256 = j.at(key).get<std::string>();
+        key = "confirm";
+        const Json& c = j.at(key);
+        p.confirm.model_path = c.at("model").get<std::string>();
+        p.confirm.text_path = c.at("text").get<std::string>();
+        p.confirm.split_on = c.at("split_on").get<std::string>();
+        p.confirm.max_tokens = c.at("max_tokens").get<int>();
+        p.confirm.context = c.at("context").get<int>();
+        key = "shards";
+        p.shard.count = j.at(key).get<int>();
+        key = "shard";
+        p.shard.index = j.at(key).get<int>();
+        if (p.shard.count < 1 || p.shard.index < 0 || p.shard.index >= p.shard.count)
+            throw std::invalid_argument("shard out of range");
+        key = "grid";
+        p.grid = j.at(key).get<std::vector<int>>();
+        key = "num_layers";
+        p.num_layers = j.at(key).get<int>();
+        key = "num_kv_heads";
+        p.num_kv_heads = j.at(key).get<int>();
+        key = "fitting_sequences";
+        p.fitting_sequences = j.at(key).get<std::vector<std::string>>();
+        if (p.grid.empty() || p.num_layers < 1 || p.num_kv_heads < 1 || p.fitting_sequences.empty())
+            throw std::invalid_argument("an empty grid, fitting set, or no layers or KV heads");
+        key = "units";
+        p.units = j.at(key).get<std::size_t>();
+        key = "first_unit";
+        p.first = j.at(key).get<std::size_t>();
+        key = "end_unit";
+        p.end = j.at(key).get<std::size_t>();
+        key = "complete";
+        p.complete = j.at(key).get<bool>();
+        if (p.units != p.grid.size() * static_cast<std::size_t>(p.num_layers) ||
+            shard_range(p.units, p.shard) != std::pair{p.first, p.end})
+            throw std::invalid_argument("the unit range does not match the shard");
+        key = "results";
+        for (const Json& r : j.at(key)) {
+            const auto unit = r.at("unit").get<std::size_t>();
+            if (unit < p.first || unit >= p.end || p.done.count(unit))
+                throw std::invalid_argument("unit " + std::to_string(unit) + " outside the shard or repeated");
+            SearchUnitStreams streams;
+            for (const Json& m : r.at("streams")) streams.push_back(read_stream(m));
+            if (streams.size() != p.fitting_sequences.size() * static_cast<std::size_t>(p.num_kv_heads))
+                throw std::invalid_argument("unit " + std::to_string(unit) + ": not one stream per (fitting sequence, KV head)");
+            p.done[unit] = std::move(streams);
+        }
+        if (p.complete && p.done.size() != p.end - p.first)
+            throw std::invalid_argument("marked complete with units missing");
+    } catch (const InputError&) {
+        throw;
+    } catch (const std::exception& e) {
+        throw InputError(path + ": not a valid kvsim search partial file (key '" + std::string(key) + "': " + e.what() +
+                         ")");
+    }
+    return p;
+}
+
+}  // namespace
+
+SearchShardOutcome run_search_shard(const SearchSpec& spec, const SearchRun& run, const SearchShardRun& shard_run) {
+    SearchGridReplay grid(spec, run);
+    SearchPartial partial;
+    partial.kvsim_version = KVSIM_VERSION;
+    partial.config_path = shard_run.config_path;
+    partial.confirm = shard_run.confirm;
+    partial.grid = grid.grid();
+    partial.num_layers = grid.num_layers();
+    partial.num_kv_heads = grid.num_kv_heads();
+    partial.fitting_sequences = grid.fitting_sequences();
+    partial.config_sha256 = search_config_hash(shard_run.config_path, partial);
+    partial.trace_sha256 = sha256_file(run.trace_path);
+    partial.shard = shard_run.shard;
+    partial.units = grid.unit_count();
+    std::tie(partial.first, partial.end) = shard_range(partial.units, partial.shard);
+    partial.path = shard_run.out_dir + "/" + partial_file_name(partial.shard);
+
+    SearchShardOutcome outcome;
+    outcome.units = partial.end - partial.first;
+    outcome.partial_path = partial.path;
+    if (shard_run.resume && std::filesystem::exists(partial.path)) {
+        SearchPartial previous = read_search_partial(partial.path);
+        auto refuse = [&](const std::string& what, const std::string& was, const std::string& is) {
+            throw InputError(partial.path + ": written for another " + what + " (" + was + ", now " + is +
+                             "); run without --resume to start this shard over");
+        };
+        if (previous.kvsim_version != partial.kvsim_version)
+            refuse("kvsim version", previous.kvsim_version, partial.kvsim_version);
+        if (previous.trace_sha256 != partial.trace_sha256)
+            refuse("trace", "trace_sha256 " + previous.trace_sha256, partial.trace_sha256);
+        if (previous.config_sha256 != partial.config_sha256)
+            refuse("config", "config_sha256 " + previous.config_sha256, partial.config_sha256);
+        partial.done = std::move(previous.done);
+        outcome.units_resumed = partial.done.size();
+    }
+    std::vector<std::size_t> todo;
+    for (std::size_t u = partial.first; u < partial.end; ++u)
+        if (!partial.done.count(u)) todo.push_back(u);
+    outcome.units_run = todo.size();
+
+    // Checkpoints after every layer, as a sweep's shard writes them.
+    std::error_code ec;
+    const bool had_checkpoint = !partial.done.empty();
+    bool made_folder = false, wrote_checkpoint = false;
+    auto checkpoint = [&] {
+        if (!std::filesystem::is_directory(shard_run.out_dir)) {
+            std::filesystem::create_directories(shard_run.out_dir, ec);
+            if (ec) throw InputError(shard_run.out_dir + ": cannot create output folder (" + ec.message() + ")");
+            made_folder = true;
+        }
+        write_file_atomically(partial.path, search_partial_text(partial));
+        wrote_checkpoint = true;
+    };
+    try {
+        grid.run_units(todo, [&](const std::vector<std::size_t>& units, std::vector<SearchUnitStreams>& streams) {
+            for (std::size_t i = 0; i < units.size(); ++i) partial.done[units[i]] = std::move(streams[i]);
+            checkpoint();
+        });
+    } catch (...) {
+        if (wrote_checkpoint && !had_checkpoint) std::filesystem::remove(partial.path, ec);
+        if (made_folder) std::filesystem::remove(shard_run.out_dir, ec);  // only if empty
+        throw;
+    }
+    partial.complete = true;
+    checkpoint();
+    return outcome;
+}
+
+bool holds_search_partials(const std::vector<std::string>& files) {
+    return !files.empty() && load_json_file(files.front()).contains("kvsim_search_partial");
+}
+
+SearchMerge merge_search_partials(const std::vector<std::string>& files) {
+    std::vector<SearchPartial> partials;
+    for (const std::string& f : files) partials.push_back(read_search_partial(f));
+    const SearchPartial& first = partials.front();
+    std::map<int, const SearchPartial*> by_shard;
+    for (const SearchPartial& p : partials) {
+        auto differ = [&](const std::string& what, const std::string& a, const std::string& b) {
+            throw InputError(p.path + ": " + what + " " + b + " differs from " + first.path + "'s " + a +
+                             ": partials of different runs cannot merge");
+        };
+        if (p.kvsim_version != first.kvsim_version) differ("kvsim version", first.kvsim_version, p.kvsim_version);
+        if (p.trace_sha256 != first.trace_sha256) differ("trace_sha256", first.trace_sha256, p.trace_sha256);
+        if (p.config_path != first.config_path) differ("config", first.config_path, p.config_path);
+        if (p.config_sha256 != first.config_sha256) differ("config_sha256", first.config_sha256, p.config_sha256);
+        if (p.shard.count != first.shard.count)
+            differ("shard count", std::to_string(first.shard.count), std::to_string(p.shard.count));
+        const auto [it, inserted] = by_shard.emplace(p.shard.index, &p);
+        if (!inserted)
+            throw InputError(p.path + ": shard " + p.shard.text() + " also in " + it->second->path +
+                             ": give each shard once");
+    }
+    std::map<int, std::size_t> done;
+    for (const auto& [index, p] : by_shard) done[index] = p->done.size();
+    refuse_missing_units(first.units, first.shard.count, done, "grid budget x layer");
+
+    // The rest of the search runs here from the config and trace the shards measured: the same
+    // bytes, or the merge would fit curves of one config to another's.
+    if (first.kvsim_version != KVSIM_VERSION)
+        throw InputError(first.path + ": written by kvsim " + first.kvsim_version + ", and this is kvsim " KVSIM_VERSION
+                         "; merge with the kvsim that ran the shards");
+    SearchMerge out;
+    out.config = load_config(first.config_path);
+    const std::string config_sha = search_config_hash(first.config_path, first);
+    if (config_sha != first.config_sha256)
+        throw InputError(first.config_path + ": changed since the shards ran (config_sha256 " + config_sha + ", " +
+                         first.path + " has " + first.config_sha256 + "); rerun the shards");
+    const std::string trace_sha = sha256_file(out.config.trace.path);
+    if (trace_sha != first.trace_sha256)
+        throw InputError(out.config.trace.path + ": changed since the shards ran (trace_sha256 " + trace_sha + ", " +
+                         first.path + " has " + first.trace_sha256 + "); rerun the shards");
+    out.confirm = first.confirm;
+    out.units.resize(first.units);
+    for (const SearchPartial& p : partials)
+        for (const auto& [u, streams] : p.done) out.units[u] = streams;
+    out.shards = first.shard.count;
+    out.unit_count = first.units;
     return out;
 }
 
@@ -427,17 +704,17 @@ std::string shell_quote(const std::string& word) {
 void write_slurm_script(const SlurmScript& s) {
     const std::string out_dir = std::filesystem::absolute(s.out_dir).lexically_normal().string();
     std::string command = shell_quote(s.kvsim);
-    for (const std::string& a : s.sweep_args) command += " " + shell_quote(a);
+    for (const std::string& a : s.command_args) command += " " + shell_quote(a);
     command += " --out " + shell_quote(out_dir);
     const std::string array = "0-" + std::to_string(s.shards - 1) +
                               (s.max_running > 0 ? "%" + std::to_string(s.max_running) : "");
     std::string text;
     text += "#!/bin/bash\n";
-    text += "# Written by kvsim " KVSIM_VERSION ": a sweep as a Slurm job array of " + std::to_string(s.shards) +
-            " shards, then a merge job.\n";
+    text += "# Written by kvsim " KVSIM_VERSION ": a " + s.command_args.front() + " as a Slurm job array of " +
+            std::to_string(s.shards) + " shards, then a merge job.\n";
     text += "# Submit it with `bash " + s.path + "` on a node that runs sbatch: it submits itself as the\n";
     text += "# array, then the merge, which starts once every shard has succeeded (afterok) and writes\n";
-    text += "# results.csv and results.json into " + out_dir + ".\n";
+    text += "# " + s.outputs + " into " + out_dir + ".\n";
     text += "# Each array task runs shard $SLURM_ARRAY_TASK_ID and resumes its own checkpoint, so a shard that\n";
     text += "# failed or lost its node is rerun alone with `sbatch --array=I " + s.path + "`, redoing only what\n";
     text += "# it had not finished; `kvsim merge` names the shards a merge still misses.\n";

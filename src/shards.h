@@ -6,9 +6,11 @@
 #include <string>
 #include <vector>
 
+#include "search/search.h"
 #include "sim/shard_plan.h"
 #include "src/config.h"
 #include "src/experiment.h"
+#include "src/model_text.h"
 
 namespace kvsim {
 
@@ -45,10 +47,47 @@ struct MergeOutcome {
     std::size_t units = 0;
 };
 
+// The partial files `inputs` name: folders (every partial-*.json in each, sorted) or the files.
+std::vector<std::string> partial_files(const std::vector<std::string>& inputs);
+
 // The partials in `inputs` (folders holding partial-*-of-*.json, or the files) merged: InputError
 // naming the file when they disagree on the kvsim version, config, trace or shard count, or naming
 // the shards to rerun when a cell is missing.
 MergeOutcome merge_partials(const std::vector<std::string>& inputs);
+
+// A search beyond one process: each shard measures a share of the grid replay's units
+// (SearchGridReplay) into its partial file, checkpointed after every layer; the merge sums them and
+// runs the rest of the search (the fits, the held-out confirmation, the other fits, the model in
+// the loop) as `kvsim search` does on one machine.
+struct SearchShardRun {
+    std::string config_path;  // as given: the merge reads the config again from it
+    ModelInput confirm;       // --model, --text, ...: the merge confirms in the loop with them
+    ShardSpec shard;
+    bool resume = false;
+    std::string out_dir;
+};
+
+struct SearchShardOutcome {
+    std::size_t units = 0, units_resumed = 0, units_run = 0;
+    std::string partial_path;
+};
+
+SearchShardOutcome run_search_shard(const SearchSpec& spec, const SearchRun& run, const SearchShardRun& shard_run);
+
+// Whether the partial files are a search's (else a sweep's).
+bool holds_search_partials(const std::vector<std::string>& files);
+
+struct SearchMerge {
+    ExperimentConfig config;  // read again from the file the shards name, checked against their hash
+    ModelInput confirm;
+    std::vector<SearchUnitStreams> units;  // every grid unit's streams, for SearchRun::measured_units
+    int shards = 0;
+    std::size_t unit_count = 0;
+};
+
+// Checks the partials as merge_partials does, and that the config file and trace still hash as the
+// shards found them: InputError naming the file otherwise, or the shards to rerun.
+SearchMerge merge_search_partials(const std::vector<std::string>& files);
 
 struct SlurmScript {
     std::string path;     // where the script goes
@@ -56,9 +95,10 @@ struct SlurmScript {
     int max_running = 0;  // at most this many shards at once (%M); 0: all
     std::string kvsim;    // the kvsim binary (absolute)
     std::string workdir;  // absolute: where the commands run
-    std::vector<std::string> sweep_args;  // the command and its arguments, without --shard and --out
+    std::vector<std::string> command_args;  // the command and its arguments, without --shard and --out
     std::string out_dir;
     std::string job_name;
+    std::string outputs = "results.csv and results.json";  // what the merge writes, for the script's comment
 };
 
 // Writes the batch script (atomically, executable): a job array over the shards, each taking its

@@ -259,6 +259,117 @@ class SlurmScript(KvsimTestCase):
                 self.assertFalse(os.path.exists(script))
 
 
+# A small search: 5 grid budgets x 5 layers of the shipped trace, 64 decode steps.
+SEARCH = """trace: {path: %s, max_steps: 64}
+search:
+  policy: {h2o: {recent_window: 8}}
+  split: {heldout: [3, 4]}
+  target: [2x]
+  fit: [layer_budgets, head_budgets]
+  grid: [10, 16, 24, 32, 48]
+""" % TRACE
+
+
+class SearchShards(KvsimTestCase):
+    """A search's shards measure shares of its grid replay; the merge finishes the search."""
+
+    def search_outputs(self, folder):
+        """Every output file but the partials, search.json without its timing line."""
+        files = {}
+        for name in sorted(os.listdir(folder)):
+            if name.startswith("partial-"):
+                continue
+            text = read(os.path.join(folder, name))
+            if name == "search.json":
+                text = "".join(line for line in text.splitlines(True) if not line.lstrip().startswith('"seconds"'))
+            files[name] = text
+        return files
+
+    def search_shard(self, config, spec, out, *flags):
+        return kvsim("search", config, "--shard", spec, "--out", out, "-q", *flags, cwd=ROOT)
+
+    def test_search_in_1_2_and_3_shards_merges_to_the_one_machine_outputs_byte_for_byte(self):
+        config = self.write("search.yaml", SEARCH)
+        whole = self.path("whole")
+        one = kvsim("search", config, "--out", whole, "-q", cwd=ROOT)
+        self.assertEqual(one.returncode, 0, one.stderr)
+        expected = self.search_outputs(whole)
+        self.assertIn("profile.json", expected)
+        self.assertIn("fitted head budgets", one.stdout)
+        for n in (1, 2, 3):
+            with self.subTest(shards=n):
+                folders = []
+                for i in ((2, 0, 1) if n == 3 else range(n)):
+                    # 3 shards each into its own folder, out of order: the merge takes the folders.
+                    out = self.path("s%d" % n + ("-%d" % i if n == 3 else ""))
+                    ran = self.search_shard(config, "%d/%d" % (i, n), out)
+                    self.assertEqual(ran.returncode, 0, ran.stderr)
+                    self.assertEqual(ran.stdout, "")
+                    partial = json.loads(read(os.path.join(out, "partial-%d-of-%d.json" % (i, n))))
+                    self.assertEqual(partial["units"], 25)
+                    self.assertTrue(partial["complete"])
+                    if out not in folders:
+                        folders.append(out)
+                merged_dir = self.path("merged%d" % n)
+                merged = kvsim("merge", *folders, "--out", merged_dir, "-q", cwd=ROOT)
+                self.assertEqual(merged.returncode, 0, merged.stderr)
+                self.assertEqual(merged.stdout, one.stdout)
+                self.assertEqual(self.search_outputs(merged_dir), expected)
+
+        # A shard cut short after its first layer (complete: false) resumes the rest.
+        out = self.path("s2")
+        path = os.path.join(out, "partial-1-of-2.json")
+        partial = json.loads(read(path))
+        first_layer = partial["results"][0]["layer"]
+        partial["results"] = [r for r in partial["results"] if r["layer"] == first_layer]
+        partial["complete"] = False
+        with open(path, "w") as f:
+            json.dump(partial, f)
+        resumed = kvsim("search", config, "--shard", "1/2", "--out", out, "--resume", cwd=ROOT)
+        self.assertEqual(resumed.returncode, 0, resumed.stderr)
+        self.assertIn("resumed: %d of 13 work units were done" % len(partial["results"]), resumed.stderr)
+        merged = kvsim("merge", out, "--out", self.path("resumed"), "-q", cwd=ROOT)
+        self.assertEqual(merged.returncode, 0, merged.stderr)
+        self.assertEqual(self.search_outputs(self.path("resumed")), expected)
+
+    def test_bad_search_shards_are_refused_in_one_line(self):
+        config = self.write("search.yaml", SEARCH)
+        out = self.path("s")
+        self.assertEqual(self.search_shard(config, "0/2", out).returncode, 0)
+        merged_dir = self.path("merged")
+        # A missing shard: the merge names it.
+        self.assert_input_error(kvsim("merge", out, "--out", merged_dir, cwd=ROOT),
+                                "13 of 25 units (grid budget x layer) missing", "--shard 1/2 (no partial-1-of-2.json)")
+        # The config changed after the shards ran: the merge would fit another config's curves.
+        self.assertEqual(self.search_shard(config, "1/2", out).returncode, 0)
+        with open(config, "a") as f:
+            f.write("output: {dir: elsewhere}\n")
+        self.assert_input_error(kvsim("merge", out, "--out", merged_dir, cwd=ROOT),
+                                "search.yaml: changed since the shards ran", "rerun the shards")
+        self.assertFalse(os.path.exists(merged_dir))
+        # A search with no budget fit has no grid replay to divide; a sweep's and a search's
+        # partials do not merge.
+        streaming = self.write("streaming.yaml", SEARCH.replace("fit: [layer_budgets, head_budgets]", "fit: [streaming]"))
+        self.assert_input_error(self.search_shard(streaming, "0/2", self.path("t")), "search.fit", "without --shard")
+        sweep = self.path("sweep")
+        self.assertEqual(kvsim("sweep", POLICYBOOK, "--shard", "1/2", "--out", sweep, "-q", cwd=ROOT).returncode, 0)
+        self.assert_input_error(kvsim("merge", out, sweep, "--out", merged_dir, cwd=ROOT), "partial-1-of-2.json",
+                                "not a valid kvsim search partial file")
+
+    def test_emit_slurm_for_a_search_runs_its_shards_and_the_merge(self):
+        config = self.write("search.yaml", SEARCH)
+        script, out = self.path("search.sbatch"), self.path("results")
+        self.assert_input_error(kvsim("search", config, "--emit-slurm", script, "--shards", "26", "--out", out, cwd=ROOT),
+                                "more shards than the search's 25 work units (grid budgets x layers)")
+        emitted = kvsim("search", config, "--emit-slurm", script, "--shards", "4", "--out", out, cwd=ROOT)
+        self.assertEqual(emitted.returncode, 0, emitted.stderr)
+        text = read(script)
+        self.assertIn("#SBATCH --array=0-3%4\n", text)
+        self.assertIn("a search as a Slurm job array", text)
+        self.assertIn("'search' ", text)
+        self.assertIn("merge", text)
+
+
 if __name__ == "__main__":
     cli_common.KVSIM = os.path.abspath(sys.argv.pop(1))
     unittest.main(verbosity=2)
