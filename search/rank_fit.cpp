@@ -133,32 +133,40 @@ void fit_ranks(const FitInput& in, SearchOutcome& out) {
     std::vector<std::string> lines;
     for (const SearchTarget& target : spec.targets) {
         const double wanted = target.bytes(full_fp16);
-        // Uniform ranks: the largest equal key and value rank that fits, per KV head and joint.
+        // Uniform ranks: the same key and value ranks in every unit, as many numbers as fit, per
+        // KV head and joint; key and value ranks equal or the key's one more, so the baseline
+        // lands within one number per token of the target rather than two.
         for (int joint = 0; joint < 2; ++joint) {
-            const std::vector<int>& ladder = joint ? joint_ladder : head_ladder;
-            const std::vector<RankPair>& pairs = joint ? joint_pairs : head_pairs;
-            int best = 0;
-            for (int r : ladder) {
-                const KvProjection p = projection_of(joint, r, r);
-                if (head_bytes(p, 0, 0, K, d, steps_per_context) <= wanted * (1 + 1e-9)) best = r;
+            const int n = joint ? K * d : d;
+            int best_key = 0, best_value = 0;
+            for (int sum = 2; sum <= 2 * n; ++sum) {  // no break: a full-rank unit stores no bases
+                const int key = (sum + 1) / 2, value = sum / 2;
+                if (head_bytes(projection_of(joint, key, value), 0, 0, K, d, steps_per_context) <= wanted * (1 + 1e-9))
+                    best_key = key, best_value = value;
             }
-            if (best == 0) {
+            if (best_key == 0) {
                 lines.push_back("At " + target.label + " no uniform " + (joint ? "joint latent" : "rank") +
                                 " fits: rank 1 with its bases holds more.");
                 continue;
             }
-            std::size_t combo = 0;
-            while (pairs[combo].key != best || pairs[combo].value != best) ++combo;
+            const std::vector<RankPair>& pairs = joint ? joint_pairs : head_pairs;
             RankMethod m;
-            m.name = joint ? "uniform joint latent, rank " + std::to_string(best) + " per layer"
-                           : "uniform rank " + std::to_string(best) + " (K and V)";
+            const std::string ranks = best_key == best_value ? std::to_string(best_key) + " (K and V)"
+                                                             : std::to_string(best_key) + " (K), " +
+                                                                   std::to_string(best_value) + " (V)";
+            m.name = joint ? "uniform joint latent, rank " + ranks + " per layer" : "uniform rank " + ranks;
             m.target = &target;
             m.policy = "lowrank";
             m.params = {{"joint", joint}};
             m.ranks.joint = joint;
-            m.ranks.key_rank.assign(joint ? L : heads, best);
-            m.ranks.value_rank = m.ranks.key_rank;
-            m.fitting_error = uniform_error(joint ? head_pairs.size() + combo : combo);
+            m.ranks.key_rank.assign(joint ? L : heads, best_key);
+            m.ranks.value_rank.assign(joint ? L : heads, best_value);
+            // On the ladder its fitting error is already measured; off it (a joint rank between
+            // rungs), it is measured below with grouping.
+            m.fitting_error = -1;
+            for (std::size_t combo = 0; combo < pairs.size(); ++combo)
+                if (pairs[combo].key == best_key && pairs[combo].value == best_value)
+                    m.fitting_error = uniform_error(joint ? head_pairs.size() + combo : combo);
             methods.push_back(m);
         }
         // Fitted ranks: one pair per unit by marginal gain.
@@ -225,8 +233,19 @@ void fit_ranks(const FitInput& in, SearchOutcome& out) {
     };
     std::vector<PolicyEntry> confirm_entries, grouping_entries;
     std::vector<std::size_t> grouping_methods;
+    std::vector<PolicyEntry> off_ladder_entries;  // uniform ranks between the ladder's rungs
+    std::vector<std::size_t> off_ladder_methods;
     for (std::size_t i = 0; i < methods.size(); ++i) {
         confirm_entries.push_back(method_entry(methods[i], i));
+        if (methods[i].policy == "lowrank" && methods[i].fitting_error < 0) {
+            const PolicyEntry e = lowrank_entry(methods[i].ranks.key_rank.front(), methods[i].ranks.value_rank.front(),
+                                                methods[i].ranks.joint ? 1 : 0);
+            // One row per configuration: the same ranks at two targets are measured once.
+            if (std::none_of(off_ladder_entries.begin(), off_ladder_entries.end(),
+                             [&](const PolicyEntry& o) { return o.params == e.params; }))
+                off_ladder_entries.push_back(e);
+            off_ladder_methods.push_back(i);
+        }
         if (methods[i].policy == "group_heads") {
             PolicyEntry e = method_entry(methods[i], i);
             // One row per configuration: the same grouping at two targets is measured once.
@@ -245,6 +264,18 @@ void fit_ranks(const FitInput& in, SearchOutcome& out) {
             for (std::size_t g = 0; g < grouping_entries.size(); ++g)
                 if (grouping_entries[g].params == methods[i].params)
                     methods[i].fitting_error = measured[g].total.output_rel_error;
+    }
+    if (!off_ladder_entries.empty()) {
+        ReplayOptions fit_options = options;
+        fit_options.progress = nullptr;
+        const std::vector<ComboResult> measured =
+            replay(*in.fitting, expand_sweep(off_ladder_entries, {}, std::vector<int>{1}), fit_options);
+        for (std::size_t i : off_ladder_methods) {
+            const PolicyEntry e = lowrank_entry(methods[i].ranks.key_rank.front(), methods[i].ranks.value_rank.front(),
+                                                methods[i].ranks.joint ? 1 : 0);
+            for (std::size_t j = 0; j < off_ladder_entries.size(); ++j)
+                if (off_ladder_entries[j].params == e.params) methods[i].fitting_error = measured[j].total.output_rel_error;
+        }
     }
     // Rows are labelled by their files; a ranks file per method keeps them apart.
     std::vector<PolicyEntry> unique_entries;

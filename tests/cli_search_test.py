@@ -201,6 +201,11 @@ class Search(KvsimTestCase):
         self.assertTrue(all(1 <= k <= 8 for k in fitted["key_rank"] + fitted["value_rank"]))
         uniform = [r for m, r in records.items() if m.startswith("uniform rank")][0]
         self.assertLessEqual(fitted["fitting"], uniform["fitting"])  # the greedy starts from less
+        # Uniform: the same ranks everywhere, the key's equal to the value's or one more, within the target.
+        for u in (uniform, [r for m, r in records.items() if m.startswith("uniform joint latent")][0]):
+            self.assertEqual(len(set(u["key_rank"])), 1, u["method"])
+            self.assertIn(u["key_rank"][0] - u["value_rank"][0], (0, 1), u["method"])
+            self.assertLessEqual(u["bytes_per_token"], 16 * (1 + 1e-9), u["method"])
         # The written bases and ranks replay the held-out figures exactly.
         config = self.write("replay.yaml", "trace: {path: %s, sequences: [3, 4], max_steps: 96}\nbudgets: [8]\n"
                                            "policies: [{lowrank: {bases: %s, ranks: %s}}]\n"
