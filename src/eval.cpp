@@ -140,7 +140,8 @@ private:
     float* value_row(int layer, int pos) { return value_[layer].data() + static_cast<std::size_t>(pos % chunk_) * config_.kv_dim(); }
 
     // The simulated cache takes position pos just before its first step, as it would token by
-    // token: a quantised tier's groups then hold the same tokens at each step whatever the chunk.
+    // token: its arrays then hold the same tokens at each step whatever the chunk (today's tiers
+    // read only what the policy holds, so this keeps the order rather than fixing a result).
     void admit(int layer, int pos) {
         if (admitted_[layer] > pos) return;
         tiers_[layer]->add_token(pos, key_row(layer, pos), value_row(layer, pos));

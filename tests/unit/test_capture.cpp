@@ -51,8 +51,9 @@ TEST_CASE("kvsim eval in chunks takes the same policy steps as token by token") 
         return;
     }
     // An eviction policy (its masks come from steps taken inside the chunk, position by
-    // position) and int4 with key groups of 16, which complete inside a 48-token chunk: a key
-    // must stay fp16 at every step until its own group is complete, as token by token.
+    // position) and int4 with key groups of 16, which complete inside a 48-token chunk: a
+    // simulated cache, stepped after the model has run the whole chunk's layer, must still see
+    // each position's own query.
     const std::string config_path = test::temp_dir() + "/eval_chunks.yaml";
     std::ofstream(config_path) << "budgets: [24]\npolicies:\n  - h2o: {recent_window: 8}\n  - int4: {key_group: 16}\n"
                                   "metrics: [ppl, retained_mass, output_rel_error]\n";
