@@ -39,13 +39,17 @@ namespace {
 // simulated here, and its attention output replaces the model's own.
 class PolicyInTheLoop : public model::ForwardHooks {
 public:
+    // chunk: the positions the model runs at once (forward_batch); this hook keeps each layer's
+    // Q, K and V of that many positions until their steps.
     PolicyInTheLoop(const model::LlamaModel& llama, const ReplayCombo& combo, const HarnessOptions& options,
-                    int heavy_hitter_k, int length)
+                    int heavy_hitter_k, int length, int chunk)
         : llama_(llama), config_(llama.config()), heavy_k_(heavy_hitter_k),
-          group_(config_.n_heads / config_.n_kv_heads), query_(config_.n_layers), key_(config_.n_layers) {
+          group_(config_.n_heads / config_.n_kv_heads), chunk_(chunk), query_(config_.n_layers),
+          key_(config_.n_layers), value_(config_.n_layers), admitted_(config_.n_layers, 0) {
         for (int layer = 0; layer < config_.n_layers; ++layer) {
-            query_[layer].resize(config_.q_dim());
-            key_[layer].resize(config_.kv_dim());
+            query_[layer].resize(static_cast<std::size_t>(chunk) * config_.q_dim());
+            key_[layer].resize(static_cast<std::size_t>(chunk) * config_.kv_dim());
+            value_[layer].resize(static_cast<std::size_t>(chunk) * config_.kv_dim());
             for (int kv = 0; kv < config_.n_kv_heads; ++kv) {
                 const int budget = combo.budget_for(layer, kv, config_.n_kv_heads, length);
                 const int most = combo.capacity_budget(layer, kv, config_.n_kv_heads, length);
@@ -90,14 +94,16 @@ public:
         reduce_ = options.reduce;
     }
 
-    // This step's query and key: the key of the current position is not in the cache yet.
+    // This position's query, key and value, kept until its steps: run in chunks, the model
+    // computes every position's Q, K and V of a layer before a simulated cache's steps.
     void after_qkv(int layer, int pos, float* q, float* k, float* v) override {
-        std::copy(q, q + config_.q_dim(), query_[layer].begin());
-        std::copy(k, k + config_.kv_dim(), key_[layer].begin());
-        tiers_[layer]->add_token(pos, k, v);
+        std::copy(q, q + config_.q_dim(), query_row(layer, pos));
+        std::copy(k, k + config_.kv_dim(), key_row(layer, pos));
+        std::copy(v, v + config_.kv_dim(), value_row(layer, pos));
     }
 
     const uint8_t* attention_mask(int layer, int kv, int pos) override {
+        admit(layer, pos);
         if (pos == 0 || simulated_) return nullptr;  // simulated caches answer in attention_output
         Harness& harness = harnesses_[layer * config_.n_kv_heads + kv];
         // The model attends to what the cache holds before this step's eviction, plus itself.
@@ -109,6 +115,7 @@ public:
     }
 
     bool attention_output(int layer, int kv, int pos, const float*, float* out) override {
+        admit(layer, pos);
         if (!simulated_ || pos == 0) return false;
         // `out` holds the model's full-cache attention: the reference of the output-error metric.
         const int width = group_ * config_.head_dim;
@@ -128,6 +135,19 @@ public:
     std::size_t bytes_per_slot() const { return harnesses_.front().policy().bytes_per_slot(); }
 
 private:
+    float* query_row(int layer, int pos) { return query_[layer].data() + static_cast<std::size_t>(pos % chunk_) * config_.q_dim(); }
+    float* key_row(int layer, int pos) { return key_[layer].data() + static_cast<std::size_t>(pos % chunk_) * config_.kv_dim(); }
+    float* value_row(int layer, int pos) { return value_[layer].data() + static_cast<std::size_t>(pos % chunk_) * config_.kv_dim(); }
+
+    // The simulated cache takes position pos just before its first step, as it would token by
+    // token: its arrays then hold the same tokens at each step whatever the chunk (today's tiers
+    // read only what the policy holds, so this keeps the order rather than fixing a result).
+    void admit(int layer, int pos) {
+        if (admitted_[layer] > pos) return;
+        tiers_[layer]->add_token(pos, key_row(layer, pos), value_row(layer, pos));
+        admitted_[layer] = pos + 1;
+    }
+
     // One (layer, KV head) step. With Ada-KV each head observes and admits; after the layer's last
     // head (the model calls them in order) the allocation shares the layer's total among them and
     // each evicts down to its share, as a replay does. Outputs are measured before eviction.
@@ -154,12 +174,27 @@ private:
         query_ptrs_.resize(group_);
         full_ptrs_.resize(group_);
         for (int h = 0; h < group_; ++h) {
-            const float* q = query_[layer].data() + static_cast<std::size_t>(kv * group_ + h) * d;
+            const float* q = query_row(layer, pos) + static_cast<std::size_t>(kv * group_ + h) * d;
             std::vector<float>& row = rows_[h];
             row.resize(pos + 1);
             float peak = -INFINITY;
-            for (int p = 0; p <= pos; ++p) {
-                const float* k = p < pos ? llama_.cached_key(layer, kv, p) : key_[layer].data() + kv * d;
+            // Eight cached positions at a time: eight independent sums, each over i = 0..d-1 in
+            // the order of a single position's loop below (the same floats), without every product
+            // waiting on the one before it. This loop is the policy's share of a long eval.
+            constexpr int kLanes = 8;
+            int p = 0;
+            for (; p + kLanes <= pos; p += kLanes) {
+                const float* k = llama_.cached_keys(layer, kv, p, kLanes);
+                float dots[kLanes] = {};
+                for (int i = 0; i < d; ++i)
+                    for (int j = 0; j < kLanes; ++j) dots[j] += q[i] * k[static_cast<std::size_t>(j) * d + i];
+                for (int j = 0; j < kLanes; ++j) {
+                    row[p + j] = dots[j] * scale;
+                    peak = std::max(peak, row[p + j]);
+                }
+            }
+            for (; p <= pos; ++p) {
+                const float* k = p < pos ? llama_.cached_key(layer, kv, p) : key_row(layer, pos) + kv * d;
                 float dot = 0;
                 for (int i = 0; i < d; ++i) dot += q[i] * k[i];
                 row[p] = dot * scale;
@@ -202,10 +237,12 @@ private:
     const model::LlamaConfig& config_;
     int heavy_k_;
     int group_;
+    int chunk_;
     bool raw_view_ = false, simulated_ = false;
     GroupReduce reduce_ = GroupReduce::mean;
-    std::vector<std::vector<float>> query_;  // per layer: this step's Q, all heads
-    std::vector<std::vector<float>> key_;    // per layer: this step's K, all KV heads
+    // Per layer: the chunk's Q (all heads), K and V (all KV heads), position p in row p % chunk.
+    std::vector<std::vector<float>> query_, key_, value_;
+    std::vector<int> admitted_;              // per layer: positions given to tiers_
     std::vector<std::unique_ptr<IncrementalTiers>> tiers_;  // per layer: K/V as each tier holds them
     std::vector<Harness> harnesses_;         // [layer][kv head]
     std::vector<std::vector<float>> rows_;
@@ -329,9 +366,10 @@ EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>&
         out.sequence_nll.resize(text.sequences.size());
         out.sequence_metrics.resize(text.sequences.size());
     }
-    // Each worker thread runs on its own copy of the model, with a policy's simulated cache for a
-    // sequence: every layer's K and V in fp32 and in each quantised tier, at most 16 bytes per
-    // cached element (sim/precision.h), besides the harnesses' own bookkeeping.
+    // Each worker thread runs on its own copy of the model (sharing its weights: a copy is its KV
+    // cache and RoPE tables), with a policy's simulated cache for a sequence: every layer's K and V
+    // in fp32 and in each quantised tier, at most 16 bytes per cached element (sim/precision.h),
+    // besides the harnesses' own bookkeeping.
     const auto copies = static_cast<uint64_t>(
         std::min<std::size_t>(outcomes.size(), static_cast<std::size_t>(tbb::this_task_arena::max_concurrency())));
     std::size_t longest = 0;
@@ -340,11 +378,12 @@ EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>&
                              " copies of the model and of a simulated cache for " + std::to_string(longest) +
                              " tokens, one per thread (--threads)";
     const uint64_t per_thread = checked_add(
-        loaded.memory_bytes(),
+        loaded.memory_bytes() - loaded.weight_bytes(),
         checked_mul(checked_mul(static_cast<uint64_t>(mc.n_layers) * static_cast<uint64_t>(mc.kv_dim()), longest, what),
                     16, what),
         what);
     check_memory(checked_add(loaded.memory_bytes(), checked_mul(copies, per_thread, what), what), what);
+    if (options.chunk < 1) throw std::invalid_argument("run_eval: chunk must be at least 1");
     tbb::enumerable_thread_specific<model::LlamaModel> models(loaded);
     ProgressBar bar(options.show_progress);
     std::atomic<int> done{0};
@@ -357,11 +396,11 @@ EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>&
             const std::vector<int>& tokens = text.sequences[s];
             try {
                 if (i == 0) {
-                    out.sequence_nll[s] = llama.sequence_nll(tokens, nullptr, 1);
+                    out.sequence_nll[s] = llama.sequence_nll(tokens, nullptr, options.chunk);
                 } else {
                     PolicyInTheLoop hooks(llama, combos[i - 1], harness, config.heavy_hitter_k,
-                                          static_cast<int>(tokens.size()));
-                    out.sequence_nll[s] = llama.sequence_nll(tokens, &hooks, 1);
+                                          static_cast<int>(tokens.size()), options.chunk);
+                    out.sequence_nll[s] = llama.sequence_nll(tokens, &hooks, options.chunk);
                     out.sequence_metrics[s] = hooks.metrics();
                     out.metrics.add(hooks.metrics());
                     out.bytes_per_slot = hooks.bytes_per_slot();

@@ -102,10 +102,12 @@ int main(int argc, char** argv) {
     const CaptureSummary summary = capture_trace(options);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
-    // Weight products per token, plus attention: q·k and weights·v over the positions seen.
+    // Weight products per token, plus attention: q·k and weights·v over the positions seen. A
+    // capture runs no classifier (it records Q, K and V, not logits), so its product is not counted.
     const double n = static_cast<double>(summary.tokens);
     const double attention_flops = 2.0 * 2.0 * config.n_heads * config.head_dim * config.n_layers * (n * (n + 1) / 2);
-    const double flops = static_cast<double>(config.matmul_flops_per_token()) * n + attention_flops;
+    const double classifier_flops = 2.0 * config.vocab_size * config.dim;
+    const double flops = (static_cast<double>(config.matmul_flops_per_token()) - classifier_flops) * n + attention_flops;
     std::printf("model %s: %d layers, %s weights, %.2f GB file\n", model_path.c_str(), layers, type_name.c_str(),
                 std::filesystem::file_size(model_path) / 1e9);
     std::printf("captured %ld tokens in %.1f s (load, forward, trace writing): %.1f tokens/s\n", summary.tokens,

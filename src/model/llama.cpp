@@ -360,7 +360,7 @@ LlamaModel LlamaModel::load(const GgufFile& file, int max_context) {
         const uint64_t floats = checked_mul(info.element_count(), sizeof(float), path + ": weights");
         const bool as_floats = weight.cols == 0 || info.type_id == static_cast<uint32_t>(TensorType::F32);
         weight_bytes = checked_add(weight_bytes, as_floats ? floats : info.byte_size(), path + ": weights");
-        const uint64_t tile = static_cast<uint64_t>(WeightMatrix::kTileRows) * static_cast<uint64_t>(weight.cols) * sizeof(float);
+        const uint64_t tile = static_cast<uint64_t>(WeightMatrix::tile_rows_for(weight.rows, weight.cols)) * static_cast<uint64_t>(weight.cols) * sizeof(float);
         reading_bytes = std::max(reading_bytes, checked_add(as_floats ? floats : tile, info.byte_size(), path + ": weights"));
     }
     check_memory(checked_add(weight_bytes, reading_bytes, path),
@@ -428,22 +428,28 @@ LlamaModel LlamaModel::load(const GgufFile& file, int max_context) {
         rope_cos_sin(frequencies, pos, model.rope_cos_.row(pos).data(), model.rope_sin_.row(pos).data());
     model.rope_ = Rope{c.rope_pairing, frequencies};
 
-    model.key_cache_.assign(cache_floats, 0.0f);
-    model.value_cache_.assign(cache_floats, 0.0f);
+    model.cached_positions_.assign(static_cast<size_t>(c.n_layers), 0);
     model.scores_.resize(c.n_heads);
     return model;
 }
 
-uint64_t LlamaModel::memory_bytes() const {
+size_t LlamaModel::cache_floats() const {
+    return static_cast<size_t>(config_.n_layers) * config_.n_kv_heads * max_positions_ * config_.head_dim;
+}
+
+uint64_t LlamaModel::weight_bytes() const {
     uint64_t bytes = token_embedding_.memory_bytes() + output_.memory_bytes();
-    uint64_t floats = static_cast<uint64_t>(output_norm_.size()) + rope_cos_.size() + rope_sin_.size() +
-                      key_cache_.size() + value_cache_.size();
-    for (const Layer& layer : layers_) {
-        floats += layer.attn_norm.size() + layer.ffn_norm.size() + layer.bq.size() + layer.bk.size() + layer.bv.size();
+    for (const Layer& layer : layers_)
         for (const WeightMatrix* w : {&layer.wq, &layer.wk, &layer.wv, &layer.wo, &layer.w_gate, &layer.w_up, &layer.w_down})
             bytes += w->memory_bytes();
-    }
-    return bytes + floats * sizeof(float);
+    return bytes;
+}
+
+uint64_t LlamaModel::memory_bytes() const {
+    uint64_t floats = static_cast<uint64_t>(output_norm_.size()) + rope_cos_.size() + rope_sin_.size() + 2 * cache_floats();
+    for (const Layer& layer : layers_)
+        floats += layer.attn_norm.size() + layer.ffn_norm.size() + layer.bq.size() + layer.bk.size() + layer.bv.size();
+    return weight_bytes() + floats * sizeof(float);
 }
 
 NonFiniteError::NonFiniteError(const std::string& model_path, const std::string& quantity, int layer, int position)
@@ -460,7 +466,10 @@ InputError NonFiniteError::in_sequence(const std::string& sequence) const {
 // ---------------------------------------------------------------------------------------------
 // Forward pass
 
-void LlamaModel::reset() { next_pos_ = 0; }
+void LlamaModel::reset() {
+    next_pos_ = 0;
+    std::fill(cached_positions_.begin(), cached_positions_.end(), 0);
+}
 
 size_t LlamaModel::cache_offset(int layer, int kv_head, int pos) const {
     return ((static_cast<size_t>(layer) * config_.n_kv_heads + kv_head) * max_positions_ + pos) * config_.head_dim;
@@ -468,14 +477,14 @@ size_t LlamaModel::cache_offset(int layer, int kv_head, int pos) const {
 
 const float* LlamaModel::cached_key(int layer, int kv_head, int pos) const {
     if (layer < 0 || layer >= config_.n_layers || kv_head < 0 || kv_head >= config_.n_kv_heads || pos < 0 ||
-        pos >= next_pos_)
+        pos >= cached_positions_[static_cast<size_t>(layer)])
         throw std::out_of_range("LlamaModel::cached_key: no such layer, KV head or cached position");
     return key_cache_.data() + cache_offset(layer, kv_head, pos);
 }
 
 const float* LlamaModel::cached_value(int layer, int kv_head, int pos) const {
     if (layer < 0 || layer >= config_.n_layers || kv_head < 0 || kv_head >= config_.n_kv_heads || pos < 0 ||
-        pos >= next_pos_)
+        pos >= cached_positions_[static_cast<size_t>(layer)])
         throw std::out_of_range("LlamaModel::cached_value: no such layer, KV head or cached position");
     return value_cache_.data() + cache_offset(layer, kv_head, pos);
 }
@@ -501,7 +510,6 @@ void LlamaModel::ensure_chunk_capacity(int n_tokens) {
     attn_out_.resize(n_tokens, c.q_dim());
     gate_.resize(n_tokens, c.hidden_dim);
     up_.resize(n_tokens, c.hidden_dim);
-    logits_.resize(n_tokens, c.vocab_size);
     for (auto& scores : scores_) scores.resize(n_tokens, max_positions_);
 }
 
@@ -509,7 +517,7 @@ const float* LlamaModel::forward(int token, int pos, ForwardHooks* hooks) {
     return forward_batch(std::span<const int>(&token, 1), pos, hooks);
 }
 
-const float* LlamaModel::forward_batch(std::span<const int> tokens, int start_pos, ForwardHooks* hooks) {
+const float* LlamaModel::forward_batch(std::span<const int> tokens, int start_pos, ForwardHooks* hooks, bool logits) {
     const LlamaConfig& c = config_;
     const int n = static_cast<int>(tokens.size());
     if (n == 0) throw std::invalid_argument("LlamaModel::forward_batch: no tokens");
@@ -526,7 +534,12 @@ const float* LlamaModel::forward_batch(std::span<const int> tokens, int start_po
             throw std::out_of_range("LlamaModel::forward: token id " + std::to_string(token) + " is not in the vocabulary");
     }
     ensure_chunk_capacity(n);
+    if (key_cache_.empty()) {  // the plan was checked against the memory limit at load
+        key_cache_.assign(cache_floats(), 0.0f);
+        value_cache_.assign(cache_floats(), 0.0f);
+    }
     next_pos_ = start_pos;  // a rewind drops the positions after start_pos
+    for (int& cached : cached_positions_) cached = std::min(cached, start_pos);
 
     auto x = x_.topRows(n);    // residual stream, one row per token
     auto xb = xb_.topRows(n);  // normalised input / block output
@@ -562,6 +575,11 @@ const float* LlamaModel::forward_batch(std::span<const int> tokens, int start_po
         linear_add(gate, layer.w_down, x);
     }
 
+    if (!logits) {
+        next_pos_ = start_pos + n;
+        return nullptr;
+    }
+    if (logits_.rows() < n) logits_.resize(n, c.vocab_size);  // only when asked for: 0.5 MB a token for 128K words
     rms_norm(x, output_norm_, c.norm_eps, xb);
     linear(xb, classifier(), logits_.topRows(n));
     for (int i = 0; i < n; ++i)
@@ -598,6 +616,7 @@ void LlamaModel::attention(int layer, int n, int start_pos, ForwardHooks* hooks)
             std::memcpy(value_cache_.data() + cache_offset(layer, g, pos), v_.row(i).data() + g * head_dim,
                         sizeof(float) * head_dim);
         }
+        cached_positions_[static_cast<size_t>(layer)] = pos + 1;
         if (!hooks) continue;
         for (int g = 0; g < c.n_kv_heads; ++g) {
             if (const uint8_t* mask = hooks->attention_mask(layer, g, pos)) {

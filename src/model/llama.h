@@ -153,8 +153,12 @@ class LlamaModel {
     const Rope& rope() const { return rope_; }
     int max_positions() const { return max_positions_; }  // positions the KV cache holds
     bool tied_output() const { return tied_output_; }
-    // Bytes the weights, RoPE tables and KV cache take (what a copy of the model costs).
+    // Bytes the weights, RoPE tables and KV cache take, the cache counted whether or not it has
+    // been allocated yet (a model allocates it at its first forward pass).
     uint64_t memory_bytes() const;
+    // Bytes of the weight matrices alone: copies of a model share them, so a copy costs
+    // memory_bytes() - weight_bytes().
+    uint64_t weight_bytes() const;
 
     // Runs one token at position pos through the model, using and extending its KV cache; returns
     // the logits (vocab_size floats, valid until the next call). Throws NonFiniteError when the
@@ -167,8 +171,10 @@ class LlamaModel {
     // returns logits [tokens.size()][vocab_size], row-major, valid until the next call. The result
     // equals calling forward() token by token. Hook calls for a layer come in the same order as
     // with forward() (per position: after_qkv, then attention_mask for each KV head), but layer by
-    // layer: layer 0 for every token of the chunk, then layer 1, and so on.
-    const float* forward_batch(std::span<const int> tokens, int start_pos, ForwardHooks* hooks = nullptr);
+    // layer: layer 0 for every token of the chunk, then layer 1, and so on. With logits false
+    // the classifier is not run (a capture of Q/K/V needs none) and it returns nullptr.
+    const float* forward_batch(std::span<const int> tokens, int start_pos, ForwardHooks* hooks = nullptr,
+                               bool logits = true);
 
     void reset();  // clears the KV cache for a new sequence
 
@@ -177,9 +183,15 @@ class LlamaModel {
     // chunk_size tokens through forward_batch (chunk_size 1: strictly token by token).
     double sequence_nll(const std::vector<int>& tokens, ForwardHooks* hooks = nullptr, int chunk_size = 128);
 
-    // The cached key / value (head_dim floats) of a layer, KV head and position already run.
+    // The cached key / value (head_dim floats) of a layer, KV head and position already stored:
+    // inside forward_batch, a hook may read the chunk's earlier positions of the current layer.
     const float* cached_key(int layer, int kv_head, int pos) const;
     const float* cached_value(int layer, int kv_head, int pos) const;
+    // The keys of positions first..first+count-1: count rows of head_dim floats, one after another.
+    const float* cached_keys(int layer, int kv_head, int first, int count) const {
+        cached_key(layer, kv_head, first + count - 1);  // throws unless every one is stored
+        return cached_key(layer, kv_head, first);
+    }
 
   private:
     struct Layer {
@@ -199,6 +211,7 @@ class LlamaModel {
     LlamaConfig config_;
     int max_positions_ = 0;
     int next_pos_ = 0;  // first position not yet in the cache
+    std::vector<int> cached_positions_;  // per layer: positions 0..N-1 hold this forward pass's K and V
     bool tied_output_ = false;
 
     WeightMatrix token_embedding_;  // [vocab][dim]
@@ -211,7 +224,9 @@ class LlamaModel {
     Rope rope_;  // the pairing and per-pair frequencies the tables were computed from
 
     // KV cache: [layer][kv_head][position][head_dim], so one head's keys are one contiguous matrix.
+    // Allocated by the first forward pass: a copy of a model not yet run costs little.
     std::vector<float> key_cache_, value_cache_;
+    size_t cache_floats() const;
 
     // Activations for a chunk of tokens, one row per token (capacity grows with the chunk size).
     int chunk_capacity_ = 0;

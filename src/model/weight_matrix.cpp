@@ -19,7 +19,7 @@ WeightMatrix WeightMatrix::from_floats(RowMatrix values) {
     WeightMatrix w;
     w.rows_ = static_cast<int>(values.rows());
     w.cols_ = static_cast<int>(values.cols());
-    w.floats_ = std::move(values);
+    w.floats_ = std::make_shared<const RowMatrix>(std::move(values));
     return w;
 }
 
@@ -33,23 +33,24 @@ WeightMatrix WeightMatrix::from_blocks(const BlockFormat& format, int rows, int 
     w.row_bytes_ = static_cast<size_t>(cols / format.block_elements) * static_cast<size_t>(format.block_bytes);
     if (bytes.size() != w.row_bytes_ * static_cast<size_t>(rows))
         throw std::invalid_argument("WeightMatrix: byte count does not match the shape");
-    w.bytes_ = std::move(bytes);
+    w.bytes_ = std::make_shared<const std::vector<uint8_t>>(std::move(bytes));
     return w;
 }
 
 uint64_t WeightMatrix::memory_bytes() const {
-    return format_ ? bytes_.size() : static_cast<uint64_t>(floats_.size()) * sizeof(float);
+    if (empty()) return 0;
+    return format_ ? bytes_->size() : static_cast<uint64_t>(floats_->size()) * sizeof(float);
 }
 
 void WeightMatrix::decode_rows(int first_row, int count, float* out) const {
-    format_->dequantize(bytes_.data() + static_cast<size_t>(first_row) * row_bytes_,
+    format_->dequantize(bytes_->data() + static_cast<size_t>(first_row) * row_bytes_,
                         static_cast<size_t>(count) * static_cast<size_t>(cols_ / format_->block_elements), out);
 }
 
 void WeightMatrix::decode_row(int r, float* out) const {
     if (r < 0 || r >= rows_) throw std::out_of_range("WeightMatrix::decode_row: no such row");
     if (format_ == nullptr) {
-        std::copy_n(floats_.row(r).data(), cols_, out);
+        std::copy_n(floats_->row(r).data(), cols_, out);
         return;
     }
     decode_rows(r, 1, out);
@@ -61,10 +62,12 @@ int64_t WeightMatrix::first_non_finite() const {
             if (!std::isfinite(values[i])) return base + i;
         return -1;
     };
-    if (format_ == nullptr) return scan(floats_.data(), floats_.size(), 0);
-    std::vector<float> tile(static_cast<size_t>(kTileRows) * cols_);
-    for (int r = 0; r < rows_; r += kTileRows) {
-        const int count = std::min(kTileRows, rows_ - r);
+    if (empty()) return -1;
+    if (format_ == nullptr) return scan(floats_->data(), floats_->size(), 0);
+    const int tile_rows = tile_rows_for(rows_, cols_);
+    std::vector<float> tile(static_cast<size_t>(tile_rows) * cols_);
+    for (int r = 0; r < rows_; r += tile_rows) {
+        const int count = std::min(tile_rows, rows_ - r);
         decode_rows(r, count, tile.data());
         if (const int64_t bad = scan(tile.data(), int64_t{count} * cols_, int64_t{r} * cols_); bad >= 0) return bad;
     }
@@ -73,13 +76,14 @@ int64_t WeightMatrix::first_non_finite() const {
 
 template <bool kAccumulate>
 void WeightMatrix::multiply_impl(const Eigen::Ref<const RowMatrix>& x, Eigen::Ref<RowMatrix> y) const {
-    // One Eigen product per tile of kTileRows rows (output features), the same tiles for fp32 and
-    // encoded weights: an encoded tile is decoded into this thread's scratch first. Identical
-    // operands in identical products make a quantised model's results equal, bit for bit, to
-    // those of its weights dequantised to F32, whatever thread runs which tile.
+    // One Eigen product per tile of tile_rows() rows (output features) over every row of x, the
+    // same tiles for fp32 and encoded weights: an encoded tile is decoded into this thread's
+    // scratch first. Identical operands in identical products make a quantised model's results
+    // equal, bit for bit, to those of its weights dequantised to F32, whatever thread runs which tile.
+    const int tile_rows = tile_rows_for(rows_, cols_);
     const auto tile_product = [&](int tile) {
-        const int first_row = tile * kTileRows;
-        const int count = std::min(kTileRows, rows_ - first_row);
+        const int first_row = tile * tile_rows;
+        const int count = std::min(tile_rows, rows_ - first_row);
         const auto product = [&](const auto& w) {
             if constexpr (kAccumulate) {
                 y.middleCols(first_row, count).noalias() += x * w.transpose();
@@ -89,15 +93,15 @@ void WeightMatrix::multiply_impl(const Eigen::Ref<const RowMatrix>& x, Eigen::Re
         };
         using Tile = Eigen::Map<const RowMatrix>;  // the same expression type for both sources
         if (format_ == nullptr) {
-            product(Tile(floats_.data() + static_cast<size_t>(first_row) * cols_, count, cols_));
+            product(Tile(floats_->data() + static_cast<size_t>(first_row) * cols_, count, cols_));
             return;
         }
-        thread_local std::vector<float> scratch;  // grows to the widest tile this thread decodes
-        scratch.resize(std::max(scratch.size(), static_cast<size_t>(kTileRows) * cols_));
+        thread_local std::vector<float> scratch;  // grows to the largest tile this thread decodes, once
+        scratch.resize(std::max(scratch.size(), static_cast<size_t>(tile_rows) * cols_));
         decode_rows(first_row, count, scratch.data());
         product(Tile(scratch.data(), count, cols_));
     };
-    const int tiles = (rows_ + kTileRows - 1) / kTileRows;
+    const int tiles = (rows_ + tile_rows - 1) / tile_rows;
     if (int64_t{x.rows()} * rows_ * cols_ < kParallelMinMacs) {
         for (int tile = 0; tile < tiles; ++tile) tile_product(tile);
     } else {

@@ -6,6 +6,7 @@
 
 #include <Eigen/Core>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "src/model/ggml_blocks.h"
@@ -17,9 +18,22 @@ class WeightMatrix {
     using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
     // Rows decoded together inside a product: each tile's product is one Eigen call over the same
-    // rows whichever thread runs it, so results do not depend on the number of threads.
-    static constexpr int kTileRows = 64;
+    // rows whichever thread runs it, so results do not depend on the number of threads. Eigen
+    // packs the whole of x once per call, so a large matrix takes kLargeTileRows a tile (x packed
+    // a quarter as often; a 256 x 8192 tile decodes into 8 MB of scratch per thread). Matrices of
+    // at most kSmallMatrixWeights weights keep 64-row tiles: within a tile Eigen's kernels sum a
+    // row's products in an order that depends on the row's place in the tile, and the results of
+    // small models (stories260K's, the tests') stay as they were.
+    static constexpr int kSmallTileRows = 64;
+    static constexpr int kLargeTileRows = 256;
+    static constexpr int64_t kSmallMatrixWeights = int64_t{1} << 20;
+    static int tile_rows_for(int rows, int cols) {
+        return int64_t{rows} * cols <= kSmallMatrixWeights ? kSmallTileRows : kLargeTileRows;
+    }
+    int tile_rows() const { return tile_rows_for(rows_, cols_); }
 
+    // Copies share the weights (they are never changed after loading): a model copied per thread
+    // holds its weights once.
     WeightMatrix() = default;
     static WeightMatrix from_floats(RowMatrix values);
     // bytes: rows x (cols / format.block_elements) blocks; cols must be a whole number of blocks.
@@ -47,9 +61,9 @@ class WeightMatrix {
     void decode_rows(int first_row, int count, float* out) const;
 
     int rows_ = 0, cols_ = 0;
-    RowMatrix floats_;                   // when format_ is nullptr
+    std::shared_ptr<const RowMatrix> floats_;             // when format_ is nullptr
     const BlockFormat* format_ = nullptr;
-    std::vector<uint8_t> bytes_;         // when format_ is set
+    std::shared_ptr<const std::vector<uint8_t>> bytes_;  // when format_ is set
     size_t row_bytes_ = 0;
 };
 
