@@ -2,12 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <stdexcept>
-#if defined(__AVX__)
-#include <immintrin.h>
-#endif
 
 #include "sim/streaming_heads.h"
 #include "base/errors.h"
@@ -19,50 +15,23 @@ namespace {
 // The first `heads` rows' weights on the kept positions, each summed in double in position order
 // into retained[h] (and copied to gathered[h * held + slot] unless gathered is null). Several
 // heads go together: each head's sum still adds in the same order, to the same double, but their
-// chains of additions overlap instead of each addition waiting on the one before. Where the rows'
-// sums are exact in any order (row_sums_exact), each head's sum is split four ways by slot as
-// well, so that no chain of dependent additions sets the pace.
-template <int heads, bool exact>
+// chains of additions overlap instead of each addition waiting on the one before.
+template <int heads>
 int sum_kept_weights(std::span<const float* const> rows, std::span<const int32_t> kept, float* gathered,
                      double* retained) {
     const std::size_t held = kept.size();
     const float* row[heads];
     for (int h = 0; h < heads; ++h) row[h] = rows[h];
-    constexpr int ways = exact ? 4 : 1;
-    double sum[ways][heads] = {};
-    std::size_t j = 0;
-    if constexpr (exact) {
-        if (gathered) {
-            for (; j + ways <= held; j += ways)
-                for (int u = 0; u < ways; ++u)
-                    for (int h = 0; h < heads; ++h)
-                        sum[u][h] += (gathered[h * held + j + u] = row[h][kept[j + u]]);
-        } else {
-            for (; j + ways <= held; j += ways)
-                for (int u = 0; u < ways; ++u)
-                    for (int h = 0; h < heads; ++h) sum[u][h] += row[h][kept[j + u]];
-        }
-    }
+    double sum[heads] = {};
     if (gathered) {
-        for (; j < held; ++j)
-            for (int h = 0; h < heads; ++h) sum[0][h] += (gathered[h * held + j] = row[h][kept[j]]);
+        for (std::size_t j = 0; j < held; ++j)
+            for (int h = 0; h < heads; ++h) sum[h] += (gathered[h * held + j] = row[h][kept[j]]);
     } else {
-        for (; j < held; ++j)
-            for (int h = 0; h < heads; ++h) sum[0][h] += row[h][kept[j]];
+        for (std::size_t j = 0; j < held; ++j)
+            for (int h = 0; h < heads; ++h) sum[h] += row[h][kept[j]];
     }
-    for (int h = 0; h < heads; ++h) {
-        double total = sum[0][h];
-        for (int u = 1; u < ways; ++u) total += sum[u][h];
-        retained[h] = total;
-    }
+    for (int h = 0; h < heads; ++h) retained[h] = sum[h];
     return heads;
-}
-
-template <int heads>
-int sum_kept_weights(std::span<const float* const> rows, std::span<const int32_t> kept, float* gathered,
-                     double* retained, bool exact) {
-    return exact ? sum_kept_weights<heads, true>(rows, kept, gathered, retained)
-                 : sum_kept_weights<heads, false>(rows, kept, gathered, retained);
 }
 
 }  // namespace
@@ -80,106 +49,6 @@ Harness::Harness(std::unique_ptr<Policy> policy, int budget, int64_t sequence_le
     kept_.push_back(0);
     is_kept_[0] = 1;
     if (tiered_) policy_->assign_tiers(0, kept_, key_tier_, value_tier_);  // position 0 as step 0 left it
-}
-
-bool row_sums_exact(std::span<const float> row) {
-    // Sixteen lanes of each reduction, so that the loops vectorise: the signed range of the bits
-    // (finite and >= +0 is [0, 0x7f800000)), the smallest bits of a positive weight (bits - 1 as
-    // unsigned sends +0 to the top), and a float total, within a factor 1 + n 2^-24 of the true one.
-    constexpr int lanes = 16;
-    int32_t low[lanes], high[lanes];
-    uint32_t lowest_positive[lanes];
-    float total[lanes];
-    for (int l = 0; l < lanes; ++l) {
-        low[l] = 0;
-        high[l] = 0;
-        lowest_positive[l] = UINT32_MAX;
-        total[l] = 0.0f;
-    }
-    const std::size_t n = row.size();
-    auto take = [&](int l, float x) {
-        int32_t bits;
-        std::memcpy(&bits, &x, sizeof bits);
-        low[l] = std::min(low[l], bits);
-        high[l] = std::max(high[l], bits);
-        lowest_positive[l] = std::min(lowest_positive[l], static_cast<uint32_t>(bits) - 1u);
-        total[l] += x;
-    };
-    std::size_t j = 0;
-    for (; j + lanes <= n; j += lanes)
-        for (int l = 0; l < lanes; ++l) take(l, row[j + l]);
-    for (int l = 0; j < n; ++j, ++l) take(l, row[j]);
-    int32_t lowest_bits = 0, highest_bits = 0;
-    uint32_t smallest = UINT32_MAX;
-    double sum = 0.0;
-    for (int l = 0; l < lanes; ++l) {
-        lowest_bits = std::min(lowest_bits, low[l]);
-        highest_bits = std::max(highest_bits, high[l]);
-        smallest = std::min(smallest, lowest_positive[l]);
-        sum += total[l];
-    }
-    if (lowest_bits < 0 || highest_bits >= 0x7f800000) return false;  // negative (or -0), Inf or NaN
-    if (smallest == UINT32_MAX) return true;                            // all +0
-    // The smallest positive weight's last bit, q: 2^(exponent - 150), and 2^-149 for denormals.
-    const int exponent = std::max<int>(static_cast<int>((smallest + 1u) >> 23), 1);
-    // Each lane's float total adds at most 2^20 + 1 weights for rows up to 2^24, so it is within a
-    // factor 1 + 2^-3 of the true total: twice it bounds the total, which must stay under 2^53 q.
-    return n <= (std::size_t{1} << 24) && sum * 2.0 < std::ldexp(1.0, exponent - 150 + 53);
-}
-
-// The same sums for a group of four from its rows interleaved by position
-// (GroupStep::interleaved): each kept position's four weights are one load, copied to
-// gathered[slot * 4 + h] (slot-major) and widened to four doubles that add as one vector.
-template <bool exact>
-void sum_kept_interleaved(const float* row, std::span<const int32_t> kept, float* gathered, double* retained) {
-    const std::size_t held = kept.size();
-    constexpr int ways = exact ? 4 : 1;
-    std::size_t j = 0;
-#if defined(__AVX__)
-    __m256d sum[ways];
-    for (int u = 0; u < ways; ++u) sum[u] = _mm256_setzero_pd();
-    auto take = [&](int u, std::size_t slot) {
-        const __m128 w = _mm_loadu_ps(row + static_cast<std::size_t>(kept[slot]) * 4);
-        _mm_storeu_ps(gathered + slot * 4, w);
-        sum[u] = _mm256_add_pd(sum[u], _mm256_cvtps_pd(w));
-    };
-    if constexpr (exact)
-        for (; j + ways <= held; j += ways)
-            for (int u = 0; u < ways; ++u) take(u, j + u);
-    for (; j < held; ++j) take(0, j);
-    for (int u = 1; u < ways; ++u) sum[0] = _mm256_add_pd(sum[0], sum[u]);  // exact: any order
-    _mm256_storeu_pd(retained, sum[0]);
-#else
-    double sum[ways][4] = {};
-    auto take = [&](int u, std::size_t slot) {
-        const float* w = row + static_cast<std::size_t>(kept[slot]) * 4;
-        for (int h = 0; h < 4; ++h) sum[u][h] += (gathered[slot * 4 + h] = w[h]);
-    };
-    if constexpr (exact)
-        for (; j + ways <= held; j += ways)
-            for (int u = 0; u < ways; ++u) take(u, j + u);
-    for (; j < held; ++j) take(0, j);
-    for (int h = 0; h < 4; ++h) {
-        double total = sum[0][h];
-        for (int u = 1; u < ways; ++u) total += sum[u][h];
-        retained[h] = total;
-    }
-#endif
-}
-
-// The renormalized view's combination from slot-major weights: per slot, head 0's scaled weight,
-// then each further head's added (or maxed) in head order, the arithmetic of the head-major loops.
-template <int group>
-void combine_slot_major(const float* gathered, const float* scale, std::size_t held, bool max, float* attn) {
-    for (std::size_t j = 0; j < held; ++j) {
-        const float* w = gathered + j * group;
-        float a = w[0] * scale[0];
-        if (max)
-            for (int h = 1; h < group; ++h) a = std::max(a, w[h] * scale[h]);
-        else
-            for (int h = 1; h < group; ++h) a += w[h] * scale[h];
-        attn[j] = a;
-    }
 }
 
 HarnessOptions named_harness_options(const std::string& attention_view, const std::string& group_reduce,
@@ -334,25 +203,16 @@ void Harness::observe(const GroupStep& s) {
     // The renormalized view needs the same weights again, so they are gathered once.
     const bool renormalized = options_.view == AttentionView::renormalized;
     retained_.resize(group);
-    // With interleaved rows the weights are gathered slot-major (every view: the copy is cheaper
-    // than a second layout); otherwise head-major, for the renormalized view only.
-    const bool slot_major = s.interleaved != nullptr && group == 4;
-    if (renormalized || slot_major) gathered_.resize(group * held);
-    if (slot_major) {
-        if (s.exact_sums)
-            sum_kept_interleaved<true>(s.interleaved, kept_, gathered_.data(), retained_.data());
-        else
-            sum_kept_interleaved<false>(s.interleaved, kept_, gathered_.data(), retained_.data());
-    }
-    for (std::size_t h = slot_major ? group : 0; h < group;) {
+    if (renormalized) gathered_.resize(group * held);
+    for (std::size_t h = 0; h < group;) {
         const std::size_t left = group - h;
         float* out = renormalized ? gathered_.data() + h * held : nullptr;
         if (left >= 4)
-            h += sum_kept_weights<4>(s.rows.subspan(h), kept_, out, retained_.data() + h, s.exact_sums);
+            h += sum_kept_weights<4>(s.rows.subspan(h), kept_, out, retained_.data() + h);
         else if (left >= 2)
-            h += sum_kept_weights<2>(s.rows.subspan(h), kept_, out, retained_.data() + h, s.exact_sums);
+            h += sum_kept_weights<2>(s.rows.subspan(h), kept_, out, retained_.data() + h);
         else
-            h += sum_kept_weights<1>(s.rows.subspan(h), kept_, out, retained_.data() + h, s.exact_sums);
+            h += sum_kept_weights<1>(s.rows.subspan(h), kept_, out, retained_.data() + h);
     }
     if (measured) {
         for (std::size_t h = 0; h < group; ++h) {
@@ -401,16 +261,13 @@ void Harness::observe(const GroupStep& s) {
         const float* first = gathered_.data();
         auto scaled = [&](std::size_t h, std::size_t j) {
             const double total = retained_[h] + s.self_weight[h];
-            const float w = slot_major ? gathered_[j * group + h] : gathered_[h * held + j];
-            return total > 0 ? static_cast<float>(w / total) : 0.0f;
+            return total > 0 ? static_cast<float>(gathered_[h * held + j] / total) : 0.0f;
         };
         if (wide) {
             for (std::size_t j = 0; j < held; ++j) attn[j] = scaled(0, j);
             for (std::size_t h = 1; h < group; ++h)
                 for (std::size_t j = 0; j < held; ++j)
                     attn[j] = options_.reduce == GroupReduce::max ? std::max(attn[j], scaled(h, j)) : attn[j] + scaled(h, j);
-        } else if (slot_major) {
-            combine_slot_major<4>(first, sc, held, options_.reduce == GroupReduce::max, attn);
         } else {
             for (std::size_t j = 0; j < held; ++j) attn[j] = first[j] * sc[0];
             for (std::size_t h = 1; h < group; ++h) {

@@ -65,13 +65,6 @@ struct HarnessOptions {
 HarnessOptions named_harness_options(const std::string& attention_view, const std::string& group_reduce,
                                      bool values_known, int prefill_tokens);
 
-// Whether summing any subset of `row`'s weights in double gives the same, exact, result in any
-// order: every weight is finite and >= +0 (no -0), every one is a multiple of the smallest
-// positive one's last float bit (q), and the row's total is below 2^53 q, so that every partial
-// sum, a multiple of q under 2^53 q, is a double. Rows of a softmax over a few thousand tokens
-// pass when their smallest weight is above about 2^-28; rows with tinier weights do not.
-bool row_sums_exact(std::span<const float> row);
-
 // What one step shows the harness of one KV head: its query heads' rows (t weights each), their
 // weights on their own position, their top-k positions, and (raw view) the combined row.
 struct GroupStep {
@@ -81,11 +74,6 @@ struct GroupStep {
     std::span<const float> own_weight;   // the token's weight on itself where the source records it
     std::span<const std::span<const int32_t>> heavy;
     const float* combined = nullptr;  // raw view: the reduced row
-    // Every row of the group passes row_sums_exact: kept weights may be summed in any order.
-    bool exact_sums = false;
-    // Optional, for groups of four: the same rows interleaved by position (head h's weight on
-    // position p at [p * 4 + h]), so that a kept position's weights are read in one load.
-    const float* interleaved = nullptr;
     // Output error: each query head's query at t and the full cache's output (head_dim each).
     std::span<const float* const> queries;
     std::span<const float* const> full_output;

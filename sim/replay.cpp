@@ -3,9 +3,6 @@
 #include <tbb/parallel_for.h>
 
 #include <algorithm>
-#if defined(__SSE__)
-#include <immintrin.h>
-#endif
 
 #include "sim/heavy_hitters.h"
 #include "sim/lowrank.h"
@@ -102,7 +99,6 @@ private:
             const uint64_t k = static_cast<uint64_t>(std::max(k_, 1));
             block = add(block, mul(heads, std::min(mul(2, per_head), mul(rows, k))));  // heavy hitters
             if (raw_view_ && group_ > 1) block = add(block, mul(kv, per_head));  // combined rows
-            if (interleave()) block = add(block, mul(heads, per_head));            // the rows interleaved
             uint64_t shared = mul(block, sizeof(float));
             if (qkv_) {
                 const uint64_t d = static_cast<uint64_t>(head_dim_);
@@ -232,7 +228,7 @@ private:
             tbb::parallel_for(std::size_t{0}, jobs_.size(), [&](std::size_t j) {
                 const Job& job = jobs_[j];
                 if (job.kv >= 0)
-                    advance_kv(harnesses, job.kv, job.combo, job.combo_end, first, end);
+                    advance(harnesses[job.kv * combos_.size() + job.combo], job.kv, first, end);
                 else
                     advance_layer(harnesses, job.combo, first, end);
             });
@@ -251,7 +247,6 @@ private:
         block_k_ = static_cast<int>(std::min<int64_t>(k_, end - 1));
         heavy_.resize(static_cast<std::size_t>(query_heads_) * rows * block_k_);
         heavy_count_.resize(static_cast<std::size_t>(query_heads_) * rows);
-        sums_exact_.resize(static_cast<std::size_t>(query_heads_) * rows);
         // A job takes a run of one head's rows in order, so that each row's threshold hints the
         // next's (see top_k_positions); a run starts from the hint the head's previous block left.
         // Hints change how much of a row is scanned, never the positions chosen.
@@ -270,8 +265,6 @@ private:
                 top_k_positions({block_.row(head, t), static_cast<std::size_t>(t)}, block_k_, top, hint);
                 std::copy(top.begin(), top.end(), heavy_.begin() + row_job * block_k_);
                 heavy_count_[row_job] = static_cast<int32_t>(top.size());
-                // While the row is in cache: may the harnesses sum its kept weights in any order?
-                sums_exact_[row_job] = row_sums_exact({block_.row(head, t), static_cast<std::size_t>(t)});
             }
             if (stop == rows) heavy_next_hint_[head] = hint;
         });
@@ -294,35 +287,6 @@ private:
                                         full_output_.data() + job * head_dim_);
             });
         }
-        if (interleave()) {
-            // Each KV head's rows interleaved by position: written once here, read by every
-            // combination's harness (one load per kept position instead of one per query head).
-            interleaved_.resize(kv_heads_);
-            const std::size_t floats = block_.rows[0].size() * group_;
-            for (auto& rows_of_kv : interleaved_)  // grown only: blocks vary in size, and zero-filling is wasted
-                if (rows_of_kv.size() < floats) rows_of_kv.resize(floats);
-            tbb::parallel_for(int64_t{0}, kv_heads_ * rows, [&](int64_t job) {
-                const int kv = static_cast<int>(job / rows);
-                const int64_t t = first + job % rows;
-                float* out = interleaved_[kv].data() + (attention_row_offset(t) - attention_row_offset(first)) * 4;
-                const float* row[4];
-                for (int h = 0; h < 4; ++h) row[h] = block_.row(kv * 4 + h, t);
-                int64_t p = 0;
-#if defined(__SSE__)
-                for (; p + 4 <= t; p += 4) {  // four positions of four heads: a 4 x 4 transpose
-                    __m128 a = _mm_loadu_ps(row[0] + p), b = _mm_loadu_ps(row[1] + p);
-                    __m128 c = _mm_loadu_ps(row[2] + p), d = _mm_loadu_ps(row[3] + p);
-                    _MM_TRANSPOSE4_PS(a, b, c, d);
-                    _mm_storeu_ps(out + p * 4, a);
-                    _mm_storeu_ps(out + p * 4 + 4, b);
-                    _mm_storeu_ps(out + p * 4 + 8, c);
-                    _mm_storeu_ps(out + p * 4 + 12, d);
-                }
-#endif
-                for (; p < t; ++p)
-                    for (int h = 0; h < 4; ++h) out[p * 4 + h] = row[h][p];
-            });
-        }
         if (raw_view_ && group_ > 1) {
             for (auto& c : combined_) c.resize(block_.rows[0].size());
             tbb::parallel_for(int64_t{0}, kv_heads_ * rows, [&](int64_t job) {
@@ -336,21 +300,10 @@ private:
         }
     }
 
-    // Combinations [combo, combo_end) but Ada-KV's on one KV head through the block's steps, a few
-    // rows at a time: each combination takes the same rows while they are still in cache (each
-    // harness still takes its steps in order, so its results are the same in any interleaving).
-    void advance_kv(std::vector<Harness>& harnesses, int kv, std::size_t combo, std::size_t combo_end, int64_t first,
-                    int64_t end) const {
-        constexpr int64_t kRowsPerPass = 8;  // 8 rows of 4 heads at 4,096 tokens: 512 KB, half an L2
+    // One (KV head, combination) through the block's steps.
+    void advance(Harness& harness, int kv, int64_t first, int64_t end) const {
         StepArrays arrays;
-        for (int64_t pass = 0; pass < end - first; pass += kRowsPerPass) {
-            const int64_t stop = std::min(end - first, pass + kRowsPerPass);
-            for (std::size_t c = combo; c < combo_end; ++c) {
-                if (combos_[c].adakv) continue;
-                Harness& harness = harnesses[kv * combos_.size() + c];
-                for (int64_t i = pass; i < stop; ++i) harness.step(group_step(kv, first, end, i, arrays));
-            }
-        }
+        for (int64_t i = 0; i < end - first; ++i) harness.step(group_step(kv, first, end, i, arrays));
     }
 
     // An Ada-KV combination: every KV head of the layer through the block's steps together. Per
@@ -389,11 +342,9 @@ private:
         const std::size_t group = static_cast<std::size_t>(group_);
         auto& [rows_of_group, heavy_of_group, self_of_group, queries_of_group, full_of_group] = arrays;
         const int64_t t = first + i;
-        bool exact_sums = true;
         for (int h = 0; h < group_; ++h) {
             const int head = kv * group_ + h;
             const int64_t job_row = head * rows + i;
-            exact_sums &= sums_exact_[job_row] != 0;
             rows_of_group[h] = block_.row(head, t);
             heavy_of_group[h] = {heavy_.data() + job_row * block_k_, static_cast<std::size_t>(heavy_count_[job_row])};
             if (!raw_view_ || recorded_self_) self_of_group[h] = block_.self_weight[head][i];
@@ -406,10 +357,6 @@ private:
         step.t = static_cast<int32_t>(t);
         step.rows = {rows_of_group, group};
         step.heavy = {heavy_of_group, group};
-        step.exact_sums = exact_sums;
-        if (interleave())
-            step.interleaved =
-                interleaved_[kv].data() + (attention_row_offset(t) - attention_row_offset(first)) * group_;
         if (!raw_view_) step.self_weight = {self_of_group, group};
         if (recorded_self_) step.own_weight = {self_of_group, group};
         if (options_.output_error) {
@@ -422,27 +369,19 @@ private:
         return step;
     }
 
-    // A layer's jobs: per KV head, its combinations in a few runs (advance_kv), at least 16 jobs
-    // in all where there are enough combinations, so that the cores share few KV heads evenly; and
-    // one per Ada-KV combination, whose heads step together (kv -1).
+    // A layer's jobs: one per (KV head, combination), except that an Ada-KV combination's heads
+    // step together, as one job (kv -1).
     struct Job {
-        std::size_t combo, combo_end;
+        std::size_t combo;
         int kv;
     };
     std::vector<Job> layer_jobs() const {
         std::vector<Job> jobs;
         for (std::size_t c = 0; c < combos_.size(); ++c)
-            if (combos_[c].adakv) jobs.push_back({c, c + 1, -1});
-        constexpr std::size_t kMinJobs = 16;
-        if (combos_.empty()) return jobs;
-        const std::size_t runs = std::min(combos_.size(), (kMinJobs + kv_heads_ - 1) / kv_heads_);
-        const std::size_t per_run = (combos_.size() + runs - 1) / runs;
+            if (combos_[c].adakv) jobs.push_back({c, -1});
         for (int kv = 0; kv < kv_heads_; ++kv)
-            for (std::size_t c = 0; c < combos_.size(); c += per_run) {
-                const std::size_t c_end = std::min(combos_.size(), c + per_run);
-                if (std::any_of(combos_.begin() + c, combos_.begin() + c_end, [](const ReplayCombo& r) { return !r.adakv; }))
-                    jobs.push_back({c, c_end, kv});
-            }
+            for (std::size_t c = 0; c < combos_.size(); ++c)
+                if (!combos_[c].adakv) jobs.push_back({c, kv});
         return jobs;
     }
 
@@ -462,10 +401,6 @@ private:
     bool recorded_self_ = false;
     std::vector<int32_t> heavy_;                    // [query head][row][k]
     std::vector<int32_t> heavy_count_;              // [query head][row]
-    std::vector<uint8_t> sums_exact_;               // [query head][row]: row_sums_exact
-    std::vector<std::vector<float>> interleaved_;   // per KV head: its group's rows, [row][position][head]
-    // Groups the harness reads interleaved (GroupStep::interleaved).
-    bool interleave() const { return group_ == 4; }
     std::vector<int32_t> heavy_hint_, heavy_next_hint_;  // per query head: top_k_positions' hints
     std::vector<std::vector<float>> combined_;      // raw view with groups: reduced rows per KV head
     std::vector<float> full_output_;                // [query head][row][d]: the full cache's output

@@ -4,7 +4,6 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -259,76 +258,4 @@ TEST_CASE("the renormalized view stays finite when a head's kept and own weights
         }
         CHECK(harness.kept().size() <= static_cast<std::size_t>(budget));
     }
-}
-
-TEST_CASE("row_sums_exact: only rows whose sums cannot round") {
-    std::vector<float> row(1000, 1.0f / 1000);
-    CHECK(row_sums_exact(row));
-    CHECK(row_sums_exact(std::vector<float>(64, 0.0f)));
-    CHECK(row_sums_exact(std::vector<float>{}));
-    row[10] = 1e-12f;  // its last bit is far below what a total near 1 keeps
-    CHECK_FALSE(row_sums_exact(row));
-    row[10] = 0.0f;
-    CHECK(row_sums_exact(row));
-    for (float bad : {-0.0f, -1e-3f, std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
-        row[10] = bad;
-        CHECK_FALSE(row_sums_exact(row));
-    }
-    // The bound: with a smallest weight of 2^-29 (last bit q = 2^-52), twice the total must stay below 2^53 q = 2.
-    const float tiny = std::ldexp(1.0f, -29);
-    CHECK(row_sums_exact(std::vector<float>{tiny, 0.25f, 0.25f}));
-    CHECK_FALSE(row_sums_exact(std::vector<float>{tiny, 0.5f, 0.5f}));
-}
-
-TEST_CASE("a group of four read interleaved, with exact sums or not, is the head-by-head replay bit for bit") {
-    // Rows with a spread of weights: some steps pass row_sums_exact, some (with tiny weights) not.
-    const int steps = 300, group = 4;
-    std::mt19937 rng(11);
-    std::uniform_real_distribution<float> uniform(0.0f, 1.0f);
-    std::vector<std::vector<float>> rows(group, std::vector<float>(steps));
-    std::vector<float> interleaved(steps * group);
-    for (const char* policy : {"h2o", "snapkv", "tova"})
-        for (GroupReduce reduce : {GroupReduce::mean, GroupReduce::max}) {
-            const std::map<std::string, double> params =
-                std::string(policy) == "tova" ? std::map<std::string, double>{} : std::map<std::string, double>{{"recent_window", 4}};
-            HarnessOptions options;
-            options.view = AttentionView::renormalized;
-            options.reduce = reduce;
-            const int budget = 40;
-            Harness plain(make_policy(policy, params, budget, budget + 1), budget, steps, options, policy, "");
-            Harness fast(make_policy(policy, params, budget, budget + 1), budget, steps, options, policy, "");
-            int exact_steps = 0;
-            for (int t = 1; t < steps; ++t) {
-                const float* row_of[group];
-                float self[group];
-                bool exact = true;
-                for (int h = 0; h < group; ++h) {
-                    double total = 0;
-                    for (int j = 0; j < t; ++j) {
-                        const float u = uniform(rng);
-                        rows[h][j] = t % 3 == 0 && j % 17 == 5 ? u * 1e-12f : u;
-                        total += rows[h][j];
-                    }
-                    self[h] = 0.5f;
-                    for (int j = 0; j < t; ++j) interleaved[j * group + h] = rows[h][j] /= static_cast<float>(2 * total);
-                    row_of[h] = rows[h].data();
-                    exact &= row_sums_exact({rows[h].data(), static_cast<std::size_t>(t)});
-                }
-                exact_steps += exact;
-                const std::span<const int32_t> heavy[group] = {};
-                GroupStep step;
-                step.t = t;
-                step.rows = row_of;
-                step.heavy = heavy;
-                step.self_weight = self;
-                plain.step(step);
-                step.exact_sums = exact;
-                step.interleaved = interleaved.data();
-                fast.step(step);
-                REQUIRE(plain.kept() == fast.kept());
-            }
-            CHECK(exact_steps > 100);
-            CHECK(exact_steps < steps - 60);
-            CHECK(std::memcmp(&plain.metrics().retained_mass, &fast.metrics().retained_mass, sizeof(double)) == 0);
-        }
 }
