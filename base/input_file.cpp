@@ -5,6 +5,8 @@
 
 #include <cerrno>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 
 #include "base/errors.h"
 
@@ -24,6 +26,15 @@ void require_regular_file(const std::string& path) {
     }
     if (::access(path.c_str(), R_OK) != 0)
         throw InputError(path + ": cannot read (" + std::strerror(errno) + ")");
+}
+
+std::string read_input_file(const std::string& path) {
+    require_regular_file(path);
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw InputError(path + ": cannot read");
+    std::stringstream text;
+    text << in.rdbuf();
+    return text.str();
 }
 
 }  // namespace kvsim

@@ -9,4 +9,7 @@ namespace kvsim {
 // unreadable, or its name is too long for the system (with the system's reason).
 void require_regular_file(const std::string& path);
 
+// The whole file, after require_regular_file: InputError naming the path when it cannot be read.
+std::string read_input_file(const std::string& path);
+
 }  // namespace kvsim

@@ -37,12 +37,9 @@ using Json = nlohmann::ordered_json;  // keeps the file's key order (tiers)
 // file, the record and the key.
 
 Json read_json(const std::string& path) {
-    require_regular_file(path);
-    std::ifstream in(path, std::ios::binary);
-    std::stringstream text;
-    text << in.rdbuf();
+    const std::string text = read_input_file(path);
     try {
-        return Json::parse(text.str());
+        return Json::parse(text);
     } catch (const Json::exception& e) {
         // nlohmann's message starts with "[json.exception.parse_error.101] " (or out_of_range.406
         // for a number past double's range); the rest is the news.

@@ -112,13 +112,148 @@ ResultFrame read_frame(const Json& j) {
     return f;
 }
 
-// A partial results file: who wrote it, for which config and trace, and its units' results.
-struct Partial {
+// What every partial file, a sweep's or a search's, says of itself: who wrote it, for which config
+// and trace, which share of how many units, and whether that share is finished.
+struct PartialHeader {
     std::string path;
-    std::string kvsim_version, config_sha256, trace_sha256, title, format, layout;
+    std::string kvsim_version, config_sha256, trace_sha256;
+    std::string config_path;  // a search's (its merge reads the config again); empty for a sweep
     ShardSpec shard;
-    std::size_t units = 0, first = 0, end = 0;  // units in the sweep; this shard's range
+    std::size_t units = 0, first = 0, end = 0;  // units in the run; this shard's range
     bool complete = false;
+};
+
+void write_identity(Json& j, const PartialHeader& p) {
+    j["kvsim_version"] = p.kvsim_version;
+    j["config_sha256"] = p.config_sha256;
+    j["trace_sha256"] = p.trace_sha256;
+}
+
+void write_range(Json& j, const PartialHeader& p) {
+    j["shard"] = p.shard.index;
+    j["shards"] = p.shard.count;
+    j["units"] = p.units;
+    j["first_unit"] = p.first;
+    j["end_unit"] = p.end;
+    j["complete"] = p.complete;
+}
+
+// `key` names the field being read, for the caller's error.
+void read_identity(const Json& j, PartialHeader& p, const char*& key) {
+    key = "kvsim_version";
+    p.kvsim_version = j.at(key).get<std::string>();
+    key = "config_sha256";
+    p.config_sha256 = j.at(key).get<std::string>();
+    key = "trace_sha256";
+    p.trace_sha256 = j.at(key).get<std::string>();
+}
+
+// The shard and its range, which must be the shard's share of `units`, the count the rest of the
+// file implies.
+void read_range(const Json& j, PartialHeader& p, std::size_t units, const char*& key) {
+    key = "shards";
+    p.shard.count = j.at(key).get<int>();
+    key = "shard";
+    p.shard.index = j.at(key).get<int>();
+    if (p.shard.count < 1 || p.shard.index < 0 || p.shard.index >= p.shard.count)
+        throw std::invalid_argument("shard out of range");
+    key = "units";
+    p.units = j.at(key).get<std::size_t>();
+    key = "first_unit";
+    p.first = j.at(key).get<std::size_t>();
+    key = "end_unit";
+    p.end = j.at(key).get<std::size_t>();
+    key = "complete";
+    p.complete = j.at(key).get<bool>();
+    if (p.units != units || shard_range(p.units, p.shard) != std::pair{p.first, p.end})
+        throw std::invalid_argument("the unit range does not match the shard");
+}
+
+// A result's unit: inside the shard's range and not seen before in the file.
+void check_unit(const PartialHeader& p, std::size_t unit, bool seen) {
+    if (unit < p.first || unit >= p.end || seen)
+        throw std::invalid_argument("unit " + std::to_string(unit) + " outside the shard or repeated");
+}
+
+// --resume: the checkpoint must be this run's (same kvsim, trace and config).
+void refuse_other_run(const PartialHeader& previous, const PartialHeader& now) {
+    auto refuse = [&](const std::string& what, const std::string& was, const std::string& is) {
+        throw InputError(now.path + ": written for another " + what + " (" + was + ", now " + is +
+                         "); run without --resume to start this shard over");
+    };
+    if (previous.kvsim_version != now.kvsim_version) refuse("kvsim version", previous.kvsim_version, now.kvsim_version);
+    if (previous.trace_sha256 != now.trace_sha256)
+        refuse("trace", "trace_sha256 " + previous.trace_sha256, now.trace_sha256);
+    if (previous.config_sha256 != now.config_sha256)
+        refuse("config", "config_sha256 " + previous.config_sha256, now.config_sha256);
+}
+
+// merge: each partial of the same run as the first.
+void refuse_different_runs(const PartialHeader& p, const PartialHeader& first) {
+    auto differ = [&](const std::string& what, const std::string& a, const std::string& b) {
+        throw InputError(p.path + ": " + what + " " + b + " differs from " + first.path + "'s " + a +
+                         ": partials of different runs cannot merge");
+    };
+    if (p.kvsim_version != first.kvsim_version) differ("kvsim version", first.kvsim_version, p.kvsim_version);
+    // The trace first: a different trace also changes the cells' description, and so the config's hash.
+    if (p.trace_sha256 != first.trace_sha256) differ("trace_sha256", first.trace_sha256, p.trace_sha256);
+    if (p.config_path != first.config_path) differ("config", first.config_path, p.config_path);
+    if (p.config_sha256 != first.config_sha256) differ("config_sha256", first.config_sha256, p.config_sha256);
+    if (p.shard.count != first.shard.count)
+        differ("shard count", std::to_string(first.shard.count), std::to_string(p.shard.count));
+}
+
+// The checkpoint of a shard: its partial file, rewritten whole under a temporary name after every
+// layer. The folder is made with the first one, so input refused before it leaves nothing behind.
+// Bad input found mid-way (a non-finite value in a later layer) is found again on a resume, so a
+// failed run removes a checkpoint it started (not one it was resuming) and a folder it made. A
+// killed run never gets to abandon(), and its checkpoint stays.
+class Checkpoint {
+public:
+    Checkpoint(std::string out_dir, std::string path, bool resuming)
+        : out_dir_(std::move(out_dir)), path_(std::move(path)), resuming_(resuming) {}
+    void write(const std::string& text) {
+        if (!std::filesystem::is_directory(out_dir_)) {
+            std::error_code ec;
+            std::filesystem::create_directories(out_dir_, ec);
+            if (ec) throw InputError(out_dir_ + ": cannot create output folder (" + ec.message() + ")");
+            made_folder_ = true;
+        }
+        write_file_atomically(path_, text);
+        wrote_ = true;
+    }
+    void abandon() {
+        std::error_code ec;
+        if (wrote_ && !resuming_) std::filesystem::remove(path_, ec);
+        if (made_folder_) std::filesystem::remove(out_dir_, ec);  // only if empty
+    }
+
+private:
+    std::string out_dir_, path_;
+    bool resuming_, made_folder_ = false, wrote_ = false;
+};
+
+// The units of the shard's range a checkpoint does not already hold.
+template <class Done>
+std::vector<std::size_t> unfinished_units(const PartialHeader& p, const Done& done) {
+    std::vector<std::size_t> todo;
+    for (std::size_t u = p.first; u < p.end; ++u)
+        if (!done.count(u)) todo.push_back(u);
+    return todo;
+}
+
+// The config's sha256: its file's bytes, then what else the results depend on.
+std::string config_sha256_of(const std::string& config_path, const std::string& rest) {
+    Sha256 hash;
+    const std::string config = read_input_file(config_path);
+    hash.update(config.data(), config.size());
+    hash.update(rest.data(), rest.size());
+    return hash.hex_digest();
+}
+
+// A partial results file: its header, and for a sweep its table settings, cells and units' results.
+struct Partial : PartialHeader {
+    std::string title, format, layout;
     ResultFrame frame;
     Json frame_text;  // as written, to compare partials
     std::map<std::size_t, UnitResult> done;
@@ -136,21 +271,14 @@ std::string partial_text(const Partial& p) {
                            {"policy_bytes_per_slot", r.policy_bytes_per_slot},
                            {"streams", streams}});
     }
-    Json j = {{"kvsim_partial_results", kPartialFormat},
-              {"kvsim_version", p.kvsim_version},
-              {"config_sha256", p.config_sha256},
-              {"trace_sha256", p.trace_sha256},
-              {"title", p.title},
-              {"format", p.format},
-              {"layout", p.layout},
-              {"shard", p.shard.index},
-              {"shards", p.shard.count},
-              {"units", p.units},
-              {"first_unit", p.first},
-              {"end_unit", p.end},
-              {"complete", p.complete},
-              {"frame", p.frame_text},
-              {"results", results}};
+    Json j = {{"kvsim_partial_results", kPartialFormat}};
+    write_identity(j, p);
+    j["title"] = p.title;
+    j["format"] = p.format;
+    j["layout"] = p.layout;
+    write_range(j, p);
+    j["frame"] = p.frame_text;
+    j["results"] = results;
     return to_json_text(j) + "\n";
 }
 
@@ -162,44 +290,22 @@ Partial read_partial(const std::string& path) {
     try {
         key = "kvsim_partial_results";
         if (j.at(key).get<int>() != kPartialFormat) throw std::invalid_argument("unknown format version");
-        key = "kvsim_version";
-        p.kvsim_version = j.at(key).get<std::string>();
-        key = "config_sha256";
-        p.config_sha256 = j.at(key).get<std::string>();
-        key = "trace_sha256";
-        p.trace_sha256 = j.at(key).get<std::string>();
+        read_identity(j, p, key);
         key = "title";
         p.title = j.at(key).get<std::string>();
         key = "format";
         p.format = j.at(key).get<std::string>();
         key = "layout";
         p.layout = j.at(key).get<std::string>();
-        key = "shards";
-        p.shard.count = j.at(key).get<int>();
-        key = "shard";
-        p.shard.index = j.at(key).get<int>();
-        if (p.shard.count < 1 || p.shard.index < 0 || p.shard.index >= p.shard.count)
-            throw std::invalid_argument("shard out of range");
-        key = "units";
-        p.units = j.at(key).get<std::size_t>();
-        key = "first_unit";
-        p.first = j.at(key).get<std::size_t>();
-        key = "end_unit";
-        p.end = j.at(key).get<std::size_t>();
-        key = "complete";
-        p.complete = j.at(key).get<bool>();
         key = "frame";
         p.frame_text = j.at(key);
         p.frame = read_frame(p.frame_text);
-        if (p.units != p.frame.cells.size() * static_cast<std::size_t>(p.frame.num_layers) ||
-            shard_range(p.units, p.shard) != std::pair{p.first, p.end})
-            throw std::invalid_argument("the unit range does not match the shard");
+        read_range(j, p, p.frame.cells.size() * static_cast<std::size_t>(p.frame.num_layers), key);
         key = "results";
         const std::size_t streams = p.frame.sequence_lengths.size() * static_cast<std::size_t>(p.frame.num_kv_heads);
         for (const Json& r : j.at(key)) {
             const auto unit = r.at("unit").get<std::size_t>();
-            if (unit < p.first || unit >= p.end || p.done.count(unit))
-                throw std::invalid_argument("unit " + std::to_string(unit) + " outside the shard or repeated");
+            check_unit(p, unit, p.done.count(unit));
             UnitResult result;
             result.policy_bytes_per_slot = r.at("policy_bytes_per_slot").get<std::size_t>();
             for (const Json& s : r.at("streams")) result.streams.push_back(read_stream(s));
@@ -217,26 +323,13 @@ Partial read_partial(const std::string& path) {
     return p;
 }
 
-std::string read_whole_file(const std::string& path) {
-    require_regular_file(path);
-    std::ifstream in(path, std::ios::binary);
-    if (!in) throw InputError(path + ": cannot read");
-    std::stringstream text;
-    text << in.rdbuf();
-    return text.str();
-}
-
 // What a partial's results depend on besides the trace: the config file's bytes and the flags
 // that change the sweep, and the cells they expand to (which include any profile files' budgets).
 std::string config_hash(const ShardedRun& run, const Json& frame) {
-    Sha256 hash;
-    const std::string config = read_whole_file(run.config_path);
-    hash.update(config.data(), config.size());
     std::string rest;
     for (const std::string& flag : run.identity) rest += '\0' + flag;
     rest += '\0' + frame.dump();
-    hash.update(rest.data(), rest.size());
-    return hash.hex_digest();
+    return config_sha256_of(run.config_path, rest);
 }
 
 // The trace file's sha256; for a synthetic trace, of what generates it (deterministic).
@@ -274,56 +367,29 @@ ShardedOutcome run_sharded(const ExperimentConfig& config, const std::vector<Gri
     outcome.partial_path = partial.path;
     if (run.resume && std::filesystem::exists(partial.path)) {
         Partial previous = read_partial(partial.path);
-        auto refuse = [&](const std::string& what, const std::string& was, const std::string& is) {
-            throw InputError(partial.path + ": written for another " + what + " (" + was + ", now " + is +
-                             "); run without --resume to start this shard over");
-        };
-        if (previous.kvsim_version != partial.kvsim_version)
-            refuse("kvsim version", previous.kvsim_version, partial.kvsim_version);
-        if (previous.trace_sha256 != partial.trace_sha256)
-            refuse("trace", "trace_sha256 " + previous.trace_sha256, partial.trace_sha256);
-        if (previous.config_sha256 != partial.config_sha256)
-            refuse("config", "config_sha256 " + previous.config_sha256, partial.config_sha256);
+        refuse_other_run(previous, partial);
         partial.done = std::move(previous.done);
         outcome.units_resumed = partial.done.size();
     }
 
-    std::vector<std::size_t> todo;
-    for (std::size_t u = partial.first; u < partial.end; ++u)
-        if (!partial.done.count(u)) todo.push_back(u);
+    const std::vector<std::size_t> todo = unfinished_units(partial, partial.done);
     outcome.units_run = todo.size();
-    // Checkpoints: the partial file, rewritten whole under a temporary name after every layer. The
-    // folder is made with the first one, so that input refused before it leaves nothing behind.
-    const bool had_checkpoint = !partial.done.empty();
-    bool made_folder = false, wrote_checkpoint = false;
-    auto checkpoint = [&] {
-        if (!std::filesystem::is_directory(run.out_dir)) {
-            std::filesystem::create_directories(run.out_dir, ec);
-            if (ec) throw InputError(run.out_dir + ": cannot create output folder (" + ec.message() + ")");
-            made_folder = true;
-        }
-        write_file_atomically(partial.path, partial_text(partial));
-        wrote_checkpoint = true;
-    };
+    Checkpoint checkpoint(run.out_dir, partial.path, !partial.done.empty());
     const auto start = std::chrono::steady_clock::now();
     try {
         experiment.run_units(todo, run.show_progress,
                              [&](const std::vector<std::size_t>& units, std::vector<UnitResult>& results) {
                                  for (std::size_t i = 0; i < units.size(); ++i)
                                      partial.done[units[i]] = std::move(results[i]);
-                                 checkpoint();
+                                 checkpoint.write(partial_text(partial));
                              });
     } catch (...) {
-        // Bad input found mid-way (a non-finite value in a later layer) is found again on a resume:
-        // a failed run leaves no checkpoint it started, only one it was resuming. A killed run
-        // never gets here, and its checkpoint stays.
-        if (wrote_checkpoint && !had_checkpoint) std::filesystem::remove(partial.path, ec);
-        if (made_folder) std::filesystem::remove(run.out_dir, ec);  // only if empty
+        checkpoint.abandon();
         throw;
     }
     partial.complete = true;
     if (run.shard) {
-        checkpoint();
+        checkpoint.write(partial_text(partial));
         return outcome;
     }
     // The rate printed counts the steps replayed now, not those a resumed checkpoint held.
@@ -396,17 +462,10 @@ MergeOutcome merge_partials(const std::vector<std::string>& inputs) {
     const Partial& first = partials.front();
     std::map<int, const Partial*> by_shard;
     for (const Partial& p : partials) {
-        auto differ = [&](const std::string& what, const std::string& a, const std::string& b) {
-            throw InputError(p.path + ": " + what + " " + b + " differs from " + first.path + "'s " + a +
-                             ": partials of different runs cannot merge");
-        };
-        if (p.kvsim_version != first.kvsim_version) differ("kvsim version", first.kvsim_version, p.kvsim_version);
-        // The trace first: a different trace also changes the cells' description, and so the config's hash.
-        if (p.trace_sha256 != first.trace_sha256) differ("trace_sha256", first.trace_sha256, p.trace_sha256);
-        if (p.config_sha256 != first.config_sha256) differ("config_sha256", first.config_sha256, p.config_sha256);
-        if (p.shard.count != first.shard.count)
-            differ("shard count", std::to_string(first.shard.count), std::to_string(p.shard.count));
-        if (p.frame_text != first.frame_text) differ("sweep", "cells", "cells");
+        refuse_different_runs(p, first);
+        if (p.frame_text != first.frame_text)
+            throw InputError(p.path + ": sweep cells differs from " + first.path +
+                             "'s cells: partials of different runs cannot merge");
         const auto [it, inserted] = by_shard.emplace(p.shard.index, &p);
         if (!inserted)
             throw InputError(p.path + ": shard " + p.shard.text() + " also in " + it->second->path +
@@ -435,13 +494,8 @@ namespace {
 
 constexpr int kSearchPartialFormat = 1;
 
-struct SearchPartial {
-    std::string path;
-    std::string kvsim_version, config_path, config_sha256, trace_sha256;
+struct SearchPartial : PartialHeader {
     ModelInput confirm;
-    ShardSpec shard;
-    std::size_t units = 0, first = 0, end = 0;
-    bool complete = false;
     std::vector<int> grid;
     int num_layers = 0, num_kv_heads = 0;
     std::vector<std::string> fitting_sequences;
@@ -456,14 +510,12 @@ Json confirm_json(const ModelInput& m) {
 // What a search shard's measurements depend on besides the trace and the kvsim version: the config
 // file's bytes, the grid and split it expands to, and the model flags the merge confirms with.
 std::string search_config_hash(const std::string& config_path, const SearchPartial& p) {
-    Sha256 hash;
-    const std::string config = read_whole_file(config_path);
-    hash.update(config.data(), config.size());
-    const std::string rest = '\0' + Json{{"grid", p.grid}, {"num_layers", p.num_layers},
-                                         {"num_kv_heads", p.num_kv_heads}, {"fitting_sequences", p.fitting_sequences},
-                                         {"confirm", confirm_json(p.confirm)}}.dump();
-    hash.update(rest.data(), rest.size());
-    return hash.hex_digest();
+    return config_sha256_of(config_path, '\0' + Json{{"grid", p.grid},
+                                                     {"num_layers", p.num_layers},
+                                                     {"num_kv_heads", p.num_kv_heads},
+                                                     {"fitting_sequences", p.fitting_sequences},
+                                                     {"confirm", confirm_json(p.confirm)}}
+                                                         .dump());
 }
 
 std::string search_partial_text(const SearchPartial& p) {
@@ -475,23 +527,16 @@ std::string search_partial_text(const SearchPartial& p) {
         results.push_back(Json{{"unit", unit}, {"budget", p.grid.at(all.at(unit).cell)}, {"layer", all.at(unit).layer},
                                {"streams", list}});
     }
-    Json j = {{"kvsim_search_partial", kSearchPartialFormat},
-              {"kvsim_version", p.kvsim_version},
-              {"config", p.config_path},
-              {"config_sha256", p.config_sha256},
-              {"trace_sha256", p.trace_sha256},
-              {"confirm", confirm_json(p.confirm)},
-              {"shard", p.shard.index},
-              {"shards", p.shard.count},
-              {"units", p.units},
-              {"first_unit", p.first},
-              {"end_unit", p.end},
-              {"complete", p.complete},
-              {"grid", p.grid},
-              {"num_layers", p.num_layers},
-              {"num_kv_heads", p.num_kv_heads},
-              {"fitting_sequences", p.fitting_sequences},
-              {"results", results}};
+    Json j = {{"kvsim_search_partial", kSearchPartialFormat}};
+    write_identity(j, p);
+    j["config"] = p.config_path;
+    j["confirm"] = confirm_json(p.confirm);
+    write_range(j, p);
+    j["grid"] = p.grid;
+    j["num_layers"] = p.num_layers;
+    j["num_kv_heads"] = p.num_kv_heads;
+    j["fitting_sequences"] = p.fitting_sequences;
+    j["results"] = results;
     return to_json_text(j) + "\n";
 }
 
@@ -503,14 +548,9 @@ SearchPartial read_search_partial(const std::string& path) {
     try {
         key = "kvsim_search_partial";
         if (j.at(key).get<int>() != kSearchPartialFormat) throw std::invalid_argument("unknown format version");
-        key = "kvsim_version";
-        p.kvsim_version = j.at(key).get<std::string>();
+        read_identity(j, p, key);
         key = "config";
         p.config_path = j.at(key).get<std::string>();
-        key = "config_sha256";
-        p.config_sha256 = j.at(key).get<std::string>();
-        key = "trace_sha256";
-        p.trace_sha256 = j.at(key).get<std::string>();
         key = "confirm";
         const Json& c = j.at(key);
         p.confirm.model_path = c.at("model").get<std::string>();
@@ -518,12 +558,6 @@ SearchPartial read_search_partial(const std::string& path) {
         p.confirm.split_on = c.at("split_on").get<std::string>();
         p.confirm.max_tokens = c.at("max_tokens").get<int>();
         p.confirm.context = c.at("context").get<int>();
-        key = "shards";
-        p.shard.count = j.at(key).get<int>();
-        key = "shard";
-        p.shard.index = j.at(key).get<int>();
-        if (p.shard.count < 1 || p.shard.index < 0 || p.shard.index >= p.shard.count)
-            throw std::invalid_argument("shard out of range");
         key = "grid";
         p.grid = j.at(key).get<std::vector<int>>();
         key = "num_layers";
@@ -534,22 +568,11 @@ SearchPartial read_search_partial(const std::string& path) {
         p.fitting_sequences = j.at(key).get<std::vector<std::string>>();
         if (p.grid.empty() || p.num_layers < 1 || p.num_kv_heads < 1 || p.fitting_sequences.empty())
             throw std::invalid_argument("an empty grid, fitting set, or no layers or KV heads");
-        key = "units";
-        p.units = j.at(key).get<std::size_t>();
-        key = "first_unit";
-        p.first = j.at(key).get<std::size_t>();
-        key = "end_unit";
-        p.end = j.at(key).get<std::size_t>();
-        key = "complete";
-        p.complete = j.at(key).get<bool>();
-        if (p.units != p.grid.size() * static_cast<std::size_t>(p.num_layers) ||
-            shard_range(p.units, p.shard) != std::pair{p.first, p.end})
-            throw std::invalid_argument("the unit range does not match the shard");
+        read_range(j, p, p.grid.size() * static_cast<std::size_t>(p.num_layers), key);
         key = "results";
         for (const Json& r : j.at(key)) {
             const auto unit = r.at("unit").get<std::size_t>();
-            if (unit < p.first || unit >= p.end || p.done.count(unit))
-                throw std::invalid_argument("unit " + std::to_string(unit) + " outside the shard or repeated");
+            check_unit(p, unit, p.done.count(unit));
             SearchUnitStreams streams;
             for (const Json& m : r.at("streams")) streams.push_back(read_stream(m));
             if (streams.size() != p.fitting_sequences.size() * static_cast<std::size_t>(p.num_kv_heads))
@@ -591,49 +614,26 @@ SearchShardOutcome run_search_shard(const SearchSpec& spec, const SearchRun& run
     outcome.partial_path = partial.path;
     if (shard_run.resume && std::filesystem::exists(partial.path)) {
         SearchPartial previous = read_search_partial(partial.path);
-        auto refuse = [&](const std::string& what, const std::string& was, const std::string& is) {
-            throw InputError(partial.path + ": written for another " + what + " (" + was + ", now " + is +
-                             "); run without --resume to start this shard over");
-        };
-        if (previous.kvsim_version != partial.kvsim_version)
-            refuse("kvsim version", previous.kvsim_version, partial.kvsim_version);
-        if (previous.trace_sha256 != partial.trace_sha256)
-            refuse("trace", "trace_sha256 " + previous.trace_sha256, partial.trace_sha256);
-        if (previous.config_sha256 != partial.config_sha256)
-            refuse("config", "config_sha256 " + previous.config_sha256, partial.config_sha256);
+        refuse_other_run(previous, partial);
         partial.done = std::move(previous.done);
         outcome.units_resumed = partial.done.size();
     }
-    std::vector<std::size_t> todo;
-    for (std::size_t u = partial.first; u < partial.end; ++u)
-        if (!partial.done.count(u)) todo.push_back(u);
+    const std::vector<std::size_t> todo = unfinished_units(partial, partial.done);
     outcome.units_run = todo.size();
 
     // Checkpoints after every layer, as a sweep's shard writes them.
-    std::error_code ec;
-    const bool had_checkpoint = !partial.done.empty();
-    bool made_folder = false, wrote_checkpoint = false;
-    auto checkpoint = [&] {
-        if (!std::filesystem::is_directory(shard_run.out_dir)) {
-            std::filesystem::create_directories(shard_run.out_dir, ec);
-            if (ec) throw InputError(shard_run.out_dir + ": cannot create output folder (" + ec.message() + ")");
-            made_folder = true;
-        }
-        write_file_atomically(partial.path, search_partial_text(partial));
-        wrote_checkpoint = true;
-    };
+    Checkpoint checkpoint(shard_run.out_dir, partial.path, !partial.done.empty());
     try {
         grid.run_units(todo, [&](const std::vector<std::size_t>& units, std::vector<SearchUnitStreams>& streams) {
             for (std::size_t i = 0; i < units.size(); ++i) partial.done[units[i]] = std::move(streams[i]);
-            checkpoint();
+            checkpoint.write(search_partial_text(partial));
         });
     } catch (...) {
-        if (wrote_checkpoint && !had_checkpoint) std::filesystem::remove(partial.path, ec);
-        if (made_folder) std::filesystem::remove(shard_run.out_dir, ec);  // only if empty
+        checkpoint.abandon();
         throw;
     }
     partial.complete = true;
-    checkpoint();
+    checkpoint.write(search_partial_text(partial));
     return outcome;
 }
 
@@ -647,16 +647,7 @@ SearchMerge merge_search_partials(const std::vector<std::string>& files) {
     const SearchPartial& first = partials.front();
     std::map<int, const SearchPartial*> by_shard;
     for (const SearchPartial& p : partials) {
-        auto differ = [&](const std::string& what, const std::string& a, const std::string& b) {
-            throw InputError(p.path + ": " + what + " " + b + " differs from " + first.path + "'s " + a +
-                             ": partials of different runs cannot merge");
-        };
-        if (p.kvsim_version != first.kvsim_version) differ("kvsim version", first.kvsim_version, p.kvsim_version);
-        if (p.trace_sha256 != first.trace_sha256) differ("trace_sha256", first.trace_sha256, p.trace_sha256);
-        if (p.config_path != first.config_path) differ("config", first.config_path, p.config_path);
-        if (p.config_sha256 != first.config_sha256) differ("config_sha256", first.config_sha256, p.config_sha256);
-        if (p.shard.count != first.shard.count)
-            differ("shard count", std::to_string(first.shard.count), std::to_string(p.shard.count));
+        refuse_different_runs(p, first);
         const auto [it, inserted] = by_shard.emplace(p.shard.index, &p);
         if (!inserted)
             throw InputError(p.path + ": shard " + p.shard.text() + " also in " + it->second->path +
