@@ -59,13 +59,13 @@ KvBasesFitter::KvBasesFitter(int num_layers, int num_kv_heads, int head_dim, Rop
     tokens_.assign(layers_, 0);
 }
 
-void KvBasesFitter::add(int layer, const QkvLayer& data) {
+void KvBasesFitter::add(int layer, const QkvLayer& data, const std::vector<float>* keys_before_rope) {
     const Eigen::Index width = static_cast<Eigen::Index>(heads_) * dim_;
     using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
     std::vector<float> unrotated;
     const std::vector<float>* keys = &data.k;
-    if (rope_.known() && !data.k_pre_rope.empty()) {  // keys as the model had them before RoPE
-        keys = &data.k_pre_rope;
+    if (rope_.known() && keys_before_rope) {  // keys as the model had them before RoPE
+        keys = keys_before_rope;
     } else if (rope_.known()) {  // the same, up to float rounding: the recorded keys rotated back
         unrotated = data.k;
         apply_rope_rows(unrotated.data(), 0, data.tokens, heads_, dim_, rope_, true);
@@ -180,19 +180,12 @@ KvBases fit_kv_bases(const std::string& trace_path, const std::vector<int>& sequ
     const QkvShape& shape = qkv->qkv_shape();
     const Rope rope = keys.pre_rope ? pre_rope_of_trace(reader.metadata(), trace_path, keys.rope_theta) : Rope{};
     KvBasesFitter fitter(source->shape().num_layers, shape.num_kv_heads, shape.head_dim, rope, keys.joint);
-    QkvLayer with_pre_rope;
+    const bool recorded_before_rope = rope.known() && reader.metadata().pre_rope_keys;
+    std::vector<float> keys_before_rope;
     for (std::size_t s = 0; s < chosen.size(); ++s)
         for (int layer = 0; layer < source->shape().num_layers; ++layer) {
-            const QkvLayer& data = qkv->layer_data(static_cast<int>(s), layer);
-            if (rope.known() && reader.metadata().pre_rope_keys) {
-                with_pre_rope.tokens = data.tokens;
-                with_pre_rope.k = data.k;
-                with_pre_rope.v = data.v;
-                reader.read_pre_rope_keys(chosen[s], layer, with_pre_rope.k_pre_rope);
-                fitter.add(layer, with_pre_rope);
-            } else {
-                fitter.add(layer, data);
-            }
+            if (recorded_before_rope) reader.read_pre_rope_keys(chosen[s], layer, keys_before_rope);
+            fitter.add(layer, qkv->layer_data(static_cast<int>(s), layer), recorded_before_rope ? &keys_before_rope : nullptr);
         }
     return fitter.finish(chosen);
 }

@@ -52,11 +52,12 @@ struct KvBases {
 class KvBasesFitter {
 public:
     // A known `rope`: key bases are fitted before RoPE (Palu's way): on the keys recorded before
-    // RoPE where data holds them (k_pre_rope), else on the recorded keys rotated back.
+    // RoPE where add() is given them, else on the recorded keys rotated back.
     // joint = false leaves the joint bases out: a joint latent over 8 KV heads of 128 is 1,024 wide,
     // and its bases (two 1,024-square matrices per layer) outweigh every per-head basis together.
     KvBasesFitter(int num_layers, int num_kv_heads, int head_dim, Rope rope = {}, bool joint = true);
-    void add(int layer, const QkvLayer& data);  // every token of one sequence's layer
+    // Every token of one sequence's layer; keys_before_rope: the trace's k_pre_rope of it, if any.
+    void add(int layer, const QkvLayer& data, const std::vector<float>* keys_before_rope = nullptr);
     KvBases finish(std::vector<int> fitted_sequences) const;
 
 private:

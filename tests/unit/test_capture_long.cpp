@@ -9,6 +9,7 @@
 #include <fstream>
 
 #include "base/errors.h"
+#include "sim/lowrank.h"
 #include "sim/trace_store.h"
 #include "src/capture.h"
 #include "src/model/gguf_writer.h"
@@ -190,5 +191,16 @@ TEST_CASE("capture --pre-rope-keys: the model's RoPE recorded, and the keys befo
         std::vector<float> out;
         CHECK_THROWS_WITH_AS(trace.read_pre_rope_keys(0, 0, out), doctest::Contains("records no keys before RoPE"),
                              InputError);
+        // Key bases before RoPE: from the recorded pre-RoPE keys, or from this trace's keys rotated
+        // back by its recorded RoPE; the same keys up to float rounding, so the same bases.
+        KeyFrame before;
+        before.pre_rope = true;
+        const KvBases recorded = fit_kv_bases(scratch.file("qwen2.h5"), {}, before);
+        const KvBases rotated_back = fit_kv_bases(options.output_path, {}, before);
+        REQUIRE(recorded.key.size() == rotated_back.key.size());
+        for (std::size_t u = 0; u < recorded.key.size(); ++u) {
+            CHECK((recorded.key[u].mean - rotated_back.key[u].mean).norm() <= 1e-5 * recorded.key[u].mean.norm());
+            CHECK((recorded.key[u].energy - rotated_back.key[u].energy).norm() <= 1e-5 * recorded.key[u].energy.norm());
+        }
     }
 }
