@@ -42,9 +42,11 @@ int main(int argc, char** argv) {
         source->block_floats(argc > 2 ? std::atoll(argv[2]) : ReplayOptions{}.block_floats) / spec.num_query_heads;
     double flops = 0;
     start = Clock::now();
+    KeysByFeature keys;
+    keys_by_feature(layer, shape, keys);  // once per layer, as a replay does
     for (int64_t first = 1; first < spec.tokens;) {
         const int64_t end = attention_block_end(first, spec.tokens - 1, block_floats);
-        attention_from_qkv(layer, shape, first, end, block);
+        attention_from_qkv(layer, keys, shape, first, end, block);
         flops += attention_flops(shape, first, end);
         first = end;
     }

@@ -53,10 +53,9 @@ int main(int argc, char** argv) {
         const int64_t floats = source->block_floats(ReplayOptions{}.block_floats) / spec.num_query_heads;
         for (int s = 0; s < 3; ++s)
             for (int layer = 0; layer < spec.num_layers; ++layer) {
-                const QkvLayer& data = qkv->layer_data(s, layer);
                 for (int64_t first = 1; first < tokens;) {
                     const int64_t end = attention_block_end(first, tokens - 1, floats);
-                    attention_from_qkv(data, qkv->qkv_shape(), first, end, block);
+                    qkv->read_block(s, layer, first, end, block);
                     first = end;
                 }
             }

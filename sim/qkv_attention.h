@@ -16,6 +16,14 @@ struct QkvShape {
     int head_dim = 1;
 };
 
+// Each KV head's keys feature by feature, [kv head][feature][token]: a column-major copy of
+// its keys, the layout the score products read fastest. Built once per layer.
+struct KeysByFeature {
+    int64_t tokens = 0;
+    std::vector<float> values;
+};
+void keys_by_feature(const QkvLayer& layer, const QkvShape& shape, KeysByFeature& out);
+
 // Rows of steps [first_step, end_step) of every query head, from one layer's Q and K: row t is
 // the softmax of q_t . k_j / sqrt(d) over j = 0..t, positions 0..t-1 packed, t's own weight in
 // self_weight. Heads run in parallel; each uses matrix products over the block. A logit that
@@ -23,6 +31,10 @@ struct QkvShape {
 // the step.
 void attention_from_qkv(const QkvLayer& layer, const QkvShape& shape, int64_t first_step, int64_t end_step,
                         AttentionBlock& block, const std::string& where = {});
+
+// The same with the layer's keys by feature already built (what a replay does once per layer).
+void attention_from_qkv(const QkvLayer& layer, const KeysByFeature& keys, const QkvShape& shape, int64_t first_step,
+                        int64_t end_step, AttentionBlock& block, const std::string& where = {});
 
 // Floating-point operations attention_from_qkv spends on a block (the score products).
 double attention_flops(const QkvShape& shape, int64_t first_step, int64_t end_step);
@@ -47,6 +59,8 @@ protected:
 private:
     int loaded_sequence_ = -1, loaded_layer_ = -1;
     QkvLayer loaded_;
+    int keys_sequence_ = -1, keys_layer_ = -1;
+    KeysByFeature keys_;
 };
 
 std::unique_ptr<AttentionSource> make_qkv_source(std::unique_ptr<TraceReader> reader, int64_t max_steps,
