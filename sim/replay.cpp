@@ -1,6 +1,7 @@
 #include "sim/replay.h"
 
 #include <tbb/parallel_for.h>
+#include <tbb/task_arena.h>
 
 #include <algorithm>
 
@@ -17,6 +18,17 @@ namespace {
 // The replay of one trace: its shape, the combinations, and the buffers of the per-step work
 // that every combination shares (reused from block to block).
 class LockstepReplay {
+    // A layer's jobs (layer_jobs): runs of combinations on one KV head, except that an Ada-KV combination's
+    // heads step together, as one job (kv -1). A run is as long as leaves about four jobs per
+    // thread: the combinations of a run share each step's rows while they are in cache (read
+    // from memory once per combination, the rows of a Llama-1B-shaped block, 32 MB, were most
+    // of the time the gather of kept weights took), and enough runs keep the threads busy.
+    // Harnesses are independent, so how they are grouped never changes a result.
+    struct Job {
+        std::vector<std::size_t> combos;
+        int kv;
+    };
+
 public:
     LockstepReplay(AttentionSource& source, const std::vector<ReplayCombo>& combos, const ReplayOptions& options)
         : source_(source), shape_(source.shape()), combos_(combos), options_(options),
@@ -102,7 +114,7 @@ private:
             uint64_t shared = mul(block, sizeof(float));
             if (qkv_) {
                 const uint64_t d = static_cast<uint64_t>(head_dim_);
-                const uint64_t layer_floats = mul(length, mul(heads + 2 * kv, d));
+                const uint64_t layer_floats = mul(length, mul(heads + 3 * kv, d));  // and keys by feature
                 shared = add(shared, mul(layer_floats, sizeof(float)));
                 shared = add(shared, mul(mul(heads, add(mul(2, per_head), rows)), sizeof(float)));  // score products
                 if (values) {
@@ -228,9 +240,9 @@ private:
             tbb::parallel_for(std::size_t{0}, jobs_.size(), [&](std::size_t j) {
                 const Job& job = jobs_[j];
                 if (job.kv >= 0)
-                    advance(harnesses[job.kv * combos_.size() + job.combo], job.kv, first, end);
+                    advance(harnesses, job, first, end);
                 else
-                    advance_layer(harnesses, job.combo, first, end);
+                    advance_layer(harnesses, job.combos.front(), first, end);
             });
             steps_done_ += end - first;
             first = end;
@@ -300,10 +312,14 @@ private:
         }
     }
 
-    // One (KV head, combination) through the block's steps.
-    void advance(Harness& harness, int kv, int64_t first, int64_t end) const {
+    // A job's combinations on one KV head through the block's steps, all of them at one step
+    // before the next: each reads the step's rows while the one before left them in cache.
+    void advance(std::vector<Harness>& harnesses, const Job& job, int64_t first, int64_t end) const {
         StepArrays arrays;
-        for (int64_t i = 0; i < end - first; ++i) harness.step(group_step(kv, first, end, i, arrays));
+        for (int64_t i = 0; i < end - first; ++i) {
+            const GroupStep step = group_step(job.kv, first, end, i, arrays);
+            for (std::size_t c : job.combos) harnesses[job.kv * combos_.size() + c].step(step);
+        }
     }
 
     // An Ada-KV combination: every KV head of the layer through the block's steps together. Per
@@ -369,19 +385,26 @@ private:
         return step;
     }
 
-    // A layer's jobs: one per (KV head, combination), except that an Ada-KV combination's heads
-    // step together, as one job (kv -1).
-    struct Job {
-        std::size_t combo;
-        int kv;
-    };
     std::vector<Job> layer_jobs() const {
         std::vector<Job> jobs;
+        std::vector<std::size_t> stepping;  // combinations whose heads step on their own
         for (std::size_t c = 0; c < combos_.size(); ++c)
-            if (combos_[c].adakv) jobs.push_back({c, -1});
+            if (combos_[c].adakv)
+                jobs.push_back({{c}, -1});
+            else
+                stepping.push_back(c);
+        if (stepping.empty()) return jobs;
+        const std::size_t threads = static_cast<std::size_t>(std::max(1, tbb::this_task_arena::max_concurrency()));
+        const std::size_t per_run = std::max<std::size_t>(1, stepping.size() * kv_heads_ / (4 * threads));
+        const std::size_t runs_per_head = (stepping.size() + per_run - 1) / per_run;
         for (int kv = 0; kv < kv_heads_; ++kv)
-            for (std::size_t c = 0; c < combos_.size(); ++c)
-                if (!combos_[c].adakv) jobs.push_back({c, kv});
+            for (std::size_t run = 0; run < runs_per_head; ++run) {
+                // Runs of near-equal length: combination i goes to run i * runs / combinations.
+                Job job{{}, kv};
+                for (std::size_t i = 0; i < stepping.size(); ++i)
+                    if (i * runs_per_head / stepping.size() == run) job.combos.push_back(stepping[i]);
+                jobs.push_back(std::move(job));
+            }
         return jobs;
     }
 
