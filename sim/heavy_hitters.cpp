@@ -115,6 +115,28 @@ void positions_at_or_above(std::span<const float> row, int32_t floor_key, std::v
         if (rank_key(row[j]) >= floor_key) candidates.push_back(static_cast<int32_t>(j));
     };
     std::size_t j = 0;
+#if defined(__AVX512F__)
+    if (floor_key >= 0) {
+        // Each block of 16: one comparison of the raw bits (exact for floor_key >= 0, as in
+        // block_may_pass), then the passing lanes' positions packed together and stored at once,
+        // instead of sixteen scalar tests wherever one lane passes.
+        const __m512i floor_bits = _mm512_set1_epi32(floor_key - 1);
+        const __m512i sixteen = _mm512_set1_epi32(16);
+        __m512i positions = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        for (; j + 16 <= n; j += 16) {
+            const __mmask16 pass = _mm512_cmpgt_epi32_mask(_mm512_loadu_si512(row.data() + j), floor_bits);
+            if (pass) {
+                const std::size_t at = candidates.size();
+                candidates.resize(at + 16);  // room for the whole vector; trimmed to the lanes that passed
+                _mm512_storeu_si512(candidates.data() + at, _mm512_maskz_compress_epi32(pass, positions));
+                candidates.resize(at + static_cast<std::size_t>(__builtin_popcount(pass)));
+            }
+            positions = _mm512_add_epi32(positions, sixteen);
+        }
+        for (; j < n; ++j) take(j);
+        return;
+    }
+#endif
     for (; j + 16 <= n; j += 16)
         if (block_may_pass(row.data() + j, floor_key, true))
             for (int l = 0; l < 16; ++l) take(j + l);

@@ -2,8 +2,12 @@
 // policies, the findings the reference publishes about the others, and the harness contract.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <limits>
+
 #include "helpers.h"
 #include "policies/pyramidkv.h"
+#include "policies/scored_eviction.h"
 #include "base/errors.h"
 
 using namespace kvsim;
@@ -134,4 +138,33 @@ TEST_CASE("pyramid budget: the reference's worked example and its mean") {
     for (int layer = 0; layer < 32; ++layer) total += pyramid_budget(512, layer, 32, 4);
     CHECK(total <= 512 * 32);
     CHECK(total > 512 * 32 - 32);  // floors lose less than one token per layer
+}
+
+TEST_CASE("first_equal finds what std::find finds: ties, NaN, -0 and every length around a vector") {
+    std::vector<double> doubles;
+    std::vector<float> floats;
+    std::vector<int32_t> ints;
+    for (int n = 0; n <= 40; ++n) {
+        doubles.resize(n);
+        floats.resize(n);
+        ints.resize(n);
+        for (int i = 0; i < n; ++i) {
+            const int v = (i * 7 + n) % 5;
+            doubles[i] = v == 4 ? std::numeric_limits<double>::quiet_NaN() : v == 3 ? -0.0 : v;
+            floats[i] = static_cast<float>(doubles[i]);
+            ints[i] = v;
+        }
+        for (double wanted : {0.0, -0.0, 1.0, 2.0, 7.0, std::numeric_limits<double>::quiet_NaN()}) {
+            CAPTURE(n);
+            CAPTURE(wanted);
+            CHECK(first_equal(doubles.data(), doubles.size(), wanted) ==
+                  static_cast<std::size_t>(std::find(doubles.begin(), doubles.end(), wanted) - doubles.begin()));
+            const float f = static_cast<float>(wanted);
+            CHECK(first_equal(floats.data(), floats.size(), f) ==
+                  static_cast<std::size_t>(std::find(floats.begin(), floats.end(), f) - floats.begin()));
+        }
+        for (int32_t wanted : {0, 1, 2, 4, 9})
+            CHECK(first_equal(ints.data(), ints.size(), wanted) ==
+                  static_cast<std::size_t>(std::find(ints.begin(), ints.end(), wanted) - ints.begin()));
+    }
 }
