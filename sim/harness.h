@@ -52,6 +52,11 @@ enum class GroupReduce { mean, max, sum };
 // Reduces a group's rows (t weights each) into one row: what a policy sees in the raw view.
 void combine_group_rows(std::span<const float* const> rows, int64_t t, GroupReduce reduce, float* out);
 
+// Each row's weights on the kept positions (ascending), copied to gathered[h * kept.size() + slot]
+// and summed in double into retained[h]: the bits of the sum in position order, however summed.
+void sum_kept_weights(std::span<const float* const> rows, std::span<const int32_t> kept, float* gathered,
+                      double* retained);
+
 struct HarnessOptions {
     AttentionView view = AttentionView::raw;
     GroupReduce reduce = GroupReduce::mean;
@@ -130,7 +135,7 @@ private:
     std::vector<uint8_t> is_kept_;  // by position
     std::vector<float> attn_;       // this step's weights on kept_, index-aligned
     std::vector<double> retained_;  // per query head of the group, this step
-    std::vector<float> gathered_;   // renormalized view: [head][kept slot] weights
+    std::vector<float> gathered_;   // [head][kept slot] weights (sum_kept_weights)
     std::vector<float> scale_;      // renormalized view: per head, 1 / (its kept mass + its own weight)
     std::vector<int32_t> victims_;
     std::vector<std::size_t> victim_slots_;  // victims' indices in kept_

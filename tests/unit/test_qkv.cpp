@@ -3,7 +3,9 @@
 #include <doctest/doctest.h>
 #include <tbb/global_control.h>
 
+#include <Eigen/Core>
 #include <cmath>
+#include <cstring>
 
 #include "helpers.h"
 #include "sim/qkv_attention.h"
@@ -94,6 +96,58 @@ TEST_CASE("attention from Q and K matches a direct double-precision softmax") {
     CHECK(worst < 2e-6);
 }
 
+TEST_CASE("scores from keys stored by feature have the bits of scores from the trace's token-major keys") {
+    // attention_from_qkv multiplies queries by a column-major copy of the keys (KeysByFeature).
+    // Eigen packs either layout into the same values, except where a block's one row makes a
+    // matrix-vector product: every block, whatever its rows and length (mod Eigen's panels of
+    // 48 keys and 4 queries), must equal the softmax of the product with the token-major keys
+    // (the computation before the copy), bit for bit.
+    using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+    using StridedRows = Eigen::Map<const RowMatrix, 0, Eigen::OuterStride<>>;
+    struct Case {
+        int hq, hkv, d;
+        int64_t first, end;
+    };
+    std::vector<Case> cases;
+    for (int64_t rows : {1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 47, 48, 50, 64, 67})
+        for (int64_t first : {1, 40, 95, 201}) cases.push_back({8, 2, 64, first, first + rows});
+    for (int d : {8, 32, 128}) cases.push_back({4, 1, d, 30, 41});
+    cases.push_back({6, 6, 32, 10, 17});  // one query head per KV head
+    cases.push_back({12, 3, 128, 300, 366});
+    for (const Case& c : cases) {
+        CAPTURE(c.hq);
+        CAPTURE(c.d);
+        CAPTURE(c.first);
+        CAPTURE(c.end);
+        QkvLayer layer;
+        NormalStream normal(7 + c.d + c.first);
+        layer.q.resize(static_cast<std::size_t>(c.end) * c.hq * c.d);
+        layer.k.resize(static_cast<std::size_t>(c.end) * c.hkv * c.d);
+        for (float& x : layer.q) x = static_cast<float>(2.0 * normal.next());
+        for (float& x : layer.k) x = static_cast<float>(normal.next());
+        AttentionBlock block;
+        attention_from_qkv(layer, {c.hq, c.hkv, c.d}, c.first, c.end, block);
+        const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
+        int64_t differing = 0;
+        for (int h = 0; h < c.hq; ++h) {
+            const int g = h / (c.hq / c.hkv);
+            const StridedRows q(layer.q.data() + c.first * c.hq * c.d + int64_t{h} * c.d, c.end - c.first, c.d,
+                                Eigen::OuterStride<>(int64_t{c.hq} * c.d));
+            const StridedRows k(layer.k.data() + int64_t{g} * c.d, c.end, c.d, Eigen::OuterStride<>(int64_t{c.hkv} * c.d));
+            RowMatrix scores = (q * scale) * k.transpose();
+            for (int64_t t = c.first; t < c.end; ++t) {
+                auto row = scores.row(t - c.first).head(t + 1).array();
+                row = (row - row.maxCoeff()).exp();
+                const float inv_total = 1.0f / row.sum();
+                const float* got = block.row(h, t);
+                for (int64_t j = 0; j < t; ++j) differing += got[j] != row(j) * inv_total;
+                differing += block.self_weight[h][t - c.first] != row(t) * inv_total;
+            }
+        }
+        CHECK(differing == 0);
+    }
+}
+
 TEST_CASE("a synthetic Q/K/V trace replays the same from memory and from its HDF5 file") {
     const SyntheticQkvSpec spec = tiny();
     const std::string path = temp_dir() + "/tiny-qkv.h5";
@@ -141,6 +195,65 @@ TEST_CASE("the renormalized view divides each head's row by what it keeps, then 
     CHECK(seen[2][0] == doctest::Approx((0.2 / 1.0 + 0.5 / 1.0) / 2));
     // Step 1 holds only position 0: head a renormalises by 0.2 + 0.4, head b by 0.5 + 0.2.
     CHECK(seen[0][0] == doctest::Approx((0.2 / 0.6 + 0.5 / 0.7) / 2));
+}
+
+TEST_CASE("retained mass is each head's kept weights summed in position order, whatever the weights") {
+    // sum_kept_weights (the harness's retained mass and renormalized view) sums in any order where
+    // that is exact, and in position order where it may not be. Rows whose order matters: 0.75,
+    // then sixteen weights of a quarter of its last bit in double at odd positions 32 apart (in
+    // order each rounds away; summed apart from the 0.75, as a second chain of additions does,
+    // they add 4 bits); weights below float's normal range; 1.5 and 1.5, then sixteen of
+    // 2^-29 + 2^-52 (in order each loses its last bit, past 2); a -0; and an ordinary row.
+    const float quarter_bit = 0x1p-55f, past_two = 0x1.000002p-29f;
+    constexpr int64_t t = 520;
+    std::vector<std::vector<float>> rows_of_heads(5, std::vector<float>(t, 0.0f));
+    rows_of_heads[0][0] = 0.75f;
+    rows_of_heads[2][0] = rows_of_heads[2][1] = 1.5f;
+    for (int k = 0; k < 16; ++k) {
+        rows_of_heads[0][32 * k + 1] = quarter_bit;
+        rows_of_heads[2][32 * k + 3] = past_two;
+    }
+    for (int64_t j = 0; j < t; ++j) {
+        rows_of_heads[1][j] = j % 3 == 0 ? 1e-42f : 0.001f;
+        rows_of_heads[3][j] = j == 7 ? -0.0f : 0.0009765625f;
+        rows_of_heads[4][j] = 0.0001f * static_cast<float>(j % 5);
+    }
+    // Every group size (the sums go four, two and one heads at a time), every row in every head,
+    // every prefix of kept positions, and every other position kept.
+    for (std::size_t group : {1, 2, 3, 4, 5, 7}) {
+        CAPTURE(group);
+        const float* rows[7];
+        std::vector<double> retained(group);
+        std::vector<float> gathered;
+        int64_t differing = 0, copies_differing = 0;
+        // Each row in each head of the group, beside the ordinary row in every other head.
+        for (std::size_t problem = 0; problem < 5 * group; ++problem)
+            for (int stride : {1, 2})
+                for (int64_t held = 0; held * stride < t; held += held < 40 ? 1 : 7) {
+                    std::vector<int32_t> kept;
+                    for (int64_t j = 0; j < held; ++j) kept.push_back(static_cast<int32_t>(j * stride));
+                    for (std::size_t h = 0; h < group; ++h)
+                        rows[h] = rows_of_heads[h == problem % group ? problem / group : 4].data();
+                    gathered.assign(group * kept.size(), -1.0f);
+                    sum_kept_weights({rows, group}, kept, gathered.data(), retained.data());
+                    for (std::size_t h = 0; h < group; ++h) {
+                        double in_order = 0;
+                        for (std::size_t j = 0; j < kept.size(); ++j) {
+                            in_order += rows[h][kept[j]];
+                            copies_differing += std::memcmp(&gathered[h * kept.size() + j], &rows[h][kept[j]], 4) != 0;
+                        }
+                        differing += std::memcmp(&retained[h], &in_order, sizeof(double)) != 0;
+                    }
+                }
+        CHECK(differing == 0);
+        CHECK(copies_differing == 0);
+    }
+    // The orders differ on those rows: in order, and the small weights first.
+    double first_in_order = 0, third_in_order = 0;
+    for (float w : rows_of_heads[0]) first_in_order += w;
+    for (float w : rows_of_heads[2]) third_in_order += w;
+    CHECK(first_in_order == 0.75);
+    CHECK(third_in_order == 3.0 + 16 * 0x1p-29);
 }
 
 TEST_CASE("views, reduction and a full-size cache") {
