@@ -42,8 +42,9 @@ int sum_kept_weights(std::span<const float* const> rows, std::span<const int32_t
 // then below 2, where a double's last bit is 2^-52). Returns false where that is not shown, and
 // the sums are then redone in order; on the Llama-1B-shaped synthetic trace that was 1 call in
 // 10 million. The gathered weights are written either way.
-bool sum_four_heads_exactly(std::span<const float* const> rows, std::span<const int32_t> kept, float* gathered,
-                            double* retained) {
+template <bool by_position>
+bool sum_four_heads_exactly(std::span<const float* const> rows, const float* interleaved, std::span<const int32_t> kept,
+                            float* gathered, double* retained) {
     const std::size_t held = kept.size();
     const float *row0 = rows[0], *row1 = rows[1], *row2 = rows[2], *row3 = rows[3];
     float *out0 = gathered, *out1 = gathered + held, *out2 = gathered + 2 * held, *out3 = gathered + 3 * held;
@@ -54,12 +55,21 @@ bool sum_four_heads_exactly(std::span<const float* const> rows, std::span<const 
     const __m128i one = _mm_set1_epi32(1);
     auto add = [&](std::size_t j, __m256d& sum) {
         const int32_t p = kept[j];
-        const float a = row0[p], b = row1[p], c = row2[p], d = row3[p];
-        out0[j] = a;
-        out1[j] = b;
-        out2[j] = c;
-        out3[j] = d;
-        const __m128 w = _mm_setr_ps(a, b, c, d);
+        __m128 w;
+        if constexpr (by_position) {  // one load of the four heads' weights
+            w = _mm_loadu_ps(interleaved + 4 * static_cast<std::size_t>(p));
+            out0[j] = _mm_cvtss_f32(w);
+            out1[j] = _mm_cvtss_f32(_mm_shuffle_ps(w, w, 1));
+            out2[j] = _mm_cvtss_f32(_mm_movehl_ps(w, w));
+            out3[j] = _mm_cvtss_f32(_mm_shuffle_ps(w, w, 3));
+        } else {
+            const float a = row0[p], b = row1[p], c = row2[p], d = row3[p];
+            out0[j] = a;
+            out1[j] = b;
+            out2[j] = c;
+            out3[j] = d;
+            w = _mm_setr_ps(a, b, c, d);
+        }
         const __m128i bits = _mm_castps_si128(w);
         least = _mm_min_epu32(least, _mm_sub_epi32(bits, one));
         largest = _mm_max_epu32(largest, bits);
@@ -88,14 +98,18 @@ bool sum_four_heads_exactly(std::span<const float* const> rows, std::span<const 
 }  // namespace
 
 void sum_kept_weights(std::span<const float* const> rows, std::span<const int32_t> kept, float* gathered,
-                      double* retained) {
+                      double* retained, const float* interleaved) {
     const std::size_t held = kept.size();
+#if defined(__AVX2__)
+    if (interleaved && rows.size() == 4 && sum_four_heads_exactly<true>(rows, interleaved, kept, gathered, retained))
+        return;
+#endif
     for (std::size_t h = 0; h < rows.size();) {
         const std::size_t left = rows.size() - h;
         const auto group = rows.subspan(h);
         float* copy = gathered + h * held;
 #if defined(__AVX2__)
-        if (left >= 4 && sum_four_heads_exactly(group, kept, copy, retained + h)) {
+        if (left >= 4 && sum_four_heads_exactly<false>(group, nullptr, kept, copy, retained + h)) {
             h += 4;
             continue;
         }
@@ -277,7 +291,7 @@ void Harness::observe(const GroupStep& s) {
     const bool renormalized = options_.view == AttentionView::renormalized;
     retained_.resize(group);
     gathered_.resize(group * held);
-    sum_kept_weights(s.rows, kept_, gathered_.data(), retained_.data());
+    sum_kept_weights(s.rows, kept_, gathered_.data(), retained_.data(), s.interleaved);
     if (measured) {
         for (std::size_t h = 0; h < group; ++h) {
             // The current token is always in the cache: where its own weight is known, it counts.

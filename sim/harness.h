@@ -54,8 +54,9 @@ void combine_group_rows(std::span<const float* const> rows, int64_t t, GroupRedu
 
 // Each row's weights on the kept positions (ascending), copied to gathered[h * kept.size() + slot]
 // and summed in double into retained[h]: the bits of the sum in position order, however summed.
+// `interleaved`, where given for a group of 4 rows, holds the same weights [position][row].
 void sum_kept_weights(std::span<const float* const> rows, std::span<const int32_t> kept, float* gathered,
-                      double* retained);
+                      double* retained, const float* interleaved = nullptr);
 
 struct HarnessOptions {
     AttentionView view = AttentionView::raw;
@@ -79,6 +80,9 @@ struct GroupStep {
     std::span<const float> own_weight;   // the token's weight on itself where the source records it
     std::span<const std::span<const int32_t>> heavy;
     const float* combined = nullptr;  // raw view: the reduced row
+    // Groups of 4 query heads: their rows interleaved, [position][head], where the replay built
+    // them (one load per kept position instead of four); null otherwise.
+    const float* interleaved = nullptr;
     // Output error: each query head's query at t and the full cache's output (head_dim each).
     std::span<const float* const> queries;
     std::span<const float* const> full_output;

@@ -5,6 +5,10 @@
 
 #include <algorithm>
 
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
 #include "sim/heavy_hitters.h"
 #include "sim/lowrank.h"
 #include "sim/precision.h"
@@ -15,11 +19,33 @@
 namespace kvsim {
 namespace {
 
+// Four rows of t weights into out[position * 4 + row].
+void interleave_rows(std::span<const float* const> rows, int64_t t, float* out) {
+    const float *a = rows[0], *b = rows[1], *c = rows[2], *d = rows[3];
+    int64_t p = 0;
+#if defined(__SSE2__)
+    for (; p + 4 <= t; p += 4) {  // a 4 x 4 transpose per four positions
+        __m128 ra = _mm_loadu_ps(a + p), rb = _mm_loadu_ps(b + p), rc = _mm_loadu_ps(c + p), rd = _mm_loadu_ps(d + p);
+        _MM_TRANSPOSE4_PS(ra, rb, rc, rd);
+        _mm_storeu_ps(out + 4 * p, ra);
+        _mm_storeu_ps(out + 4 * p + 4, rb);
+        _mm_storeu_ps(out + 4 * p + 8, rc);
+        _mm_storeu_ps(out + 4 * p + 12, rd);
+    }
+#endif
+    for (; p < t; ++p) {
+        out[4 * p] = a[p];
+        out[4 * p + 1] = b[p];
+        out[4 * p + 2] = c[p];
+        out[4 * p + 3] = d[p];
+    }
+}
+
 // The replay of one trace: its shape, the combinations, and the buffers of the per-step work
 // that every combination shares (reused from block to block).
 class LockstepReplay {
     // A layer's jobs (layer_jobs): runs of combinations on one KV head, except that an Ada-KV combination's
-    // heads step together, as one job (kv -1). A run is as long as leaves about four jobs per
+    // heads step together, as one job (kv -1). A run is as long as leaves about eight jobs per
     // thread: the combinations of a run share each step's rows while they are in cache (read
     // from memory once per combination, the rows of a Llama-1B-shaped block, 32 MB, were most
     // of the time the gather of kept weights took), and enough runs keep the threads busy.
@@ -316,8 +342,17 @@ private:
     // before the next: each reads the step's rows while the one before left them in cache.
     void advance(std::vector<Harness>& harnesses, const Job& job, int64_t first, int64_t end) const {
         StepArrays arrays;
+        // A group of four heads' rows, interleaved by position for the run's combinations to
+        // share (sum_kept_weights): built once per step where two or more read it.
+        const bool interleave = group_ == 4 && job.combos.size() > 1;
+        thread_local std::vector<float> interleaved;
         for (int64_t i = 0; i < end - first; ++i) {
-            const GroupStep step = group_step(job.kv, first, end, i, arrays);
+            GroupStep step = group_step(job.kv, first, end, i, arrays);
+            if (interleave) {
+                interleaved.resize(4 * static_cast<std::size_t>(step.t));
+                interleave_rows(step.rows, step.t, interleaved.data());
+                step.interleaved = interleaved.data();
+            }
             for (std::size_t c : job.combos) harnesses[job.kv * combos_.size() + c].step(step);
         }
     }
@@ -395,7 +430,7 @@ private:
                 stepping.push_back(c);
         if (stepping.empty()) return jobs;
         const std::size_t threads = static_cast<std::size_t>(std::max(1, tbb::this_task_arena::max_concurrency()));
-        const std::size_t per_run = std::max<std::size_t>(1, stepping.size() * kv_heads_ / (4 * threads));
+        const std::size_t per_run = std::max<std::size_t>(1, stepping.size() * kv_heads_ / (8 * threads));
         const std::size_t runs_per_head = (stepping.size() + per_run - 1) / per_run;
         for (int kv = 0; kv < kv_heads_; ++kv)
             for (std::size_t run = 0; run < runs_per_head; ++run) {

@@ -226,7 +226,10 @@ TEST_CASE("retained mass is each head's kept weights summed in position order, w
         std::vector<double> retained(group);
         std::vector<float> gathered;
         int64_t differing = 0, copies_differing = 0;
-        // Each row in each head of the group, beside the ordinary row in every other head.
+        // Each row in each head of the group, beside the ordinary row in every other head; a
+        // group of four also from its rows interleaved by position, as the replay hands them.
+        std::vector<float> interleaved;
+        for (bool by_position : {false, true})
         for (std::size_t problem = 0; problem < 5 * group; ++problem)
             for (int stride : {1, 2})
                 for (int64_t held = 0; held * stride < t; held += held < 40 ? 1 : 7) {
@@ -234,8 +237,12 @@ TEST_CASE("retained mass is each head's kept weights summed in position order, w
                     for (int64_t j = 0; j < held; ++j) kept.push_back(static_cast<int32_t>(j * stride));
                     for (std::size_t h = 0; h < group; ++h)
                         rows[h] = rows_of_heads[h == problem % group ? problem / group : 4].data();
+                    interleaved.assign(4 * t, 0.0f);
+                    for (int64_t p = 0; p < t && group == 4; ++p)
+                        for (int h = 0; h < 4; ++h) interleaved[4 * p + h] = rows[h][p];
                     gathered.assign(group * kept.size(), -1.0f);
-                    sum_kept_weights({rows, group}, kept, gathered.data(), retained.data());
+                    sum_kept_weights({rows, group}, kept, gathered.data(), retained.data(),
+                                     by_position && group == 4 ? interleaved.data() : nullptr);
                     for (std::size_t h = 0; h < group; ++h) {
                         double in_order = 0;
                         for (std::size_t j = 0; j < kept.size(); ++j) {
