@@ -18,9 +18,9 @@ namespace kvsim {
 namespace {
 
 // The first `heads` rows' weights on the kept positions, each summed in double in position order
-// into retained[h] and copied to gathered[h * held + slot]. Several
-// heads go together: each head's sum still adds in the same order, to the same double, but their
-// chains of additions overlap instead of each addition waiting on the one before.
+// into retained[h] and copied to gathered[h * held + slot]. Several heads go together: each
+// head's sum still adds in the same order, to the same double, but their chains of additions
+// overlap instead of each addition waiting on the one before.
 template <int heads>
 int sum_kept_weights(std::span<const float* const> rows, std::span<const int32_t> kept, float* gathered,
                      double* retained) {
@@ -100,16 +100,22 @@ bool sum_four_heads_exactly(std::span<const float* const> rows, const float* int
 void sum_kept_weights(std::span<const float* const> rows, std::span<const int32_t> kept, float* gathered,
                       double* retained, const float* interleaved) {
     const std::size_t held = kept.size();
+    bool exactness_tried = false;  // once shown not to hold, the same weights are summed in order
 #if defined(__AVX2__)
-    if (interleaved && rows.size() == 4 && sum_four_heads_exactly<true>(rows, interleaved, kept, gathered, retained))
-        return;
+    if (interleaved && rows.size() == 4) {
+        if (sum_four_heads_exactly<true>(rows, interleaved, kept, gathered, retained)) return;
+        exactness_tried = true;
+    }
+#else
+    (void)interleaved;
+    (void)exactness_tried;
 #endif
     for (std::size_t h = 0; h < rows.size();) {
         const std::size_t left = rows.size() - h;
         const auto group = rows.subspan(h);
         float* copy = gathered + h * held;
 #if defined(__AVX2__)
-        if (left >= 4 && sum_four_heads_exactly<false>(group, nullptr, kept, copy, retained + h)) {
+        if (left >= 4 && !exactness_tried && sum_four_heads_exactly<false>(group, nullptr, kept, copy, retained + h)) {
             h += 4;
             continue;
         }

@@ -44,12 +44,12 @@ void interleave_rows(std::span<const float* const> rows, int64_t t, float* out) 
 // The replay of one trace: its shape, the combinations, and the buffers of the per-step work
 // that every combination shares (reused from block to block).
 class LockstepReplay {
-    // A layer's jobs (layer_jobs): runs of combinations on one KV head, except that an Ada-KV combination's
-    // heads step together, as one job (kv -1). A run is as long as leaves about eight jobs per
-    // thread: the combinations of a run share each step's rows while they are in cache (read
-    // from memory once per combination, the rows of a Llama-1B-shaped block, 32 MB, were most
-    // of the time the gather of kept weights took), and enough runs keep the threads busy.
-    // Harnesses are independent, so how they are grouped never changes a result.
+    // A layer's jobs (layer_jobs): runs of combinations on one KV head, except that an Ada-KV
+    // combination's heads step together, as one job (kv -1). The combinations of a run read each
+    // step's rows in turn while they are in cache, rather than each from memory (a 64-step block
+    // of the Llama-1B shape is 32 MB of rows); runs are sized to leave about eight jobs per
+    // thread, to keep the threads busy. Harnesses are independent: how they are grouped never
+    // changes a result.
     struct Job {
         std::vector<std::size_t> combos;
         int kv;
