@@ -32,9 +32,9 @@ bool evicted_before(Score a, Score b) {
     return a < b;
 }
 
-// The first i in [0, n) with score[i] == value (n if none): std::find, eight doubles or sixteen
-// floats or int32s to a comparison where AVX-512 is built in (NaN equals nothing, -0 equals +0,
-// either way).
+// The first i in [0, n) with score[i] == value (n if none): std::find, with eight doubles or
+// sixteen int32s (the scores policies use) to a comparison where AVX-512 is built in (NaN equals
+// nothing, -0 equals +0, either way).
 template <class Score>
 std::size_t first_equal(const Score* score, std::size_t n, Score value) {
 #if defined(__AVX512F__)
@@ -43,13 +43,6 @@ std::size_t first_equal(const Score* score, std::size_t n, Score value) {
         std::size_t i = 0;
         for (; i + 8 <= n; i += 8)
             if (const __mmask8 hit = _mm512_cmp_pd_mask(_mm512_loadu_pd(score + i), wanted, _CMP_EQ_OQ))
-                return i + static_cast<std::size_t>(__builtin_ctz(hit));
-        return static_cast<std::size_t>(std::find(score + i, score + n, value) - score);
-    } else if constexpr (std::is_same_v<Score, float>) {
-        const __m512 wanted = _mm512_set1_ps(value);
-        std::size_t i = 0;
-        for (; i + 16 <= n; i += 16)
-            if (const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(score + i), wanted, _CMP_EQ_OQ))
                 return i + static_cast<std::size_t>(__builtin_ctz(hit));
         return static_cast<std::size_t>(std::find(score + i, score + n, value) - score);
     } else if constexpr (std::is_same_v<Score, int32_t>) {

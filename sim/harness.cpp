@@ -22,7 +22,7 @@ namespace {
 // head's sum still adds in the same order, to the same double, but their chains of additions
 // overlap instead of each addition waiting on the one before.
 template <int heads>
-int sum_kept_weights(std::span<const float* const> rows, std::span<const int32_t> kept, float* gathered,
+int sum_in_order(std::span<const float* const> rows, std::span<const int32_t> kept, float* gathered,
                      double* retained) {
     const std::size_t held = kept.size();
     const float* row[heads];
@@ -35,7 +35,7 @@ int sum_kept_weights(std::span<const float* const> rows, std::span<const int32_t
 }
 
 #if defined(__AVX2__)
-// Four heads' sums as sum_kept_weights<4> gives them, with the additions in two chains (even and
+// Four heads' sums as sum_in_order<4> gives them, with the additions in two chains (even and
 // odd slots) instead of one, so each addition need not wait on the one before. Any order gives
 // the same bits when every addition is exact: when each weight is +0 or in [2^-29, 2) (its last
 // bit is then at least 2^-52) and each total is below 2 (every partial sum of weights >= 0 is
@@ -121,11 +121,11 @@ void sum_kept_weights(std::span<const float* const> rows, std::span<const int32_
         }
 #endif
         if (left >= 4)
-            h += sum_kept_weights<4>(group, kept, copy, retained + h);
+            h += sum_in_order<4>(group, kept, copy, retained + h);
         else if (left >= 2)
-            h += sum_kept_weights<2>(group, kept, copy, retained + h);
+            h += sum_in_order<2>(group, kept, copy, retained + h);
         else
-            h += sum_kept_weights<1>(group, kept, copy, retained + h);
+            h += sum_in_order<1>(group, kept, copy, retained + h);
     }
 }
 

@@ -122,6 +122,7 @@ int64_t QkvSource::block_floats(int64_t wanted) const {
 const QkvLayer& QkvSource::layer_data(int sequence, int layer) {
     if (sequence != loaded_sequence_ || layer != loaded_layer_) {
         loaded_sequence_ = loaded_layer_ = -1;  // what loaded_ holds until the load succeeds
+        keys_current_ = false;
         load_layer(sequence, layer, loaded_);
         loaded_sequence_ = sequence;
         loaded_layer_ = layer;
@@ -131,11 +132,9 @@ const QkvLayer& QkvSource::layer_data(int sequence, int layer) {
 
 void QkvSource::read_block(int sequence, int layer, int64_t first_step, int64_t end_step, AttentionBlock& block) {
     const QkvLayer& data = layer_data(sequence, layer);
-    if (keys_sequence_ != sequence || keys_layer_ != layer) {
-        keys_sequence_ = keys_layer_ = -1;
+    if (!keys_current_) {
         keys_by_feature(data, qkv_, keys_);
-        keys_sequence_ = sequence;
-        keys_layer_ = layer;
+        keys_current_ = true;
     }
     attention_from_qkv(data, keys_, qkv_, first_step, end_step, block,
                        description() + ": sequence " + shape_.sequence_names.at(sequence) + ", layer " +

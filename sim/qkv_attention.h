@@ -59,8 +59,8 @@ protected:
 private:
     int loaded_sequence_ = -1, loaded_layer_ = -1;
     QkvLayer loaded_;
-    int keys_sequence_ = -1, keys_layer_ = -1;
     KeysByFeature keys_;
+    bool keys_current_ = false;  // keys_ is built from loaded_ (reset when a layer loads)
 };
 
 std::unique_ptr<AttentionSource> make_qkv_source(std::unique_ptr<TraceReader> reader, int64_t max_steps,
