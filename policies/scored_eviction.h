@@ -92,12 +92,17 @@ public:
 
         chosen_.clear();
         if (needed == 1) {
-            // The common case, one victim per step: a vectorised minimum, then its first slot. The
-            // minimum is one of the scores; with NaN among them (only NaN fed in makes one) it may
-            // be a NaN, which no == finds, or even kNotEvictable while NaN slots remain: both go
-            // to select_total, which ranks NaN lowest. Scores without NaN go as before.
+            // The common case, one victim per step: a vectorised minimum, then its first slot. With
+            // NaN among the scores (only NaN fed in makes one) the minimum is NaN, which no ==
+            // finds; and it is kNotEvictable where every slot is protected: both go to
+            // select_total, which ranks NaN lowest and never takes a protected slot.
             using Array = Eigen::Array<Score, Eigen::Dynamic, 1>;
-            const Score lowest = Eigen::Map<const Array>(score, static_cast<Eigen::Index>(evictable_end)).minCoeff();
+            const auto evictable = Eigen::Map<const Array>(score, static_cast<Eigen::Index>(evictable_end));
+            Score lowest;
+            if constexpr (std::numeric_limits<Score>::has_quiet_NaN)
+                lowest = evictable.template minCoeff<Eigen::PropagateNaN>();
+            else
+                lowest = evictable.minCoeff();
             const std::size_t slot = first_equal(score, evictable_end, lowest);
             if (slot == evictable_end || lowest == kNotEvictable<Score>)
                 select_total(score, evictable_end, 1);
@@ -145,22 +150,22 @@ protected:
     std::size_t size() const { return positions_.size(); }
 
 private:
-    // Up to `needed` slots of [0, evictable_end), each time the first one lowest in the eviction
-    // order; a kNotEvictable score is never taken.
+    // Up to `needed` slots of [0, evictable_end) lowest in the eviction order, ties to the lower
+    // slot, never a kNotEvictable score: what taking the first lowest slot `needed` times gives,
+    // in one selection (a rescan per victim cost PyramidKV's upper layers, which evict hundreds of
+    // slots at once, a cubic time).
     void select_total(const Score* score, std::size_t evictable_end, std::size_t needed) {
-        for (std::size_t taken = 0; taken < needed && taken < evictable_end; ++taken) {
-            std::size_t best = evictable_end;
-            Score best_score = kNotEvictable<Score>;
-            for (std::size_t i = 0; i < evictable_end; ++i) {
-                if (evicted_before(score[i], best_score) &&
-                    std::find(chosen_.begin(), chosen_.end(), i) == chosen_.end()) {
-                    best = i;
-                    best_score = score[i];
-                }
-            }
-            if (best == evictable_end) break;
-            chosen_.push_back(best);
-        }
+        for (std::size_t i = 0; i < evictable_end; ++i)
+            if (evicted_before(score[i], kNotEvictable<Score>)) chosen_.push_back(i);
+        if (needed >= chosen_.size()) return;
+        const auto lower = [score](std::size_t a, std::size_t b) {
+            if (evicted_before(score[a], score[b])) return true;
+            if (evicted_before(score[b], score[a])) return false;
+            return a < b;
+        };
+        std::nth_element(chosen_.begin(), chosen_.begin() + static_cast<std::ptrdiff_t>(needed - 1), chosen_.end(),
+                         lower);
+        chosen_.resize(needed);
     }
 
     int capacity_;

@@ -168,3 +168,76 @@ TEST_CASE("first_equal finds what std::find finds: ties, NaN, -0 and every lengt
                   static_cast<std::size_t>(std::find(ints.begin(), ints.end(), wanted) - ints.begin()));
     }
 }
+
+namespace {
+// Scores set by the test; observe/admit keep one score per slot.
+template <class Score>
+class FixedScores : public ScoredEviction<Score> {
+public:
+    FixedScores(int capacity, int recent_window) : ScoredEviction<Score>(capacity, recent_window) { score_.push_back(0); }
+    std::vector<Score> score_;
+
+protected:
+    void observe(std::span<const float>) override {}
+    void admit() override { score_.push_back(0); }
+    std::span<const Score> scores() override { return score_; }
+    void drop_state(std::span<const std::size_t> evicted) override { erase_slots(score_, evicted); }
+    std::size_t state_bytes_per_slot() const override { return sizeof(Score); }
+};
+
+// The reference's rule, literally: `needed` times, the first evictable slot lowest in the
+// eviction order among those not yet taken; never a kNotEvictable one.
+template <class Score>
+std::vector<std::size_t> lowest_one_at_a_time(const std::vector<Score>& score, std::size_t evictable_end,
+                                              std::size_t needed) {
+    std::vector<std::size_t> taken;
+    for (std::size_t round = 0; round < needed; ++round) {
+        std::size_t best = evictable_end;
+        Score best_score = kNotEvictable<Score>;
+        for (std::size_t i = 0; i < evictable_end; ++i)
+            if (evicted_before(score[i], best_score) && std::find(taken.begin(), taken.end(), i) == taken.end()) {
+                best = i;
+                best_score = score[i];
+            }
+        if (best == evictable_end) break;
+        taken.push_back(best);
+    }
+    std::sort(taken.begin(), taken.end());
+    return taken;
+}
+
+template <class Score>
+void check_many_victims(Score nan_or_zero) {
+    uint64_t state = 12345;
+    auto next = [&] { return (state = state * 6364136223846793005ull + 1442695040888963407ull) >> 33; };
+    for (int trial = 0; trial < 300; ++trial) {
+        const int size = 1 + static_cast<int>(next() % 60), window = static_cast<int>(next() % 5);
+        FixedScores<Score> policy(size + 1, window);
+        for (int p = 1; p < size; ++p) policy.on_decode_step(p, {});
+        for (auto& s : policy.score_) {  // few distinct values: many ties
+            const int v = static_cast<int>(next() % 9);
+            s = v == 0 ? nan_or_zero : v == 1 ? kNotEvictable<Score> : v == 2 ? static_cast<Score>(-0.0) : static_cast<Score>(v % 4);
+        }
+        const std::vector<Score> scores = policy.score_;
+        const int keep = static_cast<int>(next() % static_cast<uint64_t>(size));
+        const std::size_t evictable_end = static_cast<std::size_t>(size - std::min(window, size));
+        const std::vector<std::size_t> expected =
+            lowest_one_at_a_time(scores, evictable_end, static_cast<std::size_t>(size - keep));
+        std::vector<int32_t> victims;
+        policy.evict_to(keep, victims);
+        CAPTURE(trial);
+        std::string dump;
+        for (Score x : scores) dump += std::to_string(x) + " ";
+        CAPTURE(dump);
+        CAPTURE(window);
+        CAPTURE(keep);
+        REQUIRE(victims.size() == expected.size());
+        for (std::size_t i = 0; i < victims.size(); ++i) CHECK(victims[i] == static_cast<int32_t>(expected[i]));
+    }
+}
+}  // namespace
+
+TEST_CASE("evicting many slots at once takes what taking the lowest one at a time takes: ties, NaN, -0, protected") {
+    check_many_victims<double>(std::numeric_limits<double>::quiet_NaN());
+    check_many_victims<int32_t>(0);
+}
