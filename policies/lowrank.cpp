@@ -27,6 +27,7 @@ public:
         inner_->assign_tiers(t, held, key_tier, value_tier);
     }
     const TierFormat* tier_format() const override { return inner_->tier_format(); }
+    bool reads_attention() const override { return inner_->reads_attention(); }
     bool sizes_itself() const override { return inner_->sizes_itself(); }
     StreamingHeadState* linear_state() const override { return inner_->linear_state(); }
     const KvProjection* projection() const override { return projection_.get(); }

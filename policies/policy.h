@@ -66,6 +66,9 @@ public:
     }
     // The quantisation the tiers refer to; nullptr for a policy that keeps everything at fp16.
     virtual const TierFormat* tier_format() const { return nullptr; }
+    // Whether on_decode_step reads the attention it is given: false for a policy that keeps by
+    // position alone, which is then given an empty span (the harness skips building it).
+    virtual bool reads_attention() const { return true; }
     // Whether evict() runs every step, not only over budget: a policy that sizes itself.
     virtual bool sizes_itself() const { return false; }
     // A streaming head's decayed linear state, which stands for the tokens it let go; nullptr for

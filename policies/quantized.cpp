@@ -14,6 +14,7 @@ namespace {
 class KeepAll : public Policy {
 public:
     void on_decode_step(int32_t, std::span<const float>) override {}
+    bool reads_attention() const override { return false; }
     void evict(int, std::vector<int32_t>&) override {}
     std::size_t bytes_per_slot() const override { return 0; }  // a full cache needs no bookkeeping
 };
@@ -29,6 +30,7 @@ public:
     void on_decode_step(int32_t pos, std::span<const float> attn) override { inner_->on_decode_step(pos, attn); }
     void evict(int budget, std::vector<int32_t>& victims) override { inner_->evict(budget, victims); }
     std::size_t bytes_per_slot() const override { return inner_->bytes_per_slot(); }
+    bool reads_attention() const override { return inner_->reads_attention(); }
     bool sizes_itself() const override { return inner_->sizes_itself(); }
     const TierFormat* tier_format() const override { return &format_; }
     const KvProjection* projection() const override { return inner_->projection(); }

@@ -9,6 +9,7 @@ public:
     explicit SlidingWindow(int capacity) : ring_(capacity) { ring_.push(0); }
 
     void on_decode_step(int32_t pos, std::span<const float>) override { ring_.push(pos); }
+    bool reads_attention() const override { return false; }
 
     void evict(int budget, std::vector<int32_t>& victims) override {
         while (ring_.size() > static_cast<std::size_t>(budget)) victims.push_back(ring_.pop_oldest());

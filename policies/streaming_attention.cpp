@@ -29,6 +29,7 @@ public:
         else
             window_.push(pos);
     }
+    bool reads_attention() const override { return false; }
 
     // A streaming head keeps its sinks and the `recent` newest tokens (the current one among them
     // as the model reads it); a retrieval head keeps everything.

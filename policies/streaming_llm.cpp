@@ -21,6 +21,7 @@ public:
         else
             recent_.push(pos);
     }
+    bool reads_attention() const override { return false; }
 
     void evict(int budget, std::vector<int32_t>& victims) override {
         while (sinks_held_ + recent_.size() > static_cast<std::size_t>(budget) && recent_.size() > 0)

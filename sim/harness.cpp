@@ -23,13 +23,17 @@ namespace {
 // overlap instead of each addition waiting on the one before.
 template <int heads>
 int sum_in_order(std::span<const float* const> rows, std::span<const int32_t> kept, float* gathered,
-                     double* retained) {
+                 double* retained) {
     const std::size_t held = kept.size();
     const float* row[heads];
     for (int h = 0; h < heads; ++h) row[h] = rows[h];
     double sum[heads] = {};
-    for (std::size_t j = 0; j < held; ++j)
-        for (int h = 0; h < heads; ++h) sum[h] += (gathered[h * held + j] = row[h][kept[j]]);
+    if (gathered)
+        for (std::size_t j = 0; j < held; ++j)
+            for (int h = 0; h < heads; ++h) sum[h] += (gathered[h * held + j] = row[h][kept[j]]);
+    else
+        for (std::size_t j = 0; j < held; ++j)
+            for (int h = 0; h < heads; ++h) sum[h] += row[h][kept[j]];
     for (int h = 0; h < heads; ++h) retained[h] = sum[h];
     return heads;
 }
@@ -41,13 +45,14 @@ int sum_in_order(std::span<const float* const> rows, std::span<const int32_t> ke
 // bit is then at least 2^-52) and each total is below 2 (every partial sum of weights >= 0 is
 // then below 2, where a double's last bit is 2^-52). Returns false where that is not shown, and
 // the sums are then redone in order; on the Llama-1B-shaped synthetic trace that was 1 call in
-// 10 million. The gathered weights are written either way.
-template <bool by_position>
+// 10 million. The gathered weights are written either way, where `copy` asks for them.
+template <bool by_position, bool copy>
 bool sum_four_heads_exactly(std::span<const float* const> rows, const float* interleaved, std::span<const int32_t> kept,
                             float* gathered, double* retained) {
     const std::size_t held = kept.size();
     const float *row0 = rows[0], *row1 = rows[1], *row2 = rows[2], *row3 = rows[3];
     float *out0 = gathered, *out1 = gathered + held, *out2 = gathered + 2 * held, *out3 = gathered + 3 * held;
+    if constexpr (!copy) out0 = out1 = out2 = out3 = nullptr;
     __m256d even = _mm256_setzero_pd(), odd = _mm256_setzero_pd();
     // Over all weights, as unsigned: the least of (bits - 1), where +0 wraps to the top and passes,
     // and the largest bits, where a negative, NaN or too large weight is at least 2.0f's.
@@ -58,16 +63,20 @@ bool sum_four_heads_exactly(std::span<const float* const> rows, const float* int
         __m128 w;
         if constexpr (by_position) {  // one load of the four heads' weights
             w = _mm_loadu_ps(interleaved + 4 * static_cast<std::size_t>(p));
-            out0[j] = _mm_cvtss_f32(w);
-            out1[j] = _mm_cvtss_f32(_mm_shuffle_ps(w, w, 1));
-            out2[j] = _mm_cvtss_f32(_mm_movehl_ps(w, w));
-            out3[j] = _mm_cvtss_f32(_mm_shuffle_ps(w, w, 3));
+            if constexpr (copy) {
+                out0[j] = _mm_cvtss_f32(w);
+                out1[j] = _mm_cvtss_f32(_mm_shuffle_ps(w, w, 1));
+                out2[j] = _mm_cvtss_f32(_mm_movehl_ps(w, w));
+                out3[j] = _mm_cvtss_f32(_mm_shuffle_ps(w, w, 3));
+            }
         } else {
             const float a = row0[p], b = row1[p], c = row2[p], d = row3[p];
-            out0[j] = a;
-            out1[j] = b;
-            out2[j] = c;
-            out3[j] = d;
+            if constexpr (copy) {
+                out0[j] = a;
+                out1[j] = b;
+                out2[j] = c;
+                out3[j] = d;
+            }
             w = _mm_setr_ps(a, b, c, d);
         }
         const __m128i bits = _mm_castps_si128(w);
@@ -76,6 +85,66 @@ bool sum_four_heads_exactly(std::span<const float* const> rows, const float* int
         sum = _mm256_add_pd(sum, _mm256_cvtps_pd(w));
     };
     std::size_t j = 0;
+#if defined(__AVX512F__)
+    if constexpr (by_position) {
+        // Four slots' sixteen weights to a vector: checked and summed sixteen (eight) at a time,
+        // and one permutation groups them by head for the copies. Lanes h, h + 4, h + 8, h + 12
+        // are head h's; they are folded into the four-lane totals after the loop.
+        __m512i least16 = _mm512_set1_epi32(-1), largest16 = _mm512_setzero_si512();
+        __m512d sum_low = _mm512_setzero_pd(), sum_high = _mm512_setzero_pd();
+        const __m512i one16 = _mm512_set1_epi32(1);
+        const __m512i by_head = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        auto at = [&](std::size_t slot) { return _mm_loadu_ps(interleaved + 4 * static_cast<std::size_t>(kept[slot])); };
+        for (; j + 4 <= held; j += 4) {
+            __m512 w = _mm512_castps128_ps512(at(j));
+            w = _mm512_insertf32x4(w, at(j + 1), 1);
+            w = _mm512_insertf32x4(w, at(j + 2), 2);
+            w = _mm512_insertf32x4(w, at(j + 3), 3);
+            const __m512i bits = _mm512_castps_si512(w);
+            least16 = _mm512_min_epu32(least16, _mm512_sub_epi32(bits, one16));
+            largest16 = _mm512_max_epu32(largest16, bits);
+            sum_low = _mm512_add_pd(sum_low, _mm512_cvtps_pd(_mm512_castps512_ps256(w)));
+            sum_high = _mm512_add_pd(sum_high, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(0xFF, _mm512_castps_pd(w), 1))));
+            if constexpr (copy) {
+                const __m512 grouped = _mm512_permutexvar_ps(by_head, w);
+                _mm_storeu_ps(out0 + j, _mm512_castps512_ps128(grouped));
+                _mm_storeu_ps(out1 + j, _mm512_extractf32x4_ps(grouped, 1));
+                _mm_storeu_ps(out2 + j, _mm512_extractf32x4_ps(grouped, 2));
+                _mm_storeu_ps(out3 + j, _mm512_extractf32x4_ps(grouped, 3));
+            }
+        }
+        const __m256i least8 = _mm256_min_epu32(_mm512_maskz_extracti64x4_epi64(0xFF, least16, 0), _mm512_maskz_extracti64x4_epi64(0xFF, least16, 1));
+        const __m256i largest8 = _mm256_max_epu32(_mm512_maskz_extracti64x4_epi64(0xFF, largest16, 0), _mm512_maskz_extracti64x4_epi64(0xFF, largest16, 1));
+        least = _mm_min_epu32(least, _mm_min_epu32(_mm256_castsi256_si128(least8), _mm256_extracti128_si256(least8, 1)));
+        largest = _mm_max_epu32(largest, _mm_max_epu32(_mm256_castsi256_si128(largest8), _mm256_extracti128_si256(largest8, 1)));
+        const __m512d both = _mm512_add_pd(sum_low, sum_high);
+        even = _mm256_add_pd(even, _mm256_add_pd(_mm512_maskz_extractf64x4_pd(0xFF, both, 0), _mm512_maskz_extractf64x4_pd(0xFF, both, 1)));
+    }
+#endif
+    if constexpr (by_position) {
+        // Four slots at a time: their four heads' weights transposed (a 4 x 4 block) into one
+        // vector store per head, instead of a scalar store per weight.
+        for (; j + 4 <= held; j += 4) {
+            __m128 w[4];
+            for (int s = 0; s < 4; ++s) {
+                w[s] = _mm_loadu_ps(interleaved + 4 * static_cast<std::size_t>(kept[j + s]));
+                const __m128i bits = _mm_castps_si128(w[s]);
+                least = _mm_min_epu32(least, _mm_sub_epi32(bits, one));
+                largest = _mm_max_epu32(largest, bits);
+            }
+            even = _mm256_add_pd(even, _mm256_cvtps_pd(w[0]));
+            odd = _mm256_add_pd(odd, _mm256_cvtps_pd(w[1]));
+            even = _mm256_add_pd(even, _mm256_cvtps_pd(w[2]));
+            odd = _mm256_add_pd(odd, _mm256_cvtps_pd(w[3]));
+            if constexpr (copy) {
+                _MM_TRANSPOSE4_PS(w[0], w[1], w[2], w[3]);
+                _mm_storeu_ps(out0 + j, w[0]);
+                _mm_storeu_ps(out1 + j, w[1]);
+                _mm_storeu_ps(out2 + j, w[2]);
+                _mm_storeu_ps(out3 + j, w[3]);
+            }
+        }
+    }
     for (; j + 2 <= held; j += 2) {
         add(j, even);
         add(j + 1, odd);
@@ -103,7 +172,9 @@ void sum_kept_weights(std::span<const float* const> rows, std::span<const int32_
     bool exactness_tried = false;  // once shown not to hold, the same weights are summed in order
 #if defined(__AVX2__)
     if (interleaved && rows.size() == 4) {
-        if (sum_four_heads_exactly<true>(rows, interleaved, kept, gathered, retained)) return;
+        if (gathered ? sum_four_heads_exactly<true, true>(rows, interleaved, kept, gathered, retained)
+                     : sum_four_heads_exactly<true, false>(rows, interleaved, kept, nullptr, retained))
+            return;
         exactness_tried = true;
     }
 #else
@@ -113,9 +184,11 @@ void sum_kept_weights(std::span<const float* const> rows, std::span<const int32_
     for (std::size_t h = 0; h < rows.size();) {
         const std::size_t left = rows.size() - h;
         const auto group = rows.subspan(h);
-        float* copy = gathered + h * held;
+        float* copy = gathered ? gathered + h * held : nullptr;
 #if defined(__AVX2__)
-        if (left >= 4 && !exactness_tried && sum_four_heads_exactly<false>(group, nullptr, kept, copy, retained + h)) {
+        if (left >= 4 && !exactness_tried &&
+            (copy ? sum_four_heads_exactly<false, true>(group, nullptr, kept, copy, retained + h)
+                  : sum_four_heads_exactly<false, false>(group, nullptr, kept, nullptr, retained + h))) {
             h += 4;
             continue;
         }
@@ -293,11 +366,13 @@ void Harness::observe(const GroupStep& s) {
         attend_cached(s);
     }
     // Retained mass per query head: the full-cache weight on kept positions, before eviction.
-    // The renormalized view needs the same weights again, so they are gathered once.
+    // The renormalized view needs the same weights again, so they are gathered once, unless the
+    // policy keeps by position alone and is shown no weights.
+    const bool shown = policy_->reads_attention();
     const bool renormalized = options_.view == AttentionView::renormalized;
     retained_.resize(group);
-    gathered_.resize(group * held);
-    sum_kept_weights(s.rows, kept_, gathered_.data(), retained_.data(), s.interleaved);
+    gathered_.resize(renormalized && shown ? group * held : 0);
+    sum_kept_weights(s.rows, kept_, gathered_.empty() ? nullptr : gathered_.data(), retained_.data(), s.interleaved);
     if (measured) {
         for (std::size_t h = 0; h < group; ++h) {
             // The current token is always in the cache: where its own weight is known, it counts.
@@ -312,8 +387,9 @@ void Harness::observe(const GroupStep& s) {
     }
 
     // What the policy sees, index-aligned with kept_.
-    attn_.resize(held);
-    if (cached_view) {
+    attn_.resize(shown ? held : 0);
+    if (!shown) {
+    } else if (cached_view) {
         // Each head's weights on the held positions (the current token is last), averaged over
         // the group in head order: the runtime's arithmetic (src/runtime/head_cache.cpp).
         std::fill(attn_.begin(), attn_.end(), 0.0f);
@@ -347,11 +423,26 @@ void Harness::observe(const GroupStep& s) {
             const double total = retained_[h] + s.self_weight[h];
             return total > 0 ? static_cast<float>(gathered_[h * held + j] / total) : 0.0f;
         };
+        bool divided = false;  // the mean's division done
         if (wide) {
             for (std::size_t j = 0; j < held; ++j) attn[j] = scaled(0, j);
             for (std::size_t h = 1; h < group; ++h)
                 for (std::size_t j = 0; j < held; ++j)
                     attn[j] = options_.reduce == GroupReduce::max ? std::max(attn[j], scaled(h, j)) : attn[j] + scaled(h, j);
+        } else if (group == 4 && options_.reduce != GroupReduce::max) {
+            // The loops below (and the mean's division) for four heads as one pass: each weight
+            // gets the same operations in the same order, read and written once.
+            const float *w1 = first + held, *w2 = first + 2 * held, *w3 = first + 3 * held;
+            const float s0 = sc[0], s1 = sc[1], s2 = sc[2], s3 = sc[3];
+            const bool mean = options_.reduce == GroupReduce::mean;
+            for (std::size_t j = 0; j < held; ++j) {
+                float a = first[j] * s0;
+                a += w1[j] * s1;
+                a += w2[j] * s2;
+                a += w3[j] * s3;
+                attn[j] = mean ? a / 4.0f : a;
+            }
+            divided = true;
         } else {
             for (std::size_t j = 0; j < held; ++j) attn[j] = first[j] * sc[0];
             for (std::size_t h = 1; h < group; ++h) {
@@ -362,7 +453,7 @@ void Harness::observe(const GroupStep& s) {
                     for (std::size_t j = 0; j < held; ++j) attn[j] += w[j] * sc[h];
             }
         }
-        if (options_.reduce == GroupReduce::mean)
+        if (options_.reduce == GroupReduce::mean && !divided)
             for (std::size_t j = 0; j < held; ++j) attn[j] /= static_cast<float>(group);
     }
 

@@ -53,7 +53,8 @@ enum class GroupReduce { mean, max, sum };
 void combine_group_rows(std::span<const float* const> rows, int64_t t, GroupReduce reduce, float* out);
 
 // Each row's weights on the kept positions (ascending), copied to gathered[h * kept.size() + slot]
-// and summed in double into retained[h]: the bits of the sum in position order, however summed.
+// (where gathered is not null) and summed in double into retained[h]: the bits of the sum in
+// position order, however summed.
 // `interleaved`, where given for a group of 4 rows, holds the same weights [position][row].
 void sum_kept_weights(std::span<const float* const> rows, std::span<const int32_t> kept, float* gathered,
                       double* retained, const float* interleaved = nullptr);
