@@ -107,49 +107,50 @@ int32_t kth_largest_key(std::span<const float> row, std::size_t want) {
     return h[0];
 }
 
-// Appends to `candidates` every position whose key is at least floor_key, ascending, skipping
-// blocks of 16 with none (one vector compare each).
-void positions_at_or_above(std::span<const float> row, int32_t floor_key, std::vector<int32_t>& candidates) {
+// Every position whose key is at least floor_key, ascending, skipping blocks of 16 with none
+// (one vector compare each). The positions lie in a buffer of this thread's, which grows only and
+// is valid until the thread's next call.
+std::span<const int32_t> positions_at_or_above(std::span<const float> row, int32_t floor_key) {
     const std::size_t n = row.size();
+    thread_local std::vector<int32_t> buffer;
+    if (buffer.size() < n + 16) buffer.resize(n + 16);  // room for a whole vector past the last
+    int32_t* const out = buffer.data();
+    std::size_t count = 0;
     auto take = [&](std::size_t j) {
-        if (rank_key(row[j]) >= floor_key) candidates.push_back(static_cast<int32_t>(j));
+        out[count] = static_cast<int32_t>(j);
+        count += rank_key(row[j]) >= floor_key;
     };
     std::size_t j = 0;
 #if defined(__AVX512F__)
     if (floor_key >= 0) {
         // Each block of 16: one comparison of the raw bits (exact for floor_key >= 0, as in
         // block_may_pass), then the passing lanes' positions packed together and stored at once,
-        // instead of sixteen scalar tests wherever one lane passes.
+        // instead of sixteen scalar tests wherever one lane passes. Stored whether or not any
+        // passes: which blocks pass follows no pattern a branch predictor learns.
         const __m512i floor_bits = _mm512_set1_epi32(floor_key - 1);
         const __m512i sixteen = _mm512_set1_epi32(16);
         __m512i positions = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         for (; j + 16 <= n; j += 16) {
             const __mmask16 pass = _mm512_cmpgt_epi32_mask(_mm512_loadu_si512(row.data() + j), floor_bits);
-            if (pass) {
-                const std::size_t at = candidates.size();
-                candidates.resize(at + 16);  // room for the whole vector; trimmed to the lanes that passed
-                _mm512_storeu_si512(candidates.data() + at, _mm512_maskz_compress_epi32(pass, positions));
-                candidates.resize(at + static_cast<std::size_t>(__builtin_popcount(pass)));
-            }
+            _mm512_storeu_si512(out + count, _mm512_maskz_compress_epi32(pass, positions));
+            count += static_cast<std::size_t>(__builtin_popcount(pass));
             positions = _mm512_add_epi32(positions, sixteen);
         }
         for (; j < n; ++j) take(j);
-        return;
+        return {out, count};
     }
 #endif
     for (; j + 16 <= n; j += 16)
         if (block_may_pass(row.data() + j, floor_key, true))
             for (int l = 0; l < 16; ++l) take(j + l);
     for (; j < n; ++j) take(j);
+    return {out, count};
 }
 
 // The row's top `want` positions given its k-th largest key. Fewer than `want` keys lie above it
 // and at least `want` at or above it, so the ties always cover what is missing.
 void select_at_threshold(std::span<const float> row, int32_t threshold, std::size_t want, std::vector<int32_t>& out) {
-    thread_local std::vector<int32_t> candidates;
-    candidates.clear();
-    positions_at_or_above(row, threshold, candidates);
-    emit_selection(row, candidates, threshold, want, out);
+    emit_selection(row, positions_at_or_above(row, threshold), threshold, want, out);
 }
 
 }  // namespace
@@ -166,9 +167,9 @@ void top_k_positions(std::span<const float> row, int k, std::vector<int32_t>& ou
     // One pass gathers every position at or above the hint. When there are at least `want`, the
     // k-th largest key is among them: a selection over those few finds it, and they hold every
     // position the output takes. Otherwise the hint was too high, and the heap finds it.
-    thread_local std::vector<int32_t> candidates, keys;
-    candidates.clear();
-    if (floor_hint > 0) positions_at_or_above(row, floor_hint, candidates);
+    thread_local std::vector<int32_t> keys;
+    std::span<const int32_t> candidates;
+    if (floor_hint > 0) candidates = positions_at_or_above(row, floor_hint);
     if (floor_hint > 0 && candidates.size() >= want) {
         keys.resize(candidates.size());
         for (std::size_t i = 0; i < candidates.size(); ++i) keys[i] = rank_key(row[candidates[i]]);

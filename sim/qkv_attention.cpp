@@ -41,7 +41,7 @@ void attention_from_qkv(const QkvLayer& layer, const QkvShape& shape, int64_t fi
 }
 
 void attention_from_qkv(const QkvLayer& layer, const KeysByFeature& keys, const QkvShape& shape, int64_t first_step,
-                        int64_t end_step, AttentionBlock& block, const std::string& where) {
+                        int64_t end_step, AttentionBlock& block, const std::string& where, const RowVisitor* visit) {
     const int hq = shape.num_query_heads, hkv = shape.num_kv_heads, d = shape.head_dim;
     const int group = hq / hkv;
     const int64_t rows = end_step - first_step;
@@ -95,6 +95,7 @@ void attention_from_qkv(const QkvLayer& layer, const KeysByFeature& keys, const 
             const float inv_total = 1.0f / row.sum();
             Eigen::Map<Eigen::ArrayXf>(out, t) = row.head(t) * inv_total;
             block.self_weight[h][i] = row(t) * inv_total;
+            if (visit) (*visit)(h, i, {out, static_cast<std::size_t>(t)});
             out += t;
         }
     });
@@ -131,6 +132,11 @@ const QkvLayer& QkvSource::layer_data(int sequence, int layer) {
 }
 
 void QkvSource::read_block(int sequence, int layer, int64_t first_step, int64_t end_step, AttentionBlock& block) {
+    read_block(sequence, layer, first_step, end_step, block, nullptr);
+}
+
+void QkvSource::read_block(int sequence, int layer, int64_t first_step, int64_t end_step, AttentionBlock& block,
+                           const RowVisitor& visit) {
     const QkvLayer& data = layer_data(sequence, layer);
     if (!keys_current_) {
         keys_by_feature(data, qkv_, keys_);
@@ -138,7 +144,8 @@ void QkvSource::read_block(int sequence, int layer, int64_t first_step, int64_t 
     }
     attention_from_qkv(data, keys_, qkv_, first_step, end_step, block,
                        description() + ": sequence " + shape_.sequence_names.at(sequence) + ", layer " +
-                           std::to_string(layer));
+                           std::to_string(layer),
+                       visit ? &visit : nullptr);
 }
 
 namespace {

@@ -2,7 +2,9 @@
 // once per step for every query head, and shared by every policy of a run. One layer's Q/K/V
 // is held at a time, so memory is bounded by one layer whatever the layer count.
 #pragma once
+#include <functional>
 #include <memory>
+#include <span>
 #include <string>
 
 #include "sim/attention_source.h"
@@ -32,9 +34,16 @@ void keys_by_feature(const QkvLayer& layer, const QkvShape& shape, KeysByFeature
 void attention_from_qkv(const QkvLayer& layer, const QkvShape& shape, int64_t first_step, int64_t end_step,
                         AttentionBlock& block, const std::string& where = {});
 
-// The same with the layer's keys by feature already built (what a replay does once per layer).
+// Called with each row as soon as it is written, on the thread that wrote it, while it is still in
+// cache: (query head, row index in the block, the row's t weights). One head's rows come in step
+// order from one thread; different heads' rows come in parallel.
+using RowVisitor = std::function<void(int head, int64_t index, std::span<const float> row)>;
+
+// The same with the layer's keys by feature already built (what a replay does once per layer),
+// and each row handed to `visit` where given.
 void attention_from_qkv(const QkvLayer& layer, const KeysByFeature& keys, const QkvShape& shape, int64_t first_step,
-                        int64_t end_step, AttentionBlock& block, const std::string& where = {});
+                        int64_t end_step, AttentionBlock& block, const std::string& where = {},
+                        const RowVisitor* visit = nullptr);
 
 // Floating-point operations attention_from_qkv spends on a block (the score products).
 double attention_flops(const QkvShape& shape, int64_t first_step, int64_t end_step);
@@ -44,6 +53,9 @@ class QkvSource : public AttentionSource {
 public:
     const AttentionShape& shape() const override { return shape_; }
     void read_block(int sequence, int layer, int64_t first_step, int64_t end_step, AttentionBlock& block) override;
+    // The same, each row handed to `visit` as it is computed (see RowVisitor).
+    void read_block(int sequence, int layer, int64_t first_step, int64_t end_step, AttentionBlock& block,
+                    const RowVisitor& visit);
     // Blocks of at least 64 steps: fewer rows leave the score products too thin to run near peak.
     int64_t block_floats(int64_t wanted) const override;
     const QkvShape& qkv_shape() const { return qkv_; }

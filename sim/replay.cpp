@@ -47,8 +47,8 @@ class LockstepReplay {
     // A layer's jobs (layer_jobs): runs of combinations on one KV head, except that an Ada-KV
     // combination's heads step together, as one job (kv -1). The combinations of a run read each
     // step's rows in turn while they are in cache, rather than each from memory (a 64-step block
-    // of the Llama-1B shape is 32 MB of rows); runs are sized to leave about eight jobs per
-    // thread, to keep the threads busy. Harnesses are independent: how they are grouped never
+    // of the Llama-1B shape is 32 MB of rows); runs are sized to leave about four to eight jobs
+    // per thread, to keep the threads busy. Harnesses are independent: how they are grouped never
     // changes a result.
     struct Job {
         std::vector<std::size_t> combos;
@@ -259,7 +259,14 @@ private:
         const int64_t block_floats = block_floats_per_head();
         for (int64_t first = 1; first <= shape_.last_steps[s];) {
             const int64_t end = attention_block_end(first, shape_.last_steps[s], block_floats);
-            source_.read_block(s, layer, first, end, block_);
+            size_heavy_hitters(first, end);
+            if (qkv_) {
+                // Each row's heavy hitters as the attention writes it, while it is in cache.
+                qkv_->read_block(s, layer, first, end, block_, heavy_of_row_);
+            } else {
+                source_.read_block(s, layer, first, end, block_);
+                heavy_hitters_of_block(first, end);
+            }
             recorded_self_ = !block_.self_weight.empty();
             if (!raw_view_ && !recorded_self_) self_weight_from_row_sums(block_);
             shared_work(first, end, length);
@@ -276,19 +283,34 @@ private:
         }
     }
 
-    // Once per block for all combinations: every query head's heavy hitters, the full cache's
-    // output (for the output error), and (raw view, grouped heads) every KV head's combined row.
-    void shared_work(int64_t first, int64_t end, int64_t length) {
-        const int64_t rows = end - first;
+    // Room for the block's heavy hitters, before its rows arrive.
+    void size_heavy_hitters(int64_t first, int64_t end) {
+        block_rows_ = end - first;
         // No row of the block has more than end - 1 positions: a larger k (up to 2^30 from a
         // config) would only size the buffer, not change the heavy hitters.
         block_k_ = static_cast<int>(std::min<int64_t>(k_, end - 1));
-        heavy_.resize(static_cast<std::size_t>(query_heads_) * rows * block_k_);
-        heavy_count_.resize(static_cast<std::size_t>(query_heads_) * rows);
-        // A job takes a run of one head's rows in order, so that each row's threshold hints the
-        // next's (see top_k_positions); a run starts from the hint the head's previous block left.
-        // Hints change how much of a row is scanned, never the positions chosen.
+        heavy_.resize(static_cast<std::size_t>(query_heads_) * block_rows_ * block_k_);
+        heavy_count_.resize(static_cast<std::size_t>(query_heads_) * block_rows_);
+        // Each row's threshold hints the next's (see top_k_positions), from block to block of a
+        // (sequence, layer). Hints change how much of a row is scanned, never the positions chosen.
         if (first == 1) heavy_hint_.assign(query_heads_, kNoTopKHint);
+    }
+
+    // Row `index` of a block's rows of `head`: its heavy hitters, from the head's hint.
+    void heavy_hitters_of_row(int head, int64_t index, std::span<const float> row, int32_t& hint) {
+        thread_local std::vector<int32_t> top;
+        top.clear();
+        top_k_positions(row, block_k_, top, hint);
+        const int64_t row_job = head * block_rows_ + index;
+        std::copy(top.begin(), top.end(), heavy_.begin() + row_job * block_k_);
+        heavy_count_[row_job] = static_cast<int32_t>(top.size());
+    }
+
+    // Every query head's heavy hitters of a block read whole (a source other than Q/K/V). A job
+    // takes a run of one head's rows in order; a run starts from the hint the head's previous
+    // block left, so a head's runs can go in parallel.
+    void heavy_hitters_of_block(int64_t first, int64_t end) {
+        const int64_t rows = end - first;
         heavy_next_hint_.resize(query_heads_);
         constexpr int64_t kRowsPerRun = 16;
         const int64_t runs = (rows + kRowsPerRun - 1) / kRowsPerRun;
@@ -296,17 +318,17 @@ private:
             const int head = static_cast<int>(job / runs);
             const int64_t begin = job % runs * kRowsPerRun, stop = std::min(rows, begin + kRowsPerRun);
             int32_t hint = heavy_hint_[head];
-            thread_local std::vector<int32_t> top;
-            for (int64_t i = begin; i < stop; ++i) {
-                const int64_t t = first + i, row_job = head * rows + i;
-                top.clear();
-                top_k_positions({block_.row(head, t), static_cast<std::size_t>(t)}, block_k_, top, hint);
-                std::copy(top.begin(), top.end(), heavy_.begin() + row_job * block_k_);
-                heavy_count_[row_job] = static_cast<int32_t>(top.size());
-            }
+            for (int64_t i = begin; i < stop; ++i)
+                heavy_hitters_of_row(head, i, {block_.row(head, first + i), static_cast<std::size_t>(first + i)}, hint);
             if (stop == rows) heavy_next_hint_[head] = hint;
         });
         heavy_hint_.swap(heavy_next_hint_);
+    }
+
+    // Once per block for all combinations: the full cache's output (for the output error), and
+    // (raw view, grouped heads) every KV head's combined row.
+    void shared_work(int64_t first, int64_t end, int64_t length) {
+        const int64_t rows = end - first;
         if (options_.output_error) {
             // By the same arithmetic as a policy's cached output: the full cache errs by exactly 0.
             full_output_.resize(static_cast<std::size_t>(query_heads_) * rows * head_dim_);
@@ -430,7 +452,11 @@ private:
                 stepping.push_back(c);
         if (stepping.empty()) return jobs;
         const std::size_t threads = static_cast<std::size_t>(std::max(1, tbb::this_task_arena::max_concurrency()));
-        const std::size_t per_run = std::max<std::size_t>(1, stepping.size() * kv_heads_ / (8 * threads));
+        // A run interleaves a group of four's rows once per step for all its combinations, so there
+        // runs are longer: about four jobs per thread (on the Llama-1B shape, one run per KV head).
+        const std::size_t jobs_per_thread = group_ == 4 ? 4 : 8;
+        const std::size_t per_run =
+            std::max<std::size_t>(1, stepping.size() * kv_heads_ / (jobs_per_thread * threads));
         const std::size_t runs_per_head = (stepping.size() + per_run - 1) / per_run;
         for (int kv = 0; kv < kv_heads_; ++kv)
             for (std::size_t run = 0; run < runs_per_head; ++run) {
@@ -460,6 +486,12 @@ private:
     std::vector<int32_t> heavy_;                    // [query head][row][k]
     std::vector<int32_t> heavy_count_;              // [query head][row]
     std::vector<int32_t> heavy_hint_, heavy_next_hint_;  // per query head: top_k_positions' hints
+    int64_t block_rows_ = 0;
+    // A Q/K/V source's rows go to heavy_hitters_of_row as they are computed: one head's rows come
+    // in order from one thread, so the head's hint passes straight from row to row.
+    const RowVisitor heavy_of_row_ = [this](int head, int64_t index, std::span<const float> row) {
+        heavy_hitters_of_row(head, index, row, heavy_hint_[head]);
+    };
     std::vector<std::vector<float>> combined_;      // raw view with groups: reduced rows per KV head
     std::vector<float> full_output_;                // [query head][row][d]: the full cache's output
     std::vector<int32_t> every_position_;           // 0, 1, 2, ...: the full cache's positions
