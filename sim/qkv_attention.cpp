@@ -59,8 +59,12 @@ void attention_from_qkv(const QkvLayer& layer, const KeysByFeature& keys, const 
         // Q rows of this head for the block's steps: a strided view into [token][head][d].
         const StridedRows q(layer.q.data() + first_step * hq * d + static_cast<int64_t>(h) * d, rows, d,
                             Eigen::OuterStride<>(static_cast<int64_t>(hq) * d));
-        thread_local RowMatrix scores;
-        scores.resize(rows, end_step);
+        // A buffer that only grows: a matrix resized to each block's shape was freed and
+        // allocated again every block, and the allocator handed its pages back and forth with the
+        // kernel. Aligned as a matrix's storage is (the softmax's sums depend on where rows start).
+        thread_local std::vector<float, Eigen::aligned_allocator<float>> score_storage;
+        if (score_storage.size() < static_cast<std::size_t>(rows * end_step)) score_storage.resize(rows * end_step);
+        Eigen::Map<RowMatrix, Eigen::AlignedMax> scores(score_storage.data(), rows, end_step);
         if (rows > 1) {
             // Its keys for positions 0..end-1 as a column-major matrix: Eigen packs them with
             // straight copies (from token-major rows it gathered a third of the products' time).
