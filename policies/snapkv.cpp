@@ -1,39 +1,93 @@
 // SnapKV: Li et al. 2024 (NeurIPS); the algorithm is described in snapkv.h.
 #include "policies/snapkv.h"
 
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
 namespace kvsim {
 
+namespace {
+// The bits of the smallest weight w for which any `steps` weights, each +0 or in [w, 2), sum
+// exactly in double in any order. For w = 2^e a weight's last bit is at least 2^(e - 23), so every
+// partial sum is a multiple of it below 2 * steps, and a double holds every such multiple below
+// 2^(e + 30) exactly: the least e with 2 * steps <= 2^(e + 30). At most 2.0f: only +0 then.
+uint32_t smallest_summable_bits(int steps) {
+    int log2_bound = 0;
+    while (log2_bound < 32 && (int64_t{1} << log2_bound) < 2 * int64_t{steps}) ++log2_bound;
+    const int e = std::min(log2_bound - 30, 1);
+    return static_cast<uint32_t>(127 + e) << 23;
+}
+}  // namespace
+
 SnapKV::SnapKV(int capacity, int recent_window, int obs_window, int pool_kernel)
-    : ScoredEviction(capacity, recent_window), pool_radius_((pool_kernel - 1) / 2), window_(obs_window) {
+    : ScoredEviction(capacity, recent_window), pool_radius_((pool_kernel - 1) / 2), window_(obs_window),
+      smallest_summable_bits_(smallest_summable_bits(obs_window)) {
     for (auto& column : window_) {
         column.reserve(capacity);
         column.push_back(0.0f);
     }
+    running_.reserve(capacity);
+    running_.push_back(0.0);
+    unsummable_.reserve(capacity);
+    unsummable_.push_back(0);
 }
 
 void SnapKV::observe(std::span<const float> attn) {
-    std::vector<float>& column = window_[write_index_];
-    for (std::size_t i = 0; i < attn.size(); ++i) column[i] = attn[i];
+    float* column = window_[write_index_].data();
+    double* running = running_.data();
+    int32_t* unsummable = unsummable_.data();
+    const uint32_t low = smallest_summable_bits_, span = 0x40000000u - low;  // [low, 2.0f)
+    // +0, or in [low, 2): the entries every addition of a window sums exactly.
+    auto not_summable = [low, span](float x) {
+        uint32_t bits;
+        std::memcpy(&bits, &x, sizeof bits);
+        return static_cast<int32_t>(bits != 0 && bits - low >= span);
+    };
+    // The entry the ring overwrites leaves each sum and the new one joins it, exactly where both
+    // counts are 0. A slot whose count was or is above 0 gets NaN instead, and where its count has
+    // just fallen to 0 the sum is redone from its window.
+    bool any_redone = false;
+    for (std::size_t i = 0; i < attn.size(); ++i) {
+        const float old = column[i], now = attn[i];
+        column[i] = now;
+        const int32_t before = unsummable[i];
+        const int32_t after = before + not_summable(now) - not_summable(old);
+        unsummable[i] = after;
+        const double updated = (running[i] - static_cast<double>(old)) + static_cast<double>(now);
+        running[i] = (before | after) == 0 ? updated : std::numeric_limits<double>::quiet_NaN();
+        any_redone |= (before != 0) & (after == 0);
+    }
+    if (any_redone)
+        for (std::size_t i = 0; i < attn.size(); ++i)
+            if (unsummable[i] == 0 && running[i] != running[i]) {  // all summable: any order
+                double sum = 0.0;
+                for (const auto& c : window_) sum += c[i];
+                running[i] = sum;
+            }
     write_index_ = (write_index_ + 1) % static_cast<int>(window_.size());
 }
 
 // A new token has seen no steps: score 0 until the next one, protected only by the recent window.
 void SnapKV::admit() {
     for (auto& column : window_) column.push_back(0.0f);
+    running_.push_back(0.0);
+    unsummable_.push_back(0);
 }
 
 std::span<const double> SnapKV::scores() {
     const std::size_t n = size();
-    // Sum in ring-index order (not chronological), as the reference does: bit-exact scores. The
-    // first column starts the sums (0.0 + x, the same double as adding x to a cleared sum, -0
-    // included), with no clearing pass every step.
-    window_sum_.resize(n);
-    const std::vector<float>& first = window_[0];
-    for (std::size_t i = 0; i < n; ++i) window_sum_[i] = 0.0 + static_cast<double>(first[i]);
-    for (std::size_t k = 1; k < window_.size(); ++k) {
-        const std::vector<float>& column = window_[k];
-        for (std::size_t i = 0; i < n; ++i) window_sum_[i] += column[i];
-    }
+    // The reference sums in ring-index order (not chronological). Where every entry of a slot's
+    // window is summable, any order gives those bits, and the running sum is taken; the rest are
+    // summed here in ring order, the first column starting the sum (0.0 + x, the same double as
+    // adding x to a cleared sum, -0 included).
+    window_sum_.assign(running_.begin(), running_.begin() + static_cast<std::ptrdiff_t>(n));
+    for (std::size_t i = 0; i < n; ++i)
+        if (unsummable_[i] != 0) {
+            double sum = 0.0 + static_cast<double>(window_[0][i]);
+            for (std::size_t k = 1; k < window_.size(); ++k) sum += window_[k][i];
+            window_sum_[i] = sum;
+        }
     // Max-pool over neighbouring cached tokens (adjacent kept entries, not adjacent positions):
     // widen the window one neighbour at a time on each side, whole arrays at once.
     using Array = Eigen::Map<Eigen::ArrayXd>;
@@ -50,6 +104,8 @@ std::span<const double> SnapKV::scores() {
 
 void SnapKV::drop_state(std::span<const std::size_t> evicted) {
     for (auto& column : window_) erase_slots(column, evicted);
+    erase_slots(running_, evicted);
+    erase_slots(unsummable_, evicted);
 }
 
 std::size_t SnapKV::state_bytes_per_slot() const {

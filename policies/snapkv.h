@@ -23,6 +23,13 @@ private:
     // stored column by column so that the per-slot sums vectorise across slots.
     std::vector<std::vector<float>> window_;
     int write_index_ = 0;  // one ring index shared by all slots
+    // Each slot's window sum, kept up to date step by step where that is exact (see summable):
+    // running_[slot] is the sum in any order, so the in-order sum too, where unsummable_[slot]
+    // (the slot's window entries that are not summable) is 0. The count is the simulator's
+    // proof of exactness, not state the policy needs, so bytes_per_slot leaves it out.
+    std::vector<double> running_;
+    std::vector<int32_t> unsummable_;
+    uint32_t smallest_summable_bits_;
     std::vector<double> window_sum_;
     std::vector<double> pooled_;
 };

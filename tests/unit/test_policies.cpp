@@ -3,10 +3,12 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 
 #include "helpers.h"
 #include "policies/pyramidkv.h"
+#include "policies/snapkv.h"
 #include "policies/scored_eviction.h"
 #include "base/errors.h"
 
@@ -240,4 +242,98 @@ void check_many_victims(Score nan_or_zero) {
 TEST_CASE("evicting many slots at once takes what taking the lowest one at a time takes: ties, NaN, -0, protected") {
     check_many_victims<double>(std::numeric_limits<double>::quiet_NaN());
     check_many_victims<int32_t>(0);
+}
+
+namespace {
+// SnapKV's scores as the reference computes them, every step from scratch: the window's columns
+// summed per slot in ring order, then max-pooled over neighbouring slots.
+struct PlainSnapKV {
+    int radius;
+    std::vector<std::vector<float>> window;
+    int write = 0;
+    PlainSnapKV(int obs_window, int pool_kernel) : radius((pool_kernel - 1) / 2), window(obs_window, std::vector<float>(1, 0.0f)) {}
+    void step(std::span<const float> attn) {
+        for (std::size_t i = 0; i < attn.size(); ++i) window[write][i] = attn[i];
+        write = (write + 1) % static_cast<int>(window.size());
+        for (auto& c : window) c.push_back(0.0f);
+    }
+    void erase(std::span<const std::size_t> slots) {
+        for (auto& c : window) erase_slots(c, slots);
+    }
+    std::vector<double> scores() const {
+        const std::size_t n = window[0].size();
+        std::vector<double> sums(n), pooled(n);
+        for (std::size_t i = 0; i < n; ++i) {
+            double s = 0.0 + static_cast<double>(window[0][i]);
+            for (std::size_t k = 1; k < window.size(); ++k) s += window[k][i];
+            sums[i] = s;
+        }
+        for (std::size_t i = 0; i < n; ++i) {
+            double best = sums[i];
+            for (int d = 1; d <= radius; ++d) {
+                if (i >= static_cast<std::size_t>(d)) best = std::max(best, sums[i - d]);
+                if (i + d < n) best = std::max(best, sums[i + d]);
+            }
+            pooled[i] = best;
+        }
+        return pooled;
+    }
+};
+}  // namespace
+
+TEST_CASE("SnapKV's running window sums give the bits of summing every window in ring order, whatever the weights") {
+    // Weights that sum exactly in any order (+0, and from 2^-25 to below 2 for a window of 16)
+    // mixed with ones that do not: tiny, denormal, -0, 2 and above, so that slots go in and out of
+    // the running sums as their windows turn over. A running sum kept where it is not exact
+    // changes the scores' bits within a few steps.
+    for (int obs_window : {1, 3, 16, 40}) {
+        uint64_t state = 99 + static_cast<uint64_t>(obs_window);
+        auto next = [&] { return (state = state * 6364136223846793005ull + 1442695040888963407ull) >> 33; };
+        auto weight = [&]() -> float {
+            const uint64_t kind = next() % 100;
+            const float unit = static_cast<float>(next() % 1000000) / 1000000.0f;
+            if (kind < 70) return unit * 0.01f;            // mostly summable
+            if (kind < 80) return unit * 1e-9f;             // below 2^-25
+            if (kind < 85) return 0.0f;
+            if (kind < 88) return -0.0f;
+            if (kind < 90) return unit * 1e-40f;            // denormal
+            if (kind < 93) return 2.0f + unit;              // 2 and above
+            return unit;                                    // up to 1
+        };
+        const int budget = 24, capacity = 200;
+        SnapKV policy(capacity, 2, obs_window, 5);
+        PlainSnapKV plain(obs_window, 5);
+        std::vector<float> attn;
+        std::vector<int32_t> victims;
+        std::vector<int32_t> held = {0};
+        HeldScores out;
+        for (int32_t t = 1; t < 150; ++t) {
+            attn.resize(held.size());
+            for (float& w : attn) w = weight();
+            policy.on_decode_step(t, attn);
+            plain.step(attn);
+            held.push_back(t);
+            if (held.size() > static_cast<std::size_t>(budget)) {
+                victims.clear();
+                policy.evict(budget, victims);
+                std::vector<std::size_t> slots;
+                for (int32_t v : victims)
+                    slots.push_back(static_cast<std::size_t>(std::lower_bound(held.begin(), held.end(), v) - held.begin()));
+                plain.erase(slots);
+                erase_slots(held, slots);
+            }
+            REQUIRE(policy.held_scores(out));
+            const std::vector<double> expected = plain.scores();
+            REQUIRE(out.score.size() == expected.size());
+            for (std::size_t i = 0; i < expected.size(); ++i) {
+                CAPTURE(obs_window);
+                CAPTURE(t);
+                CAPTURE(i);
+                uint64_t got_bits, want_bits;
+                std::memcpy(&got_bits, &out.score[i], 8);
+                std::memcpy(&want_bits, &expected[i], 8);
+                CHECK(got_bits == want_bits);
+            }
+        }
+    }
 }
