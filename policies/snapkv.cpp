@@ -5,6 +5,10 @@
 #include <cstring>
 #include <limits>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace kvsim {
 
 namespace {
@@ -39,16 +43,44 @@ void SnapKV::observe(std::span<const float> attn) {
     int32_t* unsummable = unsummable_.data();
     const uint32_t low = smallest_summable_bits_, span = 0x40000000u - low;  // [low, 2.0f)
     // +0, or in [low, 2): the entries every addition of a window sums exactly.
-    auto not_summable = [low, span](float x) {
+    auto not_summable = [low, span](float x) {  // branch-free, so that the loop vectorises
         uint32_t bits;
         std::memcpy(&bits, &x, sizeof bits);
-        return static_cast<int32_t>(bits != 0 && bits - low >= span);
+        return static_cast<int32_t>((bits != 0) & (bits - low >= span));
     };
     // The entry the ring overwrites leaves each sum and the new one joins it, exactly where both
     // counts are 0. A slot whose count was or is above 0 gets NaN instead, and where its count has
     // just fallen to 0 the sum is redone from its window.
     bool any_redone = false;
-    for (std::size_t i = 0; i < attn.size(); ++i) {
+    std::size_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+    {  // the loop below, eight slots at a time
+        const __m256i low8 = _mm256_set1_epi32(static_cast<int32_t>(low));
+        const __m256i span8 = _mm256_set1_epi32(static_cast<int32_t>(span));
+        const __m256i zero = _mm256_setzero_si256(), one = _mm256_set1_epi32(1);
+        const __m512d nan = _mm512_set1_pd(std::numeric_limits<double>::quiet_NaN());
+        auto not_summable8 = [&](__m256i bits) {
+            return static_cast<__mmask8>(_mm256_test_epi32_mask(bits, bits) &
+                                         _mm256_cmpge_epu32_mask(_mm256_sub_epi32(bits, low8), span8));
+        };
+        __mmask8 redone = 0;
+        for (; i + 8 <= attn.size(); i += 8) {
+            const __m256 old = _mm256_loadu_ps(column + i), now = _mm256_loadu_ps(attn.data() + i);
+            _mm256_storeu_ps(column + i, now);
+            const __m256i before = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unsummable + i));
+            __m256i after = _mm256_mask_add_epi32(before, not_summable8(_mm256_castps_si256(now)), before, one);
+            after = _mm256_mask_sub_epi32(after, not_summable8(_mm256_castps_si256(old)), after, one);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(unsummable + i), after);
+            const __m512d updated =
+                _mm512_add_pd(_mm512_sub_pd(_mm512_loadu_pd(running + i), _mm512_cvtps_pd(old)), _mm512_cvtps_pd(now));
+            const __mmask8 clean = _mm256_cmpeq_epi32_mask(_mm256_or_si256(before, after), zero);
+            _mm512_storeu_pd(running + i, _mm512_mask_blend_pd(clean, nan, updated));
+            redone |= static_cast<__mmask8>(_mm256_cmpneq_epi32_mask(before, zero) & _mm256_cmpeq_epi32_mask(after, zero));
+        }
+        any_redone = redone != 0;
+    }
+#endif
+    for (; i < attn.size(); ++i) {
         const float old = column[i], now = attn[i];
         column[i] = now;
         const int32_t before = unsummable[i];
@@ -59,11 +91,11 @@ void SnapKV::observe(std::span<const float> attn) {
         any_redone |= (before != 0) & (after == 0);
     }
     if (any_redone)
-        for (std::size_t i = 0; i < attn.size(); ++i)
-            if (unsummable[i] == 0 && running[i] != running[i]) {  // all summable: any order
+        for (std::size_t j = 0; j < attn.size(); ++j)
+            if (unsummable[j] == 0 && running[j] != running[j]) {  // all summable: any order
                 double sum = 0.0;
-                for (const auto& c : window_) sum += c[i];
-                running[i] = sum;
+                for (const auto& c : window_) sum += c[j];
+                running[j] = sum;
             }
     write_index_ = (write_index_ + 1) % static_cast<int>(window_.size());
 }
