@@ -153,6 +153,33 @@ void select_at_threshold(std::span<const float> row, int32_t threshold, std::siz
     emit_selection(row, positions_at_or_above(row, threshold), threshold, want, out);
 }
 
+// The want-th largest of `keys` (with multiplicity; want <= keys.size()); may reorder keys.
+int32_t kth_largest_of(std::vector<int32_t>& keys, std::size_t want) {
+#if defined(__AVX512F__)
+    if (keys.size() <= 128) {
+        // A key is among the want largest (ties included) exactly when fewer than `want` keys
+        // exceed it, and the least such key is the want-th largest. Counting, for each key, those
+        // above it is a few vector comparisons, with none of a selection's unpredictable branches
+        // (its partitioning was a third of the heavy hitters' time); padding never counts.
+        const std::size_t n = keys.size();
+        keys.resize((n + 15) / 16 * 16, INT32_MIN);
+        int32_t threshold = INT32_MAX;
+        for (std::size_t i = 0; i < n; ++i) {
+            const __m512i key = _mm512_set1_epi32(keys[i]);
+            int above = 0;
+            for (std::size_t j = 0; j < keys.size(); j += 16)
+                above += __builtin_popcount(_mm512_cmpgt_epi32_mask(_mm512_loadu_si512(keys.data() + j), key));
+            if (static_cast<std::size_t>(above) < want) threshold = std::min(threshold, keys[i]);
+        }
+        keys.resize(n);
+        return threshold;
+    }
+#endif
+    std::nth_element(keys.begin(), keys.begin() + static_cast<std::ptrdiff_t>(want - 1), keys.end(),
+                     std::greater<int32_t>());
+    return keys[want - 1];
+}
+
 }  // namespace
 
 void top_k_positions(std::span<const float> row, int k, std::vector<int32_t>& out) {
@@ -173,9 +200,7 @@ void top_k_positions(std::span<const float> row, int k, std::vector<int32_t>& ou
     if (floor_hint > 0 && candidates.size() >= want) {
         keys.resize(candidates.size());
         for (std::size_t i = 0; i < candidates.size(); ++i) keys[i] = rank_key(row[candidates[i]]);
-        std::nth_element(keys.begin(), keys.begin() + static_cast<std::ptrdiff_t>(want - 1), keys.end(),
-                         std::greater<int32_t>());
-        const int32_t threshold = keys[want - 1];
+        const int32_t threshold = kth_largest_of(keys, want);
         emit_selection(row, candidates, threshold, want, out);
         floor_hint = lowered_hint(threshold);
         return;
