@@ -54,10 +54,15 @@ std::string metric_cell(const ResultRecord& r, const std::string& metric) {
                          : metric == "bytes_per_token" ? r.bytes_per_token
                                                        : r.compression_ratio;
         std::snprintf(text, sizeof text, metric == "bytes_per_token" ? "%.1f" : metric == "compression_ratio" ? "%.3f" : "%.6f", v);
-    } else if (metric == "ppl")
-        std::snprintf(text, sizeof text, "%.4f", r.ppl);
-    else if (metric == "delta_ppl")
-        std::snprintf(text, sizeof text, "%+.4f", r.delta_ppl);
+    } else if (metric == "ppl" || metric == "delta_ppl") {
+        // Four decimals where they fit; a huge perplexity (a random-weight model's reaches 1e200)
+        // in six significant digits, where fixed notation overran the cell and was cut short.
+        const bool huge = !(std::fabs(value) < 1e9);
+        if (metric == "ppl")
+            std::snprintf(text, sizeof text, huge ? "%.6g" : "%.4f", value);
+        else
+            std::snprintf(text, sizeof text, huge ? "%+.6g" : "%+.4f", value);
+    }
     else if (metric == "eviction_calls")
         std::snprintf(text, sizeof text, "%lld", static_cast<long long>(r.eviction_calls));
     else

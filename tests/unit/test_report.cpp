@@ -106,3 +106,23 @@ TEST_CASE("per-sequence records: JSON names the sequence, tables get a column pe
     CHECK(csv.find(",3,story-3\n") != std::string::npos);
     CHECK(csv.find(",all,\n") != std::string::npos);
 }
+
+TEST_CASE("perplexity cells: four decimals, and a huge perplexity in six digits rather than cut short") {
+    std::vector<ResultRecord> records;
+    auto add = [&](const std::string& label, double ppl, double delta) {
+        ResultRecord r;
+        r.policy = r.label = label;
+        r.budget = 32;
+        r.budget_label = "32";
+        r.ppl = ppl;
+        r.delta_ppl = delta;
+        records.push_back(r);
+    };
+    add("full", 12.5, 0.0);
+    add("h2o", 3.25e200, 3.25e200 - 12.5);
+    const std::string table = format_table(records, {"ppl", "delta_ppl"}, "");
+    CHECK(table.find("12.5000") != std::string::npos);
+    CHECK(table.find("+0.0000") != std::string::npos);
+    CHECK(table.find("3.25e+200") != std::string::npos);
+    CHECK(table.find("+3.25e+200") != std::string::npos);
+}
