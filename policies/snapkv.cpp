@@ -92,12 +92,16 @@ void SnapKV::observe(std::span<const float> attn) {
     }
     if (any_redone)
         for (std::size_t j = 0; j < attn.size(); ++j)
-            if (unsummable[j] == 0 && running[j] != running[j]) {  // all summable: any order
-                double sum = 0.0;
-                for (const auto& c : window_) sum += c[j];
-                running[j] = sum;
-            }
+            if (unsummable[j] == 0 && running[j] != running[j]) running[j] = ring_order_sum(j);
     write_index_ = (write_index_ + 1) % static_cast<int>(window_.size());
+}
+
+// A slot's window summed in ring-index order from a cleared sum (0.0 + x: -0 included, the
+// reference's bits).
+double SnapKV::ring_order_sum(std::size_t slot) const {
+    double sum = 0.0;
+    for (const auto& column : window_) sum += column[slot];
+    return sum;
 }
 
 // A new token has seen no steps: score 0 until the next one, protected only by the recent window.
@@ -111,15 +115,10 @@ std::span<const double> SnapKV::scores() {
     const std::size_t n = size();
     // The reference sums in ring-index order (not chronological). Where every entry of a slot's
     // window is summable, any order gives those bits, and the running sum is taken; the rest are
-    // summed here in ring order, the first column starting the sum (0.0 + x, the same double as
-    // adding x to a cleared sum, -0 included).
+    // summed here in ring order.
     window_sum_.assign(running_.begin(), running_.begin() + static_cast<std::ptrdiff_t>(n));
     for (std::size_t i = 0; i < n; ++i)
-        if (unsummable_[i] != 0) {
-            double sum = 0.0 + static_cast<double>(window_[0][i]);
-            for (std::size_t k = 1; k < window_.size(); ++k) sum += window_[k][i];
-            window_sum_[i] = sum;
-        }
+        if (unsummable_[i] != 0) window_sum_[i] = ring_order_sum(i);
     // Max-pool over neighbouring cached tokens (adjacent kept entries, not adjacent positions):
     // widen the window one neighbour at a time on each side, whole arrays at once.
     using Array = Eigen::Map<Eigen::ArrayXd>;

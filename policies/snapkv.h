@@ -18,6 +18,7 @@ protected:
     std::size_t state_bytes_per_slot() const override;
 
 private:
+    double ring_order_sum(std::size_t slot) const;
     int pool_radius_;
     // window_[k][slot]: the attention of the k-th entry of a ring of the last obs_window steps,
     // stored column by column so that the per-slot sums vectorise across slots.

@@ -120,10 +120,10 @@ bool sum_four_heads_exactly(std::span<const float* const> rows, const float* int
         const __m512d both = _mm512_add_pd(sum_low, sum_high);
         even = _mm256_add_pd(even, _mm256_add_pd(_mm512_maskz_extractf64x4_pd(0xFF, both, 0), _mm512_maskz_extractf64x4_pd(0xFF, both, 1)));
     }
-#endif
+#else
     if constexpr (by_position) {
-        // Four slots at a time: their four heads' weights transposed (a 4 x 4 block) into one
-        // vector store per head, instead of a scalar store per weight.
+        // Without AVX-512, four slots at a time: their four heads' weights transposed (a 4 x 4
+        // block) into one vector store per head, instead of a scalar store per weight.
         for (; j + 4 <= held; j += 4) {
             __m128 w[4];
             for (int s = 0; s < 4; ++s) {
@@ -145,6 +145,7 @@ bool sum_four_heads_exactly(std::span<const float* const> rows, const float* int
             }
         }
     }
+#endif
     for (; j + 2 <= held; j += 2) {
         add(j, even);
         add(j + 1, odd);
@@ -162,6 +163,14 @@ bool sum_four_heads_exactly(std::span<const float* const> rows, const float* int
     for (int h = 0; h < 4; ++h) retained[h] = total[h];
     return true;
 }
+
+// The same, copying the weights out only where `gathered` is given.
+template <bool by_position>
+bool sum_four_heads_exactly(std::span<const float* const> rows, const float* interleaved, std::span<const int32_t> kept,
+                            float* gathered, double* retained) {
+    return gathered ? sum_four_heads_exactly<by_position, true>(rows, interleaved, kept, gathered, retained)
+                    : sum_four_heads_exactly<by_position, false>(rows, interleaved, kept, nullptr, retained);
+}
 #endif
 
 }  // namespace
@@ -172,9 +181,7 @@ void sum_kept_weights(std::span<const float* const> rows, std::span<const int32_
     bool exactness_tried = false;  // once shown not to hold, the same weights are summed in order
 #if defined(__AVX2__)
     if (interleaved && rows.size() == 4) {
-        if (gathered ? sum_four_heads_exactly<true, true>(rows, interleaved, kept, gathered, retained)
-                     : sum_four_heads_exactly<true, false>(rows, interleaved, kept, nullptr, retained))
-            return;
+        if (sum_four_heads_exactly<true>(rows, interleaved, kept, gathered, retained)) return;
         exactness_tried = true;
     }
 #else
@@ -186,9 +193,7 @@ void sum_kept_weights(std::span<const float* const> rows, std::span<const int32_
         const auto group = rows.subspan(h);
         float* copy = gathered ? gathered + h * held : nullptr;
 #if defined(__AVX2__)
-        if (left >= 4 && !exactness_tried &&
-            (copy ? sum_four_heads_exactly<false, true>(group, nullptr, kept, copy, retained + h)
-                  : sum_four_heads_exactly<false, false>(group, nullptr, kept, nullptr, retained + h))) {
+        if (left >= 4 && !exactness_tried && sum_four_heads_exactly<false>(group, nullptr, kept, copy, retained + h)) {
             h += 4;
             continue;
         }
@@ -389,6 +394,7 @@ void Harness::observe(const GroupStep& s) {
     // What the policy sees, index-aligned with kept_.
     attn_.resize(shown ? held : 0);
     if (!shown) {
+        // A policy that keeps by position is given nothing to read.
     } else if (cached_view) {
         // Each head's weights on the held positions (the current token is last), averaged over
         // the group in head order: the runtime's arithmetic (src/runtime/head_cache.cpp).

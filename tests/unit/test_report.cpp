@@ -75,13 +75,21 @@ TEST_CASE("a record without a budget writes budget null in JSON and an empty cel
     CHECK(csv.find("\nh2o,h2o,,64,64,all,") != std::string::npos);
 }
 
+namespace {
+// A record of `label` at budget 32, its metrics left to the test.
+ResultRecord at_budget_32(const std::string& label) {
+    ResultRecord r;
+    r.policy = r.label = label;
+    r.budget = 32;
+    r.budget_label = "32";
+    return r;
+}
+}  // namespace
+
 TEST_CASE("per-sequence records: JSON names the sequence, tables get a column per sequence") {
     std::vector<ResultRecord> records;
     auto add = [&](const std::string& label, int sequence, double mass) {
-        ResultRecord r;
-        r.policy = r.label = label;
-        r.budget = 32;
-        r.budget_label = "32";
+        ResultRecord r = at_budget_32(label);
         r.retained_mass = mass;
         r.heavy_hitter_recall = mass;
         r.sequence = sequence;
@@ -110,10 +118,7 @@ TEST_CASE("per-sequence records: JSON names the sequence, tables get a column pe
 TEST_CASE("perplexity cells: four decimals, and a huge perplexity in six digits rather than cut short") {
     std::vector<ResultRecord> records;
     auto add = [&](const std::string& label, double ppl, double delta) {
-        ResultRecord r;
-        r.policy = r.label = label;
-        r.budget = 32;
-        r.budget_label = "32";
+        ResultRecord r = at_budget_32(label);
         r.ppl = ppl;
         r.delta_ppl = delta;
         records.push_back(r);
