@@ -16,17 +16,90 @@ using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::Ro
 using StridedRows = Eigen::Map<const RowMatrix, 0, Eigen::OuterStride<>>;
 using ColumnMajorKeys = Eigen::Map<const Eigen::MatrixXf, 0, Eigen::OuterStride<>>;
 
+// kvsim's own kernel for the score products: Eigen 3.4's bits, faster. With AVX-512 and FMA,
+// Eigen multiplies a product's keys (its rows: it computes the transposed product) in panels of
+// 3 x 16 by 4 queries. Each score is one chain of fused multiply-adds over the features in order
+// from zero, then scaled by the factor Eigen takes out of (q * scale): fma(sum, scale, 0). So is
+// every score of a key below the last whole panel of 48 (end_step rounded down), whatever the
+// queries; the last keys go through other paths (two accumulators, or sums across a vector),
+// which Eigen itself still computes here. Eigen packed the keys once per product, four times per
+// KV head and block; the kernel reads a per-layer copy already in panels. Another Eigen, or a
+// build without AVX-512, takes Eigen's products: the tests compare every score's bits.
+#if defined(__AVX512F__) && defined(__FMA__) && EIGEN_VERSION_AT_LEAST(3, 4, 0) && !EIGEN_VERSION_AT_LEAST(3, 4, 90)
+#define KVSIM_SCORE_PANELS 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#if defined(KVSIM_SCORE_PANELS)
+static_assert(Eigen::internal::gebp_traits<float, float>::mr == kScorePanelTokens &&
+              Eigen::internal::gebp_traits<float, float>::nr == 4);
+
+// Queries a group: a kernel step broadcasts eight queries' feature from one 32-byte run.
+constexpr int kQueryGroup = 8;
+
+// Scores of `count` (1 to 8) queries against one panel of 48 keys: out[r * stride + j], from
+// queries packed [feature][8] and the panel [feature][48].
+template <int count>
+void score_panel(const float* queries, const float* panel, int d, __m512 scale, float* out, int64_t stride) {
+    __m512 sum[count][3];
+    for (int r = 0; r < count; ++r) sum[r][0] = sum[r][1] = sum[r][2] = _mm512_setzero_ps();
+    for (int f = 0; f < d; ++f) {
+        const __m512 k0 = _mm512_loadu_ps(panel + f * 48), k1 = _mm512_loadu_ps(panel + f * 48 + 16),
+                     k2 = _mm512_loadu_ps(panel + f * 48 + 32);
+        for (int r = 0; r < count; ++r) {
+            const __m512 q = _mm512_set1_ps(queries[f * kQueryGroup + r]);
+            sum[r][0] = _mm512_fmadd_ps(k0, q, sum[r][0]);
+            sum[r][1] = _mm512_fmadd_ps(k1, q, sum[r][1]);
+            sum[r][2] = _mm512_fmadd_ps(k2, q, sum[r][2]);
+        }
+    }
+    const __m512 zero = _mm512_setzero_ps();
+    for (int r = 0; r < count; ++r)
+        for (int c = 0; c < 3; ++c) _mm512_storeu_ps(out + r * stride + 16 * c, _mm512_fmadd_ps(sum[r][c], scale, zero));
+}
+
+using PanelKernel = void (*)(const float*, const float*, int, __m512, float*, int64_t);
+constexpr PanelKernel kPanelKernels[kQueryGroup + 1] = {nullptr,           score_panel<1>, score_panel<2>,
+                                                        score_panel<3>,    score_panel<4>, score_panel<5>,
+                                                        score_panel<6>,    score_panel<7>, score_panel<8>};
+#endif
+
+}  // namespace
+
+bool score_panels_serve(int head_dim) {
+#if defined(KVSIM_SCORE_PANELS)
+    // Each score is one chain where Eigen takes all the features in one sweep: its depth blocking
+    // (from the L1 size it finds, about 300 features with AVX-512 at the least) leaves them whole.
+    Eigen::Index depth = head_dim, keys = 4096, queries = 64;
+    Eigen::internal::computeProductBlockingSizes<float, float, 1, Eigen::Index>(depth, keys, queries, 1);
+    return head_dim >= 1 && depth == head_dim;
+#else
+    (void)head_dim;
+    return false;
+#endif
+}
+
 void keys_by_feature(const QkvLayer& layer, const QkvShape& shape, KeysByFeature& out) {
     const int hkv = shape.num_kv_heads, d = shape.head_dim;
     const int64_t tokens = static_cast<int64_t>(layer.k.size()) / (static_cast<int64_t>(hkv) * d);
     out.tokens = tokens;
-    out.values.resize(layer.k.size());
-    // Tiles of 64 tokens: a tile's rows of K and its columns of the copy stay in cache.
-    constexpr int64_t kTile = 64;
-    const int64_t tiles = (tokens + kTile - 1) / kTile;
+    out.panels = score_panels_serve(d);
+    // Tiles of 48 or 64 tokens: a tile's rows of K and its columns of the copy stay in cache.
+    const int64_t tile = out.panels ? kScorePanelTokens : 64;
+    const int64_t tiles = (tokens + tile - 1) / tile;
+    out.values.resize(out.panels ? static_cast<std::size_t>(hkv) * tiles * tile * d : layer.k.size());
     tbb::parallel_for(int64_t{0}, hkv * tiles, [&](int64_t job) {
         const int g = static_cast<int>(job / tiles);
-        const int64_t from = job % tiles * kTile, to = std::min(tokens, from + kTile);
+        const int64_t from = job % tiles * tile, to = std::min(tokens, from + tile);
+        if (out.panels) {  // [kv head][panel][feature][48]: one panel a job, zeros past the last token
+            float* panel = out.values.data() + job * tile * d;
+            for (int i = 0; i < d; ++i)
+                for (int64_t j = from; j < from + tile; ++j)
+                    panel[i * tile + j - from] = j < to ? layer.k[(j * hkv + g) * d + i] : 0.0f;
+            return;
+        }
         float* head = out.values.data() + static_cast<int64_t>(g) * d * tokens;
         for (int i = 0; i < d; ++i)  // a run of the tile's tokens per feature: whole cache lines written
             for (int64_t j = from; j < to; ++j) head[i * tokens + j] = layer.k[(j * hkv + g) * d + i];
@@ -39,6 +112,46 @@ void attention_from_qkv(const QkvLayer& layer, const QkvShape& shape, int64_t fi
     keys_by_feature(layer, shape, keys);
     attention_from_qkv(layer, keys, shape, first_step, end_step, block, where);
 }
+
+#if defined(KVSIM_SCORE_PANELS)
+namespace {
+
+// Scores of one query head's block rows against keys [0, panel_keys) of KV head g, into
+// scores[row * end_step + key]: only where a row's step reaches (causal), panel by panel so that
+// each panel of keys stays in cache while every row that needs it passes.
+void panel_scores(const StridedRows& q, const KeysByFeature& keys, int g, int d, int64_t first_step, int64_t end_step,
+                  int64_t panel_keys, float scale, float* scores) {
+    const int64_t rows = q.rows();
+    const int64_t groups = (rows + kQueryGroup - 1) / kQueryGroup;
+    // The block's queries by group of eight, [group][feature][8], zero past the last row.
+    thread_local std::vector<float, Eigen::aligned_allocator<float>> packed;
+    packed.resize(static_cast<std::size_t>(groups) * kQueryGroup * d);
+    for (int64_t group = 0; group < groups; ++group) {
+        float* to = packed.data() + group * kQueryGroup * d;
+        for (int r = 0; r < kQueryGroup; ++r) {
+            const int64_t row = group * kQueryGroup + r;
+            for (int f = 0; f < d; ++f) to[f * kQueryGroup + r] = row < rows ? q(row, f) : 0.0f;
+        }
+    }
+    const int64_t panels_of_head = (keys.tokens + kScorePanelTokens - 1) / kScorePanelTokens;
+    const float* head_panels = keys.values.data() + static_cast<int64_t>(g) * panels_of_head * kScorePanelTokens * d;
+    const __m512 scale_vector = _mm512_set1_ps(scale);
+    for (int64_t p = 0; p < panel_keys / kScorePanelTokens; ++p) {
+        const int64_t first_key = p * kScorePanelTokens;
+        // Rows whose step comes before the panel need none of it; rows are in step order.
+        const int64_t first_row = std::max<int64_t>(0, first_key - first_step);
+        for (int64_t group = first_row / kQueryGroup; group < groups; ++group) {
+            const int64_t row = group * kQueryGroup;
+            const int count = static_cast<int>(std::min<int64_t>(kQueryGroup, rows - row));
+            kPanelKernels[count](packed.data() + group * kQueryGroup * d,
+                                 head_panels + p * kScorePanelTokens * d, d, scale_vector,
+                                 scores + row * end_step + first_key, end_step);
+        }
+    }
+}
+
+}  // namespace
+#endif
 
 void attention_from_qkv(const QkvLayer& layer, const KeysByFeature& keys, const QkvShape& shape, int64_t first_step,
                         int64_t end_step, AttentionBlock& block, const std::string& where, const RowVisitor* visit) {
@@ -65,7 +178,27 @@ void attention_from_qkv(const QkvLayer& layer, const KeysByFeature& keys, const 
         thread_local std::vector<float, Eigen::aligned_allocator<float>> score_storage;
         if (score_storage.size() < static_cast<std::size_t>(rows * end_step)) score_storage.resize(rows * end_step);
         Eigen::Map<RowMatrix, Eigen::AlignedMax> scores(score_storage.data(), rows, end_step);
-        if (rows > 1) {
+        const int64_t panel_keys = keys.panels && rows > 1 ? end_step / kScorePanelTokens * kScorePanelTokens : 0;
+        if (panel_keys > 0) {
+#if defined(KVSIM_SCORE_PANELS)
+            panel_scores(q, keys, g, d, first_step, end_step, panel_keys, scale, scores.data());
+#endif
+            // The last keys (fewer than 48) by Eigen, from the trace's token-major keys (Eigen packs
+            // either layout into the same values). A product of one key would be a matrix-vector
+            // product, with other arithmetic: then the whole panel before it is taken again.
+            if (end_step > panel_keys) {
+                const int64_t from = end_step - panel_keys >= 2 ? panel_keys : panel_keys - kScorePanelTokens;
+                const StridedRows k(layer.k.data() + (from * hkv + g) * d, end_step - from, d,
+                                    Eigen::OuterStride<>(static_cast<int64_t>(hkv) * d));
+                Eigen::Map<RowMatrix, 0, Eigen::OuterStride<>> tail(scores.data() + from, rows, end_step - from,
+                                                                     Eigen::OuterStride<>(end_step));
+                tail.noalias() = (q * scale) * k.transpose();
+            }
+        } else if (rows > 1 && keys.panels) {
+            const StridedRows k(layer.k.data() + static_cast<int64_t>(g) * d, end_step, d,
+                                Eigen::OuterStride<>(static_cast<int64_t>(hkv) * d));
+            scores.noalias() = (q * scale) * k.transpose();
+        } else if (rows > 1) {
             // Its keys for positions 0..end-1 as a column-major matrix: Eigen packs them with
             // straight copies (from token-major rows it gathered a third of the products' time).
             // The packed values, and so every score's bits, are the same.

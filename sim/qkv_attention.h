@@ -18,12 +18,18 @@ struct QkvShape {
     int head_dim = 1;
 };
 
-// Each KV head's keys feature by feature, [kv head][feature][token]: a column-major copy of
-// its keys, the layout the score products read fastest. Built once per layer.
+// Each KV head's keys feature by feature, built once per layer in the layout the score products
+// read fastest. Where kvsim's own score kernel serves (AVX-512 builds, head_dim <= 128; see
+// qkv_attention.cpp) that is panels of 48 tokens, [kv head][panel][feature][48], the last panel
+// zero-padded; elsewhere a column-major copy of the keys, [kv head][feature][token].
 struct KeysByFeature {
     int64_t tokens = 0;
+    bool panels = false;
     std::vector<float> values;
 };
+// Whether keys_by_feature builds panels for this head size (so the score kernel serves).
+bool score_panels_serve(int head_dim);
+inline constexpr int kScorePanelTokens = 48;
 void keys_by_feature(const QkvLayer& layer, const QkvShape& shape, KeysByFeature& out);
 
 // Rows of steps [first_step, end_step) of every query head, from one layer's Q and K: row t is

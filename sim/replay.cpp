@@ -140,7 +140,9 @@ private:
             uint64_t shared = mul(block, sizeof(float));
             if (qkv_) {
                 const uint64_t d = static_cast<uint64_t>(head_dim_);
-                const uint64_t layer_floats = mul(length, mul(heads + 3 * kv, d));  // and keys by feature
+                // Q, K, V and the keys by feature (in panels, up to 47 tokens of padding a KV head)
+                const uint64_t layer_floats =
+                    add(mul(length, mul(heads + 3 * kv, d)), mul(kv, mul(kScorePanelTokens - 1, d)));
                 shared = add(shared, mul(layer_floats, sizeof(float)));
                 shared = add(shared, mul(mul(heads, add(mul(2, per_head), rows)), sizeof(float)));  // score products
                 if (values) {
