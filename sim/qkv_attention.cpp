@@ -261,12 +261,38 @@ const QkvLayer& QkvSource::layer_data(int sequence, int layer) {
     if (sequence != loaded_sequence_ || layer != loaded_layer_) {
         loaded_sequence_ = loaded_layer_ = -1;  // what loaded_ holds until the load succeeds
         keys_current_ = false;
-        load_layer(sequence, layer, loaded_);
+        if (prefetching_ && prefetch_sequence_ == sequence && prefetch_layer_ == layer) {
+            prefetching_ = false;
+            loading_->wait();  // throws the load's own error, if it failed
+            std::swap(loaded_, prefetched_);
+        } else {
+            drop_prefetch();
+            load_layer(sequence, layer, loaded_);
+        }
         loaded_sequence_ = sequence;
         loaded_layer_ = layer;
     }
     return loaded_;
 }
+
+void QkvSource::prefetch(int sequence, int layer) {
+    if (prefetching_ || (sequence == loaded_sequence_ && layer == loaded_layer_)) return;
+    prefetch_sequence_ = sequence;
+    prefetch_layer_ = layer;
+    prefetching_ = true;
+    loading_->run([this, sequence, layer] { load_layer(sequence, layer, prefetched_); });
+}
+
+void QkvSource::drop_prefetch() {
+    if (!prefetching_) return;
+    prefetching_ = false;
+    try {
+        loading_->wait();
+    } catch (...) {  // nothing asked for that layer: its error goes with it
+    }
+}
+
+QkvSource::~QkvSource() { drop_prefetch(); }
 
 void QkvSource::read_block(int sequence, int layer, int64_t first_step, int64_t end_step, AttentionBlock& block) {
     read_block(sequence, layer, first_step, end_step, block, nullptr);
@@ -295,6 +321,7 @@ public:
         qkv_ = {shape_.num_query_heads, shape_.num_kv_heads,
                 checked_narrow<int>(reader_->metadata().head_dim, reader_->path() + ": root attribute 'head_dim'")};
     }
+    ~QkvFileSource() override { drop_prefetch(); }  // before the reader a load may still use goes
     std::string description() const override { return reader_->path(); }
 
 protected:

@@ -7,6 +7,8 @@
 #include <span>
 #include <string>
 
+#include <tbb/task_group.h>
+
 #include "sim/attention_source.h"
 #include "sim/trace_store.h"
 
@@ -67,6 +69,16 @@ public:
     const QkvShape& qkv_shape() const { return qkv_; }
     // Q/K/V of one (sequence, layer): what eval-free replays and output metrics read.
     const QkvLayer& layer_data(int sequence, int layer);
+    // Starts loading (sequence, layer) as a task beside the caller's work on the layer held
+    // now, into a second layer's memory: layer_data() takes it when it is asked for (and throws
+    // the load's error then, as a load in place would). One load at a time. While it runs, the
+    // caller must not ask for another layer's data nor read the trace: HDF5 (a serial build) is
+    // then the load's alone.
+    void prefetch(int sequence, int layer);
+    // Waits for a load prefetch() started, and drops it with its error: what a replay that
+    // throws does, so that no load outlives it.
+    void drop_prefetch();
+    ~QkvSource() override;
 
 protected:
     // Loads a layer into `data`, which holds the previous one: its buffers may be reused.
@@ -77,6 +89,13 @@ protected:
 private:
     int loaded_sequence_ = -1, loaded_layer_ = -1;
     QkvLayer loaded_;
+    // A prefetch's load runs as a task among the replay's own (another thread beside them would
+    // take a core from a parallel loop whose other threads then wait at its end).
+    // (Held by pointer: a task_group's own destructor may throw, which a source's may not.)
+    std::unique_ptr<tbb::task_group> loading_ = std::make_unique<tbb::task_group>();
+    bool prefetching_ = false;  // a load was started and not yet waited for
+    int prefetch_sequence_ = -1, prefetch_layer_ = -1;
+    QkvLayer prefetched_;
     KeysByFeature keys_;
     bool keys_current_ = false;  // keys_ is built from loaded_ (reset when a layer loads)
 };

@@ -4,6 +4,8 @@
 #include <tbb/task_arena.h>
 
 #include <algorithm>
+#include <exception>
+#include <optional>
 
 #if defined(__SSE2__)
 #include <immintrin.h>
@@ -79,24 +81,40 @@ public:
         for (int layer : layers)
             if (layer < 0 || layer >= shape_.num_layers)
                 throw std::logic_error("replay: layer " + std::to_string(layer) + " out of range");
-        check_memory_plan();
+        prefetch_fits_ = check_memory_plan();
         const std::size_t sequences = shape_.sequence_lengths.size();
         std::vector<ComboResult> results(combos_.size());
         for (auto& r : results) r.by_stream.resize(sequences * shape_.num_layers * kv_heads_);
         for (int64_t last : shape_.last_steps) total_steps_ += last * static_cast<int64_t>(layers.size());
 
+        // The (sequence, layer) pairs in the order they are replayed: each one's load is started
+        // (prefetch_fits_) while the one before replays.
+        std::vector<std::pair<int, int>> order;
         for (std::size_t s = 0; s < sequences; ++s)
-            for (int layer : layers) {
-                std::vector<Harness> harnesses = make_harnesses(static_cast<int>(s), layer);
-                if (options_.output_error || options_.memory) attach_values(static_cast<int>(s), layer, harnesses);
-                replay_layer(static_cast<int>(s), layer, harnesses);
-                for (int kv = 0; kv < kv_heads_; ++kv)
-                    for (std::size_t c = 0; c < combos_.size(); ++c) {
-                        const Harness& harness = harnesses[kv * combos_.size() + c];
-                        results[c].by_stream[(s * shape_.num_layers + layer) * kv_heads_ + kv] = harness.metrics();
-                        results[c].policy_bytes_per_slot = harness.policy().bytes_per_slot();
-                    }
+            for (int layer : layers) order.emplace_back(static_cast<int>(s), layer);
+        if (options_.next_layer >= 0 && options_.next_layer < shape_.num_layers) order.emplace_back(0, options_.next_layer);
+        const std::size_t replayed = order.size() - (options_.next_layer >= 0 && options_.next_layer < shape_.num_layers);
+        // No load outlives a replay that throws; one for the caller's next replay outlives one that returns.
+        struct DropPrefetch {
+            QkvSource* source;
+            const int uncaught = std::uncaught_exceptions();
+            ~DropPrefetch() {
+                if (source && std::uncaught_exceptions() > uncaught) source->drop_prefetch();
             }
+        } drop_prefetch{qkv_};
+        for (std::size_t at = 0; at < replayed; ++at) {
+            const auto [s, layer] = order[at];
+            next_ = at + 1 < order.size() && prefetch_fits_ ? std::optional(order[at + 1]) : std::nullopt;
+            std::vector<Harness> harnesses = make_harnesses(s, layer);
+            if (options_.output_error || options_.memory) attach_values(s, layer, harnesses);
+            replay_layer(s, layer, harnesses);
+            for (int kv = 0; kv < kv_heads_; ++kv)
+                for (std::size_t c = 0; c < combos_.size(); ++c) {
+                    const Harness& harness = harnesses[kv * combos_.size() + c];
+                    results[c].by_stream[(static_cast<std::size_t>(s) * shape_.num_layers + layer) * kv_heads_ + kv] = harness.metrics();
+                    results[c].policy_bytes_per_slot = harness.policy().bytes_per_slot();
+                }
+        }
         for (auto& r : results) sum_streams(r, sequences, shape_.num_layers, kv_heads_);
         return results;
     }
@@ -111,7 +129,10 @@ private:
     // sequence and layer before the first step: input that implies more than the memory limit is
     // one InputError naming the trace and the sequence (or the policy parameter that sizes it),
     // not an out-of-memory kill half-way through. Thread-independent, so is the verdict.
-    void check_memory_plan() const {
+    // Returns whether a second layer's Q/K/V fits beside the plan's largest (sequence, layer):
+    // then each layer's load runs while the one before replays.
+    bool check_memory_plan() const {
+        uint64_t most = 0, second_layer = 0;
         const uint64_t heads = static_cast<uint64_t>(query_heads_), kv = static_cast<uint64_t>(kv_heads_);
         const uint64_t per_head_wanted = static_cast<uint64_t>(block_floats_per_head());
         const bool values = options_.output_error || options_.memory;
@@ -128,6 +149,8 @@ private:
             auto add = [&](uint64_t a, uint64_t b) { return checked_add(a, b, what); };
             const uint64_t length = static_cast<uint64_t>(shape_.sequence_lengths[s]);
             const uint64_t last = static_cast<uint64_t>(std::max<int64_t>(shape_.last_steps[s], 1));
+            if (qkv_)
+                second_layer = std::max(second_layer, mul(mul(length, mul(heads + 2 * kv, head_dim_)), sizeof(float)));
             // A block holds at most the floats asked for, or one row where a row is longer; its rows
             // r and last step e satisfy r * (e - 1) <= 2 * floats, which bounds the heavy hitters.
             const uint64_t per_head = std::max(per_head_wanted, last);
@@ -170,11 +193,13 @@ private:
                 check_memory(total, what + ", layer " + std::to_string(layer) + ": replaying " +
                                         std::to_string(combos_.size()) + " configurations over " +
                                         std::to_string(kv_heads_) + " KV heads");
+                most = std::max(most, total);
                 if (std::all_of(combos_.begin(), combos_.end(),
                                 [](const ReplayCombo& c) { return c.layer_budgets.empty() && c.head_budgets.empty(); }))
                     break;  // every layer plans alike
             }
         }
+        return qkv_ && second_layer <= memory_limit_bytes() && most <= memory_limit_bytes() - second_layer;
     }
 
     // What a policy of combination c may know where it runs.
@@ -268,6 +293,11 @@ private:
             } else {
                 source_.read_block(s, layer, first, end, block_);
                 heavy_hitters_of_block(first, end);
+            }
+            // The layer is loaded (its first block is read): the next one's load may start beside it.
+            if (qkv_ && next_) {
+                qkv_->prefetch(next_->first, next_->second);
+                next_.reset();
             }
             recorded_self_ = !block_.self_weight.empty();
             if (!raw_view_ && !recorded_self_) self_weight_from_row_sums(block_);
@@ -481,6 +511,10 @@ private:
     int head_dim_ = 0;
     int64_t total_steps_ = 0, steps_done_ = 0;
     std::vector<Job> jobs_;
+    // Whether memory allows a second layer's Q/K/V (check_memory_plan), and the (sequence, layer)
+    // to load beside the one replaying, until its load starts.
+    bool prefetch_fits_ = false;
+    std::optional<std::pair<int, int>> next_;
 
     AttentionBlock block_;
     int block_k_ = 0;  // heavy hitters per row in this block: k, or fewer where rows are shorter

@@ -108,6 +108,10 @@ struct ReplayOptions {
     // The layers replayed, in order (empty: every layer). A shard of a sweep replays some layers of
     // some combinations; its per-stream metrics are summed with the others' afterwards.
     std::vector<int> layers;
+    // The layer the caller replays next on the same Q/K/V source, from its first sequence, or -1:
+    // its load starts while this replay's last layer runs (memory allowing) and is taken by the
+    // next replay. Until then the caller must not read the source's file.
+    int next_layer = -1;
 };
 
 struct ComboResult {

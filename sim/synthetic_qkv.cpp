@@ -58,6 +58,7 @@ public:
         shape_.last_steps = {last_replayed_step(spec.tokens, max_steps)};
         qkv_ = {spec.num_query_heads, spec.num_kv_heads, spec.head_dim};
     }
+    ~SyntheticQkvSource() override { drop_prefetch(); }  // before the spec a load may still use goes
     std::string description() const override { return "synthetic-qkv/" + spec_.name + " (generated in-process)"; }
 
 protected:

@@ -153,11 +153,14 @@ void Experiment::run_units(const std::vector<std::size_t>& units, bool show_prog
     std::size_t layers_done = 0;
     const std::size_t sequences = frame_.sequence_lengths.size();
     const auto kv_heads = static_cast<std::size_t>(frame_.num_kv_heads);
-    for (const auto& [layer, layer_units] : by_layer) {
+    for (auto it = by_layer.begin(); it != by_layer.end(); ++it) {
+        const auto& [layer, layer_units] = *it;
         std::vector<ReplayCombo> combos;
         for (std::size_t u : layer_units) combos.push_back(combos_[all[u].cell]);
         ReplayOptions options = options_;
         options.layers = {layer};
+        // The next layer's Q/K/V loads while this one replays (nothing here reads the trace between).
+        if (std::next(it) != by_layer.end()) options.next_layer = std::next(it)->first;
         options.progress = [&, layers = by_layer.size()](double fraction) {
             bar.update((static_cast<double>(layers_done) + fraction) / static_cast<double>(layers));
         };

@@ -54,6 +54,50 @@ TEST_CASE("the starting points of the hostile traces are valid and replay") {
     CHECK(replay_error(hostile("valid-attention")) == "");
 }
 
+TEST_CASE("a layer loaded beside the work on another is the layer asked for, and its error comes when it is used") {
+    // A replay starts each layer's load while the one before replays (QkvSource::prefetch).
+    const std::string valid = hostile("valid-qkv");
+    TraceReader reader(valid);
+    auto source = open_trace_source(valid, 0);
+    auto& qkv = dynamic_cast<QkvSource&>(*source);
+    auto same = [](const QkvLayer& a, const QkvLayer& b) { return a.q == b.q && a.k == b.k && a.v == b.v; };
+    const QkvLayer first = reader.read_qkv(0, 0), second = reader.read_qkv(0, 1);
+    CHECK(same(qkv.layer_data(0, 0), first));
+    qkv.prefetch(0, 1);
+    CHECK(same(qkv.layer_data(0, 0), first));  // the layer held is still there while the next loads
+    CHECK(same(qkv.layer_data(0, 1), second));
+    qkv.prefetch(0, 0);
+    CHECK(same(qkv.layer_data(0, 1), second));
+    CHECK(same(qkv.layer_data(0, 0), first));  // taken from the load
+    qkv.prefetch(0, 1);
+    qkv.drop_prefetch();
+    CHECK(same(qkv.layer_data(0, 1), second));  // loaded again in place
+
+    // A NaN in layer 1's K: starting its load is quiet; asking for the layer throws the reader's
+    // own error, and the layer is not taken as loaded.
+    const std::string nan = hostile("qkv-nan");
+    auto bad = open_trace_source(nan, 0);
+    auto& bad_qkv = dynamic_cast<QkvSource&>(*bad);
+    bad_qkv.layer_data(0, 0);
+    CHECK_NOTHROW(bad_qkv.prefetch(0, 1));
+    for (int attempt = 0; attempt < 2; ++attempt) {  // taken from the load, then loaded in place
+        std::string error;
+        try {
+            bad_qkv.layer_data(0, 1);
+        } catch (const InputError& e) {
+            error = e.what();
+        }
+        CHECK(contains(error, nan + ": dataset '/sequences/000000/qkv/layer_001/k': element 1000 "));
+    }
+    // A load nobody asks for is dropped with its error, and the source can be destroyed while
+    // one runs.
+    bad_qkv.prefetch(0, 1);
+    CHECK_NOTHROW(bad_qkv.drop_prefetch());
+    CHECK(same(bad_qkv.layer_data(0, 0), TraceReader(nan).read_qkv(0, 0)));
+    bad_qkv.prefetch(0, 1);
+    CHECK_NOTHROW(bad.reset());
+}
+
 TEST_CASE("one NaN or Inf in Q, K or V is refused as it is read, naming the file, the dataset and the element") {
     const std::string nan = hostile("qkv-nan");
     const std::string error = replay_error(nan);
