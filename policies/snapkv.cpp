@@ -115,21 +115,45 @@ std::span<const double> SnapKV::scores() {
     const std::size_t n = size();
     // The reference sums in ring-index order (not chronological). Where every entry of a slot's
     // window is summable, any order gives those bits, and the running sum is taken; the rest are
-    // summed here in ring order.
-    window_sum_.assign(running_.begin(), running_.begin() + static_cast<std::ptrdiff_t>(n));
-    for (std::size_t i = 0; i < n; ++i)
-        if (unsummable_[i] != 0) window_sum_[i] = ring_order_sum(i);
-    // Max-pool over neighbouring cached tokens (adjacent kept entries, not adjacent positions):
-    // widen the window one neighbour at a time on each side, whole arrays at once.
-    using Array = Eigen::Map<Eigen::ArrayXd>;
-    pooled_ = window_sum_;
-    Array pooled(pooled_.data(), static_cast<Eigen::Index>(n));
-    const Array sums(window_sum_.data(), static_cast<Eigen::Index>(n));
-    for (Eigen::Index d = 1; d <= pool_radius_ && d < static_cast<Eigen::Index>(n); ++d) {
-        const Eigen::Index m = static_cast<Eigen::Index>(n) - d;
-        pooled.head(m) = pooled.head(m).max(sums.tail(m));
-        pooled.tail(m) = pooled.tail(m).max(sums.head(m));
+    // summed here in ring order (copied only where there are any).
+    const double* sums = running_.data();
+    int32_t unsummable = 0;
+    for (std::size_t i = 0; i < n; ++i) unsummable |= unsummable_[i];
+    if (unsummable != 0) {
+        window_sum_.assign(running_.begin(), running_.begin() + static_cast<std::ptrdiff_t>(n));
+        for (std::size_t i = 0; i < n; ++i)
+            if (unsummable_[i] != 0) window_sum_[i] = ring_order_sum(i);
+        sums = window_sum_.data();
     }
+    // Max-pool over neighbouring cached tokens (adjacent kept entries, not adjacent positions):
+    // each slot's sum against its neighbours at distance 1, 2, ..., the one after before the one
+    // before, in one pass. std::max's rule (the first unless the second is larger) makes NaN and
+    // signed zeros come out as they did from whole-array passes in that order.
+    pooled_.resize(n);
+    double* pooled = pooled_.data();
+    const std::size_t radius = static_cast<std::size_t>(pool_radius_);
+    auto pool_at = [&](std::size_t i) {
+        double best = sums[i];
+        for (std::size_t d = 1; d <= radius && d < n; ++d) {
+            if (i + d < n) best = std::max(best, sums[i + d]);
+            if (i >= d) best = std::max(best, sums[i - d]);
+        }
+        return best;
+    };
+    std::size_t i = 0;
+    for (; i < std::min(radius, n); ++i) pooled[i] = pool_at(i);
+#if defined(__AVX512F__)
+    // Slots with every neighbour present, eight at a time: max_pd(b, a) is std::max(a, b).
+    for (; i + 8 + radius <= n; i += 8) {
+        __m512d best = _mm512_loadu_pd(sums + i);
+        for (std::size_t d = 1; d <= radius; ++d) {
+            best = _mm512_max_pd(_mm512_loadu_pd(sums + i + d), best);
+            best = _mm512_max_pd(_mm512_loadu_pd(sums + i - d), best);
+        }
+        _mm512_storeu_pd(pooled + i, best);
+    }
+#endif
+    for (; i < n; ++i) pooled[i] = pool_at(i);
     return pooled_;
 }
 
