@@ -286,12 +286,19 @@ TEST_CASE("SnapKV's running window sums give the bits of summing every window in
     // mixed with ones that do not: tiny, denormal, -0, 2 and above, so that slots go in and out of
     // the running sums as their windows turn over. A running sum kept where it is not exact
     // changes the scores' bits within a few steps.
+    // With recent slots favoured, the victims are old slots as well as new ones, so that a batch
+    // of victims falls among (and past) those evicted before it. With summable weights only, no
+    // slot's window is summed in ring order, so no step brings every column up to date: each
+    // column takes a window's evictions at once (SnapKV::catch_up).
+    for (int mode : {0, 1, 2})
     for (int obs_window : {1, 3, 16, 40}) {
+        const bool favour_recent = mode > 0, summable_only = mode == 2;
         uint64_t state = 99 + static_cast<uint64_t>(obs_window);
         auto next = [&] { return (state = state * 6364136223846793005ull + 1442695040888963407ull) >> 33; };
         auto weight = [&]() -> float {
             const uint64_t kind = next() % 100;
             const float unit = static_cast<float>(next() % 1000000) / 1000000.0f;
+            if (summable_only) return 0.001f + unit * 0.01f;
             if (kind < 70) return unit * 0.01f;            // mostly summable
             if (kind < 80) return unit * 1e-9f;             // below 2^-25
             if (kind < 85) return 0.0f;
@@ -309,13 +316,20 @@ TEST_CASE("SnapKV's running window sums give the bits of summing every window in
         HeldScores out;
         for (int32_t t = 1; t < 150; ++t) {
             attn.resize(held.size());
-            for (float& w : attn) w = weight();
+            for (std::size_t i = 0; i < attn.size(); ++i)
+                attn[i] = weight() * (favour_recent ? static_cast<float>(i + 1) / static_cast<float>(attn.size()) : 1.0f);
             policy.on_decode_step(t, attn);
             plain.step(attn);
             held.push_back(t);
-            if (held.size() > static_cast<std::size_t>(budget)) {
+            // Every tenth step several slots go at once (SnapKV defers each column's evictions
+            // to when it is read, renumbering later batches past earlier ones).
+            const bool several = t % 10 == 0;
+            if (held.size() > static_cast<std::size_t>(budget) || several) {
                 victims.clear();
-                policy.evict(budget, victims);
+                if (several)
+                    policy.evict_to(budget - 6, victims);
+                else
+                    policy.evict(budget, victims);
                 std::vector<std::size_t> slots;
                 for (int32_t v : victims)
                     slots.push_back(static_cast<std::size_t>(std::lower_bound(held.begin(), held.end(), v) - held.begin()));
@@ -326,6 +340,7 @@ TEST_CASE("SnapKV's running window sums give the bits of summing every window in
             const std::vector<double> expected = plain.scores();
             REQUIRE(out.score.size() == expected.size());
             for (std::size_t i = 0; i < expected.size(); ++i) {
+                CAPTURE(mode);
                 CAPTURE(obs_window);
                 CAPTURE(t);
                 CAPTURE(i);
