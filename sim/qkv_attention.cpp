@@ -5,7 +5,12 @@
 #include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "base/errors.h"
 #include "base/size_limits.h"
@@ -112,6 +117,36 @@ void attention_from_qkv(const QkvLayer& layer, const QkvShape& shape, int64_t fi
     keys_by_feature(layer, shape, keys);
     attention_from_qkv(layer, keys, shape, first_step, end_step, block, where);
 }
+
+namespace {
+
+// The largest of a row's n scores, or NaN where one is not finite (for finite x, x - x is 0;
+// otherwise NaN): the overflow check and the softmax's peak in one pass. The maximum of finite
+// numbers is the same in any order (but for the sign of a zero peak, which no x - peak shows).
+float finite_peak(const float* x, int64_t n) {
+#if defined(__AVX512F__)
+    __m512 peak = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    __mmask16 not_finite = 0;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i), zero_if_finite = _mm512_sub_ps(v, v);
+        peak = _mm512_max_ps(peak, v);
+        not_finite |= _mm512_cmp_ps_mask(zero_if_finite, zero_if_finite, _CMP_UNORD_Q);
+    }
+    if (i < n) {
+        const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
+        const __m512 v = _mm512_mask_loadu_ps(peak, tail, x + i), zero_if_finite = _mm512_sub_ps(v, v);
+        peak = _mm512_max_ps(peak, v);
+        not_finite |= _mm512_mask_cmp_ps_mask(tail, zero_if_finite, zero_if_finite, _CMP_UNORD_Q);
+    }
+    return not_finite ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(peak);
+#else
+    const auto row = Eigen::Map<const Eigen::ArrayXf>(x, n);
+    return (row - row).sum() == 0.0f ? row.maxCoeff() : std::numeric_limits<float>::quiet_NaN();
+#endif
+}
+
+}  // namespace
 
 #if defined(KVSIM_SCORE_PANELS)
 namespace {
@@ -221,13 +256,12 @@ void attention_from_qkv(const QkvLayer& layer, const KeysByFeature& keys, const 
             const int64_t t = first_step + i;
             auto row = scores.row(i).head(t + 1).array();  // causal: positions 0..t
             // Finite Q and K (the reader checks them) can still overflow q.k to +-Inf, and the
-            // softmax would turn that into NaN. x - x is 0 exactly for every finite x and NaN
-            // otherwise: one vectorised pass, cheap beside the head_dim-long products behind it.
-            if (!((row - row).sum() == 0.0f)) {
+            // softmax would turn that into NaN: checked in the pass that finds the peak.
+            const float peak = finite_peak(row.data(), t + 1);
+            if (std::isnan(peak)) {
                 overflow[h] = t;
                 return;
             }
-            const float peak = row.maxCoeff();
             row = (row - peak).exp();
             const float inv_total = 1.0f / row.sum();
             Eigen::Map<Eigen::ArrayXf>(out, t) = row.head(t) * inv_total;

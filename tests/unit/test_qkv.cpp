@@ -155,6 +155,34 @@ TEST_CASE("scores from keys stored by feature have the bits of scores from the t
     }
 }
 
+TEST_CASE("a logit that overflows is found wherever it falls in a row") {
+    // The check runs sixteen scores at a time, then the row's last few: an infinite logit in
+    // either part, in a row of 41 or of 100, names its step.
+    for (int64_t t : {40, 99})
+        for (int64_t key : {int64_t{3}, int64_t{20}, t - 1, t}) {
+            CAPTURE(t);
+            CAPTURE(key);
+            const int d = 8;
+            QkvLayer layer;
+            NormalStream normal(3);
+            layer.q.resize(120 * d);
+            layer.k.resize(120 * d);
+            for (float& x : layer.q) x = static_cast<float>(normal.next());
+            for (float& x : layer.k) x = static_cast<float>(normal.next());
+            // q_t . k_key = 8e38, past float's largest (3.4e38)
+            for (int i = 0; i < d; ++i) layer.q[t * d + i] = layer.k[key * d + i] = 1e19f;
+            AttentionBlock block;
+            std::string error;
+            try {
+                attention_from_qkv(layer, {1, 1, d}, 1, 120, block, "trace");
+            } catch (const InputError& e) {
+                error = e.what();
+            }
+            CAPTURE(error);
+            CHECK(error.find("trace, head 0, step " + std::to_string(t) + ":") == 0);
+        }
+}
+
 TEST_CASE("a synthetic Q/K/V trace replays the same from memory and from its HDF5 file") {
     const SyntheticQkvSpec spec = tiny();
     const std::string path = temp_dir() + "/tiny-qkv.h5";
