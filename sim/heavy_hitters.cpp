@@ -66,6 +66,49 @@ void emit_selection(std::span<const float> row, std::span<const int32_t> candida
     out.insert(out.end(), ties.begin(), ties.begin() + static_cast<std::ptrdiff_t>(ties_needed));
 }
 
+// emit_selection where the candidates' keys are known (keys[i] is candidates[i]'s): above the
+// threshold and at it sorted apart with vector comparisons and compressions, in the same order,
+// without a branch per candidate to mispredict.
+void emit_selection_by_keys(std::span<const int32_t> candidates, const int32_t* keys, int32_t threshold,
+                            std::size_t want, std::vector<int32_t>& out) {
+#if defined(__AVX512F__)
+    const std::size_t first_out = out.size(), n = candidates.size();
+    thread_local std::vector<int32_t> ties;
+    // Room for a whole vector's store past the last candidate taken.
+    out.resize(first_out + n + 16);
+    ties.resize(n + 16);
+    int32_t* above = out.data() + first_out;
+    int32_t* tied = ties.data();
+    const __m512i at = _mm512_set1_epi32(threshold);
+    for (std::size_t i = 0; i < n; i += 16) {
+        const __mmask16 in = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
+        const __m512i key = _mm512_maskz_loadu_epi32(in, keys + i);
+        const __m512i position = _mm512_maskz_loadu_epi32(in, candidates.data() + i);
+        const __mmask16 is_above = _mm512_mask_cmpgt_epi32_mask(in, key, at);
+        const __mmask16 is_tied = _mm512_mask_cmpeq_epi32_mask(in, key, at);
+        _mm512_storeu_si512(above, _mm512_maskz_compress_epi32(is_above, position));
+        _mm512_storeu_si512(tied, _mm512_maskz_compress_epi32(is_tied, position));
+        above += __builtin_popcount(is_above);
+        tied += __builtin_popcount(is_tied);
+    }
+    const std::size_t taken = static_cast<std::size_t>(above - (out.data() + first_out));
+    out.resize(first_out + taken);
+    out.insert(out.end(), ties.begin(), ties.begin() + static_cast<std::ptrdiff_t>(want - taken));
+#else
+    const std::size_t first_out = out.size();
+    thread_local std::vector<int32_t> ties;
+    ties.clear();
+    for (std::size_t i = 0; i < candidates.size(); ++i) {
+        if (keys[i] > threshold)
+            out.push_back(candidates[i]);
+        else if (keys[i] == threshold)
+            ties.push_back(candidates[i]);
+    }
+    const std::size_t ties_needed = want - (out.size() - first_out);
+    out.insert(out.end(), ties.begin(), ties.begin() + static_cast<std::ptrdiff_t>(ties_needed));
+#endif
+}
+
 // The hint for the next row: this row's threshold lowered by half a binade (2^22 units of a
 // float's bits, a factor of about 0.7). On the Llama-1B-shaped synthetic trace the next row's
 // threshold then falls below the hint in 1.6% of rows (27% at an eighth of a binade), and the
@@ -153,7 +196,7 @@ void select_at_threshold(std::span<const float> row, int32_t threshold, std::siz
     emit_selection(row, positions_at_or_above(row, threshold), threshold, want, out);
 }
 
-// The want-th largest of `keys` (with multiplicity; want <= keys.size()); may reorder keys.
+// The want-th largest of `keys` (with multiplicity; want <= keys.size()); keys keep their order.
 int32_t kth_largest_of(std::vector<int32_t>& keys, std::size_t want) {
 #if defined(__AVX512F__)
     if (keys.size() <= 128) {
@@ -175,9 +218,11 @@ int32_t kth_largest_of(std::vector<int32_t>& keys, std::size_t want) {
         return threshold;
     }
 #endif
-    std::nth_element(keys.begin(), keys.begin() + static_cast<std::ptrdiff_t>(want - 1), keys.end(),
+    thread_local std::vector<int32_t> selected;
+    selected.assign(keys.begin(), keys.end());
+    std::nth_element(selected.begin(), selected.begin() + static_cast<std::ptrdiff_t>(want - 1), selected.end(),
                      std::greater<int32_t>());
-    return keys[want - 1];
+    return selected[want - 1];
 }
 
 }  // namespace
@@ -200,8 +245,8 @@ void top_k_positions(std::span<const float> row, int k, std::vector<int32_t>& ou
     if (floor_hint > 0 && candidates.size() >= want) {
         keys.resize(candidates.size());
         for (std::size_t i = 0; i < candidates.size(); ++i) keys[i] = rank_key(row[candidates[i]]);
-        const int32_t threshold = kth_largest_of(keys, want);
-        emit_selection(row, candidates, threshold, want, out);
+        const int32_t threshold = kth_largest_of(keys, want);  // keys stay in candidates' order
+        emit_selection_by_keys(candidates, keys.data(), threshold, want, out);
         floor_hint = lowered_hint(threshold);
         return;
     }
