@@ -204,6 +204,35 @@ TEST_CASE("a synthetic Q/K/V trace replays the same from memory and from its HDF
     CHECK(find_row(a, "streaming_llm", 32).eviction_calls == 2 * 3 * (255 - 32 + 1));  // KV heads x layers
 }
 
+TEST_CASE("combinations on one KV head read its four heads' rows interleaved, and each gives the bits it gives alone") {
+    // On one thread the replay runs all of a KV head's combinations together, and they share the
+    // step's four rows interleaved by position (built once a step); a combination replayed alone
+    // reads the rows themselves. Every metric must come out the same, bit for bit, in both views.
+    SyntheticQkvSpec spec = synthetic_qkv_trace("small-1024", "test");
+    REQUIRE(spec.num_query_heads == 4 * spec.num_kv_heads);
+    spec.num_layers = 1;
+    tbb::global_control one_thread(tbb::global_control::max_allowed_parallelism, 1);
+    auto source = make_synthetic_qkv_source(spec, 300);
+    const std::vector<PolicyEntry> policies = {entry("h2o"), entry("tova"), entry("snapkv"), entry("sliding_window")};
+    for (AttentionView view : {AttentionView::raw, AttentionView::renormalized}) {
+        CAPTURE(static_cast<int>(view));
+        ReplayOptions options;
+        options.harness.view = view;
+        const auto combos = expand_sweep(policies, {}, std::vector<int>{40, 64, 100});
+        const auto together = replay(*source, combos, options);
+        for (std::size_t c = 0; c < combos.size(); ++c) {
+            CAPTURE(combos[c].label);
+            CAPTURE(combos[c].budget);
+            const auto alone = replay(*source, {combos[c]}, options);
+            const StreamMetrics &a = together[c].total, &b = alone[0].total;
+            CHECK(std::memcmp(&a.retained_mass, &b.retained_mass, sizeof(double)) == 0);
+            CHECK(a.heavy_hitter_hits == b.heavy_hitter_hits);
+            CHECK(a.eviction_calls == b.eviction_calls);
+            CHECK(a.steps == b.steps);
+        }
+    }
+}
+
 TEST_CASE("the renormalized view divides each head's row by what it keeps, then combines the group") {
     // Two query heads over one KV head, four steps, no eviction (budget above the length).
     std::vector<std::vector<float>> seen;
