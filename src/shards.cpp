@@ -610,7 +610,14 @@ SearchShardOutcome run_search_shard(const SearchSpec& spec, const SearchRun& run
     partial.num_kv_heads = grid.num_kv_heads();
     partial.fitting_sequences = grid.fitting_sequences();
     partial.config_sha256 = search_config_hash(shard_run.config_path, partial);
-    partial.trace_sha256 = sha256_file(run.trace_path);
+    // The trace's sha256 (a read of the whole file) runs beside the search, as a sweep's shard
+    // does it, and is waited for where it is first needed: a resume's check, or the first
+    // checkpoint. Its error, if the file cannot be read, comes there.
+    std::future<std::string> trace_sha256 =
+        std::async(std::launch::async, [path = run.trace_path] { return sha256_file(path); });
+    auto settle_trace_sha256 = [&] {
+        if (trace_sha256.valid()) partial.trace_sha256 = trace_sha256.get();
+    };
     partial.shard = shard_run.shard;
     partial.units = grid.unit_count();
     std::tie(partial.first, partial.end) = shard_range(partial.units, partial.shard);
@@ -621,6 +628,7 @@ SearchShardOutcome run_search_shard(const SearchSpec& spec, const SearchRun& run
     outcome.partial_path = partial.path;
     if (shard_run.resume && std::filesystem::exists(partial.path)) {
         SearchPartial previous = read_search_partial(partial.path);
+        settle_trace_sha256();
         refuse_other_run(previous, partial);
         partial.done = std::move(previous.done);
         outcome.units_resumed = partial.done.size();
@@ -633,8 +641,10 @@ SearchShardOutcome run_search_shard(const SearchSpec& spec, const SearchRun& run
     try {
         grid.run_units(todo, [&](const std::vector<std::size_t>& units, std::vector<SearchUnitStreams>& streams) {
             for (std::size_t i = 0; i < units.size(); ++i) partial.done[units[i]] = std::move(streams[i]);
+            settle_trace_sha256();
             checkpoint.write(search_partial_text(partial));
         });
+        settle_trace_sha256();
     } catch (...) {
         checkpoint.abandon();
         throw;
