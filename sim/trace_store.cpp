@@ -27,10 +27,17 @@ namespace kvsim {
 namespace {
 
 // HDF5 prints its error stack to stderr by default; kvsim reports one line of its own instead.
+// Debian's HDF5 is a thread-safe build, which keeps that setting per thread: the main thread's is
+// set at startup, and a thread that reads a layer beside the replay (QkvSource::prefetch) sets its
+// own (silence_hdf5_here).
 struct SilenceHdf5 {
     SilenceHdf5() { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); }
 };
 const SilenceHdf5 silence_hdf5;
+void silence_hdf5_here() {
+    thread_local const SilenceHdf5 silenced;
+    (void)silenced;
+}
 
 // Owns one HDF5 identifier and closes it with the matching function.
 class Handle {
@@ -579,6 +586,7 @@ struct TraceReader::Impl {
 
     // One layer's Q, K, V or pre-RoPE K ([tokens][heads][head_dim]) into out, every value checked.
     void read_tensor(int sequence, int layer, const char* tensor, std::vector<float>& out, int64_t heads) const {
+        silence_hdf5_here();
         const hsize_t t = static_cast<hsize_t>(sequences.at(sequence).length), d = static_cast<hsize_t>(metadata.head_dim);
         const std::string name = qkv_path(sequence, layer, tensor);
         Handle dataset = open_dataset(name, H5T_FLOAT, {t, static_cast<hsize_t>(heads), d});

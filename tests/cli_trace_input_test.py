@@ -46,6 +46,16 @@ class TraceInput(KvsimTestCase):
         path, result = self.run_trace("qkv-fp16-nan")
         self.assert_input_error(result, path + ": dataset '/sequences/000000/qkv/layer_000/v': element 500")
 
+    def test_a_corrupt_chunk_in_a_layer_loaded_beside_the_replay(self):
+        # Layer 1 loads as a task beside layer 0's replay, perhaps on another thread: its error is
+        # still kvsim's one line (HDF5's own error stack is silenced on every thread that reads).
+        for threads in ("1", "2"):
+            path = self.trace("qkv-corrupt-chunk")
+            config = self.write("corrupt.yaml", "trace: qkv-corrupt-chunk.h5\nbudgets: [48]\npolicies: [h2o, tova]\n")
+            result = kvsim("run", config, "--out", self.out, "--threads", threads)
+            self.assert_input_error(result, path + ": cannot read dataset '/sequences/000000/qkv/layer_001/k' "
+                                    "(truncated or corrupt)")
+
     def test_overflowing_logits_name_trace_sequence_layer_head_and_step(self):
         path, result = self.run_trace("qkv-overflow")
         self.assert_input_error(result, path + ": sequence story, layer 1, head 3, step 5: an attention logit",

@@ -3,10 +3,12 @@
 #include <hdf5.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <random>
 #include <stdexcept>
+#include <vector>
 
 #include "sim/trace_store.h"
 
@@ -113,7 +115,7 @@ std::vector<std::string> hostile_trace_kinds() {
             "qkv-fp16-nan",      "qkv-overflow",       "attention-nan",    "attention-above-one",
             "attention-negative", "attention-row-sum", "length-2e31",      "attention-unstored",
             "qkv-unstored",      "big-chunk",          "num-layers-2e32",  "string-array",
-            "external-link",     "qkv-beyond-fp16",    "qkv-beyond-fp16-stored-fp16", "rope-short",
+            "external-link",     "qkv-corrupt-chunk",  "qkv-beyond-fp16",    "qkv-beyond-fp16-stored-fp16", "rope-short",
             "rope-negative",     "rope-half",          "pre-rope-keys-missing"};
 }
 
@@ -189,6 +191,28 @@ void write_hostile_trace(const std::string& kind, const std::string& path) {
         const hsize_t n = static_cast<hsize_t>(attention_row_offset(4096));
         replace_dataset(f, "/sequences/000000/attention/layer_000/head_000", {n}, {n}, n);
         H5Fclose(f);
+    } else if (kind == "qkv-corrupt-chunk") {
+        // Layer 1's K: its first chunk's compressed bytes overwritten, so that inflating it fails.
+        // The replay loads layer 1 beside layer 0's, on whichever thread takes the task.
+        write_qkv(path, random_qkv_layer(kHostileQkvTokens, m, 1), random_qkv_layer(kHostileQkvTokens, m, 2));
+        const hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+        const hid_t d = H5Dopen2(f, "/sequences/000000/qkv/layer_001/k", H5P_DEFAULT);
+        hsize_t origin[3];
+        unsigned filter_mask = 0;
+        haddr_t address = 0;
+        hsize_t bytes = 0;
+        const hid_t space = H5Dget_space(d);
+        const herr_t found = H5Dget_chunk_info(d, space, 0, origin, &filter_mask, &address, &bytes);
+        H5Sclose(space);
+        H5Dclose(d);
+        H5Fclose(f);
+        if (found < 0 || bytes == 0) throw std::runtime_error("qkv-corrupt-chunk: no chunk to corrupt");
+        std::FILE* file = std::fopen(path.c_str(), "r+b");
+        const std::vector<unsigned char> junk(bytes, 0xA5);
+        if (!file || std::fseek(file, static_cast<long>(address), SEEK_SET) != 0 ||
+            std::fwrite(junk.data(), 1, junk.size(), file) != junk.size())
+            throw std::runtime_error("qkv-corrupt-chunk: cannot overwrite the chunk");
+        std::fclose(file);
     } else if (kind == "num-layers-2e32") {
         write_qkv(path, random_qkv_layer(kHostileQkvTokens, m, 1), random_qkv_layer(kHostileQkvTokens, m, 2));
         set_int_attr(path, "/", "num_layers", (int64_t{1} << 32) + 1);
