@@ -72,8 +72,8 @@ public:
     // Starts loading (sequence, layer) as a task beside the caller's work on the layer held
     // now, into a second layer's memory: layer_data() takes it when it is asked for (and throws
     // the load's error then, as a load in place would). One load at a time. While it runs, the
-    // caller must not ask for another layer's data nor read the trace: HDF5 (a serial build) is
-    // then the load's alone.
+    // caller must not ask for another layer's data nor read the trace: the source's reader is
+    // then the load's alone (HDF5 serialises its calls, but a reader's handles are not shared).
     void prefetch(int sequence, int layer);
     // Waits for a load prefetch() started, and drops it with its error: what a replay that
     // throws does, so that no load outlives it.
