@@ -32,7 +32,6 @@ using ColumnMajorKeys = Eigen::Map<const Eigen::MatrixXf, 0, Eigen::OuterStride<
 // build without AVX-512, takes Eigen's products: the tests compare every score's bits.
 #if defined(__AVX512F__) && defined(__FMA__) && EIGEN_VERSION_AT_LEAST(3, 4, 0) && !EIGEN_VERSION_AT_LEAST(3, 4, 90)
 #define KVSIM_SCORE_PANELS 1
-#include <immintrin.h>
 #endif
 
 namespace {
@@ -213,6 +212,11 @@ void attention_from_qkv(const QkvLayer& layer, const KeysByFeature& keys, const 
         thread_local std::vector<float, Eigen::aligned_allocator<float>> score_storage;
         if (score_storage.size() < static_cast<std::size_t>(rows * end_step)) score_storage.resize(rows * end_step);
         Eigen::Map<RowMatrix, Eigen::AlignedMax> scores(score_storage.data(), rows, end_step);
+        // Keys [from, end_step) of this KV head as the trace stores them, token after token.
+        auto token_major_keys = [&](int64_t from) {
+            return StridedRows(layer.k.data() + (from * hkv + g) * d, end_step - from, d,
+                               Eigen::OuterStride<>(static_cast<int64_t>(hkv) * d));
+        };
         const int64_t panel_keys = keys.panels && rows > 1 ? end_step / kScorePanelTokens * kScorePanelTokens : 0;
         if (panel_keys > 0) {
 #if defined(KVSIM_SCORE_PANELS)
@@ -223,17 +227,11 @@ void attention_from_qkv(const QkvLayer& layer, const KeysByFeature& keys, const 
             // product, with other arithmetic: then the whole panel before it is taken again.
             if (end_step > panel_keys) {
                 const int64_t from = end_step - panel_keys >= 2 ? panel_keys : panel_keys - kScorePanelTokens;
-                const StridedRows k(layer.k.data() + (from * hkv + g) * d, end_step - from, d,
-                                    Eigen::OuterStride<>(static_cast<int64_t>(hkv) * d));
                 Eigen::Map<RowMatrix, 0, Eigen::OuterStride<>> tail(scores.data() + from, rows, end_step - from,
                                                                      Eigen::OuterStride<>(end_step));
-                tail.noalias() = (q * scale) * k.transpose();
+                tail.noalias() = (q * scale) * token_major_keys(from).transpose();
             }
-        } else if (rows > 1 && keys.panels) {
-            const StridedRows k(layer.k.data() + static_cast<int64_t>(g) * d, end_step, d,
-                                Eigen::OuterStride<>(static_cast<int64_t>(hkv) * d));
-            scores.noalias() = (q * scale) * k.transpose();
-        } else if (rows > 1) {
+        } else if (rows > 1 && !keys.panels) {
             // Its keys for positions 0..end-1 as a column-major matrix: Eigen packs them with
             // straight copies (from token-major rows it gathered a third of the products' time).
             // The packed values, and so every score's bits, are the same.
@@ -242,10 +240,9 @@ void attention_from_qkv(const QkvLayer& layer, const KeysByFeature& keys, const 
             scores.noalias() = (q * scale) * k.transpose();
         } else {
             // One row is a matrix-vector product, whose arithmetic depends on the storage order:
-            // the token-major keys, as before.
-            const StridedRows k(layer.k.data() + static_cast<int64_t>(g) * d, end_step, d,
-                                Eigen::OuterStride<>(static_cast<int64_t>(hkv) * d));
-            scores.noalias() = (q * scale) * k.transpose();
+            // the token-major keys, as before. So are blocks shorter than a panel where the keys
+            // are in panels (Eigen packs either layout into the same values).
+            scores.noalias() = (q * scale) * token_major_keys(0).transpose();
         }
 
         std::vector<float>& packed = block.rows[h];

@@ -21,7 +21,7 @@ struct QkvShape {
 };
 
 // Each KV head's keys feature by feature, built once per layer in the layout the score products
-// read fastest. Where kvsim's own score kernel serves (AVX-512 builds, head_dim <= 128; see
+// read fastest. Where kvsim's own score kernel serves (AVX-512 builds, score_panels_serve; see
 // qkv_attention.cpp) that is panels of 48 tokens, [kv head][panel][feature][48], the last panel
 // zero-padded; elsewhere a column-major copy of the keys, [kv head][feature][token].
 struct KeysByFeature {
