@@ -81,19 +81,19 @@ public:
         for (int layer : layers)
             if (layer < 0 || layer >= shape_.num_layers)
                 throw std::logic_error("replay: layer " + std::to_string(layer) + " out of range");
-        prefetch_fits_ = check_memory_plan();
+        const bool prefetch = check_memory_plan();
         const std::size_t sequences = shape_.sequence_lengths.size();
         std::vector<ComboResult> results(combos_.size());
         for (auto& r : results) r.by_stream.resize(sequences * shape_.num_layers * kv_heads_);
         for (int64_t last : shape_.last_steps) total_steps_ += last * static_cast<int64_t>(layers.size());
 
-        // The (sequence, layer) pairs in the order they are replayed: each one's load is started
-        // (prefetch_fits_) while the one before replays.
+        // The (sequence, layer) pairs in the order they are replayed, then the caller's next one:
+        // each one's load starts (memory allowing) while the one before replays.
         std::vector<std::pair<int, int>> order;
         for (std::size_t s = 0; s < sequences; ++s)
             for (int layer : layers) order.emplace_back(static_cast<int>(s), layer);
+        const std::size_t replayed = order.size();
         if (options_.next_layer >= 0 && options_.next_layer < shape_.num_layers) order.emplace_back(0, options_.next_layer);
-        const std::size_t replayed = order.size() - (options_.next_layer >= 0 && options_.next_layer < shape_.num_layers);
         // No load outlives a replay that throws; one for the caller's next replay outlives one that returns.
         struct DropPrefetch {
             QkvSource* source;
@@ -104,10 +104,10 @@ public:
         } drop_prefetch{qkv_};
         for (std::size_t at = 0; at < replayed; ++at) {
             const auto [s, layer] = order[at];
-            next_ = at + 1 < order.size() && prefetch_fits_ ? std::optional(order[at + 1]) : std::nullopt;
             std::vector<Harness> harnesses = make_harnesses(s, layer);
             if (options_.output_error || options_.memory) attach_values(s, layer, harnesses);
-            replay_layer(s, layer, harnesses);
+            replay_layer(s, layer, harnesses,
+                         prefetch && at + 1 < order.size() ? std::optional(order[at + 1]) : std::nullopt);
             for (int kv = 0; kv < kv_heads_; ++kv)
                 for (std::size_t c = 0; c < combos_.size(); ++c) {
                     const Harness& harness = harnesses[kv * combos_.size() + c];
@@ -281,7 +281,8 @@ private:
         }
     }
 
-    void replay_layer(int s, int layer, std::vector<Harness>& harnesses) {
+    // `load_next`: the (sequence, layer) whose load starts once this one's first block is read.
+    void replay_layer(int s, int layer, std::vector<Harness>& harnesses, std::optional<std::pair<int, int>> load_next) {
         const int64_t length = shape_.sequence_lengths[s];
         const int64_t block_floats = block_floats_per_head();
         for (int64_t first = 1; first <= shape_.last_steps[s];) {
@@ -295,9 +296,9 @@ private:
                 heavy_hitters_of_block(first, end);
             }
             // The layer is loaded (its first block is read): the next one's load may start beside it.
-            if (qkv_ && next_) {
-                qkv_->prefetch(next_->first, next_->second);
-                next_.reset();
+            if (load_next) {
+                qkv_->prefetch(load_next->first, load_next->second);
+                load_next.reset();
             }
             recorded_self_ = !block_.self_weight.empty();
             if (!raw_view_ && !recorded_self_) self_weight_from_row_sums(block_);
@@ -511,10 +512,6 @@ private:
     int head_dim_ = 0;
     int64_t total_steps_ = 0, steps_done_ = 0;
     std::vector<Job> jobs_;
-    // Whether memory allows a second layer's Q/K/V (check_memory_plan), and the (sequence, layer)
-    // to load beside the one replaying, until its load starts.
-    bool prefetch_fits_ = false;
-    std::optional<std::pair<int, int>> next_;
 
     AttentionBlock block_;
     int block_k_ = 0;  // heavy hitters per row in this block: k, or fewer where rows are shorter
