@@ -6,6 +6,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <future>
 #include <map>
 #include <set>
@@ -340,6 +341,22 @@ std::string trace_hash(const TraceRef& trace) {
                       std::to_string(trace.max_steps));
 }
 
+// A trace's sha256, a read of the whole file (0.4 s for 680 MB), computed beside the work that
+// follows and written into `into` where it is first needed: a checkpoint to resume, or the first
+// one written. A failed read's error comes there.
+class HashBeside {
+public:
+    HashBeside(std::function<std::string()> hash, std::string& into)
+        : hashing_(std::async(std::launch::async, std::move(hash))), into_(into) {}
+    void settle() {
+        if (hashing_.valid()) into_ = hashing_.get();
+    }
+
+private:
+    std::future<std::string> hashing_;
+    std::string& into_;
+};
+
 }  // namespace
 
 std::string partial_file_name(const ShardSpec& shard) {
@@ -353,13 +370,7 @@ ShardedOutcome run_sharded(const ExperimentConfig& config, const std::vector<Gri
     partial.frame = experiment.frame();
     partial.frame_text = frame_json(partial.frame);
     partial.config_sha256 = config_hash(run, partial.frame_text);
-    // The trace's sha256 reads the whole file (0.4 s for 680 MB): it runs beside the replay, and
-    // is waited for where it is first needed (a checkpoint to resume, or the first one written).
-    std::future<std::string> trace_sha256 = std::async(std::launch::async, trace_hash, config.trace);
-    auto with_trace_sha256 = [&]() -> Partial& {
-        if (trace_sha256.valid()) partial.trace_sha256 = trace_sha256.get();
-        return partial;
-    };
+    HashBeside trace_sha256([trace = config.trace] { return trace_hash(trace); }, partial.trace_sha256);
     partial.title = "kvsim " + run.command + " " + run.config_path + "  |  trace " + partial.frame.trace;
     partial.format = run.format;
     partial.layout = run.layout;
@@ -374,7 +385,8 @@ ShardedOutcome run_sharded(const ExperimentConfig& config, const std::vector<Gri
     outcome.partial_path = partial.path;
     if (run.resume && std::filesystem::exists(partial.path)) {
         Partial previous = read_partial(partial.path);
-        refuse_other_run(previous, with_trace_sha256());
+        trace_sha256.settle();
+        refuse_other_run(previous, partial);
         partial.done = std::move(previous.done);
         outcome.units_resumed = partial.done.size();
     }
@@ -388,7 +400,8 @@ ShardedOutcome run_sharded(const ExperimentConfig& config, const std::vector<Gri
                              [&](const std::vector<std::size_t>& units, std::vector<UnitResult>& results) {
                                  for (std::size_t i = 0; i < units.size(); ++i)
                                      partial.done[units[i]] = std::move(results[i]);
-                                 checkpoint.write(partial_text(with_trace_sha256()));
+                                 trace_sha256.settle();
+                                 checkpoint.write(partial_text(partial));
                              });
     } catch (...) {
         checkpoint.abandon();
@@ -396,7 +409,8 @@ ShardedOutcome run_sharded(const ExperimentConfig& config, const std::vector<Gri
     }
     partial.complete = true;
     if (run.shard) {
-        checkpoint.write(partial_text(with_trace_sha256()));
+        trace_sha256.settle();
+        checkpoint.write(partial_text(partial));
         return outcome;
     }
     // The rate printed counts the steps replayed now, not those a resumed checkpoint held.
@@ -610,14 +624,7 @@ SearchShardOutcome run_search_shard(const SearchSpec& spec, const SearchRun& run
     partial.num_kv_heads = grid.num_kv_heads();
     partial.fitting_sequences = grid.fitting_sequences();
     partial.config_sha256 = search_config_hash(shard_run.config_path, partial);
-    // The trace's sha256 (a read of the whole file) runs beside the search, as a sweep's shard
-    // does it, and is waited for where it is first needed: a resume's check, or the first
-    // checkpoint. Its error, if the file cannot be read, comes there.
-    std::future<std::string> trace_sha256 =
-        std::async(std::launch::async, [path = run.trace_path] { return sha256_file(path); });
-    auto settle_trace_sha256 = [&] {
-        if (trace_sha256.valid()) partial.trace_sha256 = trace_sha256.get();
-    };
+    HashBeside trace_sha256([path = run.trace_path] { return sha256_file(path); }, partial.trace_sha256);
     partial.shard = shard_run.shard;
     partial.units = grid.unit_count();
     std::tie(partial.first, partial.end) = shard_range(partial.units, partial.shard);
@@ -628,7 +635,7 @@ SearchShardOutcome run_search_shard(const SearchSpec& spec, const SearchRun& run
     outcome.partial_path = partial.path;
     if (shard_run.resume && std::filesystem::exists(partial.path)) {
         SearchPartial previous = read_search_partial(partial.path);
-        settle_trace_sha256();
+        trace_sha256.settle();
         refuse_other_run(previous, partial);
         partial.done = std::move(previous.done);
         outcome.units_resumed = partial.done.size();
@@ -641,10 +648,10 @@ SearchShardOutcome run_search_shard(const SearchSpec& spec, const SearchRun& run
     try {
         grid.run_units(todo, [&](const std::vector<std::size_t>& units, std::vector<SearchUnitStreams>& streams) {
             for (std::size_t i = 0; i < units.size(); ++i) partial.done[units[i]] = std::move(streams[i]);
-            settle_trace_sha256();
+            trace_sha256.settle();
             checkpoint.write(search_partial_text(partial));
         });
-        settle_trace_sha256();
+        trace_sha256.settle();
     } catch (...) {
         checkpoint.abandon();
         throw;
