@@ -48,29 +48,18 @@ inline bool block_may_pass(const float* row, int32_t floor_key, bool or_equal) {
 #endif
 }
 
-// Appends to `out` the positions of `candidates` (ascending) with a key above `threshold`, then
-// those equal to it, in ascending order, until `want` are chosen: the reference's tie rule.
-void emit_selection(std::span<const float> row, std::span<const int32_t> candidates, int32_t threshold,
-                    std::size_t want, std::vector<int32_t>& out) {
-    const std::size_t first_out = out.size();
-    thread_local std::vector<int32_t> ties;
-    ties.clear();
-    for (int32_t j : candidates) {
-        const int32_t key = rank_key(row[j]);
-        if (key > threshold)
-            out.push_back(j);
-        else if (key == threshold)
-            ties.push_back(j);
-    }
-    const std::size_t ties_needed = want - (out.size() - first_out);
-    out.insert(out.end(), ties.begin(), ties.begin() + static_cast<std::ptrdiff_t>(ties_needed));
+// keys[i] = the key of row[candidates[i]].
+void keys_of(std::span<const float> row, std::span<const int32_t> candidates, std::vector<int32_t>& keys) {
+    keys.resize(candidates.size());
+    for (std::size_t i = 0; i < candidates.size(); ++i) keys[i] = rank_key(row[candidates[i]]);
 }
 
-// emit_selection where the candidates' keys are known (keys[i] is candidates[i]'s): above the
-// threshold and at it sorted apart with vector comparisons and compressions, in the same order,
-// without a branch per candidate to mispredict.
-void emit_selection_by_keys(std::span<const int32_t> candidates, const int32_t* keys, int32_t threshold,
-                            std::size_t want, std::vector<int32_t>& out) {
+// Appends to `out` the positions of `candidates` (ascending; keys[i] is candidates[i]'s key) with
+// a key above `threshold`, then those equal to it, in ascending order, until `want` are chosen:
+// the reference's tie rule. With AVX-512 the two are sorted apart with vector comparisons and
+// compressions, in the same order, without a branch per candidate to mispredict.
+void emit_selection(std::span<const int32_t> candidates, const int32_t* keys, int32_t threshold, std::size_t want,
+                    std::vector<int32_t>& out) {
 #if defined(__AVX512F__)
     const std::size_t first_out = out.size(), n = candidates.size();
     thread_local std::vector<int32_t> ties;
@@ -193,7 +182,10 @@ std::span<const int32_t> positions_at_or_above(std::span<const float> row, int32
 // The row's top `want` positions given its k-th largest key. Fewer than `want` keys lie above it
 // and at least `want` at or above it, so the ties always cover what is missing.
 void select_at_threshold(std::span<const float> row, int32_t threshold, std::size_t want, std::vector<int32_t>& out) {
-    emit_selection(row, positions_at_or_above(row, threshold), threshold, want, out);
+    const std::span<const int32_t> candidates = positions_at_or_above(row, threshold);
+    thread_local std::vector<int32_t> keys;
+    keys_of(row, candidates, keys);
+    emit_selection(candidates, keys.data(), threshold, want, out);
 }
 
 // The want-th largest of `keys` (with multiplicity; want <= keys.size()); keys keep their order.
@@ -243,10 +235,9 @@ void top_k_positions(std::span<const float> row, int k, std::vector<int32_t>& ou
     std::span<const int32_t> candidates;
     if (floor_hint > 0) candidates = positions_at_or_above(row, floor_hint);
     if (floor_hint > 0 && candidates.size() >= want) {
-        keys.resize(candidates.size());
-        for (std::size_t i = 0; i < candidates.size(); ++i) keys[i] = rank_key(row[candidates[i]]);
+        keys_of(row, candidates, keys);
         const int32_t threshold = kth_largest_of(keys, want);  // keys stay in candidates' order
-        emit_selection_by_keys(candidates, keys.data(), threshold, want, out);
+        emit_selection(candidates, keys.data(), threshold, want, out);
         floor_hint = lowered_hint(threshold);
         return;
     }
