@@ -288,8 +288,8 @@ TEST_CASE("SnapKV's running window sums give the bits of summing every window in
     // changes the scores' bits within a few steps.
     // With recent slots favoured, the victims are old slots as well as new ones, so that a batch
     // of victims falls among (and past) those evicted before it. With summable weights only, no
-    // slot's window is summed in ring order, so no step brings every column up to date: each
-    // column takes a window's evictions at once (SnapKV::catch_up).
+    // slot's window is ever summed in ring order: the running sums alone make the scores, step
+    // after step.
     for (int mode : {0, 1, 2})
     for (int obs_window : {1, 3, 16, 40}) {
         const bool favour_recent = mode > 0, summable_only = mode == 2;
@@ -321,8 +321,7 @@ TEST_CASE("SnapKV's running window sums give the bits of summing every window in
             policy.on_decode_step(t, attn);
             plain.step(attn);
             held.push_back(t);
-            // Every tenth step several slots go at once (SnapKV defers each column's evictions
-            // to when it is read, renumbering later batches past earlier ones).
+            // Every tenth step several slots go at once.
             const bool several = t % 10 == 0;
             if (held.size() > static_cast<std::size_t>(budget) || several) {
                 victims.clear();
