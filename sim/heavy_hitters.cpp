@@ -188,33 +188,67 @@ void select_at_threshold(std::span<const float> row, int32_t threshold, std::siz
     emit_selection(candidates, keys.data(), threshold, want, out);
 }
 
-// The want-th largest of `keys` (with multiplicity; want <= keys.size()); keys keep their order.
-int32_t kth_largest_of(std::vector<int32_t>& keys, std::size_t want) {
+// The want-th largest of `keys` (with multiplicity; 1 <= want <= keys.size()); keys keep their order.
+int32_t kth_largest_of(const std::vector<int32_t>& keys, std::size_t want) {
 #if defined(__AVX512F__)
-    if (keys.size() <= 128) {
-        // A key is among the want largest (ties included) exactly when fewer than `want` keys
-        // exceed it, and the least such key is the want-th largest. Counting, for each key, those
-        // above it is a few vector comparisons, with none of a selection's unpredictable branches
-        // (its partitioning was a third of the heavy hitters' time); padding never counts.
-        const std::size_t n = keys.size();
-        keys.resize((n + 15) / 16 * 16, INT32_MIN);
-        int32_t threshold = INT32_MAX;
-        for (std::size_t i = 0; i < n; ++i) {
-            const __m512i key = _mm512_set1_epi32(keys[i]);
-            int above = 0;
-            for (std::size_t j = 0; j < keys.size(); j += 16)
-                above += __builtin_popcount(_mm512_cmpgt_epi32_mask(_mm512_loadu_si512(keys.data() + j), key));
-            if (static_cast<std::size_t>(above) < want) threshold = std::min(threshold, keys[i]);
+    // A quickselect whose partitions are vector comparisons and compressions, sixteen keys at a
+    // time: the keys above a pivot and those below go to two buffers, and the selection goes on in
+    // the part that holds the want-th largest (or ends at the pivot, where its copies cover it).
+    // Each round removes the pivot's copies at least. Sixteen or fewer are finished by counting,
+    // for each, the keys above it: the least key with fewer than `want` above is the want-th.
+    const std::size_t n0 = keys.size();
+    thread_local std::vector<int32_t> buffers;
+    const std::size_t room = n0 + 16;  // a whole vector's store past a part's end
+    if (buffers.size() < 4 * room) buffers.resize(4 * room);
+    const int32_t* in = keys.data();
+    std::size_t n = n0;
+    int round = 0;
+    while (n > 16) {
+        int32_t* above = buffers.data() + (round % 2) * 2 * room;
+        int32_t* below = above + room;
+        ++round;
+        // The median of the first, middle and last keys.
+        const int32_t a = in[0], b = in[n / 2], c = in[n - 1];
+        const int32_t pivot = std::max(std::min(a, b), std::min(std::max(a, b), c));
+        const __m512i p = _mm512_set1_epi32(pivot);
+        std::size_t n_above = 0, n_below = 0;
+        for (std::size_t i = 0; i < n; i += 16) {
+            const __mmask16 lanes = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
+            const __m512i key = _mm512_maskz_loadu_epi32(lanes, in + i);
+            const __mmask16 up = _mm512_mask_cmpgt_epi32_mask(lanes, key, p);
+            const __mmask16 down = _mm512_mask_cmplt_epi32_mask(lanes, key, p);
+            _mm512_storeu_si512(above + n_above, _mm512_maskz_compress_epi32(up, key));
+            _mm512_storeu_si512(below + n_below, _mm512_maskz_compress_epi32(down, key));
+            n_above += static_cast<std::size_t>(__builtin_popcount(up));
+            n_below += static_cast<std::size_t>(__builtin_popcount(down));
         }
-        keys.resize(n);
-        return threshold;
+        const std::size_t n_equal = n - n_above - n_below;
+        if (want <= n_above) {
+            in = above;
+            n = n_above;
+        } else if (want <= n_above + n_equal) {
+            return pivot;
+        } else {
+            want -= n_above + n_equal;
+            in = below;
+            n = n_below;
+        }
     }
-#endif
+    const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1);
+    const __m512i all = _mm512_maskz_loadu_epi32(lanes, in);
+    int32_t threshold = INT32_MAX;
+    for (std::size_t i = 0; i < n; ++i) {
+        const int above = __builtin_popcount(_mm512_mask_cmpgt_epi32_mask(lanes, all, _mm512_set1_epi32(in[i])));
+        if (static_cast<std::size_t>(above) < want) threshold = std::min(threshold, in[i]);
+    }
+    return threshold;
+#else
     thread_local std::vector<int32_t> selected;
     selected.assign(keys.begin(), keys.end());
     std::nth_element(selected.begin(), selected.begin() + static_cast<std::ptrdiff_t>(want - 1), selected.end(),
                      std::greater<int32_t>());
     return selected[want - 1];
+#endif
 }
 
 }  // namespace
