@@ -3,6 +3,8 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <random>
 #include <cstring>
 #include <limits>
 
@@ -169,6 +171,36 @@ TEST_CASE("first_equal finds what std::find finds: ties, NaN, -0 and every lengt
             CHECK(first_equal(ints.data(), ints.size(), wanted) ==
                   static_cast<std::size_t>(std::find(ints.begin(), ints.end(), wanted) - ints.begin()));
     }
+}
+
+TEST_CASE("lowest_score is the least score, or NaN where there is one: every length, NaN anywhere") {
+    // Against a plain loop, for lengths around the four-vector steps and NaN in every place:
+    // a NaN in one chain, or in the tail, must not be lost.
+    std::mt19937 rng(5);
+    std::uniform_real_distribution<double> u(-1.0, 1.0);
+    const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+    for (std::size_t n = 1; n <= 80; ++n) {
+        std::vector<double> x(n);
+        for (int trial = 0; trial < 4; ++trial) {
+            for (double& v : x) v = trial == 3 ? inf : u(rng);
+            double expected = x[0];
+            for (double v : x) expected = std::min(expected, v);
+            CAPTURE(n);
+            CHECK(lowest_score(x.data(), n) == expected);
+        }
+        x.assign(n, 0.0);
+        x[n - 1] = -0.0;
+        CHECK(lowest_score(x.data(), n) == 0.0);  // either zero: == does not tell them apart
+        for (std::size_t at = 0; at < n; ++at) {
+            for (double& v : x) v = u(rng);
+            x[at] = nan;
+            CAPTURE(n);
+            CAPTURE(at);
+            CHECK(std::isnan(lowest_score(x.data(), n)));
+        }
+    }
+    const std::vector<int32_t> votes = {4, 2, 9, 2, 7};
+    CHECK(lowest_score(votes.data(), votes.size()) == 2);
 }
 
 namespace {
