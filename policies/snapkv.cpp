@@ -158,9 +158,9 @@ std::span<const double> SnapKV::scores() {
 }
 
 void SnapKV::drop_state(std::span<const std::size_t> evicted) {
-    for (auto& column : window_) erase_slots(column, evicted);
-    erase_slots(running_, evicted);
-    erase_slots(unsummable_, evicted);
+    for (auto& column : window_) column.erase(evicted);
+    running_.erase(evicted);
+    unsummable_.erase(evicted);
 }
 
 std::size_t SnapKV::state_bytes_per_slot() const {
@@ -169,10 +169,11 @@ std::size_t SnapKV::state_bytes_per_slot() const {
 
 
 ParamMemory snapkv_memory(const ParamValues& p, const PolicyContext& ctx) {
-    // One column of floats per step of the window, each reserved for every slot the stream may hold.
+    // One column of floats per step of the window, each reserved for twice every slot the stream
+    // may hold (a SlotArray's room to move its start).
     const uint64_t steps = static_cast<uint64_t>(p.at("obs_window"));
     const uint64_t slots = static_cast<uint64_t>(std::max(ctx.capacity, 1));
-    return {steps * (slots * sizeof(float) + sizeof(std::vector<float>)), "obs_window",
+    return {steps * (2 * slots * sizeof(float) + sizeof(SlotArray<float>)), "obs_window",
             std::to_string(steps) + " steps of attention x " + std::to_string(slots) + " cached tokens"};
 }
 

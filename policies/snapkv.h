@@ -22,14 +22,14 @@ private:
     int pool_radius_;
     // window_[k][slot]: the attention of the k-th entry of a ring of the last obs_window steps,
     // stored column by column so that the per-slot sums vectorise across slots.
-    std::vector<std::vector<float>> window_;
+    std::vector<SlotArray<float>> window_;
     int write_index_ = 0;  // one ring index shared by all slots
     // Each slot's window sum, kept up to date step by step where that is exact (see summable):
     // running_[slot] is the sum in any order, so the in-order sum too, where unsummable_[slot]
     // (the slot's window entries that are not summable) is 0. The count is the simulator's
     // proof of exactness, not state the policy needs, so bytes_per_slot leaves it out.
-    std::vector<double> running_;
-    std::vector<int32_t> unsummable_;
+    SlotArray<double> running_;
+    SlotArray<int32_t> unsummable_;
     uint32_t smallest_summable_bits_;
     std::vector<double> window_sum_;
     std::vector<double> pooled_;

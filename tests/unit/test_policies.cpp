@@ -173,6 +173,32 @@ TEST_CASE("first_equal finds what std::find finds: ties, NaN, -0 and every lengt
     }
 }
 
+TEST_CASE("SlotArray keeps what a vector with erase_slots keeps: either side moved, its start moved back") {
+    // Random admissions and evictions (single slots anywhere, and batches) on a SlotArray and on a
+    // vector side by side; a small reserve makes the start move back to the front, and grow, often.
+    std::mt19937 rng(9);
+    for (std::size_t capacity : {1u, 3u, 8u, 50u}) {
+        SlotArray<int32_t> slots;
+        slots.reserve(capacity);
+        std::vector<int32_t> expected;
+        int32_t next = 0;
+        for (int step = 0; step < 3000; ++step) {
+            slots.push_back(next);
+            expected.push_back(next++);
+            std::vector<std::size_t> victims;
+            if (expected.size() > capacity || rng() % 3 == 0) {
+                const std::size_t count = rng() % 4 == 0 ? 1 + rng() % expected.size() : 1;
+                for (std::size_t i = 0; i < expected.size(); ++i)
+                    if (victims.size() < count && rng() % expected.size() < count) victims.push_back(i);
+            }
+            slots.erase(victims);
+            erase_slots(expected, victims);
+            REQUIRE(slots.size() == expected.size());
+            REQUIRE(std::equal(slots.begin(), slots.end(), expected.begin()));
+        }
+    }
+}
+
 TEST_CASE("lowest_score is the least score, or NaN where there is one: every length, NaN anywhere") {
     // Against a plain loop, for lengths around the four-vector steps and NaN in every place:
     // a NaN in one chain, or in the tail, must not be lost.
