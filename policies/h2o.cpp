@@ -15,11 +15,11 @@ protected:
     }
     void admit() override { accumulated_.push_back(0.0); }
     std::span<const double> scores() override { return accumulated_; }
-    void drop_state(std::span<const std::size_t> evicted) override { erase_slots(accumulated_, evicted); }
+    void drop_state(std::span<const std::size_t> evicted) override { accumulated_.erase(evicted); }
     std::size_t state_bytes_per_slot() const override { return sizeof(double); }
 
 private:
-    std::vector<double> accumulated_;
+    SlotArray<double> accumulated_;
 };
 
 }  // namespace

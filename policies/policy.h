@@ -91,30 +91,15 @@ public:
     virtual void evict_to(int keep, std::vector<int32_t>& victims) { evict(keep, victims); }
 };
 
-// Removes the entries at `slots` (ascending indices) from `column`, keeping the order of the
-// rest: one block move per gap, since a step usually evicts a single slot.
-template <class T>
-void erase_slots(std::vector<T>& column, std::span<const std::size_t> slots) {
-    if (slots.empty()) return;
-    T* data = column.data();
-    std::size_t out = slots[0];
-    for (std::size_t v = 0; v < slots.size(); ++v) {
-        const std::size_t from = slots[v] + 1;
-        const std::size_t to = v + 1 < slots.size() ? slots[v + 1] : column.size();
-        std::copy(data + from, data + to, data + out);
-        out += to - from;
-    }
-    column.resize(out);
-}
-
 // Per-slot values in slot order where closing one slot moves whichever side of it is shorter: the
 // slots before it one place on (the array then starts one place later) or those after it one
 // place back. Where victims fall anywhere (SnapKV's), that halves what an eviction moves.
 template <class T>
 class SlotArray {
 public:
+    using value_type = T;
     // Room for `capacity` slots and as many moves of the start before the values go back to the
-    // front (once per `capacity` such moves, at most).
+    // front.
     void reserve(std::size_t capacity) {
         if (storage_.size() < 2 * capacity) storage_.resize(2 * capacity);
     }
@@ -132,7 +117,7 @@ public:
     operator std::span<const T>() const { return {data(), size_}; }
 
     // Removes the entries at `slots` (ascending indices), keeping the order of the rest: a single
-    // slot by moving the shorter side, several by one block move per gap.
+    // slot (a step's usual eviction) by moving the shorter side, several by one block move per gap.
     void erase(std::span<const std::size_t> slots) {
         if (slots.empty()) return;
         T* at = data();
@@ -153,8 +138,10 @@ public:
     }
 
 private:
+    // At the storage's end: back to the front where that frees at least half of it (so such moves
+    // are at most one per size() erasures), else more room.
     void make_room() {
-        if (begin_ > 0) {
+        if (begin_ > 0 && 2 * size_ <= storage_.size()) {
             std::copy(data(), data() + size_, storage_.data());
             begin_ = 0;
         } else {

@@ -18,11 +18,11 @@ protected:
     }
     void admit() override { votes_.push_back(0); }
     std::span<const int32_t> scores() override { return votes_; }
-    void drop_state(std::span<const std::size_t> evicted) override { erase_slots(votes_, evicted); }
+    void drop_state(std::span<const std::size_t> evicted) override { votes_.erase(evicted); }
     std::size_t state_bytes_per_slot() const override { return sizeof(int32_t); }
 
 private:
-    std::vector<int32_t> votes_;
+    SlotArray<int32_t> votes_;
 };
 
 }  // namespace

@@ -148,7 +148,7 @@ public:
         }
         std::sort(chosen_.begin(), chosen_.end());  // victims go out in ascending position order
         for (std::size_t slot : chosen_) victims.push_back(positions_[slot]);
-        erase_slots<int32_t>(positions_, chosen_);
+        positions_.erase(chosen_);
         drop_state(chosen_);
     }
 
@@ -205,7 +205,7 @@ private:
 
     int capacity_;
     int recent_window_;
-    std::vector<int32_t> positions_;
+    SlotArray<int32_t> positions_;
     std::vector<std::size_t> chosen_;  // slots selected for eviction
 };
 

@@ -89,9 +89,9 @@ public:
                 gone_.push_back(i);
                 victims.push_back(positions_[i]);  // slots ascend, so positions do
             }
-        erase_slots<int32_t>(positions_, gone_);
-        erase_slots<double>(importance_, gone_);
-        erase_slots<uint8_t>(tier_, gone_);
+        positions_.erase(gone_);
+        importance_.erase(gone_);
+        tier_.erase(gone_);
     }
 
     // The tiers were settled in evict(); this only reports them.
@@ -221,9 +221,9 @@ private:
     int capacity_;
     StratigraphicParams p_;
     int32_t step_ = 0;               // the latest position admitted
-    std::vector<int32_t> positions_;  // ascending
-    std::vector<double> importance_;  // cumulative attention of the query group (mean over it)
-    std::vector<uint8_t> tier_;       // Tier as uint8_t; only ever grows (coarser)
+    SlotArray<int32_t> positions_;  // ascending
+    SlotArray<double> importance_;  // cumulative attention of the query group (mean over it)
+    SlotArray<uint8_t> tier_;       // Tier as uint8_t; only ever grows (coarser)
     // Scratch of one evict() call, kept to reuse its memory.
     std::vector<bool> protected_;
     std::vector<uint8_t> zone_;

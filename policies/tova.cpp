@@ -16,12 +16,12 @@ protected:
     // A token nobody has attended to yet cannot be judged, so it survives its first eviction.
     void admit() override { last_attention_.push_back(kUnobserved); }
     std::span<const double> scores() override { return last_attention_; }
-    void drop_state(std::span<const std::size_t> evicted) override { erase_slots(last_attention_, evicted); }
+    void drop_state(std::span<const std::size_t> evicted) override { last_attention_.erase(evicted); }
     std::size_t state_bytes_per_slot() const override { return sizeof(double); }
 
 private:
     static constexpr double kUnobserved = kNotEvictable<double>;
-    std::vector<double> last_attention_;
+    SlotArray<double> last_attention_;
 };
 
 }  // namespace

@@ -492,7 +492,7 @@ void Harness::evict(int32_t t, int budget, bool exact) {
         victim_slots_.push_back(static_cast<std::size_t>(std::lower_bound(kept_.begin(), kept_.end(), v) - kept_.begin()));
     }
     std::sort(victim_slots_.begin(), victim_slots_.end());
-    erase_slots(kept_, victim_slots_);
+    kept_.erase(victim_slots_);
     if (kept_.size() > static_cast<std::size_t>(budget))
         fail(t, "left " + std::to_string(kept_.size()) + " positions cached, over the budget of " +
                     std::to_string(budget));

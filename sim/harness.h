@@ -121,7 +121,7 @@ public:
     const Policy& policy() const { return *policy_; }
     Policy& policy() { return *policy_; }
     int budget() const { return budget_; }
-    const std::vector<int32_t>& kept() const { return kept_; }
+    std::span<const int32_t> kept() const { return kept_; }
     // The attention outputs (query heads of the group x head_dim) of the cache this harness held
     // at its last measured step, when the output-error metric is on.
     std::span<const float> last_outputs() const { return last_outputs_; }
@@ -136,7 +136,7 @@ private:
     HarnessOptions options_;
     std::string label_;
     std::string where_;
-    std::vector<int32_t> kept_;     // ascending
+    SlotArray<int32_t> kept_;       // ascending
     std::vector<uint8_t> is_kept_;  // by position
     std::vector<float> attn_;       // this step's weights on kept_, index-aligned
     std::vector<double> retained_;  // per query head of the group, this step

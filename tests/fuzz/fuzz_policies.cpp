@@ -131,7 +131,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                 step.combined = group > 1 ? combined.data() : rows_of_group[0];
                 harness.step(step);
                 // The contract the harness enforces, checked from outside too.
-                const std::vector<int32_t>& kept = harness.kept();
+                const std::span<const int32_t> kept = harness.kept();
                 if (!std::is_sorted(kept.begin(), kept.end()) || std::adjacent_find(kept.begin(), kept.end()) != kept.end() ||
                     (!kept.empty() && (kept.front() < 0 || kept.back() > t)))
                     broken(policy.name + ": the cache is not an ascending list of positions up to step " + std::to_string(t));
