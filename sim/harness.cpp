@@ -96,10 +96,17 @@ bool sum_four_heads_exactly(std::span<const float* const> rows, const float* int
         const __m512i by_head = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
         auto at = [&](std::size_t slot) { return _mm_loadu_ps(interleaved + 4 * static_cast<std::size_t>(kept[slot])); };
         for (; j + 4 <= held; j += 4) {
-            __m512 w = _mm512_castps128_ps512(at(j));
-            w = _mm512_insertf32x4(w, at(j + 1), 1);
-            w = _mm512_insertf32x4(w, at(j + 2), 2);
-            w = _mm512_insertf32x4(w, at(j + 3), 3);
+            // Four consecutive positions (kept ascends, so the fourth is the first plus 3) are one
+            // load: a recent window, or a sliding window's whole cache.
+            __m512 w;
+            if (kept[j + 3] == kept[j] + 3) {
+                w = _mm512_loadu_ps(interleaved + 4 * static_cast<std::size_t>(kept[j]));
+            } else {
+                w = _mm512_castps128_ps512(at(j));
+                w = _mm512_insertf32x4(w, at(j + 1), 1);
+                w = _mm512_insertf32x4(w, at(j + 2), 2);
+                w = _mm512_insertf32x4(w, at(j + 3), 3);
+            }
             const __m512i bits = _mm512_castps_si512(w);
             least16 = _mm512_min_epu32(least16, _mm512_sub_epi32(bits, one16));
             largest16 = _mm512_max_epu32(largest16, bits);

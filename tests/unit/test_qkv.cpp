@@ -284,7 +284,8 @@ TEST_CASE("retained mass is each head's kept weights summed in position order, w
         rows_of_heads[4][j] = 0.0001f * static_cast<float>(j % 5);
     }
     // Every group size (the sums go four, two and one heads at a time), every row in every head,
-    // every prefix of kept positions, and every other position kept.
+    // every prefix of kept positions: every position, every other one, and runs of three (so
+    // four kept slots are consecutive positions now and then, not always).
     for (std::size_t group : {1, 2, 3, 4, 5, 7}) {
         CAPTURE(group);
         const float* rows[7];
@@ -296,10 +297,10 @@ TEST_CASE("retained mass is each head's kept weights summed in position order, w
         std::vector<float> interleaved;
         for (bool by_position : {false, true})
         for (std::size_t problem = 0; problem < 5 * group; ++problem)
-            for (int stride : {1, 2})
-                for (int64_t held = 0; held * stride < t; held += held < 40 ? 1 : 7) {
+            for (int stride : {1, 2, 0})  // 0: runs of three, one position left out after each
+                for (int64_t held = 0; (stride == 0 ? held + held / 3 : held * stride) < t; held += held < 40 ? 1 : 7) {
                     std::vector<int32_t> kept;
-                    for (int64_t j = 0; j < held; ++j) kept.push_back(static_cast<int32_t>(j * stride));
+                    for (int64_t j = 0; j < held; ++j) kept.push_back(static_cast<int32_t>(stride == 0 ? j + j / 3 : j * stride));
                     for (std::size_t h = 0; h < group; ++h)
                         rows[h] = rows_of_heads[h == problem % group ? problem / group : 4].data();
                     interleaved.assign(4 * t, 0.0f);
