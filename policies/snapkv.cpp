@@ -53,6 +53,41 @@ void SnapKV::observe(std::span<const float> attn) {
     // just fallen to 0 the sum is redone from its window.
     bool any_redone = false;
     std::size_t i = 0;
+    if (unsummable_total_ == 0) {
+        // No slot's window holds an entry that is not summable, the old entries included: a count
+        // rises only where the new entry is not summable, and no count falls.
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+        const __m256i low8 = _mm256_set1_epi32(static_cast<int32_t>(low));
+        const __m256i span8 = _mm256_set1_epi32(static_cast<int32_t>(span));
+        const __m512d nan = _mm512_set1_pd(std::numeric_limits<double>::quiet_NaN());
+        for (; i + 8 <= attn.size(); i += 8) {
+            const __m256 old = _mm256_loadu_ps(column + i), now = _mm256_loadu_ps(attn.data() + i);
+            _mm256_storeu_ps(column + i, now);
+            const __m256i bits = _mm256_castps_si256(now);
+            const __mmask8 raised = static_cast<__mmask8>(_mm256_test_epi32_mask(bits, bits) &
+                                                          _mm256_cmpge_epu32_mask(_mm256_sub_epi32(bits, low8), span8));
+            const __m512d updated =
+                _mm512_add_pd(_mm512_sub_pd(_mm512_loadu_pd(running + i), _mm512_cvtps_pd(old)), _mm512_cvtps_pd(now));
+            _mm512_storeu_pd(running + i, _mm512_mask_blend_pd(raised, updated, nan));
+            if (raised) {
+                _mm256_mask_storeu_epi32(unsummable + i, raised, _mm256_set1_epi32(1));
+                unsummable_total_ += __builtin_popcount(raised);
+            }
+        }
+#endif
+        for (; i < attn.size(); ++i) {
+            const float old = column[i], now = attn[i];
+            column[i] = now;
+            const int32_t after = not_summable(now);
+            unsummable[i] = after;
+            unsummable_total_ += after;
+            const double updated = (running[i] - static_cast<double>(old)) + static_cast<double>(now);
+            running[i] = after == 0 ? updated : std::numeric_limits<double>::quiet_NaN();
+        }
+        write_index_ = (write_index_ + 1) % static_cast<int>(window_.size());
+        return;
+    }
+    int64_t total = 0;
 #if defined(__AVX512F__) && defined(__AVX512VL__)
     {  // the loop below, eight slots at a time
         const __m256i low8 = _mm256_set1_epi32(static_cast<int32_t>(low));
@@ -64,6 +99,7 @@ void SnapKV::observe(std::span<const float> attn) {
                                          _mm256_cmpge_epu32_mask(_mm256_sub_epi32(bits, low8), span8));
         };
         __mmask8 redone = 0;
+        __m256i counts = zero;
         for (; i + 8 <= attn.size(); i += 8) {
             const __m256 old = _mm256_loadu_ps(column + i), now = _mm256_loadu_ps(attn.data() + i);
             _mm256_storeu_ps(column + i, now);
@@ -71,12 +107,16 @@ void SnapKV::observe(std::span<const float> attn) {
             __m256i after = _mm256_mask_add_epi32(before, not_summable8(_mm256_castps_si256(now)), before, one);
             after = _mm256_mask_sub_epi32(after, not_summable8(_mm256_castps_si256(old)), after, one);
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(unsummable + i), after);
+            counts = _mm256_add_epi32(counts, after);
             const __m512d updated =
                 _mm512_add_pd(_mm512_sub_pd(_mm512_loadu_pd(running + i), _mm512_cvtps_pd(old)), _mm512_cvtps_pd(now));
             const __mmask8 clean = _mm256_cmpeq_epi32_mask(_mm256_or_si256(before, after), zero);
             _mm512_storeu_pd(running + i, _mm512_mask_blend_pd(clean, nan, updated));
             redone |= static_cast<__mmask8>(_mm256_cmpneq_epi32_mask(before, zero) & _mm256_cmpeq_epi32_mask(after, zero));
         }
+        alignas(32) int32_t lanes[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), counts);
+        for (int32_t c : lanes) total += c;
         any_redone = redone != 0;
     }
 #endif
@@ -86,10 +126,14 @@ void SnapKV::observe(std::span<const float> attn) {
         const int32_t before = unsummable[i];
         const int32_t after = before + not_summable(now) - not_summable(old);
         unsummable[i] = after;
+        total += after;
         const double updated = (running[i] - static_cast<double>(old)) + static_cast<double>(now);
         running[i] = (before | after) == 0 ? updated : std::numeric_limits<double>::quiet_NaN();
         any_redone |= (before != 0) & (after == 0);
     }
+    // Slots past the attention shown (none, as ScoredEviction calls it) keep their counts.
+    for (std::size_t j = attn.size(); j < unsummable_.size(); ++j) total += unsummable[j];
+    unsummable_total_ = total;
     if (any_redone)
         for (std::size_t j = 0; j < attn.size(); ++j)
             if (unsummable[j] == 0 && running[j] != running[j]) running[j] = ring_order_sum(j);
@@ -117,9 +161,7 @@ std::span<const double> SnapKV::scores() {
     // window is summable, any order gives those bits, and the running sum is taken; the rest are
     // summed here in ring order (copied only where there are any).
     const double* sums = running_.data();
-    int32_t unsummable = 0;
-    for (std::size_t i = 0; i < n; ++i) unsummable |= unsummable_[i];
-    if (unsummable != 0) {
+    if (unsummable_total_ != 0) {
         window_sum_.assign(running_.begin(), running_.begin() + static_cast<std::ptrdiff_t>(n));
         for (std::size_t i = 0; i < n; ++i)
             if (unsummable_[i] != 0) window_sum_[i] = ring_order_sum(i);
@@ -158,6 +200,7 @@ std::span<const double> SnapKV::scores() {
 }
 
 void SnapKV::drop_state(std::span<const std::size_t> evicted) {
+    for (std::size_t slot : evicted) unsummable_total_ -= unsummable_[slot];
     for (auto& column : window_) column.erase(evicted);
     running_.erase(evicted);
     unsummable_.erase(evicted);

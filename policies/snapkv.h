@@ -30,6 +30,7 @@ private:
     // proof of exactness, not state the policy needs, so bytes_per_slot leaves it out.
     SlotArray<double> running_;
     SlotArray<int32_t> unsummable_;
+    int64_t unsummable_total_ = 0;  // the sum of unsummable_: 0 allows observe's short loop
     uint32_t smallest_summable_bits_;
     std::vector<double> window_sum_;
     std::vector<double> pooled_;
