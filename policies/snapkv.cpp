@@ -51,26 +51,31 @@ void SnapKV::observe(std::span<const float> attn) {
     // The entry the ring overwrites leaves each sum and the new one joins it, exactly where both
     // counts are 0. A slot whose count was or is above 0 gets NaN instead, and where its count has
     // just fallen to 0 the sum is redone from its window.
-    bool any_redone = false;
     std::size_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+    // The loops below, eight slots at a time.
+    const __m256i low8 = _mm256_set1_epi32(static_cast<int32_t>(low));
+    const __m256i span8 = _mm256_set1_epi32(static_cast<int32_t>(span));
+    const __m256i zero = _mm256_setzero_si256(), one = _mm256_set1_epi32(1);
+    const __m512d nan = _mm512_set1_pd(std::numeric_limits<double>::quiet_NaN());
+    auto not_summable8 = [&](__m256i bits) {
+        return static_cast<__mmask8>(_mm256_test_epi32_mask(bits, bits) &
+                                     _mm256_cmpge_epu32_mask(_mm256_sub_epi32(bits, low8), span8));
+    };
+#endif
     if (unsummable_total_ == 0) {
         // No slot's window holds an entry that is not summable, the old entries included: a count
         // rises only where the new entry is not summable, and no count falls.
 #if defined(__AVX512F__) && defined(__AVX512VL__)
-        const __m256i low8 = _mm256_set1_epi32(static_cast<int32_t>(low));
-        const __m256i span8 = _mm256_set1_epi32(static_cast<int32_t>(span));
-        const __m512d nan = _mm512_set1_pd(std::numeric_limits<double>::quiet_NaN());
         for (; i + 8 <= attn.size(); i += 8) {
             const __m256 old = _mm256_loadu_ps(column + i), now = _mm256_loadu_ps(attn.data() + i);
             _mm256_storeu_ps(column + i, now);
-            const __m256i bits = _mm256_castps_si256(now);
-            const __mmask8 raised = static_cast<__mmask8>(_mm256_test_epi32_mask(bits, bits) &
-                                                          _mm256_cmpge_epu32_mask(_mm256_sub_epi32(bits, low8), span8));
+            const __mmask8 raised = not_summable8(_mm256_castps_si256(now));
             const __m512d updated =
                 _mm512_add_pd(_mm512_sub_pd(_mm512_loadu_pd(running + i), _mm512_cvtps_pd(old)), _mm512_cvtps_pd(now));
             _mm512_storeu_pd(running + i, _mm512_mask_blend_pd(raised, updated, nan));
             if (raised) {
-                _mm256_mask_storeu_epi32(unsummable + i, raised, _mm256_set1_epi32(1));
+                _mm256_mask_storeu_epi32(unsummable + i, raised, one);
                 unsummable_total_ += __builtin_popcount(raised);
             }
         }
@@ -84,20 +89,10 @@ void SnapKV::observe(std::span<const float> attn) {
             const double updated = (running[i] - static_cast<double>(old)) + static_cast<double>(now);
             running[i] = after == 0 ? updated : std::numeric_limits<double>::quiet_NaN();
         }
-        write_index_ = (write_index_ + 1) % static_cast<int>(window_.size());
-        return;
-    }
-    int64_t total = 0;
+    } else {
+        bool any_redone = false;
+        int64_t total = 0;
 #if defined(__AVX512F__) && defined(__AVX512VL__)
-    {  // the loop below, eight slots at a time
-        const __m256i low8 = _mm256_set1_epi32(static_cast<int32_t>(low));
-        const __m256i span8 = _mm256_set1_epi32(static_cast<int32_t>(span));
-        const __m256i zero = _mm256_setzero_si256(), one = _mm256_set1_epi32(1);
-        const __m512d nan = _mm512_set1_pd(std::numeric_limits<double>::quiet_NaN());
-        auto not_summable8 = [&](__m256i bits) {
-            return static_cast<__mmask8>(_mm256_test_epi32_mask(bits, bits) &
-                                         _mm256_cmpge_epu32_mask(_mm256_sub_epi32(bits, low8), span8));
-        };
         __mmask8 redone = 0;
         __m256i counts = zero;
         for (; i + 8 <= attn.size(); i += 8) {
@@ -118,25 +113,25 @@ void SnapKV::observe(std::span<const float> attn) {
         _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), counts);
         for (int32_t c : lanes) total += c;
         any_redone = redone != 0;
-    }
 #endif
-    for (; i < attn.size(); ++i) {
-        const float old = column[i], now = attn[i];
-        column[i] = now;
-        const int32_t before = unsummable[i];
-        const int32_t after = before + not_summable(now) - not_summable(old);
-        unsummable[i] = after;
-        total += after;
-        const double updated = (running[i] - static_cast<double>(old)) + static_cast<double>(now);
-        running[i] = (before | after) == 0 ? updated : std::numeric_limits<double>::quiet_NaN();
-        any_redone |= (before != 0) & (after == 0);
+        for (; i < attn.size(); ++i) {
+            const float old = column[i], now = attn[i];
+            column[i] = now;
+            const int32_t before = unsummable[i];
+            const int32_t after = before + not_summable(now) - not_summable(old);
+            unsummable[i] = after;
+            total += after;
+            const double updated = (running[i] - static_cast<double>(old)) + static_cast<double>(now);
+            running[i] = (before | after) == 0 ? updated : std::numeric_limits<double>::quiet_NaN();
+            any_redone |= (before != 0) & (after == 0);
+        }
+        // Slots past the attention shown (none, as ScoredEviction calls it) keep their counts.
+        for (std::size_t j = attn.size(); j < unsummable_.size(); ++j) total += unsummable[j];
+        unsummable_total_ = total;
+        if (any_redone)
+            for (std::size_t j = 0; j < attn.size(); ++j)
+                if (unsummable[j] == 0 && running[j] != running[j]) running[j] = ring_order_sum(j);
     }
-    // Slots past the attention shown (none, as ScoredEviction calls it) keep their counts.
-    for (std::size_t j = attn.size(); j < unsummable_.size(); ++j) total += unsummable[j];
-    unsummable_total_ = total;
-    if (any_redone)
-        for (std::size_t j = 0; j < attn.size(); ++j)
-            if (unsummable[j] == 0 && running[j] != running[j]) running[j] = ring_order_sum(j);
     write_index_ = (write_index_ + 1) % static_cast<int>(window_.size());
 }
 
