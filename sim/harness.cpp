@@ -1,6 +1,7 @@
 #include "sim/harness.h"
 
 #include <algorithm>
+#include <bit>
 #include <cstdint>
 #include <cmath>
 #include <limits>
@@ -217,7 +218,7 @@ void sum_kept_weights(std::span<const float* const> rows, std::span<const int32_
 Harness::Harness(std::unique_ptr<Policy> policy, int budget, int64_t sequence_length, const HarnessOptions& options,
                  std::string label, std::string where)
     : policy_(std::move(policy)), budget_(budget), options_(options), label_(std::move(label)),
-      where_(std::move(where)), is_kept_(sequence_length, 0) {
+      where_(std::move(where)), sequence_length_(sequence_length), kept_bits_((sequence_length + 63) / 64, 0) {
     tiered_ = policy_->tier_format() != nullptr;
     if (tiered_) {
         key_tier_.assign(sequence_length, 0);
@@ -225,7 +226,7 @@ Harness::Harness(std::unique_ptr<Policy> policy, int budget, int64_t sequence_le
     }
     kept_.reserve(std::min<int64_t>(std::max(budget, options.prefill_tokens), sequence_length) + 1);
     kept_.push_back(0);
-    is_kept_[0] = 1;
+    set_kept(0, true);
     if (tiered_) policy_->assign_tiers(0, kept_, key_tier_, value_tier_);  // position 0 as step 0 left it
 }
 
@@ -255,8 +256,8 @@ void combine_group_rows(std::span<const float* const> rows, int64_t t, GroupRedu
 void Harness::set_values(const CacheValues& values) {
     values_ = values;
     if (!tiered_) {  // an untiered policy reads every position at fp16
-        key_tier_.assign(is_kept_.size(), 0);
-        value_tier_.assign(is_kept_.size(), 0);
+        key_tier_.assign(sequence_length_, 0);
+        value_tier_.assign(sequence_length_, 0);
     }
     for (int tier = 0; tier < 3; ++tier) {
         const int key_dim = values.key_dim > 0 ? values.key_dim : values.head_dim;
@@ -390,7 +391,13 @@ void Harness::observe(const GroupStep& s) {
             // The current token is always in the cache: where its own weight is known, it counts.
             metrics_.retained_mass += retained_[h] + (s.own_weight.empty() ? 0.0 : s.own_weight[h]);
             int64_t hits = 0;
-            for (int32_t p : s.heavy[h]) hits += is_kept_[p];
+            if (s.heavy_bits.empty()) {
+                for (int32_t p : s.heavy[h]) hits += is_kept(p);
+            } else {
+                const uint64_t* heavy = s.heavy_bits[h];
+                for (std::size_t w = 0, words = (static_cast<std::size_t>(t) + 63) / 64; w < words; ++w)
+                    hits += std::popcount(kept_bits_[w] & heavy[w]);
+            }
             metrics_.heavy_hitter_hits += hits;
             metrics_.heavy_hitter_possible += static_cast<int64_t>(s.heavy[h].size());
         }
@@ -476,7 +483,7 @@ void Harness::observe(const GroupStep& s) {
         fail(t, e.what());
     }
     kept_.push_back(t);
-    is_kept_[t] = 1;
+    set_kept(t, true);
 }
 
 // `exact`: down to `budget` by Policy::evict_to (a budget chosen for this step), else Policy::evict.
@@ -494,8 +501,8 @@ void Harness::evict(int32_t t, int budget, bool exact) {
     if (!victims_.empty() || kept_.size() > static_cast<std::size_t>(budget)) ++metrics_.eviction_calls;
     victim_slots_.clear();
     for (int32_t v : victims_) {
-        if (v < 0 || v > t || !is_kept_[v]) fail(t, "evicted position " + std::to_string(v) + " which it does not hold");
-        is_kept_[v] = 0;
+        if (v < 0 || v > t || !is_kept(v)) fail(t, "evicted position " + std::to_string(v) + " which it does not hold");
+        set_kept(v, false);
         victim_slots_.push_back(static_cast<std::size_t>(std::lower_bound(kept_.begin(), kept_.end(), v) - kept_.begin()));
     }
     std::sort(victim_slots_.begin(), victim_slots_.end());

@@ -80,6 +80,9 @@ struct GroupStep {
     std::span<const float> self_weight;  // empty unless the view needs it (derived if need be)
     std::span<const float> own_weight;   // the token's weight on itself where the source records it
     std::span<const std::span<const int32_t>> heavy;
+    // The same positions as bits (bit p % 64 of word p / 64, (t + 63) / 64 words a head), where the
+    // source builds them once for every harness: each then counts its hits a word at a time.
+    std::span<const uint64_t* const> heavy_bits;
     const float* combined = nullptr;  // raw view: the reduced row
     // Groups of 4 query heads: their rows interleaved, [position][head], where the replay built
     // them (one load per kept position instead of four); null otherwise.
@@ -137,7 +140,13 @@ private:
     std::string label_;
     std::string where_;
     SlotArray<int32_t> kept_;       // ascending
-    std::vector<uint8_t> is_kept_;  // by position
+    int64_t sequence_length_;
+    std::vector<uint64_t> kept_bits_;  // by position, a bit each (as GroupStep::heavy_bits)
+    bool is_kept(int32_t p) const { return (kept_bits_[p >> 6] >> (p & 63)) & 1; }
+    void set_kept(int32_t p, bool kept) {
+        const uint64_t bit = uint64_t{1} << (p & 63);
+        kept_bits_[p >> 6] = kept ? kept_bits_[p >> 6] | bit : kept_bits_[p >> 6] & ~bit;
+    }
     std::vector<float> attn_;       // this step's weights on kept_, index-aligned
     std::vector<double> retained_;  // per query head of the group, this step
     std::vector<float> gathered_;   // [head][kept slot] weights (sum_kept_weights)

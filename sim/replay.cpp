@@ -442,17 +442,26 @@ private:
         float self_of_group[64];
         const float* queries_of_group[64];
         const float* full_of_group[64];
+        const uint64_t* heavy_bits_of_group[64];
+        std::vector<uint64_t> heavy_bits;  // [head of the group][word]
     };
     GroupStep group_step(int kv, int64_t first, int64_t end, int64_t i, StepArrays& arrays) const {
         const int64_t rows = end - first;
         const std::size_t group = static_cast<std::size_t>(group_);
-        auto& [rows_of_group, heavy_of_group, self_of_group, queries_of_group, full_of_group] = arrays;
+        auto& [rows_of_group, heavy_of_group, self_of_group, queries_of_group, full_of_group, heavy_bits_of_group,
+               heavy_bits] = arrays;
         const int64_t t = first + i;
+        // The heavy hitters as bits too, once for all the step's harnesses (Harness::observe).
+        const std::size_t words = (static_cast<std::size_t>(t) + 63) / 64;
+        heavy_bits.assign(group * words, 0);
         for (int h = 0; h < group_; ++h) {
             const int head = kv * group_ + h;
             const int64_t job_row = head * rows + i;
             rows_of_group[h] = block_.row(head, t);
             heavy_of_group[h] = {heavy_.data() + job_row * block_k_, static_cast<std::size_t>(heavy_count_[job_row])};
+            uint64_t* bits = heavy_bits.data() + h * words;
+            for (int32_t p : heavy_of_group[h]) bits[p >> 6] |= uint64_t{1} << (p & 63);
+            heavy_bits_of_group[h] = bits;
             if (!raw_view_ || recorded_self_) self_of_group[h] = block_.self_weight[head][i];
             if (options_.output_error) {
                 queries_of_group[h] = layer_values_->q.data() + (t * query_heads_ + head) * head_dim_;
@@ -463,6 +472,7 @@ private:
         step.t = static_cast<int32_t>(t);
         step.rows = {rows_of_group, group};
         step.heavy = {heavy_of_group, group};
+        step.heavy_bits = {heavy_bits_of_group, group};
         if (!raw_view_) step.self_weight = {self_of_group, group};
         if (recorded_self_) step.own_weight = {self_of_group, group};
         if (options_.output_error) {

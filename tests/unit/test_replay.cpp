@@ -45,7 +45,70 @@ std::string run_until_error(std::unique_ptr<Policy> policy, int budget) {
     return "";
 }
 
+// Evicts a held position picked by a hash of the step: kept sets full of holes.
+class EvictsScattered : public Policy {
+public:
+    void on_decode_step(int32_t t, std::span<const float>) override {
+        held_.push_back(t);
+        step_ = t;
+    }
+    void evict(int budget, std::vector<int32_t>& victims) override {
+        while (held_.size() > static_cast<std::size_t>(budget)) {
+            const std::size_t slot = (static_cast<std::size_t>(step_) * 2654435761u) % held_.size();
+            victims.push_back(held_[slot]);
+            held_.erase(held_.begin() + static_cast<std::ptrdiff_t>(slot));
+        }
+    }
+    std::size_t bytes_per_slot() const override { return 0; }
+
+private:
+    std::vector<int32_t> held_{0};
+    int32_t step_ = 0;
+};
+
 }  // namespace
+
+TEST_CASE("heavy-hitter recall counts the same hits from the positions' list and from their bits") {
+    // The replay hands each step's heavy hitters as bits too (GroupStep::heavy_bits); a harness
+    // then counts its hits a 64-position word at a time, across word boundaries (t up to 299).
+    constexpr int group = 4, steps = 300, k = 16;
+    Harness by_list(std::make_unique<EvictsScattered>(), 40, steps, HarnessOptions{}, "list", "");
+    Harness by_bits(std::make_unique<EvictsScattered>(), 40, steps, HarnessOptions{}, "bits", "");
+    uint64_t state = 12345;
+    auto random = [&] { return static_cast<float>((state = state * 6364136223846793005u + 1442695040888963407u) >> 40); };
+    std::vector<std::vector<float>> rows(group, std::vector<float>(steps));
+    std::vector<float> combined(steps);
+    for (int32_t t = 1; t < steps; ++t) {
+        for (auto& row : rows)
+            for (int32_t p = 0; p < t; ++p) row[p] = random();
+        std::vector<std::vector<int32_t>> heavy(group);
+        std::vector<std::vector<uint64_t>> bits(group, std::vector<uint64_t>((t + 63) / 64, 0));
+        std::span<const int32_t> heavy_spans[group];
+        const float* row_pointers[group];
+        const uint64_t* bit_pointers[group];
+        for (int h = 0; h < group; ++h) {
+            top_k_positions({rows[h].data(), static_cast<std::size_t>(t)}, k, heavy[h]);
+            for (int32_t p : heavy[h]) bits[h][p / 64] |= uint64_t{1} << (p % 64);
+            heavy_spans[h] = heavy[h];
+            row_pointers[h] = rows[h].data();
+            bit_pointers[h] = bits[h].data();
+        }
+        GroupStep step;
+        step.t = t;
+        step.rows = row_pointers;
+        step.heavy = heavy_spans;
+        step.combined = combined.data();
+        by_list.step(step);
+        step.heavy_bits = bit_pointers;
+        by_bits.step(step);
+    }
+    const StreamMetrics &list = by_list.metrics(), &bits = by_bits.metrics();
+    CHECK(bits.heavy_hitter_possible == list.heavy_hitter_possible);
+    CHECK(bits.heavy_hitter_hits == list.heavy_hitter_hits);
+    // Neither none nor all: the kept set and the heavy hitters overlap in part.
+    CHECK(list.heavy_hitter_hits > list.heavy_hitter_possible / 20);
+    CHECK(list.heavy_hitter_hits < list.heavy_hitter_possible / 2);
+}
 
 TEST_CASE("a policy that evicts a position it does not hold is an error naming the policy and step") {
     // Step 60 is the first eviction (61 positions held) and 49 is still held; at step 61 it is not.
