@@ -398,11 +398,12 @@ private:
     void advance(std::vector<Harness>& harnesses, const Job& job, int64_t first, int64_t end) const {
         StepArrays arrays;
         // A group of four heads' rows, interleaved by position for the run's combinations to
-        // share (sum_kept_weights): built once per step where two or more read it.
-        const bool interleave = group_ == 4 && job.combos.size() > 1;
+        // share (sum_kept_weights), and the heavy hitters as bits: built once per step where two
+        // or more read them.
+        const bool shared = job.combos.size() > 1, interleave = group_ == 4 && shared;
         thread_local std::vector<float> interleaved;
         for (int64_t i = 0; i < end - first; ++i) {
-            GroupStep step = group_step(job.kv, first, end, i, arrays);
+            GroupStep step = group_step(job.kv, first, end, i, arrays, shared);
             if (interleave) {
                 interleaved.resize(4 * static_cast<std::size_t>(step.t));
                 interleave_rows(step.rows, step.t, interleaved.data());
@@ -445,7 +446,10 @@ private:
         const uint64_t* heavy_bits_of_group[64];
         std::vector<uint64_t> heavy_bits;  // [head of the group][word]
     };
-    GroupStep group_step(int kv, int64_t first, int64_t end, int64_t i, StepArrays& arrays) const {
+    // `heavy_as_bits`: the heavy hitters as bits too (for several harnesses: building them costs
+    // about what one harness saves).
+    GroupStep group_step(int kv, int64_t first, int64_t end, int64_t i, StepArrays& arrays,
+                         bool heavy_as_bits = false) const {
         const int64_t rows = end - first;
         const std::size_t group = static_cast<std::size_t>(group_);
         auto& [rows_of_group, heavy_of_group, self_of_group, queries_of_group, full_of_group, heavy_bits_of_group,
@@ -453,15 +457,17 @@ private:
         const int64_t t = first + i;
         // The heavy hitters as bits too, once for all the step's harnesses (Harness::observe).
         const std::size_t words = (static_cast<std::size_t>(t) + 63) / 64;
-        heavy_bits.assign(group * words, 0);
+        if (heavy_as_bits) heavy_bits.assign(group * words, 0);
         for (int h = 0; h < group_; ++h) {
             const int head = kv * group_ + h;
             const int64_t job_row = head * rows + i;
             rows_of_group[h] = block_.row(head, t);
             heavy_of_group[h] = {heavy_.data() + job_row * block_k_, static_cast<std::size_t>(heavy_count_[job_row])};
-            uint64_t* bits = heavy_bits.data() + h * words;
-            for (int32_t p : heavy_of_group[h]) bits[p >> 6] |= uint64_t{1} << (p & 63);
-            heavy_bits_of_group[h] = bits;
+            if (heavy_as_bits) {
+                uint64_t* bits = heavy_bits.data() + h * words;
+                for (int32_t p : heavy_of_group[h]) bits[p >> 6] |= uint64_t{1} << (p & 63);
+                heavy_bits_of_group[h] = bits;
+            }
             if (!raw_view_ || recorded_self_) self_of_group[h] = block_.self_weight[head][i];
             if (options_.output_error) {
                 queries_of_group[h] = layer_values_->q.data() + (t * query_heads_ + head) * head_dim_;
@@ -472,7 +478,7 @@ private:
         step.t = static_cast<int32_t>(t);
         step.rows = {rows_of_group, group};
         step.heavy = {heavy_of_group, group};
-        step.heavy_bits = {heavy_bits_of_group, group};
+        if (heavy_as_bits) step.heavy_bits = {heavy_bits_of_group, group};
         if (!raw_view_) step.self_weight = {self_of_group, group};
         if (recorded_self_) step.own_weight = {self_of_group, group};
         if (options_.output_error) {
