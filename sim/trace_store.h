@@ -143,6 +143,10 @@ public:
     uint64_t file_bytes() const;
     std::vector<DatasetSize> dataset_sizes() const;
 
+    // How many Q/K/V datasets this reader read from their stored chunks (inflated by kvsim itself,
+    // where a dataset is laid out as kvsim writes it) rather than through HDF5's filters.
+    uint64_t datasets_read_from_chunks() const;
+
 private:
     struct Impl;
     std::unique_ptr<Impl> impl_;

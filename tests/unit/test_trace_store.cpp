@@ -185,6 +185,100 @@ TEST_CASE("qkv layers round trip in float32 exactly and in float16 as correctly 
     CHECK(input_error(path).empty());
 }
 
+namespace {
+
+// How layer 0's Q of a test trace is stored instead of as the writer stores it.
+struct QLayout {
+    const char* what;
+    bool half = false;          // IEEE half, else float32
+    bool big_endian = false;    // float32 only
+    std::vector<hsize_t> chunk;  // empty: contiguous
+    std::vector<H5Z_filter_t> filters;  // in pipeline order
+    bool from_chunks = false;   // read_qkv reads it from its stored chunks
+};
+
+// Replaces layer 0's Q of the trace at `path` by `values` stored as `layout` says.
+void store_q(const std::string& path, const QLayout& layout, const std::vector<float>& values, const TraceMetadata& m,
+             hsize_t tokens) {
+    const std::string name = "/sequences/000000/qkv/layer_000/q";
+    const hid_t file = H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+    REQUIRE(H5Ldelete(file, name.c_str(), H5P_DEFAULT) >= 0);
+    const hsize_t dims[3] = {tokens, static_cast<hsize_t>(m.num_query_heads), static_cast<hsize_t>(m.head_dim)};
+    const hid_t space = H5Screate_simple(3, dims, nullptr);
+    const hid_t dcpl = H5Pcreate(H5P_DATASET_CREATE);
+    if (!layout.chunk.empty()) H5Pset_chunk(dcpl, 3, layout.chunk.data());
+    for (H5Z_filter_t filter : layout.filters) {
+        if (filter == H5Z_FILTER_SHUFFLE) H5Pset_shuffle(dcpl);
+        if (filter == H5Z_FILTER_DEFLATE) H5Pset_deflate(dcpl, 6);
+        if (filter == H5Z_FILTER_FLETCHER32) H5Pset_fletcher32(dcpl);
+    }
+    const hid_t type = layout.half ? hdf5_half_type() : H5Tcopy(layout.big_endian ? H5T_IEEE_F32BE : H5T_IEEE_F32LE);
+    const hid_t dataset = H5Dcreate2(file, name.c_str(), type, space, H5P_DEFAULT, dcpl, H5P_DEFAULT);
+    REQUIRE(dataset >= 0);
+    REQUIRE(H5Dwrite(dataset, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, values.data()) >= 0);
+    H5Dclose(dataset);
+    H5Tclose(type);
+    H5Pclose(dcpl);
+    H5Sclose(space);
+    H5Fclose(file);
+}
+
+}  // namespace
+
+TEST_CASE("Q/K/V stored in any layout HDF5 reads come back as HDF5 reads them; kvsim's own from their chunks") {
+    const TraceMetadata m = qkv_metadata();
+    constexpr int64_t tokens = 300;  // not a multiple of any chunk below: edge chunks are read too
+    const QkvLayer layer = random_layer(tokens, m, 5);
+    const std::string q = "/sequences/000000/qkv/layer_000/q";
+    for (TensorDtype dtype : {TensorDtype::float32, TensorDtype::float16}) {
+        // As the writer stores Q/K/V: chunks of 256 whole rows, shuffled and deflated.
+        const std::string path = temp_dir() + "/layouts.h5";
+        {
+            TraceWriter writer(path, m);
+            writer.write_qkv(writer.add_sequence("story", tokens), 0, layer, dtype);
+            writer.write_qkv(0, 1, layer, dtype);
+            writer.commit();
+        }
+        TraceReader reader(path);
+        const QkvLayer read = reader.read_qkv(0, 0);
+        CHECK(reader.datasets_read_from_chunks() == 3);
+        CHECK(std::memcmp(read.q.data(), read_through_hdf5(path, q, read.q.size()).data(), read.q.size() * 4) == 0);
+        if (dtype == TensorDtype::float32) CHECK(read.q == layer.q);
+    }
+    const hsize_t hq = m.num_query_heads, d = m.head_dim;
+    const QLayout layouts[] = {
+        {"contiguous", false, false, {}, {}, false},
+        {"contiguous, half", true, false, {}, {}, false},
+        {"deflated", false, false, {64, hq, d}, {H5Z_FILTER_DEFLATE}, true},
+        {"unfiltered chunks", false, false, {64, hq, d}, {}, true},
+        {"unfiltered chunks, half", true, false, {64, hq, d}, {}, true},
+        {"shuffled only", false, false, {64, hq, d}, {H5Z_FILTER_SHUFFLE}, true},
+        {"shuffled and deflated, half, one-token chunks", true, false, {1, hq, d}, {H5Z_FILTER_SHUFFLE, H5Z_FILTER_DEFLATE}, true},
+        {"deflated, then shuffled", false, false, {64, hq, d}, {H5Z_FILTER_DEFLATE, H5Z_FILTER_SHUFFLE}, false},
+        {"with a checksum", false, false, {64, hq, d}, {H5Z_FILTER_SHUFFLE, H5Z_FILTER_DEFLATE, H5Z_FILTER_FLETCHER32}, false},
+        {"chunks of part of a row", false, false, {16, 1, d}, {H5Z_FILTER_SHUFFLE, H5Z_FILTER_DEFLATE}, false},
+        {"big-endian", false, true, {64, hq, d}, {H5Z_FILTER_SHUFFLE, H5Z_FILTER_DEFLATE}, false},
+    };
+    for (const QLayout& layout : layouts) {
+        const std::string what = layout.what;
+        CAPTURE(what);
+        const std::string path = temp_dir() + "/layout.h5";
+        {
+            TraceWriter writer(path, m);
+            writer.write_qkv(writer.add_sequence("story", tokens), 0, layer, TensorDtype::float32);
+            writer.write_qkv(0, 1, layer, TensorDtype::float32);
+            writer.commit();
+        }
+        store_q(path, layout, layer.q, m, tokens);
+        TraceReader reader(path);
+        const QkvLayer read = reader.read_qkv(0, 0);
+        CHECK(reader.datasets_read_from_chunks() == 2 + layout.from_chunks);  // K and V as written
+        const std::vector<float> hdf5 = read_through_hdf5(path, q, read.q.size());
+        CHECK(std::memcmp(read.q.data(), hdf5.data(), hdf5.size() * 4) == 0);
+        if (!layout.half) CHECK(read.q == layer.q);
+    }
+}
+
 TEST_CASE("the reader rejects missing, foreign, truncated and wrong-version files with the file named") {
     const std::string dir = temp_dir();
     CHECK(input_error(dir + "/nope.h5").find("nope.h5: no such file") != std::string::npos);
