@@ -47,7 +47,9 @@ int sum_in_order(std::span<const float* const> rows, std::span<const int32_t> ke
 // then below 2, where a double's last bit is 2^-52). Returns false where that is not shown, and
 // the sums are then redone in order; on the Llama-1B-shaped synthetic trace that was 1 call in
 // 10 million. The gathered weights are written either way, where `copy` asks for them.
-template <bool by_position, bool copy>
+// `bounded`: the caller has shown every weight of the rows +0 or in [2^-29, 2) (the replay does,
+// once a step for all its harnesses), so only the totals are checked here.
+template <bool by_position, bool copy, bool bounded = false>
 bool sum_four_heads_exactly(std::span<const float* const> rows, const float* interleaved, std::span<const int32_t> kept,
                             float* gathered, double* retained) {
     const std::size_t held = kept.size();
@@ -80,9 +82,11 @@ bool sum_four_heads_exactly(std::span<const float* const> rows, const float* int
             }
             w = _mm_setr_ps(a, b, c, d);
         }
-        const __m128i bits = _mm_castps_si128(w);
-        least = _mm_min_epu32(least, _mm_sub_epi32(bits, one));
-        largest = _mm_max_epu32(largest, bits);
+        if constexpr (!bounded) {
+            const __m128i bits = _mm_castps_si128(w);
+            least = _mm_min_epu32(least, _mm_sub_epi32(bits, one));
+            largest = _mm_max_epu32(largest, bits);
+        }
         sum = _mm256_add_pd(sum, _mm256_cvtps_pd(w));
     };
     std::size_t j = 0;
@@ -96,9 +100,10 @@ bool sum_four_heads_exactly(std::span<const float* const> rows, const float* int
         const __m512i one16 = _mm512_set1_epi32(1);
         const __m512i by_head = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
         auto at = [&](std::size_t slot) { return _mm_loadu_ps(interleaved + 4 * static_cast<std::size_t>(kept[slot])); };
-        for (; j + 4 <= held; j += 4) {
-            // Four consecutive positions (kept ascends, so the fourth is the first plus 3) are one
-            // load: a recent window, or a sliding window's whole cache.
+        // Slots j..j+3's weights, checked and summed. Four consecutive positions (kept ascends,
+        // so the fourth is the first plus 3) are one load: a recent window, or a sliding window's
+        // whole cache.
+        auto load_four = [&](std::size_t j, __m512d& low, __m512d& high) {
             __m512 w;
             if (kept[j + 3] == kept[j] + 3) {
                 w = _mm512_loadu_ps(interleaved + 4 * static_cast<std::size_t>(kept[j]));
@@ -108,11 +113,36 @@ bool sum_four_heads_exactly(std::span<const float* const> rows, const float* int
                 w = _mm512_insertf32x4(w, at(j + 2), 2);
                 w = _mm512_insertf32x4(w, at(j + 3), 3);
             }
-            const __m512i bits = _mm512_castps_si512(w);
-            least16 = _mm512_min_epu32(least16, _mm512_sub_epi32(bits, one16));
-            largest16 = _mm512_max_epu32(largest16, bits);
-            sum_low = _mm512_add_pd(sum_low, _mm512_cvtps_pd(_mm512_castps512_ps256(w)));
-            sum_high = _mm512_add_pd(sum_high, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(0xFF, _mm512_castps_pd(w), 1))));
+            if constexpr (!bounded) {
+                const __m512i bits = _mm512_castps_si512(w);
+                least16 = _mm512_min_epu32(least16, _mm512_sub_epi32(bits, one16));
+                largest16 = _mm512_max_epu32(largest16, bits);
+            }
+            low = _mm512_add_pd(low, _mm512_cvtps_pd(_mm512_castps512_ps256(w)));
+            high = _mm512_add_pd(high, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(0xFF, _mm512_castps_pd(w), 1))));
+            return w;
+        };
+        if constexpr (copy) {
+            // Sixteen slots at a time: each four grouped by head, then the four groups' 128-bit
+            // lanes transposed, so that each head's sixteen weights are one store.
+            __m512d low2 = _mm512_setzero_pd(), high2 = _mm512_setzero_pd();  // a second chain
+            for (; j + 16 <= held; j += 16) {
+                const __m512 g0 = _mm512_permutexvar_ps(by_head, load_four(j, sum_low, sum_high));
+                const __m512 g1 = _mm512_permutexvar_ps(by_head, load_four(j + 4, low2, high2));
+                const __m512 g2 = _mm512_permutexvar_ps(by_head, load_four(j + 8, sum_low, sum_high));
+                const __m512 g3 = _mm512_permutexvar_ps(by_head, load_four(j + 12, low2, high2));
+                const __m512 heads01_of_01 = _mm512_shuffle_f32x4(g0, g1, 0x44), heads23_of_01 = _mm512_shuffle_f32x4(g0, g1, 0xEE);
+                const __m512 heads01_of_23 = _mm512_shuffle_f32x4(g2, g3, 0x44), heads23_of_23 = _mm512_shuffle_f32x4(g2, g3, 0xEE);
+                _mm512_storeu_ps(out0 + j, _mm512_shuffle_f32x4(heads01_of_01, heads01_of_23, 0x88));
+                _mm512_storeu_ps(out1 + j, _mm512_shuffle_f32x4(heads01_of_01, heads01_of_23, 0xDD));
+                _mm512_storeu_ps(out2 + j, _mm512_shuffle_f32x4(heads23_of_01, heads23_of_23, 0x88));
+                _mm512_storeu_ps(out3 + j, _mm512_shuffle_f32x4(heads23_of_01, heads23_of_23, 0xDD));
+            }
+            sum_low = _mm512_add_pd(sum_low, low2);
+            sum_high = _mm512_add_pd(sum_high, high2);
+        }
+        for (; j + 4 <= held; j += 4) {
+            const __m512 w = load_four(j, sum_low, sum_high);
             if constexpr (copy) {
                 const __m512 grouped = _mm512_permutexvar_ps(by_head, w);
                 _mm_storeu_ps(out0 + j, _mm512_castps512_ps128(grouped));
@@ -136,9 +166,11 @@ bool sum_four_heads_exactly(std::span<const float* const> rows, const float* int
             __m128 w[4];
             for (int s = 0; s < 4; ++s) {
                 w[s] = _mm_loadu_ps(interleaved + 4 * static_cast<std::size_t>(kept[j + s]));
-                const __m128i bits = _mm_castps_si128(w[s]);
-                least = _mm_min_epu32(least, _mm_sub_epi32(bits, one));
-                largest = _mm_max_epu32(largest, bits);
+                if constexpr (!bounded) {
+                    const __m128i bits = _mm_castps_si128(w[s]);
+                    least = _mm_min_epu32(least, _mm_sub_epi32(bits, one));
+                    largest = _mm_max_epu32(largest, bits);
+                }
             }
             even = _mm256_add_pd(even, _mm256_cvtps_pd(w[0]));
             odd = _mm256_add_pd(odd, _mm256_cvtps_pd(w[1]));
@@ -173,27 +205,30 @@ bool sum_four_heads_exactly(std::span<const float* const> rows, const float* int
 }
 
 // The same, copying the weights out only where `gathered` is given.
-template <bool by_position>
-bool sum_four_heads_exactly(std::span<const float* const> rows, const float* interleaved, std::span<const int32_t> kept,
-                            float* gathered, double* retained) {
-    return gathered ? sum_four_heads_exactly<by_position, true>(rows, interleaved, kept, gathered, retained)
-                    : sum_four_heads_exactly<by_position, false>(rows, interleaved, kept, nullptr, retained);
+template <bool by_position, bool bounded = false>
+bool sum_four_heads(std::span<const float* const> rows, const float* interleaved, std::span<const int32_t> kept,
+                    float* gathered, double* retained) {
+    return gathered ? sum_four_heads_exactly<by_position, true, bounded>(rows, interleaved, kept, gathered, retained)
+                    : sum_four_heads_exactly<by_position, false, bounded>(rows, interleaved, kept, nullptr, retained);
 }
 #endif
 
 }  // namespace
 
 void sum_kept_weights(std::span<const float* const> rows, std::span<const int32_t> kept, float* gathered,
-                      double* retained, const float* interleaved) {
+                      double* retained, const float* interleaved, bool bounded) {
     const std::size_t held = kept.size();
     bool exactness_tried = false;  // once shown not to hold, the same weights are summed in order
 #if defined(__AVX2__)
     if (interleaved && rows.size() == 4) {
-        if (sum_four_heads_exactly<true>(rows, interleaved, kept, gathered, retained)) return;
+        if (bounded ? sum_four_heads<true, true>(rows, interleaved, kept, gathered, retained)
+                    : sum_four_heads<true>(rows, interleaved, kept, gathered, retained))
+            return;
         exactness_tried = true;
     }
 #else
     (void)interleaved;
+    (void)bounded;
     (void)exactness_tried;
 #endif
     for (std::size_t h = 0; h < rows.size();) {
@@ -201,7 +236,7 @@ void sum_kept_weights(std::span<const float* const> rows, std::span<const int32_
         const auto group = rows.subspan(h);
         float* copy = gathered ? gathered + h * held : nullptr;
 #if defined(__AVX2__)
-        if (left >= 4 && !exactness_tried && sum_four_heads_exactly<false>(group, nullptr, kept, copy, retained + h)) {
+        if (left >= 4 && !exactness_tried && sum_four_heads<false>(group, nullptr, kept, copy, retained + h)) {
             h += 4;
             continue;
         }
@@ -213,6 +248,50 @@ void sum_kept_weights(std::span<const float* const> rows, std::span<const int32_
         else
             h += sum_in_order<1>(group, kept, copy, retained + h);
     }
+}
+
+bool interleave_rows(std::span<const float* const> rows, int64_t t, float* out) {
+    const float *a = rows[0], *b = rows[1], *c = rows[2], *d = rows[3];
+    // As sum_four_heads_exactly checks them: the least of (bits - 1) over all weights, where +0
+    // wraps to the top and passes, and the largest bits.
+    uint32_t least = UINT32_MAX, largest = 0;
+    int64_t p = 0;
+#if defined(__AVX2__)
+    __m128i least4 = _mm_set1_epi32(-1), largest4 = _mm_setzero_si128();
+    const __m128i one = _mm_set1_epi32(1);
+    for (; p + 4 <= t; p += 4) {  // a 4 x 4 transpose per four positions
+        __m128 ra = _mm_loadu_ps(a + p), rb = _mm_loadu_ps(b + p), rc = _mm_loadu_ps(c + p), rd = _mm_loadu_ps(d + p);
+        for (const __m128 r : {ra, rb, rc, rd}) {
+            const __m128i bits = _mm_castps_si128(r);
+            least4 = _mm_min_epu32(least4, _mm_sub_epi32(bits, one));
+            largest4 = _mm_max_epu32(largest4, bits);
+        }
+        _MM_TRANSPOSE4_PS(ra, rb, rc, rd);
+        _mm_storeu_ps(out + 4 * p, ra);
+        _mm_storeu_ps(out + 4 * p + 4, rb);
+        _mm_storeu_ps(out + 4 * p + 8, rc);
+        _mm_storeu_ps(out + 4 * p + 12, rd);
+    }
+    alignas(16) uint32_t low[4], high[4];
+    _mm_store_si128(reinterpret_cast<__m128i*>(low), least4);
+    _mm_store_si128(reinterpret_cast<__m128i*>(high), largest4);
+    for (int l = 0; l < 4; ++l) {
+        least = std::min(least, low[l]);
+        largest = std::max(largest, high[l]);
+    }
+#endif
+    for (; p < t; ++p) {
+        const float w[4] = {a[p], b[p], c[p], d[p]};
+        for (int h = 0; h < 4; ++h) {
+            out[4 * p + h] = w[h];
+            const uint32_t bits = std::bit_cast<uint32_t>(w[h]);
+            least = std::min(least, bits - 1);
+            largest = std::max(largest, bits);
+        }
+    }
+    constexpr uint32_t smallest_bits = 0x31000000u;  // 2^-29 as a float
+    constexpr uint32_t two_bits = 0x40000000u;        // 2.0f
+    return least >= smallest_bits - 1 && largest < two_bits;
 }
 
 Harness::Harness(std::unique_ptr<Policy> policy, int budget, int64_t sequence_length, const HarnessOptions& options,
@@ -385,7 +464,8 @@ void Harness::observe(const GroupStep& s) {
     const bool renormalized = options_.view == AttentionView::renormalized;
     retained_.resize(group);
     gathered_.resize(renormalized && shown ? group * held : 0);
-    sum_kept_weights(s.rows, kept_, gathered_.empty() ? nullptr : gathered_.data(), retained_.data(), s.interleaved);
+    sum_kept_weights(s.rows, kept_, gathered_.empty() ? nullptr : gathered_.data(), retained_.data(), s.interleaved,
+                     s.interleaved_bounded);
     if (measured) {
         for (std::size_t h = 0; h < group; ++h) {
             // The current token is always in the cache: where its own weight is known, it counts.

@@ -55,9 +55,14 @@ void combine_group_rows(std::span<const float* const> rows, int64_t t, GroupRedu
 // Each row's weights on the kept positions (ascending), copied to gathered[h * kept.size() + slot]
 // (where gathered is not null) and summed in double into retained[h]: the bits of the sum in
 // position order, however summed.
-// `interleaved`, where given for a group of 4 rows, holds the same weights [position][row].
+// `interleaved`, where given for a group of 4 rows, holds the same weights [position][row];
+// `bounded` says that every one of them is +0 or in [2^-29, 2) (interleave_rows' answer).
 void sum_kept_weights(std::span<const float* const> rows, std::span<const int32_t> kept, float* gathered,
-                      double* retained, const float* interleaved = nullptr);
+                      double* retained, const float* interleaved = nullptr, bool bounded = false);
+
+// Four rows of t weights into out[position * 4 + row]. Returns whether every weight is +0 or in
+// [2^-29, 2), where sum_kept_weights' four-head sums are exact in any order.
+bool interleave_rows(std::span<const float* const> rows, int64_t t, float* out);
 
 struct HarnessOptions {
     AttentionView view = AttentionView::raw;
@@ -87,6 +92,7 @@ struct GroupStep {
     // Groups of 4 query heads: their rows interleaved, [position][head], where the replay built
     // them (one load per kept position instead of four); null otherwise.
     const float* interleaved = nullptr;
+    bool interleaved_bounded = false;  // every interleaved weight +0 or in [2^-29, 2)
     // Output error: each query head's query at t and the full cache's output (head_dim each).
     std::span<const float* const> queries;
     std::span<const float* const> full_output;

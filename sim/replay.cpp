@@ -7,10 +7,6 @@
 #include <exception>
 #include <optional>
 
-#if defined(__SSE2__)
-#include <immintrin.h>
-#endif
-
 #include "sim/heavy_hitters.h"
 #include "sim/lowrank.h"
 #include "sim/precision.h"
@@ -20,28 +16,6 @@
 
 namespace kvsim {
 namespace {
-
-// Four rows of t weights into out[position * 4 + row].
-void interleave_rows(std::span<const float* const> rows, int64_t t, float* out) {
-    const float *a = rows[0], *b = rows[1], *c = rows[2], *d = rows[3];
-    int64_t p = 0;
-#if defined(__SSE2__)
-    for (; p + 4 <= t; p += 4) {  // a 4 x 4 transpose per four positions
-        __m128 ra = _mm_loadu_ps(a + p), rb = _mm_loadu_ps(b + p), rc = _mm_loadu_ps(c + p), rd = _mm_loadu_ps(d + p);
-        _MM_TRANSPOSE4_PS(ra, rb, rc, rd);
-        _mm_storeu_ps(out + 4 * p, ra);
-        _mm_storeu_ps(out + 4 * p + 4, rb);
-        _mm_storeu_ps(out + 4 * p + 8, rc);
-        _mm_storeu_ps(out + 4 * p + 12, rd);
-    }
-#endif
-    for (; p < t; ++p) {
-        out[4 * p] = a[p];
-        out[4 * p + 1] = b[p];
-        out[4 * p + 2] = c[p];
-        out[4 * p + 3] = d[p];
-    }
-}
 
 // The replay of one trace: its shape, the combinations, and the buffers of the per-step work
 // that every combination shares (reused from block to block).
@@ -406,7 +380,7 @@ private:
             GroupStep step = group_step(job.kv, first, end, i, arrays, shared);
             if (interleave) {
                 interleaved.resize(4 * static_cast<std::size_t>(step.t));
-                interleave_rows(step.rows, step.t, interleaved.data());
+                step.interleaved_bounded = interleave_rows(step.rows, step.t, interleaved.data());
                 step.interleaved = interleaved.data();
             }
             for (std::size_t c : job.combos) harnesses[job.kv * combos_.size() + c].step(step);

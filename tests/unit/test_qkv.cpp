@@ -5,6 +5,7 @@
 
 #include <Eigen/Core>
 #include <cmath>
+#include <limits>
 #include <cstring>
 
 #include "helpers.h"
@@ -303,12 +304,13 @@ TEST_CASE("retained mass is each head's kept weights summed in position order, w
                     for (int64_t j = 0; j < held; ++j) kept.push_back(static_cast<int32_t>(stride == 0 ? j + j / 3 : j * stride));
                     for (std::size_t h = 0; h < group; ++h)
                         rows[h] = rows_of_heads[h == problem % group ? problem / group : 4].data();
+                    // As the replay hands them: interleaved, with interleave_rows' word on whether
+                    // every weight is in the range where the sums are exact in any order.
                     interleaved.assign(4 * t, 0.0f);
-                    for (int64_t p = 0; p < t && group == 4; ++p)
-                        for (int h = 0; h < 4; ++h) interleaved[4 * p + h] = rows[h][p];
+                    const bool bounded = group == 4 && interleave_rows({rows, group}, t, interleaved.data());
                     gathered.assign(group * kept.size(), -1.0f);
                     sum_kept_weights({rows, group}, kept, gathered.data(), retained.data(),
-                                     by_position && group == 4 ? interleaved.data() : nullptr);
+                                     by_position && group == 4 ? interleaved.data() : nullptr, bounded);
                     for (std::size_t h = 0; h < group; ++h) {
                         double in_order = 0;
                         for (std::size_t j = 0; j < kept.size(); ++j) {
@@ -327,6 +329,42 @@ TEST_CASE("retained mass is each head's kept weights summed in position order, w
     for (float w : rows_of_heads[2]) third_in_order += w;
     CHECK(first_in_order == 0.75);
     CHECK(third_in_order == 3.0 + 16 * 0x1p-29);
+}
+
+TEST_CASE("interleave_rows lays four rows out by position and says whether every weight is +0 or in [2^-29, 2)") {
+    // Lengths around the four-wide loop's edges; one weight out of the range at every position
+    // of every row, in turn, and the range's edges themselves.
+    for (int64_t t : {1, 3, 4, 5, 8, 13, 64, 67}) {
+        CAPTURE(t);
+        std::vector<std::vector<float>> rows(4, std::vector<float>(t));
+        for (int h = 0; h < 4; ++h)
+            for (int64_t p = 0; p < t; ++p) rows[h][p] = p % 5 == 0 ? 0.0f : 0.001f * static_cast<float>(h + 1 + p % 7);
+        const float* pointers[4] = {rows[0].data(), rows[1].data(), rows[2].data(), rows[3].data()};
+        std::vector<float> out(4 * t);
+        REQUIRE(interleave_rows(pointers, t, out.data()));
+        int misplaced = 0;
+        for (int64_t p = 0; p < t; ++p)
+            for (int h = 0; h < 4; ++h) misplaced += std::memcmp(&out[4 * p + h], &rows[h][p], 4) != 0;
+        CHECK(misplaced == 0);
+        const float in_range[] = {0x1p-29f, 0x1.fffffep0f, 0.0f};
+        const float out_of_range[] = {0x1.fffffep-30f, 2.0f, -0.0f, -0.5f, 1e-42f, std::numeric_limits<float>::quiet_NaN(),
+                                      std::numeric_limits<float>::infinity()};
+        int wrong = 0;
+        for (int h = 0; h < 4; ++h)
+            for (int64_t p = 0; p < t; ++p) {
+                const float kept = rows[h][p];
+                for (float w : in_range) {
+                    rows[h][p] = w;
+                    wrong += !interleave_rows(pointers, t, out.data());
+                }
+                for (float w : out_of_range) {
+                    rows[h][p] = w;
+                    wrong += interleave_rows(pointers, t, out.data());
+                }
+                rows[h][p] = kept;
+            }
+        CHECK(wrong == 0);
+    }
 }
 
 TEST_CASE("views, reduction and a full-size cache") {
