@@ -187,92 +187,101 @@ void panel_scores(const StridedRows& q, const KeysByFeature& keys, int g, int d,
 }  // namespace
 #endif
 
-void attention_from_qkv(const QkvLayer& layer, const KeysByFeature& keys, const QkvShape& shape, int64_t first_step,
-                        int64_t end_step, AttentionBlock& block, const std::string& where, const RowVisitor* visit) {
-    const int hq = shape.num_query_heads, hkv = shape.num_kv_heads, d = shape.head_dim;
-    const int group = hq / hkv;
-    const int64_t rows = end_step - first_step;
-    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+void start_attention_block(const QkvShape& shape, int64_t first_step, int64_t end_step, AttentionBlock& block) {
     block.first_step = first_step;
     block.end_step = end_step;
-    block.rows.resize(hq);
-    block.self_weight.resize(hq);
+    block.rows.resize(shape.num_query_heads);
+    block.self_weight.resize(shape.num_query_heads);
+}
+
+int64_t attention_rows_of_head(const QkvLayer& layer, const KeysByFeature& keys, const QkvShape& shape, int h,
+                               AttentionBlock& block, const RowVisitor* visit) {
+    const int hq = shape.num_query_heads, hkv = shape.num_kv_heads, d = shape.head_dim;
+    const int group = hq / hkv;
+    const int64_t first_step = block.first_step, end_step = block.end_step;
+    const int64_t rows = end_step - first_step;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    const int g = h / group;
+    // Q rows of this head for the block's steps: a strided view into [token][head][d].
+    const StridedRows q(layer.q.data() + first_step * hq * d + static_cast<int64_t>(h) * d, rows, d,
+                        Eigen::OuterStride<>(static_cast<int64_t>(hq) * d));
+    // A buffer that only grows: a matrix resized to each block's shape was freed and
+    // allocated again every block, and the allocator handed its pages back and forth with the
+    // kernel. Aligned as a matrix's storage is (the softmax's sums depend on where rows start).
+    thread_local std::vector<float, Eigen::aligned_allocator<float>> score_storage;
+    if (score_storage.size() < static_cast<std::size_t>(rows * end_step)) score_storage.resize(rows * end_step);
+    Eigen::Map<RowMatrix, Eigen::AlignedMax> scores(score_storage.data(), rows, end_step);
+    // Keys [from, end_step) of this KV head as the trace stores them, token after token.
+    auto token_major_keys = [&](int64_t from) {
+        return StridedRows(layer.k.data() + (from * hkv + g) * d, end_step - from, d,
+                           Eigen::OuterStride<>(static_cast<int64_t>(hkv) * d));
+    };
+    const int64_t panel_keys = keys.panels && rows > 1 ? end_step / kScorePanelTokens * kScorePanelTokens : 0;
+    if (panel_keys > 0) {
+#if defined(KVSIM_SCORE_PANELS)
+        panel_scores(q, keys, g, d, first_step, end_step, panel_keys, scale, scores.data());
+#endif
+        // The last keys (fewer than 48) by Eigen, from the trace's token-major keys (Eigen packs
+        // either layout into the same values). A product of one key would be a matrix-vector
+        // product, with other arithmetic: then the whole panel before it is taken again.
+        if (end_step > panel_keys) {
+            const int64_t from = end_step - panel_keys >= 2 ? panel_keys : panel_keys - kScorePanelTokens;
+            Eigen::Map<RowMatrix, 0, Eigen::OuterStride<>> tail(scores.data() + from, rows, end_step - from,
+                                                                 Eigen::OuterStride<>(end_step));
+            tail.noalias() = (q * scale) * token_major_keys(from).transpose();
+        }
+    } else if (rows > 1 && !keys.panels) {
+        // Its keys for positions 0..end-1 as a column-major matrix: Eigen packs them with
+        // straight copies (from token-major rows it gathered a third of the products' time).
+        // The packed values, and so every score's bits, are the same.
+        const ColumnMajorKeys k(keys.values.data() + static_cast<int64_t>(g) * d * keys.tokens, end_step, d,
+                                Eigen::OuterStride<>(keys.tokens));
+        scores.noalias() = (q * scale) * k.transpose();
+    } else {
+        // One row is a matrix-vector product, whose arithmetic depends on the storage order:
+        // the token-major keys, as before. So are blocks shorter than a panel where the keys
+        // are in panels (Eigen packs either layout into the same values).
+        scores.noalias() = (q * scale) * token_major_keys(0).transpose();
+    }
+
+    std::vector<float>& packed = block.rows[h];
+    packed.resize(attention_row_offset(end_step) - attention_row_offset(first_step));
+    block.self_weight[h].resize(rows);
+    float* out = packed.data();
+    for (int64_t i = 0; i < rows; ++i) {
+        const int64_t t = first_step + i;
+        auto row = scores.row(i).head(t + 1).array();  // causal: positions 0..t
+        // Finite Q and K (the reader checks them) can still overflow q.k to +-Inf, and the
+        // softmax would turn that into NaN: checked in the pass that finds the peak.
+        const float peak = finite_peak(row.data(), t + 1);
+        if (std::isnan(peak)) return t;
+        row = (row - peak).exp();
+        const float inv_total = 1.0f / row.sum();
+        Eigen::Map<Eigen::ArrayXf>(out, t) = row.head(t) * inv_total;
+        block.self_weight[h][i] = row(t) * inv_total;
+        if (visit) (*visit)(h, i, {out, static_cast<std::size_t>(t)});
+        out += t;
+    }
+    return -1;
+}
+
+void throw_logit_overflow(const std::string& where, int head, int64_t step) {
+    throw InputError((where.empty() ? std::string("Q/K attention") : where) + ", head " + std::to_string(head) +
+                     ", step " + std::to_string(step) +
+                     ": an attention logit q.k/sqrt(head_dim) is not finite (Q and K are finite, but too "
+                     "large: their product overflows float32)");
+}
+
+void attention_from_qkv(const QkvLayer& layer, const KeysByFeature& keys, const QkvShape& shape, int64_t first_step,
+                        int64_t end_step, AttentionBlock& block, const std::string& where, const RowVisitor* visit) {
+    const int hq = shape.num_query_heads;
+    start_attention_block(shape, first_step, end_step, block);
     // Per head, the first step whose logits are not all finite (-1: none); reported after the
     // parallel loop, lowest head first, so the message does not depend on the threads.
     std::vector<int64_t> overflow(hq, -1);
-
-    tbb::parallel_for(0, hq, [&](int h) {
-        const int g = h / group;
-        // Q rows of this head for the block's steps: a strided view into [token][head][d].
-        const StridedRows q(layer.q.data() + first_step * hq * d + static_cast<int64_t>(h) * d, rows, d,
-                            Eigen::OuterStride<>(static_cast<int64_t>(hq) * d));
-        // A buffer that only grows: a matrix resized to each block's shape was freed and
-        // allocated again every block, and the allocator handed its pages back and forth with the
-        // kernel. Aligned as a matrix's storage is (the softmax's sums depend on where rows start).
-        thread_local std::vector<float, Eigen::aligned_allocator<float>> score_storage;
-        if (score_storage.size() < static_cast<std::size_t>(rows * end_step)) score_storage.resize(rows * end_step);
-        Eigen::Map<RowMatrix, Eigen::AlignedMax> scores(score_storage.data(), rows, end_step);
-        // Keys [from, end_step) of this KV head as the trace stores them, token after token.
-        auto token_major_keys = [&](int64_t from) {
-            return StridedRows(layer.k.data() + (from * hkv + g) * d, end_step - from, d,
-                               Eigen::OuterStride<>(static_cast<int64_t>(hkv) * d));
-        };
-        const int64_t panel_keys = keys.panels && rows > 1 ? end_step / kScorePanelTokens * kScorePanelTokens : 0;
-        if (panel_keys > 0) {
-#if defined(KVSIM_SCORE_PANELS)
-            panel_scores(q, keys, g, d, first_step, end_step, panel_keys, scale, scores.data());
-#endif
-            // The last keys (fewer than 48) by Eigen, from the trace's token-major keys (Eigen packs
-            // either layout into the same values). A product of one key would be a matrix-vector
-            // product, with other arithmetic: then the whole panel before it is taken again.
-            if (end_step > panel_keys) {
-                const int64_t from = end_step - panel_keys >= 2 ? panel_keys : panel_keys - kScorePanelTokens;
-                Eigen::Map<RowMatrix, 0, Eigen::OuterStride<>> tail(scores.data() + from, rows, end_step - from,
-                                                                     Eigen::OuterStride<>(end_step));
-                tail.noalias() = (q * scale) * token_major_keys(from).transpose();
-            }
-        } else if (rows > 1 && !keys.panels) {
-            // Its keys for positions 0..end-1 as a column-major matrix: Eigen packs them with
-            // straight copies (from token-major rows it gathered a third of the products' time).
-            // The packed values, and so every score's bits, are the same.
-            const ColumnMajorKeys k(keys.values.data() + static_cast<int64_t>(g) * d * keys.tokens, end_step, d,
-                                    Eigen::OuterStride<>(keys.tokens));
-            scores.noalias() = (q * scale) * k.transpose();
-        } else {
-            // One row is a matrix-vector product, whose arithmetic depends on the storage order:
-            // the token-major keys, as before. So are blocks shorter than a panel where the keys
-            // are in panels (Eigen packs either layout into the same values).
-            scores.noalias() = (q * scale) * token_major_keys(0).transpose();
-        }
-
-        std::vector<float>& packed = block.rows[h];
-        packed.resize(attention_row_offset(end_step) - attention_row_offset(first_step));
-        block.self_weight[h].resize(rows);
-        float* out = packed.data();
-        for (int64_t i = 0; i < rows; ++i) {
-            const int64_t t = first_step + i;
-            auto row = scores.row(i).head(t + 1).array();  // causal: positions 0..t
-            // Finite Q and K (the reader checks them) can still overflow q.k to +-Inf, and the
-            // softmax would turn that into NaN: checked in the pass that finds the peak.
-            const float peak = finite_peak(row.data(), t + 1);
-            if (std::isnan(peak)) {
-                overflow[h] = t;
-                return;
-            }
-            row = (row - peak).exp();
-            const float inv_total = 1.0f / row.sum();
-            Eigen::Map<Eigen::ArrayXf>(out, t) = row.head(t) * inv_total;
-            block.self_weight[h][i] = row(t) * inv_total;
-            if (visit) (*visit)(h, i, {out, static_cast<std::size_t>(t)});
-            out += t;
-        }
-    });
+    tbb::parallel_for(0, hq, [&](int h) { overflow[h] = attention_rows_of_head(layer, keys, shape, h, block, visit); });
     for (int h = 0; h < hq; ++h)
-        if (overflow[h] >= 0)
-            throw InputError((where.empty() ? std::string("Q/K attention") : where) + ", head " + std::to_string(h) +
-                             ", step " + std::to_string(overflow[h]) +
-                             ": an attention logit q.k/sqrt(head_dim) is not finite (Q and K are finite, but too "
-                             "large: their product overflows float32)");
+        if (overflow[h] >= 0) throw_logit_overflow(where, h, overflow[h]);
 }
 
 double attention_flops(const QkvShape& shape, int64_t first_step, int64_t end_step) {
@@ -331,15 +340,29 @@ void QkvSource::read_block(int sequence, int layer, int64_t first_step, int64_t 
 
 void QkvSource::read_block(int sequence, int layer, int64_t first_step, int64_t end_step, AttentionBlock& block,
                            const RowVisitor& visit) {
+    begin_block(sequence, layer, first_step, end_step, block);
+    attention_from_qkv(loaded_, keys_, qkv_, first_step, end_step, block, where(sequence, layer), visit ? &visit : nullptr);
+}
+
+void QkvSource::begin_block(int sequence, int layer, int64_t first_step, int64_t end_step, AttentionBlock& block) {
     const QkvLayer& data = layer_data(sequence, layer);
     if (!keys_current_) {
         keys_by_feature(data, qkv_, keys_);
         keys_current_ = true;
     }
-    attention_from_qkv(data, keys_, qkv_, first_step, end_step, block,
-                       description() + ": sequence " + shape_.sequence_names.at(sequence) + ", layer " +
-                           std::to_string(layer),
-                       visit ? &visit : nullptr);
+    start_attention_block(qkv_, first_step, end_step, block);
+}
+
+int64_t QkvSource::head_rows(int head, AttentionBlock& block, const RowVisitor* visit) const {
+    return attention_rows_of_head(loaded_, keys_, qkv_, head, block, visit);
+}
+
+void QkvSource::report_overflow(int sequence, int layer, int head, int64_t step) const {
+    throw_logit_overflow(where(sequence, layer), head, step);
+}
+
+std::string QkvSource::where(int sequence, int layer) const {
+    return description() + ": sequence " + shape_.sequence_names.at(sequence) + ", layer " + std::to_string(layer);
 }
 
 namespace {

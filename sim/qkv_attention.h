@@ -53,6 +53,15 @@ void attention_from_qkv(const QkvLayer& layer, const KeysByFeature& keys, const 
                         int64_t end_step, AttentionBlock& block, const std::string& where = {},
                         const RowVisitor* visit = nullptr);
 
+// attention_from_qkv in parts, for a caller that consumes each KV head's rows as soon as they are
+// made (the replay): the block's steps set once, then each query head's rows (any heads in
+// parallel), which return the first step whose logits overflow (-1: none; its rows are then
+// incomplete), reported by throw_logit_overflow for the lowest such head.
+void start_attention_block(const QkvShape& shape, int64_t first_step, int64_t end_step, AttentionBlock& block);
+int64_t attention_rows_of_head(const QkvLayer& layer, const KeysByFeature& keys, const QkvShape& shape, int head,
+                               AttentionBlock& block, const RowVisitor* visit);
+[[noreturn]] void throw_logit_overflow(const std::string& where, int head, int64_t step);
+
 // Floating-point operations attention_from_qkv spends on a block (the score products).
 double attention_flops(const QkvShape& shape, int64_t first_step, int64_t end_step);
 
@@ -64,6 +73,13 @@ public:
     // The same, each row handed to `visit` as it is computed (see RowVisitor).
     void read_block(int sequence, int layer, int64_t first_step, int64_t end_step, AttentionBlock& block,
                     const RowVisitor& visit);
+    // read_block in parts, for a replay that consumes each KV head's rows as soon as they are made:
+    // the layer (and its keys) readied and the block's steps set; then each query head's rows,
+    // heads in parallel, which return the first step whose logits overflow (-1: none); then the
+    // lowest such head reported as read_block would.
+    void begin_block(int sequence, int layer, int64_t first_step, int64_t end_step, AttentionBlock& block);
+    int64_t head_rows(int head, AttentionBlock& block, const RowVisitor* visit) const;
+    [[noreturn]] void report_overflow(int sequence, int layer, int head, int64_t step) const;
     // Blocks of at least 64 steps: fewer rows leave the score products too thin to run near peak.
     int64_t block_floats(int64_t wanted) const override;
     const QkvShape& qkv_shape() const { return qkv_; }
@@ -87,6 +103,7 @@ protected:
     QkvShape qkv_;
 
 private:
+    std::string where(int sequence, int layer) const;  // names the trace, sequence and layer in errors
     int loaded_sequence_ = -1, loaded_layer_ = -1;
     QkvLayer loaded_;
     // A prefetch's load runs as a task among the replay's own (another thread beside them would

@@ -42,6 +42,9 @@ public:
             throw InputError(source.description() +
                              ": output error and memory metrics need a Q/K/V trace (this one records attention only)");
         head_dim_ = qkv_ ? qkv_->qkv_shape().head_dim : 0;
+        runs_of_kv_.resize(kv_heads_);
+        for (std::size_t j = 0; j < jobs_.size(); ++j)
+            (jobs_[j].kv >= 0 ? runs_of_kv_[jobs_[j].kv] : layer_wide_jobs_).push_back(j);
         // The per-step loops keep a group's rows in arrays of 64.
         if (group_ < 1 || group_ > 64)
             throw InputError(source.description() + ": " + std::to_string(group_) +
@@ -263,26 +266,41 @@ private:
             const int64_t end = attention_block_end(first, shape_.last_steps[s], block_floats);
             size_heavy_hitters(first, end);
             if (qkv_) {
-                // Each row's heavy hitters as the attention writes it, while it is in cache.
-                qkv_->read_block(s, layer, first, end, block_, heavy_of_row_);
+                qkv_->begin_block(s, layer, first, end, block_);  // the rows come KV head by KV head, below
             } else {
                 source_.read_block(s, layer, first, end, block_);
                 heavy_hitters_of_block(first, end);
             }
-            // The layer is loaded (its first block is read): the next one's load may start beside it.
+            // The layer is loaded: the next one's load may start beside it.
             if (load_next) {
                 qkv_->prefetch(load_next->first, load_next->second);
                 load_next.reset();
             }
             recorded_self_ = !block_.self_weight.empty();
             if (!raw_view_ && !recorded_self_) self_weight_from_row_sums(block_);
-            shared_work(first, end, length);
-            tbb::parallel_for(std::size_t{0}, jobs_.size(), [&](std::size_t j) {
-                const Job& job = jobs_[j];
-                if (job.kv >= 0)
-                    advance(harnesses, job, first, end);
+            size_shared_work(first, end, length);
+            // Each KV head in turn: a Q/K/V trace's rows of its query heads (each row's heavy
+            // hitters found as it is written), the block's work its combinations share, then its
+            // runs of combinations, which read the rows while they are still in cache (a block's
+            // rows of every head, 32 MB on the Llama-1B shape, come back from memory).
+            overflow_.assign(query_heads_, -1);
+            tbb::parallel_for(0, kv_heads_, [&](int kv) {
+                if (qkv_)
+                    for (int h = kv * group_; h < (kv + 1) * group_; ++h)
+                        if ((overflow_[h] = qkv_->head_rows(h, block_, &heavy_of_row_)) >= 0) return;
+                shared_work(kv, first, end);
+                const std::vector<std::size_t>& runs = runs_of_kv_[kv];
+                if (runs.size() == 1)
+                    advance(harnesses, jobs_[runs.front()], first, end);
                 else
-                    advance_layer(harnesses, job.combos.front(), first, end);
+                    tbb::parallel_for(std::size_t{0}, runs.size(),
+                                      [&](std::size_t r) { advance(harnesses, jobs_[runs[r]], first, end); });
+            });
+            for (int h = 0; h < query_heads_; ++h)  // the lowest head first, whatever the threads
+                if (overflow_[h] >= 0) qkv_->report_overflow(s, layer, h, overflow_[h]);
+            // Ada-KV's combinations step all KV heads of the layer together, once every row is made.
+            tbb::parallel_for(std::size_t{0}, layer_wide_jobs_.size(), [&](std::size_t j) {
+                advance_layer(harnesses, jobs_[layer_wide_jobs_[j]].combos.front(), first, end);
             });
             steps_done_ += end - first;
             first = end;
@@ -332,38 +350,44 @@ private:
         heavy_hint_.swap(heavy_next_hint_);
     }
 
-    // Once per block for all combinations: the full cache's output (for the output error), and
-    // (raw view, grouped heads) every KV head's combined row.
-    void shared_work(int64_t first, int64_t end, int64_t length) {
-        const int64_t rows = end - first;
+    // Room for shared_work's results, before the KV heads' work runs in parallel.
+    void size_shared_work(int64_t first, int64_t end, int64_t length) {
         if (options_.output_error) {
-            // By the same arithmetic as a policy's cached output: the full cache errs by exactly 0.
-            full_output_.resize(static_cast<std::size_t>(query_heads_) * rows * head_dim_);
+            full_output_.resize(static_cast<std::size_t>(query_heads_) * (end - first) * head_dim_);
             if (every_position_.size() < static_cast<std::size_t>(length)) {
                 every_position_.resize(length);
                 for (int64_t p = 0; p < length; ++p) every_position_[p] = static_cast<int32_t>(p);
                 all_fp16_.assign(length, 0);
             }
-            tbb::parallel_for(int64_t{0}, query_heads_ * rows, [&](int64_t job) {
-                const int head = static_cast<int>(job / rows);
-                const int64_t t = first + job % rows;
+        }
+        if (raw_view_ && group_ > 1)
+            for (auto& c : combined_) c.resize(attention_row_offset(end) - attention_row_offset(first));
+    }
+
+    // Once per block and KV head for all its combinations: the full cache's output of its query
+    // heads (for the output error), and (raw view, grouped heads) its combined row.
+    void shared_work(int kv, int64_t first, int64_t end) {
+        const int64_t rows = end - first;
+        if (options_.output_error) {
+            // By the same arithmetic as a policy's cached output: the full cache errs by exactly 0.
+            tbb::parallel_for(int64_t{0}, group_ * rows, [&](int64_t index) {
+                const int head = kv * group_ + static_cast<int>(index / rows);
+                const int64_t t = first + index % rows;
+                const int64_t job = head * rows + index % rows;
                 thread_local Eigen::ArrayXf scratch;
                 cached_attention_output(layer_values_->q.data() + (t * query_heads_ + head) * head_dim_,
                                         {every_position_.data(), static_cast<std::size_t>(t + 1)}, all_fp16_,
-                                        all_fp16_, *fp16_arrays_, head / group_, kv_heads_, head_dim_, scratch,
+                                        all_fp16_, *fp16_arrays_, kv, kv_heads_, head_dim_, scratch,
                                         full_output_.data() + job * head_dim_);
             });
         }
         if (raw_view_ && group_ > 1) {
-            for (auto& c : combined_) c.resize(block_.rows[0].size());
-            tbb::parallel_for(int64_t{0}, kv_heads_ * rows, [&](int64_t job) {
-                const int kv = static_cast<int>(job / rows);
-                const int64_t t = first + job % rows;
+            for (int64_t t = first; t < end; ++t) {
                 const float* rows_of_group[64];
                 for (int h = 0; h < group_; ++h) rows_of_group[h] = block_.row(kv * group_ + h, t);
                 combine_group_rows({rows_of_group, static_cast<std::size_t>(group_)}, t, options_.harness.reduce,
                                    combined_[kv].data() + attention_row_offset(t) - attention_row_offset(first));
-            });
+            }
         }
     }
 
@@ -502,6 +526,9 @@ private:
     int head_dim_ = 0;
     int64_t total_steps_ = 0, steps_done_ = 0;
     std::vector<Job> jobs_;
+    std::vector<std::vector<std::size_t>> runs_of_kv_;  // per KV head, its jobs (indices in jobs_)
+    std::vector<std::size_t> layer_wide_jobs_;          // Ada-KV's jobs, over every KV head
+    std::vector<int64_t> overflow_;                     // per query head: the block's overflowing step, or -1
 
     AttentionBlock block_;
     int block_k_ = 0;  // heavy hitters per row in this block: k, or fewer where rows are shorter

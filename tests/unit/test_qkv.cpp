@@ -235,6 +235,62 @@ TEST_CASE("combinations on one KV head read its four heads' rows interleaved, an
     }
 }
 
+namespace {
+
+// A Q/K/V source's blocks, handed over whole: what a replay of an attention trace reads. Its
+// replay takes every block's rows of every head before any harness steps; a Q/K/V source's
+// makes each KV head's rows just before that KV head's harnesses step through them.
+class WholeBlocks : public AttentionSource {
+public:
+    explicit WholeBlocks(AttentionSource& inner) : inner_(inner) {}
+    const AttentionShape& shape() const override { return inner_.shape(); }
+    std::string description() const override { return inner_.description(); }
+    void read_block(int sequence, int layer, int64_t first, int64_t end, AttentionBlock& block) override {
+        inner_.read_block(sequence, layer, first, end, block);
+    }
+    int64_t block_floats(int64_t wanted) const override { return inner_.block_floats(wanted); }
+
+private:
+    AttentionSource& inner_;
+};
+
+}  // namespace
+
+TEST_CASE("a Q/K/V replay made KV head by KV head gives the bits of one made from whole blocks, at any thread count") {
+    SyntheticQkvSpec spec = synthetic_qkv_trace("small-1024", "test");
+    REQUIRE(spec.num_query_heads == 4 * spec.num_kv_heads);
+    spec.num_layers = 2;
+    std::vector<PolicyEntry> policies = {entry("h2o"), entry("tova"), entry("snapkv"), entry("sliding_window")};
+    PolicyEntry ada = entry("snapkv");
+    ada.adakv = true;
+    ada.adakv_params = {{"floor", 0.2}};
+    ada.adakv_where = "test: adakv";
+    policies.push_back(ada);
+    const auto combos = expand_sweep(policies, {}, std::vector<int>{40, 100});
+    auto run = [&](bool whole, AttentionView view, int threads) {
+        tbb::global_control limit(tbb::global_control::max_allowed_parallelism, threads);
+        auto qkv = make_synthetic_qkv_source(spec, 400);
+        WholeBlocks blocks(*qkv);
+        ReplayOptions options;
+        options.harness.view = view;
+        options.block_floats = 1;  // the source's least: blocks of 64 rows of the longest length
+        std::vector<double> values;
+        for (const ComboResult& r : replay(whole ? static_cast<AttentionSource&>(blocks) : *qkv, combos, options))
+            for (const StreamMetrics& m : r.by_head)
+                values.insert(values.end(), {m.retained_mass, double(m.heavy_hitter_hits), double(m.eviction_calls)});
+        return values;
+    };
+    for (AttentionView view : {AttentionView::raw, AttentionView::renormalized}) {
+        CAPTURE(static_cast<int>(view));
+        const auto reference = run(true, view, 1);
+        REQUIRE(reference.size() == combos.size() * 2 * spec.num_kv_heads * 3);
+        CHECK(std::memcmp(run(false, view, 1).data(), reference.data(), reference.size() * sizeof(double)) == 0);
+        CHECK(std::memcmp(run(false, view, 2).data(), reference.data(), reference.size() * sizeof(double)) == 0);
+        CHECK(std::memcmp(run(false, view, 3).data(), reference.data(), reference.size() * sizeof(double)) == 0);
+        CHECK(std::memcmp(run(true, view, 3).data(), reference.data(), reference.size() * sizeof(double)) == 0);
+    }
+}
+
 TEST_CASE("the renormalized view divides each head's row by what it keeps, then combines the group") {
     // Two query heads over one KV head, four steps, no eviction (budget above the length).
     std::vector<std::vector<float>> seen;
