@@ -36,7 +36,8 @@ std::vector<int> selected_sequences(const TraceReader& reader, const std::vector
 // Decode steps [first_step, end_step) of one layer, every query head.
 struct AttentionBlock {
     int64_t first_step = 0, end_step = 0;
-    // rows[h]: step t's full-softmax weights on positions 0..t-1, packed row after row.
+    // rows[h]: step t's full-softmax weights on positions 0..t-1, packed row after row (a Q/K/V
+    // source's buffers only grow: they may hold more floats than the block's rows).
     std::vector<std::vector<float>> rows;
     // self_weight[h][i]: the weight of step first_step + i on its own position. Empty when the
     // source records rows only; self_weight_from_row_sums() then derives it where a view needs it.
