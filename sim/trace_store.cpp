@@ -135,7 +135,11 @@ bool read_stored_chunks(hid_t dataset, hsize_t tokens, hsize_t row_elements, flo
     const Handle file_type = type_handle(H5Dget_type(dataset));
     if (!plist.valid() || !file_type.valid() || H5Pget_layout(plist.get()) != H5D_CHUNKED) return false;
     hsize_t chunk[3];
-    if (H5Pget_chunk(plist.get(), 3, chunk) != 3 || chunk[0] == 0 || chunk[1] * chunk[2] != row_elements) return false;
+    // Chunks of whole token rows, no more of them than the dataset has (the reader checked at open
+    // that a chunk of this shape fits in memory).
+    if (H5Pget_chunk(plist.get(), 3, chunk) != 3 || chunk[0] == 0 || chunk[0] > std::max<hsize_t>(tokens, 1) ||
+        chunk[1] == 0 || chunk[2] == 0 || chunk[1] > row_elements || chunk[1] * chunk[2] != row_elements)
+        return false;
     const Handle half = float16_type();
     std::size_t element_bytes;
     if (H5Tequal(file_type.get(), half.get()) > 0)
