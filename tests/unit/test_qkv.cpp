@@ -390,7 +390,7 @@ TEST_CASE("retained mass is each head's kept weights summed in position order, w
 TEST_CASE("interleave_rows lays four rows out by position and says whether every weight is +0 or in [2^-29, 2)") {
     // Lengths around the four-wide loop's edges; one weight out of the range at every position
     // of every row, in turn, and the range's edges themselves.
-    for (int64_t t : {1, 3, 4, 5, 8, 13, 64, 67}) {
+    for (int64_t t : {1, 3, 4, 5, 8, 13, 16, 17, 20, 31, 33, 64, 67}) {
         CAPTURE(t);
         std::vector<std::vector<float>> rows(4, std::vector<float>(t));
         for (int h = 0; h < 4; ++h)
