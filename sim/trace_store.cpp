@@ -129,8 +129,11 @@ bool read_as_floats(hid_t dataset, std::size_t count, float* out) {
 // 2.68 s of CPU, this in about half. Lossless either way: the same floats. Returns false, having
 // decided nothing, where the dataset is laid out or filtered otherwise or a chunk is not exactly
 // what its filters make (missing, skipped filters, not inflating to its size): the caller then
-// reads through HDF5, which reads it or reports it as it always has.
-bool read_stored_chunks(hid_t dataset, hsize_t tokens, hsize_t row_elements, float* out) {
+// reads through HDF5, which reads it or reports it as it always has. `checked_finite` tells
+// whether every value was also found finite on the way (shuffled chunks, as kvsim writes them):
+// the caller's own pass over the layer then has nothing to find.
+bool read_stored_chunks(hid_t dataset, hsize_t tokens, hsize_t row_elements, float* out, bool& checked_finite) {
+    checked_finite = false;
     const Handle plist = plist_handle(H5Dget_create_plist(dataset));
     const Handle file_type = type_handle(H5Dget_type(dataset));
     if (!plist.valid() || !file_type.valid() || H5Pget_layout(plist.get()) != H5D_CHUNKED) return false;
@@ -169,6 +172,9 @@ bool read_stored_chunks(hid_t dataset, hsize_t tokens, hsize_t row_elements, flo
         libdeflate_alloc_decompressor(), libdeflate_free_decompressor);
     if (!inflater) return false;
     std::vector<unsigned char> stored, planes(deflated ? chunk_bytes : 0);
+    // Non-zero once a value is NaN or +-Inf (an exponent of all ones), where the loops check.
+    uint32_t not_finite = 0;
+    bool every_value_checked = shuffled;
     for (hsize_t first = 0; first < tokens; first += chunk[0]) {
         const hsize_t offset[3] = {first, 0, 0};
         hsize_t size = 0;
@@ -209,11 +215,23 @@ bool read_stored_chunks(hid_t dataset, hsize_t tokens, hsize_t row_elements, flo
                 const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high + i));
                 // Bytes interleave within 128-bit lanes: halves 0-7 and 16-23, then 8-15 and 24-31.
                 const __m256i a = _mm256_unpacklo_epi8(l, h), b = _mm256_unpackhi_epi8(l, h);
-                _mm512_storeu_ps(to + i, _mm512_cvtph_ps(_mm256_permute2x128_si256(a, b, 0x20)));
-                _mm512_storeu_ps(to + i + 16, _mm512_cvtph_ps(_mm256_permute2x128_si256(a, b, 0x31)));
+                const __m512 first = _mm512_cvtph_ps(_mm256_permute2x128_si256(a, b, 0x20));
+                const __m512 second = _mm512_cvtph_ps(_mm256_permute2x128_si256(a, b, 0x31));
+                _mm512_storeu_ps(to + i, first);
+                _mm512_storeu_ps(to + i + 16, second);
+#if defined(__AVX512DQ__)
+                constexpr int kNanOrInf = 0x01 | 0x08 | 0x10 | 0x80;  // quiet NaN, +Inf, -Inf, signalling NaN
+                not_finite |= _mm512_fpclass_ps_mask(first, kNanOrInf) | _mm512_fpclass_ps_mask(second, kNanOrInf);
+#else
+                every_value_checked = false;
+#endif
             }
 #endif
-            for (; i < n; ++i) to[i] = half_bits_to_float(static_cast<uint16_t>(low[i] | high[i] << 8));
+            for (; i < n; ++i) {
+                const uint16_t bits = static_cast<uint16_t>(low[i] | high[i] << 8);
+                to[i] = half_bits_to_float(bits);
+                not_finite |= (bits & 0x7c00u) == 0x7c00u;
+            }
         } else {
             const unsigned char* plane[4] = {from, from + chunk_elements, from + 2 * chunk_elements,
                                              from + 3 * chunk_elements};
@@ -221,9 +239,11 @@ bool read_stored_chunks(hid_t dataset, hsize_t tokens, hsize_t row_elements, flo
                 const uint32_t bits = static_cast<uint32_t>(plane[0][i]) | static_cast<uint32_t>(plane[1][i]) << 8 |
                                       static_cast<uint32_t>(plane[2][i]) << 16 | static_cast<uint32_t>(plane[3][i]) << 24;
                 std::memcpy(to + i, &bits, 4);
+                not_finite |= (bits & 0x7f800000u) == 0x7f800000u;
             }
         }
     }
+    checked_finite = every_value_checked && not_finite == 0;
     return true;
 }
 
@@ -705,12 +725,14 @@ struct TraceReader::Impl {
         // never holds the old and the new one at once.
         if (out.capacity() < t * heads * d) out = std::vector<float>();
         out.resize(t * heads * d);
-        if (read_stored_chunks(dataset.get(), t, heads * d, out.data()))
+        bool checked_finite = false;
+        if (read_stored_chunks(dataset.get(), t, heads * d, out.data(), checked_finite))
             ++from_chunks;
         else if (!read_as_floats(dataset.get(), out.size(), out.data()))
             fail("cannot read dataset '" + name + "' (truncated or corrupt)");
         // Checked as the layer is read: one NaN or Inf would reach the softmax and the selection.
-        const std::size_t bad = first_flagged(out.data(), out.size(), non_finite_bits);
+        // Where the chunks' reading found none, there is nothing to look for.
+        const std::size_t bad = checked_finite ? out.size() : first_flagged(out.data(), out.size(), non_finite_bits);
         if (bad < out.size()) {
             const uint64_t per_token = static_cast<uint64_t>(heads) * d;
             fail("dataset '" + name + "': element " + std::to_string(bad) + " (token " + std::to_string(bad / per_token) +

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <random>
 
 #include "helpers.h"
@@ -245,8 +246,33 @@ TEST_CASE("Q/K/V stored in any layout HDF5 reads come back as HDF5 reads them; k
         CHECK(std::memcmp(read.q.data(), read_through_hdf5(path, q, read.q.size()).data(), read.q.size() * 4) == 0);
         if (dtype == TensorDtype::float32) CHECK(read.q == layer.q);
     }
+    // Rows of 4 x 5 values: chunks whose sizes are not multiples of the vector loops' widths, so
+    // that the value past the last whole vector is checked by the loops' tails.
+    for (TensorDtype dtype : {TensorDtype::float32, TensorDtype::float16}) {
+        TraceMetadata narrow = m;
+        narrow.head_dim = 5;
+        QkvLayer bad = random_layer(tokens, narrow, 6);
+        const std::size_t last = bad.q.size() - 1;
+        bad.q[last] = std::numeric_limits<float>::quiet_NaN();
+        const std::string path = temp_dir() + "/narrow.h5";
+        {
+            TraceWriter writer(path, narrow);
+            writer.write_qkv(writer.add_sequence("story", tokens), 0, bad, dtype);
+            writer.write_qkv(0, 1, random_layer(tokens, narrow, 7), dtype);
+            writer.commit();
+        }
+        std::string error;
+        try {
+            TraceReader(path).read_qkv(0, 0);
+        } catch (const InputError& e) {
+            error = e.what();
+        }
+        CHECK(error.find("dataset '" + q + "': element " + std::to_string(last) + " (") != std::string::npos);
+    }
     const hsize_t hq = m.num_query_heads, d = m.head_dim;
     const QLayout layouts[] = {
+        {"as kvsim writes them", false, false, {256, hq, d}, {H5Z_FILTER_SHUFFLE, H5Z_FILTER_DEFLATE}, true},
+        {"as kvsim writes them, half", true, false, {256, hq, d}, {H5Z_FILTER_SHUFFLE, H5Z_FILTER_DEFLATE}, true},
         {"contiguous", false, false, {}, {}, false},
         {"contiguous, half", true, false, {}, {}, false},
         {"deflated", false, false, {64, hq, d}, {H5Z_FILTER_DEFLATE}, true},
@@ -270,12 +296,33 @@ TEST_CASE("Q/K/V stored in any layout HDF5 reads come back as HDF5 reads them; k
             writer.commit();
         }
         store_q(path, layout, layer.q, m, tokens);
-        TraceReader reader(path);
-        const QkvLayer read = reader.read_qkv(0, 0);
-        CHECK(reader.datasets_read_from_chunks() == 2 + layout.from_chunks);  // K and V as written
-        const std::vector<float> hdf5 = read_through_hdf5(path, q, read.q.size());
-        CHECK(std::memcmp(read.q.data(), hdf5.data(), hdf5.size() * 4) == 0);
-        if (!layout.half) CHECK(read.q == layer.q);
+        {
+            TraceReader reader(path);
+            const QkvLayer read = reader.read_qkv(0, 0);
+            CHECK(reader.datasets_read_from_chunks() == 2 + layout.from_chunks);  // K and V as written
+            const std::vector<float> hdf5 = read_through_hdf5(path, q, read.q.size());
+            CHECK(std::memcmp(read.q.data(), hdf5.data(), hdf5.size() * 4) == 0);
+            if (!layout.half) CHECK(read.q == layer.q);
+        }
+        // One value that is not finite, in a vector loop's reach, in the middle, and in the last
+        // chunk's tail: the same one line naming the element, whichever path read it.
+        const std::size_t n = layer.q.size();
+        const std::pair<std::size_t, float> bad_values[] = {{5, std::numeric_limits<float>::quiet_NaN()},
+                                                            {n / 2 + 3, -std::numeric_limits<float>::infinity()},
+                                                            {n - 1, std::numeric_limits<float>::infinity()}};
+        for (const auto& [at, value] : bad_values) {
+            CAPTURE(at);
+            std::vector<float> values = layer.q;
+            values[at] = value;
+            store_q(path, layout, values, m, tokens);
+            std::string error;
+            try {
+                TraceReader(path).read_qkv(0, 0);
+            } catch (const InputError& e) {
+                error = e.what();
+            }
+            CHECK(error.find("dataset '" + q + "': element " + std::to_string(at) + " (") != std::string::npos);
+        }
     }
 }
 
