@@ -15,7 +15,7 @@
 #include <filesystem>
 #include <memory>
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__SSE2__)
 #include <immintrin.h>
 #endif
 
@@ -235,7 +235,30 @@ bool read_stored_chunks(hid_t dataset, hsize_t tokens, hsize_t row_elements, flo
         } else {
             const unsigned char* plane[4] = {from, from + chunk_elements, from + 2 * chunk_elements,
                                              from + 3 * chunk_elements};
-            for (std::size_t i = 0; i < n; ++i) {
+            std::size_t i = 0;
+#if defined(__SSE2__)
+            // Sixteen floats at a time: bytes 0 and 1, and 2 and 3, paired, then the pairs paired.
+            const __m128i exponent = _mm_set1_epi32(0x7f800000);
+            __m128i all_ones_exponent = _mm_setzero_si128();
+            for (; i + 16 <= n; i += 16) {
+                const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(plane[0] + i));
+                const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(plane[1] + i));
+                const __m128i b2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(plane[2] + i));
+                const __m128i b3 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(plane[3] + i));
+                const __m128i low_first = _mm_unpacklo_epi8(b0, b1), low_second = _mm_unpackhi_epi8(b0, b1);
+                const __m128i high_first = _mm_unpacklo_epi8(b2, b3), high_second = _mm_unpackhi_epi8(b2, b3);
+                const __m128i words[4] = {_mm_unpacklo_epi16(low_first, high_first), _mm_unpackhi_epi16(low_first, high_first),
+                                          _mm_unpacklo_epi16(low_second, high_second),
+                                          _mm_unpackhi_epi16(low_second, high_second)};
+                for (int w = 0; w < 4; ++w) {
+                    _mm_storeu_si128(reinterpret_cast<__m128i*>(to + i + 4 * w), words[w]);
+                    all_ones_exponent = _mm_or_si128(
+                        all_ones_exponent, _mm_cmpeq_epi32(_mm_and_si128(words[w], exponent), exponent));
+                }
+            }
+            not_finite |= _mm_movemask_epi8(all_ones_exponent) != 0;
+#endif
+            for (; i < n; ++i) {
                 const uint32_t bits = static_cast<uint32_t>(plane[0][i]) | static_cast<uint32_t>(plane[1][i]) << 8 |
                                       static_cast<uint32_t>(plane[2][i]) << 16 | static_cast<uint32_t>(plane[3][i]) << 24;
                 std::memcpy(to + i, &bits, 4);
