@@ -224,6 +224,16 @@ void store_q(const std::string& path, const QLayout& layout, const std::vector<f
     H5Fclose(file);
 }
 
+// What reading layer 0 of the trace at `path` throws, or "".
+std::string layer_error(const std::string& path) {
+    try {
+        TraceReader(path).read_qkv(0, 0);
+    } catch (const InputError& e) {
+        return e.what();
+    }
+    return "";
+}
+
 }  // namespace
 
 TEST_CASE("Q/K/V stored in any layout HDF5 reads come back as HDF5 reads them; kvsim's own from their chunks") {
@@ -261,13 +271,7 @@ TEST_CASE("Q/K/V stored in any layout HDF5 reads come back as HDF5 reads them; k
             writer.write_qkv(0, 1, random_layer(tokens, narrow, 7), dtype);
             writer.commit();
         }
-        std::string error;
-        try {
-            TraceReader(path).read_qkv(0, 0);
-        } catch (const InputError& e) {
-            error = e.what();
-        }
-        CHECK(error.find("dataset '" + q + "': element " + std::to_string(last) + " (") != std::string::npos);
+        CHECK(layer_error(path).find("dataset '" + q + "': element " + std::to_string(last) + " (") != std::string::npos);
     }
     const hsize_t hq = m.num_query_heads, d = m.head_dim;
     const QLayout layouts[] = {
@@ -315,13 +319,7 @@ TEST_CASE("Q/K/V stored in any layout HDF5 reads come back as HDF5 reads them; k
             std::vector<float> values = layer.q;
             values[at] = value;
             store_q(path, layout, values, m, tokens);
-            std::string error;
-            try {
-                TraceReader(path).read_qkv(0, 0);
-            } catch (const InputError& e) {
-                error = e.what();
-            }
-            CHECK(error.find("dataset '" + q + "': element " + std::to_string(at) + " (") != std::string::npos);
+            CHECK(layer_error(path).find("dataset '" + q + "': element " + std::to_string(at) + " (") != std::string::npos);
         }
     }
 }
