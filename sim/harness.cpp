@@ -39,6 +39,15 @@ int sum_in_order(std::span<const float* const> rows, std::span<const int32_t> ke
     return heads;
 }
 
+// Where four heads' sums are exact in any order (sum_four_heads_exactly): every weight +0 or in
+// [2^-29, 2), told by the least of (bits - 1) over the weights, where +0 wraps to the top and
+// passes, and the largest bits, where a negative, NaN or too large weight is at least 2.0f's.
+bool exact_sum_range(uint32_t least_bits_minus_one, uint32_t largest_bits) {
+    constexpr uint32_t smallest_bits = 0x31000000u;  // 2^-29 as a float
+    constexpr uint32_t two_bits = 0x40000000u;        // 2.0f
+    return least_bits_minus_one >= smallest_bits - 1 && largest_bits < two_bits;
+}
+
 #if defined(__AVX2__)
 // Four heads' sums as sum_in_order<4> gives them, with the additions in two chains (even and
 // odd slots) instead of one, so each addition need not wait on the one before. Any order gives
@@ -196,10 +205,8 @@ bool sum_four_heads_exactly(std::span<const float* const> rows, const float* int
     _mm_store_si128(reinterpret_cast<__m128i*>(high), largest);
     alignas(32) double total[4];
     _mm256_store_pd(total, _mm256_add_pd(even, odd));
-    constexpr uint32_t smallest_bits = 0x31000000u;  // 2^-29 as a float
-    constexpr uint32_t two_bits = 0x40000000u;        // 2.0f
     for (int h = 0; h < 4; ++h)
-        if (low[h] < smallest_bits - 1 || high[h] >= two_bits || !(total[h] < 2.0)) return false;
+        if (!exact_sum_range(low[h], high[h]) || !(total[h] < 2.0)) return false;
     for (int h = 0; h < 4; ++h) retained[h] = total[h];
     return true;
 }
@@ -252,8 +259,7 @@ void sum_kept_weights(std::span<const float* const> rows, std::span<const int32_
 
 bool interleave_rows(std::span<const float* const> rows, int64_t t, float* out) {
     const float *a = rows[0], *b = rows[1], *c = rows[2], *d = rows[3];
-    // As sum_four_heads_exactly checks them: the least of (bits - 1) over all weights, where +0
-    // wraps to the top and passes, and the largest bits.
+    // As sum_four_heads_exactly checks them (exact_sum_range).
     uint32_t least = UINT32_MAX, largest = 0;
     int64_t p = 0;
 #if defined(__AVX2__)
@@ -289,9 +295,7 @@ bool interleave_rows(std::span<const float* const> rows, int64_t t, float* out) 
             largest = std::max(largest, bits);
         }
     }
-    constexpr uint32_t smallest_bits = 0x31000000u;  // 2^-29 as a float
-    constexpr uint32_t two_bits = 0x40000000u;        // 2.0f
-    return least >= smallest_bits - 1 && largest < two_bits;
+    return exact_sum_range(least, largest);
 }
 
 Harness::Harness(std::unique_ptr<Policy> policy, int budget, int64_t sequence_length, const HarnessOptions& options,

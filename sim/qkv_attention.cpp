@@ -343,17 +343,21 @@ void QkvSource::read_block(int sequence, int layer, int64_t first_step, int64_t 
 
 void QkvSource::read_block(int sequence, int layer, int64_t first_step, int64_t end_step, AttentionBlock& block,
                            const RowVisitor& visit) {
-    begin_block(sequence, layer, first_step, end_step, block);
+    ready_layer(sequence, layer);  // attention_from_qkv sets the block's steps itself
     attention_from_qkv(loaded_, keys_, qkv_, first_step, end_step, block, where(sequence, layer), visit ? &visit : nullptr);
 }
 
 void QkvSource::begin_block(int sequence, int layer, int64_t first_step, int64_t end_step, AttentionBlock& block) {
+    ready_layer(sequence, layer);
+    start_attention_block(qkv_, first_step, end_step, block);
+}
+
+void QkvSource::ready_layer(int sequence, int layer) {
     const QkvLayer& data = layer_data(sequence, layer);
     if (!keys_current_) {
         keys_by_feature(data, qkv_, keys_);
         keys_current_ = true;
     }
-    start_attention_block(qkv_, first_step, end_step, block);
 }
 
 int64_t QkvSource::head_rows(int head, AttentionBlock& block, const RowVisitor* visit) const {

@@ -104,6 +104,7 @@ protected:
 
 private:
     std::string where(int sequence, int layer) const;  // names the trace, sequence and layer in errors
+    void ready_layer(int sequence, int layer);          // (sequence, layer) loaded, its keys by feature built
     int loaded_sequence_ = -1, loaded_layer_ = -1;
     QkvLayer loaded_;
     // A prefetch's load runs as a task among the replay's own (another thread beside them would

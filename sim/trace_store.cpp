@@ -96,6 +96,22 @@ void halves_to_floats(const uint16_t* in, float* out, std::size_t n) {
     for (; i < n; ++i) out[i] = half_bits_to_float(in[i]);
 }
 
+// `count` halves stored as bytes (any alignment; they may lie in `out` itself, from byte 2 count
+// on) widened into out[0, count) through a small copy: floats [0, i) end at byte 4 i, never past
+// byte 2 count + 2 i, where the halves not yet widened begin.
+void widen_stored_halves(const unsigned char* halves, std::size_t count, float* out) {
+    constexpr std::size_t kChunk = 4096;
+    uint16_t chunk[kChunk];
+    for (std::size_t first = 0; first < count; first += kChunk) {
+        const std::size_t n = std::min(kChunk, count - first);
+        std::memcpy(chunk, halves + 2 * first, 2 * n);
+        halves_to_floats(chunk, out + first, n);
+    }
+}
+
+// NaN and +-Inf: every exponent bit set.
+inline uint32_t non_finite_bits(uint32_t bits) { return (bits & 0x7f800000u) == 0x7f800000u; }
+
 // Reads all `count` elements of `dataset` into `out` as floats; false where HDF5 fails. IEEE
 // half data is read as its own bits and converted here: HDF5's fp16 -> fp32 conversion works bit
 // by bit in software and took 43% of a replay of an fp16 trace. Other float types go through
@@ -106,18 +122,11 @@ bool read_as_floats(hid_t dataset, std::size_t count, float* out) {
     if (!file_type.valid() || H5Tequal(file_type.get(), half.get()) <= 0)
         return H5Dread(dataset, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, out) >= 0;
     // The halves land in the upper half of `out` (bytes 2 count on), no second buffer, and are
-    // widened front to back through a small copy: floats [0, i) end at byte 4 i, never past
-    // byte 2 count + 2 i, where the halves not yet widened begin.
+    // widened front to back (widen_stored_halves).
     unsigned char* bytes = reinterpret_cast<unsigned char*>(out);
     unsigned char* halves = bytes + 2 * count;
     if (H5Dread(dataset, half.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, halves) < 0) return false;
-    constexpr std::size_t kChunk = 4096;
-    uint16_t chunk[kChunk];
-    for (std::size_t first = 0; first < count; first += kChunk) {
-        const std::size_t n = std::min(kChunk, count - first);
-        std::memcpy(chunk, halves + 2 * first, 2 * n);
-        halves_to_floats(chunk, out + first, n);
-    }
+    widen_stored_halves(halves, count, out);
     return true;
 }
 
@@ -199,12 +208,7 @@ bool read_stored_chunks(hid_t dataset, hsize_t tokens, hsize_t row_elements, flo
             if (element_bytes == 4)
                 std::memcpy(to, from, 4 * n);
             else
-                for (std::size_t i = 0; i < n; i += 4096) {
-                    uint16_t bits[4096];
-                    const std::size_t m = std::min<std::size_t>(4096, n - i);
-                    std::memcpy(bits, from + 2 * i, 2 * m);
-                    halves_to_floats(bits, to + i, m);
-                }
+                widen_stored_halves(from, n, to);
         } else if (element_bytes == 2) {
             // Plane 0 holds every half's low byte, plane 1 its high byte.
             const unsigned char *low = from, *high = from + chunk_elements;
@@ -262,7 +266,7 @@ bool read_stored_chunks(hid_t dataset, hsize_t tokens, hsize_t row_elements, flo
                 const uint32_t bits = static_cast<uint32_t>(plane[0][i]) | static_cast<uint32_t>(plane[1][i]) << 8 |
                                       static_cast<uint32_t>(plane[2][i]) << 16 | static_cast<uint32_t>(plane[3][i]) << 24;
                 std::memcpy(to + i, &bits, 4);
-                not_finite |= (bits & 0x7f800000u) == 0x7f800000u;
+                not_finite |= non_finite_bits(bits);
             }
         }
     }
@@ -433,8 +437,6 @@ std::size_t first_flagged(const float* data, std::size_t n, Bad bad) {
     return n;
 }
 
-// NaN and +-Inf: every exponent bit set.
-inline uint32_t non_finite_bits(uint32_t bits) { return (bits & 0x7f800000u) == 0x7f800000u; }
 // Not an attention weight: anything above 1.0f as an unsigned pattern is > 1, +Inf, NaN or
 // negative, except -0, which is 0.
 inline uint32_t not_weight_bits(uint32_t bits) { return (bits > 0x3f800000u) & (bits != 0x80000000u); }
