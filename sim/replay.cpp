@@ -188,6 +188,18 @@ private:
         return PolicyContext{budget, capacity, layer, shape_.num_layers, kv, kv_heads_, head_dim_};
     }
 
+    // A tiered cache's value groups must cut the trace's head size into whole groups: the config
+    // cannot know it, so every caller of replay (the program, search, the fuzzer) gets this check
+    // here, before the layer's first step.
+    void check_tier_format(const ReplayCombo& c, const Policy& policy) const {
+        const TierFormat* f = policy.tier_format();
+        if (!qkv_ || !f) return;
+        for (const int group : {f->value_group, f->int8_value_group})
+            if (group > 0 && group < head_dim_ && head_dim_ % group != 0)
+                throw InputError(c.label + ": value_group " + std::to_string(group) + " does not divide the head size " +
+                                 std::to_string(head_dim_) + " of " + source_.description());
+    }
+
     // One harness per (KV head, combination), index kv_head * combinations + combination.
     std::vector<Harness> make_harnesses(int s, int layer) const {
         const int64_t length = shape_.sequence_lengths[s];
@@ -206,7 +218,9 @@ private:
                 const PolicyContext ctx = context(c, s, layer, kv);
                 const std::string where = " (sequence " + shape_.sequence_names[s] + ", layer " +
                                           std::to_string(layer) + ", KV head " + std::to_string(kv) + ")";
-                harnesses.emplace_back(c.make(ctx), budget, length, options_.harness, c.label, where);
+                std::unique_ptr<Policy> policy = c.make(ctx);
+                check_tier_format(c, *policy);
+                harnesses.emplace_back(std::move(policy), budget, length, options_.harness, c.label, where);
             }
         return harnesses;
     }

@@ -31,25 +31,6 @@ HarnessOptions harness_options(const ExperimentConfig& config, const AttentionSo
     return named_harness_options(config.attention_view, config.group_reduce, qkv, config.prefill_tokens);
 }
 
-// Quantisation groups must fit the trace's head size.
-void check_precision(const std::vector<ReplayCombo>& combos, const AttentionSource& source) {
-    const auto* qkv = dynamic_cast<const QkvSource*>(&source);
-    if (!qkv) return;
-    const int head_dim = qkv->qkv_shape().head_dim;
-    const AttentionShape& shape = source.shape();
-    for (const ReplayCombo& c : combos) {
-        // A probe instance, only to read its format: a budget every policy accepts.
-        const int budget = std::max(c.budget, 4096);
-        const std::unique_ptr<Policy> probe =
-            c.make(PolicyContext{budget, budget + 1, 0, shape.num_layers, 0, shape.num_kv_heads, head_dim});
-        if (const TierFormat* f = probe->tier_format())
-            if (f->value_group < head_dim && head_dim % f->value_group != 0)
-                throw InputError(c.label + ": value_group " + std::to_string(f->value_group) +
-                                 " does not divide the head size " + std::to_string(head_dim) + " of " +
-                                 source.description());
-    }
-}
-
 // Checks the config against the trace's shape: profiles need one budget per layer.
 void check_against_trace(const ExperimentConfig& config, const AttentionSource& source) {
     const AttentionShape& shape = source.shape();
@@ -126,7 +107,6 @@ Experiment::Experiment(const ExperimentConfig& config, const std::vector<GridAxi
         options_.output_error |= m == "output_rel_error" || m == "output_cosine";
         options_.memory |= m == "bytes_per_token" || m == "compression_ratio";
     }
-    check_precision(combos_, *source_);
 
     const AttentionShape& shape = source_->shape();
     frame_.trace = source_->description();

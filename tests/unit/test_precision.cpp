@@ -9,6 +9,9 @@
 #include "src/config.h"
 #include "base/errors.h"
 #include "src/experiment.h"
+#include "sim/replay.h"
+#include "sim/sweep.h"
+#include "sim/synthetic_qkv.h"
 
 using namespace kvsim;
 using namespace kvsim::test;
@@ -86,6 +89,28 @@ TEST_CASE("composition: eviction decides what stays, quantisation how coarsely")
     CHECK(quant.heavy_hitter_recall == plain.heavy_hitter_recall);
     CHECK(quant.bytes_per_token < plain.bytes_per_token);
     CHECK(quant.output_rel_error > plain.output_rel_error);
+}
+
+// The replay itself refuses a tier format whose groups do not fit the trace's head size, so a
+// caller that skips the program's checks (search, the fuzzer) gets the same InputError, not a
+// programmer's exception from the quantiser (a fuzzer find: value_group 2, head size 3).
+TEST_CASE("a value group that does not divide the head size is the replay's input error") {
+    auto source = make_synthetic_qkv_source(synthetic_qkv_trace("tiny-256", "test"), 40);
+    for (const bool values : {false, true}) {
+        ReplayOptions options;
+        options.output_error = values;
+        options.memory = values;
+        std::string message;
+        try {
+            (void)replay(*source, expand_sweep({entry("int4", {{"value_group", 6}})}, {}, std::vector<int>{16}), options);
+        } catch (const InputError& e) {
+            message = e.what();
+        }
+        CHECK(message == "int4(value_group=6): value_group 6 does not divide the head size 16 of " + source->description());
+    }
+    ReplayOptions options;
+    options.output_error = true;
+    CHECK_NOTHROW(replay(*source, expand_sweep({entry("int4", {{"value_group", 4}})}, {}, std::vector<int>{16}), options));
 }
 
 TEST_CASE("precision mistakes are input errors naming the key") {
