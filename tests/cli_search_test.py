@@ -288,6 +288,9 @@ class Search(KvsimTestCase):
              "search.tiers.profile: the tier search writes the profile"),
             ("  fit: [layer_budgets, head_budgets]\n", "  fit: [tiers]\n  tiers: {surface: 0.9}\n",
              "search.tiers: shares sum to 1.45 > 1"),
+            # The trace's head size is 8: checked by the replay itself (once an internal error, exit 1).
+            ("  fit: [layer_budgets, head_budgets]\n", "  fit: [tiers]\n  tiers: {recent: 16, value_group: 3}\n",
+             "value_group 3 does not divide the head size 8 of "),
             ("  fit: [layer_budgets, head_budgets]\n", "  fit: [streaming]\n  streaming: {recent: 16, pattern: /}\n",
              "search.streaming.pattern: /: is a directory, not a file"),
             ("  fit: [layer_budgets, head_budgets]\n", "  fit: [tiers]\n  objective: retained_mass\n",
