@@ -26,7 +26,7 @@ void require_valid(const QuantSpec& spec, int num_kv_heads, int head_dim) {
     if (spec.key_group < 1) throw std::invalid_argument("quantize: key_group must be >= 1, got " + std::to_string(spec.key_group));
     if (spec.value_group < 1)
         throw std::invalid_argument("quantize: value_group must be >= 1, got " + std::to_string(spec.value_group));
-    if (spec.value_group < head_dim && head_dim % spec.value_group != 0)
+    if (!value_group_fits(spec.value_group, head_dim))
         throw std::invalid_argument("quantize: value_group " + std::to_string(spec.value_group) +
                                     " does not divide head_dim " + std::to_string(head_dim));
 }
@@ -166,7 +166,7 @@ void check_quant_spec(const QuantSpec& spec, int head_dim, const std::string& wh
     if (spec.key_group < 1) throw InputError(where + ".key_group: must be >= 1, got " + std::to_string(spec.key_group));
     if (spec.value_group < 1)
         throw InputError(where + ".value_group: must be >= 1, got " + std::to_string(spec.value_group));
-    if (spec.value_group < head_dim && head_dim % spec.value_group != 0)
+    if (!value_group_fits(spec.value_group, head_dim))
         throw InputError(where + ".value_group: " + std::to_string(spec.value_group) + " does not divide the head size " +
                          std::to_string(head_dim));
 }

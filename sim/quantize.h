@@ -54,6 +54,12 @@ float quant_roundtrip(float x_fp16, float scale, int qmax);
 // dequantised values at the same offsets of `out`; returns the scale used.
 float roundtrip_group(const float* in, float* out, int64_t count, int64_t stride, int bits);
 
+// Whether `value_group` (>= 1) cuts a head of `head_dim` channels into whole groups; a group of
+// head_dim or more is the whole head. The whole-layer quantiser needs it, so every check asks this.
+inline bool value_group_fits(int value_group, int head_dim) {
+    return value_group >= head_dim || head_dim % value_group == 0;
+}
+
 // --- Per-layer arrays ---
 
 // Dequantised copies of the layer's K and V under `spec`. Keys (KIVI): the last token group may

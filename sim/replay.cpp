@@ -11,6 +11,7 @@
 #include "sim/lowrank.h"
 #include "sim/precision.h"
 #include "sim/qkv_attention.h"
+#include "sim/quantize.h"
 #include "base/errors.h"
 #include "base/size_limits.h"
 
@@ -195,7 +196,7 @@ private:
         const TierFormat* f = policy.tier_format();
         if (!qkv_ || !f) return;
         for (const int group : {f->value_group, f->int8_value_group})
-            if (group > 0 && group < head_dim_ && head_dim_ % group != 0)
+            if (group > 0 && !value_group_fits(group, head_dim_))
                 throw InputError(c.label + ": value_group " + std::to_string(group) + " does not divide the head size " +
                                  std::to_string(head_dim_) + " of " + source_.description());
     }
