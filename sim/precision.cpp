@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "base/errors.h"
 #include "sim/lowrank.h"
 #include "sim/quantize.h"
 
@@ -20,6 +21,13 @@ QuantSpec spec_for(const TierFormat& f, int bits) {
 }
 
 }  // namespace
+
+void check_tier_format(const TierFormat& format, int head_dim, const std::string& label, const std::string& of) {
+    for (const int group : {format.value_group, format.int8_value_group})
+        if (group > 0 && !value_group_fits(group, head_dim))
+            throw InputError(label + ": value_group " + std::to_string(group) + " does not divide the head size " +
+                             std::to_string(head_dim) + " of " + of);
+}
 
 void build_tier_arrays(const QkvLayer& layer, int num_kv_heads, int head_dim, TierArrays& arrays) {
     const TierFormat& f = arrays.format;

@@ -7,6 +7,7 @@
 #include <memory>
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "policies/policy.h"
@@ -50,6 +51,12 @@ private:
     int layer_ = 0;
     std::vector<float> latent_k_, latent_v_, latent_k8_, latent_v8_, latent_k4_, latent_v4_;
 };
+
+// A tier format's value groups (INT4's, and INT8's where it has its own) must cut the head size
+// into whole groups. Every place a format meets a head size (a replay, kvsim eval's model, the
+// runtime's profile) asks this, so they accept the same formats: the InputError names the
+// policy (`label`) and the trace, model or profile (`of`).
+void check_tier_format(const TierFormat& format, int head_dim, const std::string& label, const std::string& of);
 
 // Builds the int8 and int4 tiers of `layer` for `format` (fp16 points into `layer` itself).
 void build_tier_arrays(const QkvLayer& layer, int num_kv_heads, int head_dim, TierArrays& arrays);

@@ -189,16 +189,11 @@ private:
         return PolicyContext{budget, capacity, layer, shape_.num_layers, kv, kv_heads_, head_dim_};
     }
 
-    // A tiered cache's value groups must cut the trace's head size into whole groups: the config
-    // cannot know it, so every caller of replay (the program, search, the fuzzer) gets this check
-    // here, before the layer's first step.
+    // The config cannot know the trace's head size: every caller of replay (the program, search,
+    // the fuzzer) gets the tier format's check here, before the layer's first step.
     void check_tier_format(const ReplayCombo& c, const Policy& policy) const {
-        const TierFormat* f = policy.tier_format();
-        if (!qkv_ || !f) return;
-        for (const int group : {f->value_group, f->int8_value_group})
-            if (group > 0 && !value_group_fits(group, head_dim_))
-                throw InputError(c.label + ": value_group " + std::to_string(group) + " does not divide the head size " +
-                                 std::to_string(head_dim_) + " of " + source_.description());
+        if (const TierFormat* f = policy.tier_format(); qkv_ && f)
+            kvsim::check_tier_format(*f, head_dim_, c.label, source_.description());
     }
 
     // One harness per (KV head, combination), index kv_head * combinations + combination.

@@ -84,6 +84,13 @@ class Generate(KvsimTestCase):
                                 "the engine's model has 5 layers, 8 query heads, 4 KV heads, head size 8")
         self.assert_input_error(kvsim("generate", "--model", MODEL, "--profile", self.path("none.json"), "--prompt", "Hi"),
                                 "none.json")
+        # A tier format whose value groups do not cut the engine's head size (8) into whole groups:
+        # refused, as kvsim run, search and eval refuse it, not quantised in ragged groups.
+        ragged = json.loads(PROFILES["tiers"])
+        ragged["policy"]["params"]["value_group"] = 3
+        path = self.write("ragged.json", json.dumps(ragged))
+        self.assert_input_error(kvsim("generate", "--model", MODEL, "--profile", path, "--prompt", "Hi"),
+                                path + ": policy stratigraphic: value_group 3 does not divide the head size 8")
         good = self.write("h2o.json", PROFILES["h2o"])
         self.assert_input_error(kvsim("generate", "--model", MODEL, "--profile", good, "--prompt", "Hi", "--backend",
                                       "cuda"), "backend 'cuda'")

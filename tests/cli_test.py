@@ -412,6 +412,19 @@ class ModelCli(KvsimTestCase):
         self.assertGreater(composed["ppl"], by["sliding_window"]["ppl"])
         self.assertGreater(by["streaming_attention(recent=44,lambda=0.9)"]["delta_ppl"], 0)
 
+    def test_eval_refuses_value_groups_that_do_not_fit_the_head_size(self):
+        # stories260K's head size is 8: a group of 3 leaves a ragged group, which kvsim run, search
+        # and the runtime refuse, so eval does too (it quantised the ragged group before).
+        out = os.path.join(self.dir, "o")
+        config = self.write("ragged.yaml", "budgets: [48]\npolicies:\n  - {int4: {value_group: 3}}\n")
+        result = kvsim("eval", config, "--model", MODEL, "--text", STORIES, "--split-on", "<|endoftext|>",
+                       "--context", "512", "--max-tokens", "100", "--out", out, "-q")
+        self.assertEqual(result.returncode, 2, result.stderr)
+        errors = [line for line in result.stderr.splitlines() if "error" in line]
+        self.assertEqual(errors, ["kvsim: error: int4(value_group=3): value_group 3 does not divide the head size 8 "
+                                  "of model " + MODEL], result.stderr)
+        self.assertFalse(os.path.exists(out))
+
     def test_bad_model_and_text_inputs(self):
         out = os.path.join(self.dir, "out")
         cut = self.write("cut.gguf", open(MODEL, "rb").read()[:5000], "wb")

@@ -63,6 +63,7 @@ public:
     void take_dirty(const std::function<void(int slot, uint8_t code)>& send);
     void mark_all_dirty();  // the device lost what it held: every slot is sent again
     bool streaming() const { return state_ != nullptr; }
+    const TierFormat* tier_format() const { return format_; }  // null: every token at FP16
     bool per_channel_keys() const { return kivi_; }  // KIVI key groups: the CPU backends only
     int capacity() const { return capacity_; }
     // Every tier's rows where they lie, keys and values: what a device copy reads.

@@ -16,6 +16,7 @@
 #include "base/size_limits.h"
 #include "policies/policy.h"
 #include "search/profile.h"
+#include "sim/precision.h"
 #include "src/runtime/cuda_attention.h"
 #include "src/runtime/head_cache.h"
 #include "src/runtime/runtime_internal.h"
@@ -112,6 +113,11 @@ std::unique_ptr<kvsim_rt> plan(const char* profile_path, const kvsim_model_shape
                                     kv, K, shape.head_dim, &owner->files};
             rt->heads.push_back(std::make_unique<HeadCache>(
                 h, [descriptor, owner, ctx]() { return descriptor->make(owner->params, ctx); }));
+            // The profile cannot know the engine's head size: its tier format must fit it, as a
+            // replay's and kvsim eval's must.
+            if (const TierFormat* f = rt->heads.back()->tier_format())
+                check_tier_format(*f, shape.head_dim, std::string(profile_path) + ": policy " + p.policy,
+                                  "the engine's model");
         }
     rt->next_position.assign(L, 0);
     if (backend == "cuda") {
