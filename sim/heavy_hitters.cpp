@@ -139,9 +139,9 @@ int32_t kth_largest_key(std::span<const float> row, std::size_t want) {
     return h[0];
 }
 
-// Every position whose key is at least floor_key, ascending, skipping blocks of 16 with none
-// (one vector compare each). The positions lie in a buffer of this thread's, which grows only and
-// is valid until the thread's next call.
+}  // namespace
+
+// Skips blocks of 16 with none (one vector compare each); the buffer grows only.
 std::span<const int32_t> positions_at_or_above(std::span<const float> row, int32_t floor_key) {
     const std::size_t n = row.size();
     thread_local std::vector<int32_t> buffer;
@@ -178,6 +178,8 @@ std::span<const int32_t> positions_at_or_above(std::span<const float> row, int32
     for (; j < n; ++j) take(j);
     return {out, count};
 }
+
+namespace {
 
 // The row's top `want` positions given its k-th largest key. Fewer than `want` keys lie above it
 // and at least `want` at or above it, so the ties always cover what is missing.
@@ -265,9 +267,17 @@ void top_k_positions(std::span<const float> row, int k, std::vector<int32_t>& ou
     // One pass gathers every position at or above the hint. When there are at least `want`, the
     // k-th largest key is among them: a selection over those few finds it, and they hold every
     // position the output takes. Otherwise the hint was too high, and the heap finds it.
+    if (floor_hint > 0)
+        top_k_positions(row, k, out, floor_hint, positions_at_or_above(row, floor_hint));
+    else
+        top_k_positions(row, k, out, floor_hint, {});
+}
+
+void top_k_positions(std::span<const float> row, int k, std::vector<int32_t>& out, int32_t& floor_hint,
+                     std::span<const int32_t> candidates) {
+    const std::size_t want = k > 0 ? std::min<std::size_t>(static_cast<std::size_t>(k), row.size()) : 0;
+    if (want == 0) return;
     thread_local std::vector<int32_t> keys;
-    std::span<const int32_t> candidates;
-    if (floor_hint > 0) candidates = positions_at_or_above(row, floor_hint);
     if (floor_hint > 0 && candidates.size() >= want) {
         keys_of(row, candidates, keys);
         const int32_t threshold = kth_largest_of(keys, want);  // keys stay in candidates' order

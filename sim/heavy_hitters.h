@@ -20,4 +20,16 @@ void top_k_positions(std::span<const float> row, int k, std::vector<int32_t>& ou
 inline constexpr int32_t kNoTopKHint = -1;
 void top_k_positions(std::span<const float> row, int k, std::vector<int32_t>& out, int32_t& floor_hint);
 
+// The same, where the caller gathered the row's positions at or above floor_hint (> 0) as it
+// wrote the row (the attention does, while the row is in registers): `at_or_above` must be
+// exactly positions_at_or_above(row, floor_hint), every position whose key is at least the hint,
+// ascending. The one pass over the row above is then skipped.
+void top_k_positions(std::span<const float> row, int k, std::vector<int32_t>& out, int32_t& floor_hint,
+                     std::span<const int32_t> at_or_above);
+
+// Every position of `row` whose key (the weight's bits, for weights >= +0) is at least floor_key,
+// ascending: what the hint's pass gathers. The positions lie in a buffer of this thread's, valid
+// until its next call. For tests, and for the callers above.
+std::span<const int32_t> positions_at_or_above(std::span<const float> row, int32_t floor_key);
+
 }  // namespace kvsim

@@ -14,6 +14,7 @@
 
 #include "base/errors.h"
 #include "base/size_limits.h"
+#include "sim/heavy_hitters.h"
 
 namespace kvsim {
 
@@ -145,6 +146,45 @@ float finite_peak(const float* x, int64_t n) {
 #endif
 }
 
+// out[j] = e[j] * scale for j < n, the elementwise product Eigen's arrays give (the same bits).
+// Where floor_key > 0, also every j whose out[j] has bits at least floor_key, ascending, into `at`
+// (room for n + 16): heavy_hitters.h's positions_at_or_above, found while the weights are in
+// registers. Returns how many.
+std::size_t scale_row(const float* e, int64_t n, float scale, float* out, int32_t floor_key, int32_t* at) {
+#if defined(__AVX512F__)
+    if (floor_key > 0) {
+        const __m512 factor = _mm512_set1_ps(scale);
+        const __m512i floor_bits = _mm512_set1_epi32(floor_key - 1);  // bits >= f <=> bits > f - 1
+        const __m512i sixteen = _mm512_set1_epi32(16);
+        __m512i positions = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        std::size_t count = 0;
+        int64_t j = 0;
+        for (; j + 16 <= n; j += 16) {
+            const __m512 w = _mm512_mul_ps(_mm512_loadu_ps(e + j), factor);
+            _mm512_storeu_ps(out + j, w);
+            const __mmask16 pass = _mm512_cmpgt_epi32_mask(_mm512_castps_si512(w), floor_bits);
+            _mm512_storeu_si512(at + count, _mm512_maskz_compress_epi32(pass, positions));
+            count += static_cast<std::size_t>(__builtin_popcount(pass));
+            positions = _mm512_add_epi32(positions, sixteen);
+        }
+        if (j < n) {
+            const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1);
+            const __m512 w = _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, e + j), factor);
+            _mm512_mask_storeu_ps(out + j, tail, w);
+            const __mmask16 pass = _mm512_mask_cmpgt_epi32_mask(tail, _mm512_castps_si512(w), floor_bits);
+            _mm512_storeu_si512(at + count, _mm512_maskz_compress_epi32(pass, positions));
+            count += static_cast<std::size_t>(__builtin_popcount(pass));
+        }
+        return count;
+    }
+#endif
+    Eigen::Map<Eigen::ArrayXf>(out, n) = Eigen::Map<const Eigen::ArrayXf>(e, n) * scale;
+    if (floor_key <= 0) return 0;
+    const std::span<const int32_t> found = positions_at_or_above({out, static_cast<std::size_t>(n)}, floor_key);
+    std::copy(found.begin(), found.end(), at);
+    return found.size();
+}
+
 }  // namespace
 
 #if defined(KVSIM_SCORE_PANELS)
@@ -251,6 +291,9 @@ int64_t attention_rows_of_head(const QkvLayer& layer, const KeysByFeature& keys,
     if (packed.size() < floats) packed.resize(floats);
     block.self_weight[h].resize(rows);
     float* out = packed.data();
+    thread_local std::vector<int32_t> at_or_above;  // grows only
+    if (visit && visit->gather_floor && at_or_above.size() < static_cast<std::size_t>(end_step) + 16)
+        at_or_above.resize(end_step + 16);
     for (int64_t i = 0; i < rows; ++i) {
         const int64_t t = first_step + i;
         auto row = scores.row(i).head(t + 1).array();  // causal: positions 0..t
@@ -260,9 +303,10 @@ int64_t attention_rows_of_head(const QkvLayer& layer, const KeysByFeature& keys,
         if (std::isnan(peak)) return t;
         row = (row - peak).exp();
         const float inv_total = 1.0f / row.sum();
-        Eigen::Map<Eigen::ArrayXf>(out, t) = row.head(t) * inv_total;
+        const int32_t floor = visit && visit->gather_floor ? visit->gather_floor(h) : 0;
+        const std::size_t gathered = scale_row(row.data(), t, inv_total, out, floor, at_or_above.data());
         block.self_weight[h][i] = row(t) * inv_total;
-        if (visit) (*visit)(h, i, {out, static_cast<std::size_t>(t)});
+        if (visit) visit->visit(h, i, {out, static_cast<std::size_t>(t)}, {at_or_above.data(), gathered});
         out += t;
     }
     return -1;
@@ -338,13 +382,14 @@ void QkvSource::drop_prefetch() {
 QkvSource::~QkvSource() { drop_prefetch(); }
 
 void QkvSource::read_block(int sequence, int layer, int64_t first_step, int64_t end_step, AttentionBlock& block) {
-    read_block(sequence, layer, first_step, end_step, block, nullptr);
+    ready_layer(sequence, layer);  // attention_from_qkv sets the block's steps itself
+    attention_from_qkv(loaded_, keys_, qkv_, first_step, end_step, block, where(sequence, layer));
 }
 
 void QkvSource::read_block(int sequence, int layer, int64_t first_step, int64_t end_step, AttentionBlock& block,
                            const RowVisitor& visit) {
     ready_layer(sequence, layer);  // attention_from_qkv sets the block's steps itself
-    attention_from_qkv(loaded_, keys_, qkv_, first_step, end_step, block, where(sequence, layer), visit ? &visit : nullptr);
+    attention_from_qkv(loaded_, keys_, qkv_, first_step, end_step, block, where(sequence, layer), &visit);
 }
 
 void QkvSource::begin_block(int sequence, int layer, int64_t first_step, int64_t end_step, AttentionBlock& block) {

@@ -45,7 +45,15 @@ void attention_from_qkv(const QkvLayer& layer, const QkvShape& shape, int64_t fi
 // Called with each row as soon as it is written, on the thread that wrote it, while it is still in
 // cache: (query head, row index in the block, the row's t weights). One head's rows come in step
 // order from one thread; different heads' rows come in parallel.
-using RowVisitor = std::function<void(int head, int64_t index, std::span<const float> row)>;
+// Where `gather_floor` is given and returns a key above 0 for a head's next row, that row's
+// positions whose weight's bits are at least it are gathered as the row is stored (what
+// heavy_hitters.h's positions_at_or_above finds, from the registers instead of a second pass over
+// the row) and handed to `visit`; otherwise that span is empty.
+struct RowVisitor {
+    std::function<int32_t(int head)> gather_floor;
+    std::function<void(int head, int64_t index, std::span<const float> row, std::span<const int32_t> at_or_above)>
+        visit;
+};
 
 // The same with the layer's keys by feature already built (what a replay does once per layer),
 // and each row handed to `visit` where given.

@@ -331,11 +331,16 @@ private:
         if (first == 1) heavy_hint_.assign(query_heads_, kNoTopKHint);
     }
 
-    // Row `index` of a block's rows of `head`: its heavy hitters, from the head's hint.
-    void heavy_hitters_of_row(int head, int64_t index, std::span<const float> row, int32_t& hint) {
+    // Row `index` of a block's rows of `head`: its heavy hitters, from the head's hint (and, where
+    // given, the row's positions at or above it, gathered as the row was written).
+    void heavy_hitters_of_row(int head, int64_t index, std::span<const float> row, int32_t& hint,
+                              std::optional<std::span<const int32_t>> at_or_above = std::nullopt) {
         thread_local std::vector<int32_t> top;
         top.clear();
-        top_k_positions(row, block_k_, top, hint);
+        if (at_or_above)
+            top_k_positions(row, block_k_, top, hint, *at_or_above);
+        else
+            top_k_positions(row, block_k_, top, hint);
         const int64_t row_job = head * block_rows_ + index;
         std::copy(top.begin(), top.end(), heavy_.begin() + row_job * block_k_);
         heavy_count_[row_job] = static_cast<int32_t>(top.size());
@@ -549,9 +554,12 @@ private:
     int64_t block_rows_ = 0;
     // A Q/K/V source's rows go to heavy_hitters_of_row as they are computed: one head's rows come
     // in order from one thread, so the head's hint passes straight from row to row.
-    const RowVisitor heavy_of_row_ = [this](int head, int64_t index, std::span<const float> row) {
-        heavy_hitters_of_row(head, index, row, heavy_hint_[head]);
-    };
+    // Each row's candidates at or above its head's hint are gathered as the row is stored.
+    const RowVisitor heavy_of_row_{
+        [this](int head) { return heavy_hint_[head]; },
+        [this](int head, int64_t index, std::span<const float> row, std::span<const int32_t> at_or_above) {
+            heavy_hitters_of_row(head, index, row, heavy_hint_[head], at_or_above);
+        }};
     std::vector<std::vector<float>> combined_;      // raw view with groups: reduced rows per KV head
     std::vector<float> full_output_;                // [query head][row][d]: the full cache's output
     std::vector<int32_t> every_position_;           // 0, 1, 2, ...: the full cache's positions

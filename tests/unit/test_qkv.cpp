@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "helpers.h"
+#include "sim/heavy_hitters.h"
 #include "sim/qkv_attention.h"
 #include "sim/rng.h"
 #include "sim/synthetic_qkv.h"
@@ -65,6 +66,65 @@ TEST_CASE("a synthetic Q/K/V layer is the same on one thread as on many") {
     CHECK(one.v == many.v);
     // Each KV head's tokens start where the previous head's left the stream: heads differ.
     CHECK(many.k[0] != many.k[static_cast<std::size_t>(spec.head_dim)]);
+}
+
+TEST_CASE("a row's positions gathered as the attention stores it are the heavy hitters' pass over it") {
+    // Rows from 1 to 255 weights (tails of every length below 16) and floors from none passing to
+    // most passing: the attention's gather must be positions_at_or_above's, and the heavy hitters
+    // from it the same as from the row alone.
+    const SyntheticQkvSpec spec = tiny();
+    const QkvLayer layer = generate_synthetic_qkv_layer(spec, 1);
+    const QkvShape shape{spec.num_query_heads, spec.num_kv_heads, spec.head_dim};
+    KeysByFeature keys;
+    keys_by_feature(layer, shape, keys);
+    // The rows as the attention gives them without a visitor: the visited rows must be the same
+    // bits, and some floors are a weight of the row itself (ties at the floor are gathered).
+    AttentionBlock plain;
+    attention_from_qkv(layer, keys, shape, 1, 256, plain, "test");
+    const auto floor_for = [&](int head, int64_t index) -> int32_t {
+        const int64_t t = 1 + index;
+        const float levels[] = {0.0f, 1e-9f, 1e-4f, 0.004f, 0.02f, 0.2f, 2.0f};
+        float level = levels[(head + index) % 7];
+        if ((head + index) % 3 == 0) level = plain.row(head, t)[(index * 7) % t];
+        int32_t bits;
+        std::memcpy(&bits, &level, sizeof bits);
+        return (head + index) % 11 == 0 ? -1 : bits;  // -1 (and 0): nothing gathered
+    };
+    std::vector<int64_t> index_of_head(shape.num_query_heads, 0);
+    int64_t rows_checked = 0, gathered_total = 0, fused_calls = 0;
+    RowVisitor visit{[&](int head) { return floor_for(head, index_of_head[head]); },
+                     [&](int head, int64_t index, std::span<const float> row, std::span<const int32_t> at) {
+                         const int32_t floor = floor_for(head, index);
+                         CHECK(index == index_of_head[head]);
+                         ++index_of_head[head];
+                         ++rows_checked;
+                         const float* expected_row = plain.row(head, 1 + index);
+                         REQUIRE(row.size() == static_cast<std::size_t>(1 + index));
+                         CHECK(std::memcmp(row.data(), expected_row, row.size() * sizeof(float)) == 0);
+                         if (floor <= 0) {
+                             CHECK(at.empty());
+                             return;
+                         }
+                         const std::span<const int32_t> expected = positions_at_or_above(row, floor);
+                         REQUIRE(at.size() == expected.size());
+                         CHECK(std::equal(at.begin(), at.end(), expected.begin()));
+                         gathered_total += static_cast<int64_t>(at.size());
+                         for (int k : {1, 4, 32}) {
+                             std::vector<int32_t> from_row, from_gathered;
+                             int32_t hint_row = floor, hint_gathered = floor;
+                             top_k_positions(row, k, from_row, hint_row);
+                             top_k_positions(row, k, from_gathered, hint_gathered, at);
+                             CHECK(from_row == from_gathered);
+                             CHECK(hint_row == hint_gathered);
+                             ++fused_calls;
+                         }
+                     }};
+    tbb::global_control one_thread(tbb::global_control::max_allowed_parallelism, 1);  // the visitor counts
+    AttentionBlock block;
+    attention_from_qkv(layer, keys, shape, 1, 256, block, "test", &visit);
+    CHECK(rows_checked == 255 * shape.num_query_heads);
+    CHECK(gathered_total > 1000);  // the floors do gather
+    CHECK(fused_calls > 0);
 }
 
 TEST_CASE("attention from Q and K matches a direct double-precision softmax") {
