@@ -17,7 +17,9 @@ namespace {
 // Channels sharing one per-token scale: a value_group of head_dim or more means the whole head.
 int channel_group(int value_group, int head_dim) { return std::min(value_group, head_dim); }
 
-// Programmer-facing checks (user input goes through check_quant_spec first, with InputError).
+// Programmer-facing checks. User input is checked before it gets here, with InputError: a
+// policy's parameters as it is made (policies/quantized.cpp), its format against the head size
+// by check_tier_format (sim/precision.h).
 void require_valid(const QuantSpec& spec, int num_kv_heads, int head_dim) {
     quant_qmax(spec.bits);  // throws for bits other than 4 or 8
     if (head_dim < 1 || num_kv_heads < 1)

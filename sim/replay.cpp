@@ -11,7 +11,6 @@
 #include "sim/lowrank.h"
 #include "sim/precision.h"
 #include "sim/qkv_attention.h"
-#include "sim/quantize.h"
 #include "base/errors.h"
 #include "base/size_limits.h"
 
