@@ -4,11 +4,14 @@
 
 #include <Eigen/Core>
 #include <algorithm>
+#include <array>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <string>
+#include <utility>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -22,53 +25,80 @@ using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::Ro
 using StridedRows = Eigen::Map<const RowMatrix, 0, Eigen::OuterStride<>>;
 using ColumnMajorKeys = Eigen::Map<const Eigen::MatrixXf, 0, Eigen::OuterStride<>>;
 
-// kvsim's own kernel for the score products: Eigen 3.4's bits, faster. With AVX-512 and FMA,
-// Eigen multiplies a product's keys (its rows: it computes the transposed product) in panels of
-// 3 x 16 by 4 queries. Each score is one chain of fused multiply-adds over the features in order
-// from zero, then scaled by the factor Eigen takes out of (q * scale): fma(sum, scale, 0). So is
-// every score of a key below the last whole panel of 48 (end_step rounded down), whatever the
+// kvsim's own kernel for the score products: Eigen 3.4's bits, faster. With FMA, Eigen multiplies
+// a product's keys (its rows: it computes the transposed product) in panels of three vectors
+// (3 x 16 keys with AVX-512, 3 x 8 with AVX2) by 4 queries. Each score is one chain of fused
+// multiply-adds over the features in order from zero, then scaled by the factor Eigen takes out
+// of (q * scale): fma(sum, scale, 0). So is every score of a key below the last whole panel of 48
+// (end_step rounded down; 48 is a whole number of Eigen's panels either way), whatever the
 // queries; the last keys go through other paths (two accumulators, or sums across a vector),
 // which Eigen itself still computes here. Eigen packed the keys once per product, four times per
-// KV head and block; the kernel reads a per-layer copy already in panels. Another Eigen, or a
-// build without AVX-512, takes Eigen's products: the tests compare every score's bits.
-#if defined(__AVX512F__) && defined(__FMA__) && EIGEN_VERSION_AT_LEAST(3, 4, 0) && !EIGEN_VERSION_AT_LEAST(3, 4, 90)
+// KV head and block; the kernel reads a per-layer copy already in blocks. Another Eigen, or a
+// build without AVX2 and FMA, takes Eigen's products: the tests compare every score's bits.
+#if defined(__FMA__) && (defined(__AVX512F__) || defined(__AVX2__)) && EIGEN_VERSION_AT_LEAST(3, 4, 0) && \
+    !EIGEN_VERSION_AT_LEAST(3, 4, 90)
 #define KVSIM_SCORE_PANELS 1
 #endif
 
 namespace {
 
 #if defined(KVSIM_SCORE_PANELS)
-static_assert(Eigen::internal::gebp_traits<float, float>::mr == kScorePanelTokens &&
-              Eigen::internal::gebp_traits<float, float>::nr == 4);
+// One vector of floats, as Eigen's products use them in this build, and the kernel's tile: a
+// block of kBlockVectors vectors of keys by kQueryGroup queries, its accumulators, the block's
+// vectors and a broadcast query held in registers.
+#if defined(__AVX512F__)
+using Floats = __m512;
+inline Floats floats_load(const float* p) { return _mm512_loadu_ps(p); }
+inline void floats_store(float* p, Floats v) { _mm512_storeu_ps(p, v); }
+inline Floats floats_set1(float x) { return _mm512_set1_ps(x); }
+inline Floats floats_fma(Floats a, Floats b, Floats c) { return _mm512_fmadd_ps(a, b, c); }
+// 48 keys by 8 queries: 24 accumulators of 32 registers.
+constexpr int kBlockVectors = 3, kQueryGroup = 8;
+#else
+using Floats = __m256;
+inline Floats floats_load(const float* p) { return _mm256_loadu_ps(p); }
+inline void floats_store(float* p, Floats v) { _mm256_storeu_ps(p, v); }
+inline Floats floats_set1(float x) { return _mm256_set1_ps(x); }
+inline Floats floats_fma(Floats a, Floats b, Floats c) { return _mm256_fmadd_ps(a, b, c); }
+// 16 keys by 6 queries: 12 accumulators, 2 keys' vectors and a broadcast of 16 registers. Eigen's
+// own 24 by 4 leaves no register to hold the keys, so each multiply-add reloads them: a kernel
+// of that shape ran at 0.55x this one's speed on an AVX2 machine (AMD EPYC, Zen 3).
+constexpr int kBlockVectors = 2, kQueryGroup = 6;
+#endif
+constexpr int kFloatLanes = sizeof(Floats) / sizeof(float);
+constexpr int kBlockTokens = kBlockVectors * kFloatLanes;
+static_assert(Eigen::internal::gebp_traits<float, float>::mr == 3 * kFloatLanes &&
+              Eigen::internal::gebp_traits<float, float>::nr == 4 &&
+              kScorePanelTokens % (3 * kFloatLanes) == 0 && kScorePanelTokens % kBlockTokens == 0);
 
-// Queries a group: a kernel step broadcasts eight queries' feature from one 32-byte run.
-constexpr int kQueryGroup = 8;
-
-// Scores of `count` (1 to 8) queries against one panel of 48 keys: out[r * stride + j], from
-// queries packed [feature][8] and the panel [feature][48].
+// Scores of `count` (1 to kQueryGroup) queries against one block of keys: out[r * stride + j],
+// from queries packed [feature][kQueryGroup] and the block [feature][kBlockTokens].
 template <int count>
-void score_panel(const float* queries, const float* panel, int d, __m512 scale, float* out, int64_t stride) {
-    __m512 sum[count][3];
-    for (int r = 0; r < count; ++r) sum[r][0] = sum[r][1] = sum[r][2] = _mm512_setzero_ps();
+void score_block(const float* queries, const float* block, int d, Floats scale, float* out, int64_t stride) {
+    Floats sum[count][kBlockVectors];
+    const Floats zero = floats_set1(0.0f);
+    for (int r = 0; r < count; ++r)
+        for (int c = 0; c < kBlockVectors; ++c) sum[r][c] = zero;
     for (int f = 0; f < d; ++f) {
-        const __m512 k0 = _mm512_loadu_ps(panel + f * 48), k1 = _mm512_loadu_ps(panel + f * 48 + 16),
-                     k2 = _mm512_loadu_ps(panel + f * 48 + 32);
+        Floats k[kBlockVectors];
+        for (int c = 0; c < kBlockVectors; ++c) k[c] = floats_load(block + f * kBlockTokens + c * kFloatLanes);
         for (int r = 0; r < count; ++r) {
-            const __m512 q = _mm512_set1_ps(queries[f * kQueryGroup + r]);
-            sum[r][0] = _mm512_fmadd_ps(k0, q, sum[r][0]);
-            sum[r][1] = _mm512_fmadd_ps(k1, q, sum[r][1]);
-            sum[r][2] = _mm512_fmadd_ps(k2, q, sum[r][2]);
+            const Floats q = floats_set1(queries[f * kQueryGroup + r]);
+            for (int c = 0; c < kBlockVectors; ++c) sum[r][c] = floats_fma(k[c], q, sum[r][c]);
         }
     }
-    const __m512 zero = _mm512_setzero_ps();
     for (int r = 0; r < count; ++r)
-        for (int c = 0; c < 3; ++c) _mm512_storeu_ps(out + r * stride + 16 * c, _mm512_fmadd_ps(sum[r][c], scale, zero));
+        for (int c = 0; c < kBlockVectors; ++c)
+            floats_store(out + r * stride + c * kFloatLanes, floats_fma(sum[r][c], scale, zero));
 }
 
-using PanelKernel = void (*)(const float*, const float*, int, __m512, float*, int64_t);
-constexpr PanelKernel kPanelKernels[kQueryGroup + 1] = {nullptr,           score_panel<1>, score_panel<2>,
-                                                        score_panel<3>,    score_panel<4>, score_panel<5>,
-                                                        score_panel<6>,    score_panel<7>, score_panel<8>};
+using BlockKernel = void (*)(const float*, const float*, int, Floats, float*, int64_t);
+template <std::size_t... count>
+constexpr std::array<BlockKernel, sizeof...(count)> block_kernels(std::index_sequence<count...>) {
+    return {(count == 0 ? nullptr : &score_block<count == 0 ? 1 : static_cast<int>(count)>)...};
+}
+// kBlockKernels[count]: the kernel for a group of `count` queries.
+constexpr auto kBlockKernels = block_kernels(std::make_index_sequence<kQueryGroup + 1>());
 #endif
 
 }  // namespace
@@ -76,7 +106,8 @@ constexpr PanelKernel kPanelKernels[kQueryGroup + 1] = {nullptr,           score
 bool score_panels_serve(int head_dim) {
 #if defined(KVSIM_SCORE_PANELS)
     // Each score is one chain where Eigen takes all the features in one sweep: its depth blocking
-    // (from the L1 size it finds, about 300 features with AVX-512 at the least) leaves them whole.
+    // (from the L1 size it finds: about 300 features with AVX-512, 288 with AVX2 and a 32 KB L1)
+    // leaves them whole.
     Eigen::Index depth = head_dim, keys = 4096, queries = 64;
     Eigen::internal::computeProductBlockingSizes<float, float, 1, Eigen::Index>(depth, keys, queries, 1);
     return head_dim >= 1 && depth == head_dim;
@@ -98,13 +129,18 @@ void keys_by_feature(const QkvLayer& layer, const QkvShape& shape, KeysByFeature
     tbb::parallel_for(int64_t{0}, hkv * tiles, [&](int64_t job) {
         const int g = static_cast<int>(job / tiles);
         const int64_t from = job % tiles * tile, to = std::min(tokens, from + tile);
-        if (out.panels) {  // [kv head][panel][feature][48]: one panel a job, zeros past the last token
+    #if defined(KVSIM_SCORE_PANELS)
+        if (out.panels) {  // [kv head][panel][block][feature][width]: a panel a job, zeros past the last token
             float* panel = out.values.data() + job * tile * d;
-            for (int i = 0; i < d; ++i)
-                for (int64_t j = from; j < from + tile; ++j)
-                    panel[i * tile + j - from] = j < to ? layer.k[(j * hkv + g) * d + i] : 0.0f;
+            for (int64_t first = 0; first < tile; first += kBlockTokens) {
+                float* block = panel + first * d;
+                for (int i = 0; i < d; ++i)
+                    for (int64_t j = from + first; j < from + first + kBlockTokens; ++j)
+                        block[i * kBlockTokens + j - from - first] = j < to ? layer.k[(j * hkv + g) * d + i] : 0.0f;
+            }
             return;
         }
+#endif
         float* head = out.values.data() + static_cast<int64_t>(g) * d * tokens;
         for (int i = 0; i < d; ++i)  // a run of the tile's tokens per feature: whole cache lines written
             for (int64_t j = from; j < to; ++j) head[i * tokens + j] = layer.k[(j * hkv + g) * d + i];
@@ -140,6 +176,24 @@ float finite_peak(const float* x, int64_t n) {
         not_finite |= _mm512_mask_cmp_ps_mask(tail, zero_if_finite, zero_if_finite, _CMP_UNORD_Q);
     }
     return not_finite ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(peak);
+#elif defined(__AVX2__)
+    __m256 peak8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), not_finite8 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i), zero_if_finite = _mm256_sub_ps(v, v);
+        peak8 = _mm256_max_ps(peak8, v);
+        not_finite8 = _mm256_or_ps(not_finite8, _mm256_cmp_ps(zero_if_finite, zero_if_finite, _CMP_UNORD_Q));
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, peak8);
+    float peak = lanes[0];
+    for (int l = 1; l < 8; ++l) peak = std::max(peak, lanes[l]);
+    bool not_finite = _mm256_movemask_ps(not_finite8) != 0;
+    for (; i < n; ++i) {
+        peak = std::max(peak, x[i]);
+        not_finite |= !(x[i] - x[i] == 0.0f);
+    }
+    return not_finite ? std::numeric_limits<float>::quiet_NaN() : peak;
 #else
     const auto row = Eigen::Map<const Eigen::ArrayXf>(x, n);
     return (row - row).sum() == 0.0f ? row.maxCoeff() : std::numeric_limits<float>::quiet_NaN();
@@ -177,6 +231,25 @@ std::size_t scale_row(const float* e, int64_t n, float scale, float* out, int32_
         }
         return count;
     }
+#elif defined(__AVX2__)
+    if (floor_key > 0) {  // the same, eight weights at a time; the few that pass are taken one by one
+        const __m256 factor = _mm256_set1_ps(scale);
+        const __m256i floor_bits = _mm256_set1_epi32(floor_key - 1);
+        std::size_t count = 0;
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8) {
+            const __m256 w = _mm256_mul_ps(_mm256_loadu_ps(e + j), factor);
+            _mm256_storeu_ps(out + j, w);
+            unsigned pass = static_cast<unsigned>(
+                _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_castps_si256(w), floor_bits))));
+            for (; pass != 0; pass &= pass - 1) at[count++] = static_cast<int32_t>(j + __builtin_ctz(pass));
+        }
+        for (; j < n; ++j) {
+            out[j] = e[j] * scale;
+            if (std::bit_cast<int32_t>(out[j]) >= floor_key) at[count++] = static_cast<int32_t>(j);
+        }
+        return count;
+    }
 #endif
     Eigen::Map<Eigen::ArrayXf>(out, n) = Eigen::Map<const Eigen::ArrayXf>(e, n) * scale;
     if (floor_key <= 0) return 0;
@@ -191,13 +264,13 @@ std::size_t scale_row(const float* e, int64_t n, float scale, float* out, int32_
 namespace {
 
 // Scores of one query head's block rows against keys [0, panel_keys) of KV head g, into
-// scores[row * end_step + key]: only where a row's step reaches (causal), panel by panel so that
-// each panel of keys stays in cache while every row that needs it passes.
+// scores[row * end_step + key]: only where a row's step reaches (causal), block by block so that
+// each block of keys stays in cache while every row that needs it passes.
 void panel_scores(const StridedRows& q, const KeysByFeature& keys, int g, int d, int64_t first_step, int64_t end_step,
                   int64_t panel_keys, float scale, float* scores) {
     const int64_t rows = q.rows();
     const int64_t groups = (rows + kQueryGroup - 1) / kQueryGroup;
-    // The block's queries by group of eight, [group][feature][8], zero past the last row.
+    // The block's queries by group, [group][feature][kQueryGroup], zero past the last row.
     thread_local std::vector<float, Eigen::aligned_allocator<float>> packed;
     packed.resize(static_cast<std::size_t>(groups) * kQueryGroup * d);
     for (int64_t group = 0; group < groups; ++group) {
@@ -209,17 +282,15 @@ void panel_scores(const StridedRows& q, const KeysByFeature& keys, int g, int d,
     }
     const int64_t panels_of_head = (keys.tokens + kScorePanelTokens - 1) / kScorePanelTokens;
     const float* head_panels = keys.values.data() + static_cast<int64_t>(g) * panels_of_head * kScorePanelTokens * d;
-    const __m512 scale_vector = _mm512_set1_ps(scale);
-    for (int64_t p = 0; p < panel_keys / kScorePanelTokens; ++p) {
-        const int64_t first_key = p * kScorePanelTokens;
-        // Rows whose step comes before the panel need none of it; rows are in step order.
+    const Floats scale_vector = floats_set1(scale);
+    for (int64_t first_key = 0; first_key < panel_keys; first_key += kBlockTokens) {
+        // Rows whose step comes before the block need none of it; rows are in step order.
         const int64_t first_row = std::max<int64_t>(0, first_key - first_step);
         for (int64_t group = first_row / kQueryGroup; group < groups; ++group) {
             const int64_t row = group * kQueryGroup;
             const int count = static_cast<int>(std::min<int64_t>(kQueryGroup, rows - row));
-            kPanelKernels[count](packed.data() + group * kQueryGroup * d,
-                                 head_panels + p * kScorePanelTokens * d, d, scale_vector,
-                                 scores + row * end_step + first_key, end_step);
+            kBlockKernels[count](packed.data() + group * kQueryGroup * d, head_panels + first_key * d, d,
+                                 scale_vector, scores + row * end_step + first_key, end_step);
         }
     }
 }
@@ -261,7 +332,7 @@ int64_t attention_rows_of_head(const QkvLayer& layer, const KeysByFeature& keys,
 #if defined(KVSIM_SCORE_PANELS)
         panel_scores(q, keys, g, d, first_step, end_step, panel_keys, scale, scores.data());
 #endif
-        // The last keys (fewer than 48) by Eigen, from the trace's token-major keys (Eigen packs
+        // The last keys (fewer than a panel) by Eigen, from the trace's token-major keys (Eigen packs
         // either layout into the same values). A product of one key would be a matrix-vector
         // product, with other arithmetic: then the whole panel before it is taken again.
         if (end_step > panel_keys) {

@@ -21,9 +21,11 @@ struct QkvShape {
 };
 
 // Each KV head's keys feature by feature, built once per layer in the layout the score products
-// read fastest. Where kvsim's own score kernel serves (AVX-512 builds, score_panels_serve; see
-// qkv_attention.cpp) that is panels of 48 tokens, [kv head][panel][feature][48], the last panel
-// zero-padded; elsewhere a column-major copy of the keys, [kv head][feature][token].
+// read fastest. Where kvsim's own score kernel serves (AVX-512 or AVX2 builds with FMA,
+// score_panels_serve; see qkv_attention.cpp) that is panels of 48 tokens, the last zero-padded,
+// each as blocks of the kernel's width, [kv head][panel][block][feature][width]: one block of 48
+// with AVX-512, three of 16 with AVX2. Elsewhere a column-major copy of the keys,
+// [kv head][feature][token].
 struct KeysByFeature {
     int64_t tokens = 0;
     bool panels = false;
