@@ -5,7 +5,7 @@
 #include <cstring>
 #include <limits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -77,6 +77,34 @@ void SnapKV::observe(std::span<const float> attn) {
             if (raised) {
                 _mm256_mask_storeu_epi32(unsummable + i, raised, one);
                 unsummable_total_ += __builtin_popcount(raised);
+            }
+        }
+#elif defined(__AVX2__)
+        // The same with AVX2, eight slots at a time: x >= span unsigned is max(x, span) == x.
+        const __m256i low8 = _mm256_set1_epi32(static_cast<int32_t>(low));
+        const __m256i span8 = _mm256_set1_epi32(static_cast<int32_t>(span));
+        const __m256d nan = _mm256_set1_pd(std::numeric_limits<double>::quiet_NaN());
+        for (; i + 8 <= attn.size(); i += 8) {
+            const __m256 old = _mm256_loadu_ps(column + i), now = _mm256_loadu_ps(attn.data() + i);
+            _mm256_storeu_ps(column + i, now);
+            const __m256i bits = _mm256_castps_si256(now), offset = _mm256_sub_epi32(bits, low8);
+            const __m256i raised = _mm256_andnot_si256(_mm256_cmpeq_epi32(bits, _mm256_setzero_si256()),
+                                                       _mm256_cmpeq_epi32(_mm256_max_epu32(offset, span8), offset));
+            for (int half = 0; half < 2; ++half) {
+                const __m128 old4 = half ? _mm256_extractf128_ps(old, 1) : _mm256_castps256_ps128(old);
+                const __m128 now4 = half ? _mm256_extractf128_ps(now, 1) : _mm256_castps256_ps128(now);
+                const __m128i raised4 = half ? _mm256_extracti128_si256(raised, 1) : _mm256_castsi256_si128(raised);
+                double* at = running + i + 4 * half;
+                const __m256d updated =
+                    _mm256_add_pd(_mm256_sub_pd(_mm256_loadu_pd(at), _mm256_cvtps_pd(old4)), _mm256_cvtps_pd(now4));
+                _mm256_storeu_pd(at, _mm256_blendv_pd(updated, nan, _mm256_castsi256_pd(_mm256_cvtepi32_epi64(raised4))));
+            }
+            if (!_mm256_testz_si256(raised, raised)) {
+                // every count is 0 here: the raised lanes' become 1
+                const __m256i counts = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unsummable + i));
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(unsummable + i),
+                                    _mm256_sub_epi32(counts, raised));  // raised lanes are -1
+                unsummable_total_ += __builtin_popcount(static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(raised))));
             }
         }
 #endif
@@ -188,6 +216,15 @@ std::span<const double> SnapKV::scores() {
             best = _mm512_max_pd(_mm512_loadu_pd(sums + i - d), best);
         }
         _mm512_storeu_pd(pooled + i, best);
+    }
+#elif defined(__AVX2__)
+    for (; i + 4 + radius <= n; i += 4) {  // the same, four at a time
+        __m256d best = _mm256_loadu_pd(sums + i);
+        for (std::size_t d = 1; d <= radius; ++d) {
+            best = _mm256_max_pd(_mm256_loadu_pd(sums + i + d), best);
+            best = _mm256_max_pd(_mm256_loadu_pd(sums + i - d), best);
+        }
+        _mm256_storeu_pd(pooled + i, best);
     }
 #endif
     for (; i < n; ++i) pooled[i] = pool_at(i);
