@@ -400,7 +400,8 @@ TEST_CASE("retained mass is each head's kept weights summed in position order, w
         rows_of_heads[3][j] = j == 7 ? -0.0f : 0.0009765625f;
         rows_of_heads[4][j] = 0.0001f * static_cast<float>(j % 5);
     }
-    // Every group size (the sums go four, two and one heads at a time), every row in every head,
+    // Every group size (the sums go four heads at a time, and the rest one by one where exact in
+    // any order, else two and one at a time in order), every row in every head,
     // every prefix of kept positions: every position, every other one, and runs of three (so
     // four kept slots are consecutive positions now and then, not always).
     for (std::size_t group : {1, 2, 3, 4, 5, 7}) {
@@ -427,6 +428,10 @@ TEST_CASE("retained mass is each head's kept weights summed in position order, w
                     gathered.assign(group * kept.size(), -1.0f);
                     sum_kept_weights({rows, group}, kept, gathered.data(), retained.data(),
                                      by_position && group == 4 ? interleaved.data() : nullptr, bounded);
+                    // Without copies too, as for the policies that keep by position.
+                    std::vector<double> retained_alone(group);
+                    sum_kept_weights({rows, group}, kept, nullptr, retained_alone.data(),
+                                     by_position && group == 4 ? interleaved.data() : nullptr, bounded);
                     for (std::size_t h = 0; h < group; ++h) {
                         double in_order = 0;
                         for (std::size_t j = 0; j < kept.size(); ++j) {
@@ -434,6 +439,7 @@ TEST_CASE("retained mass is each head's kept weights summed in position order, w
                             copies_differing += std::memcmp(&gathered[h * kept.size() + j], &rows[h][kept[j]], 4) != 0;
                         }
                         differing += std::memcmp(&retained[h], &in_order, sizeof(double)) != 0;
+                        differing += std::memcmp(&retained_alone[h], &in_order, sizeof(double)) != 0;
                     }
                 }
         CHECK(differing == 0);
