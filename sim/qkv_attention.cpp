@@ -48,23 +48,22 @@ namespace {
 // vectors and a broadcast query held in registers.
 #if defined(__AVX512F__)
 using Floats = __m512;
-inline Floats floats_load(const float* p) { return _mm512_loadu_ps(p); }
-inline void floats_store(float* p, Floats v) { _mm512_storeu_ps(p, v); }
-inline Floats floats_set1(float x) { return _mm512_set1_ps(x); }
-inline Floats floats_fma(Floats a, Floats b, Floats c) { return _mm512_fmadd_ps(a, b, c); }
+#define KVSIM_FLOATS(op) _mm512_##op
 // 48 keys by 8 queries: 24 accumulators of 32 registers.
 constexpr int kBlockVectors = 3, kQueryGroup = 8;
 #else
 using Floats = __m256;
-inline Floats floats_load(const float* p) { return _mm256_loadu_ps(p); }
-inline void floats_store(float* p, Floats v) { _mm256_storeu_ps(p, v); }
-inline Floats floats_set1(float x) { return _mm256_set1_ps(x); }
-inline Floats floats_fma(Floats a, Floats b, Floats c) { return _mm256_fmadd_ps(a, b, c); }
+#define KVSIM_FLOATS(op) _mm256_##op
 // 16 keys by 6 queries: 12 accumulators, 2 keys' vectors and a broadcast of 16 registers. Eigen's
 // own 24 by 4 leaves no register to hold the keys, so each multiply-add reloads them: a kernel
 // of that shape ran at 0.55x this one's speed on an AVX2 machine (AMD EPYC, Zen 3).
 constexpr int kBlockVectors = 2, kQueryGroup = 6;
 #endif
+inline Floats floats_load(const float* p) { return KVSIM_FLOATS(loadu_ps)(p); }
+inline void floats_store(float* p, Floats v) { KVSIM_FLOATS(storeu_ps)(p, v); }
+inline Floats floats_set1(float x) { return KVSIM_FLOATS(set1_ps)(x); }
+inline Floats floats_fma(Floats a, Floats b, Floats c) { return KVSIM_FLOATS(fmadd_ps)(a, b, c); }
+#undef KVSIM_FLOATS
 constexpr int kFloatLanes = sizeof(Floats) / sizeof(float);
 constexpr int kBlockTokens = kBlockVectors * kFloatLanes;
 static_assert(Eigen::internal::gebp_traits<float, float>::mr == 3 * kFloatLanes &&
