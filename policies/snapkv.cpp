@@ -100,10 +100,9 @@ void SnapKV::observe(std::span<const float> attn) {
                 _mm256_storeu_pd(at, _mm256_blendv_pd(updated, nan, _mm256_castsi256_pd(_mm256_cvtepi32_epi64(raised4))));
             }
             if (!_mm256_testz_si256(raised, raised)) {
-                // every count is 0 here: the raised lanes' become 1
+                // Every count is 0 on this path: less a raised lane's -1, its count becomes 1.
                 const __m256i counts = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(unsummable + i));
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(unsummable + i),
-                                    _mm256_sub_epi32(counts, raised));  // raised lanes are -1
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(unsummable + i), _mm256_sub_epi32(counts, raised));
                 unsummable_total_ += __builtin_popcount(static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(raised))));
             }
         }

@@ -48,6 +48,18 @@ bool exact_sum_range(uint32_t least_bits_minus_one, uint32_t largest_bits) {
     return least_bits_minus_one >= smallest_bits - 1 && largest_bits < two_bits;
 }
 
+// The least (bits - 1) and the largest bits over weights, which exact_sum_range reads: taken
+// weight by weight, or folded in from a vector loop's lanes.
+struct WeightBits {
+    uint32_t least = UINT32_MAX, largest = 0;
+    void add(float w) { fold(std::bit_cast<uint32_t>(w) - 1, std::bit_cast<uint32_t>(w)); }
+    void fold(uint32_t lane_least, uint32_t lane_largest) {
+        least = std::min(least, lane_least);
+        largest = std::max(largest, lane_largest);
+    }
+    bool exact_in_any_order() const { return exact_sum_range(least, largest); }
+};
+
 #if defined(__AVX2__)
 // Four heads' sums as sum_in_order<4> gives them, with the additions in two chains (even and
 // odd slots) instead of one, so each addition need not wait on the one before. Any order gives
@@ -224,9 +236,10 @@ bool sum_four_heads(std::span<const float* const> rows, const float* interleaved
 // One head's sum as sum_in_order<1> gives it. Its kept weights are copied out first (to
 // `gathered`, or a scratch buffer), eight loads to a vector store with no chain between them
 // (AVX2's gather was no faster on Zen 3), and the copies are then summed in four chains of four
-// doubles instead of one chain of additions, each waiting on the one before. As for four heads (sum_four_heads_exactly), any order gives the in-order sum's bits
-// where every weight is +0 or in [2^-29, 2) and the total is below 2; returns false where that is
-// not shown, and the weights are then summed in order. The copies are written either way.
+// doubles instead of one chain of additions, each waiting on the one before. As for four heads
+// (sum_four_heads_exactly), any order gives the in-order sum's bits where every weight is +0 or
+// in [2^-29, 2) and the total is below 2; returns false where that is not shown, and the weights
+// are then summed in order. The copies are written either way.
 bool sum_one_head_exactly(const float* row, std::span<const int32_t> kept, float* gathered, double* retained) {
     const std::size_t held = kept.size();
     thread_local std::vector<float> scratch;
@@ -262,19 +275,14 @@ bool sum_one_head_exactly(const float* row, std::span<const int32_t> kept, float
     _mm256_store_si256(reinterpret_cast<__m256i*>(low), least8);
     _mm256_store_si256(reinterpret_cast<__m256i*>(high), largest8);
     _mm256_store_pd(lanes, _mm256_add_pd(_mm256_add_pd(sum[0], sum[1]), _mm256_add_pd(sum[2], sum[3])));
-    uint32_t least = UINT32_MAX, largest = 0;
-    for (int l = 0; l < 8; ++l) {
-        least = std::min(least, low[l]);
-        largest = std::max(largest, high[l]);
-    }
+    WeightBits range;
+    for (int l = 0; l < 8; ++l) range.fold(low[l], high[l]);
     double total = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
     for (; j < held; ++j) {
-        const uint32_t bits = std::bit_cast<uint32_t>(w[j]);
-        least = std::min(least, bits - 1);
-        largest = std::max(largest, bits);
+        range.add(w[j]);
         total += w[j];
     }
-    if (!exact_sum_range(least, largest) || !(total < 2.0)) return false;
+    if (!range.exact_in_any_order() || !(total < 2.0)) return false;
     *retained = total;
     return true;
 }
@@ -324,7 +332,7 @@ void sum_kept_weights(std::span<const float* const> rows, std::span<const int32_
 bool interleave_rows(std::span<const float* const> rows, int64_t t, float* out) {
     const float *a = rows[0], *b = rows[1], *c = rows[2], *d = rows[3];
     // As sum_four_heads_exactly checks them (exact_sum_range).
-    uint32_t least = UINT32_MAX, largest = 0;
+    WeightBits range;
     int64_t p = 0;
 #if defined(__AVX2__)
     __m128i least4 = _mm_set1_epi32(-1), largest4 = _mm_setzero_si128();
@@ -345,21 +353,16 @@ bool interleave_rows(std::span<const float* const> rows, int64_t t, float* out) 
     alignas(16) uint32_t low[4], high[4];
     _mm_store_si128(reinterpret_cast<__m128i*>(low), least4);
     _mm_store_si128(reinterpret_cast<__m128i*>(high), largest4);
-    for (int l = 0; l < 4; ++l) {
-        least = std::min(least, low[l]);
-        largest = std::max(largest, high[l]);
-    }
+    for (int l = 0; l < 4; ++l) range.fold(low[l], high[l]);
 #endif
     for (; p < t; ++p) {
         const float w[4] = {a[p], b[p], c[p], d[p]};
         for (int h = 0; h < 4; ++h) {
             out[4 * p + h] = w[h];
-            const uint32_t bits = std::bit_cast<uint32_t>(w[h]);
-            least = std::min(least, bits - 1);
-            largest = std::max(largest, bits);
+            range.add(w[h]);
         }
     }
-    return exact_sum_range(least, largest);
+    return range.exact_in_any_order();
 }
 
 Harness::Harness(std::unique_ptr<Policy> policy, int budget, int64_t sequence_length, const HarnessOptions& options,

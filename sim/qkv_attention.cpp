@@ -4,7 +4,6 @@
 
 #include <Eigen/Core>
 #include <algorithm>
-#include <array>
 #include <bit>
 #include <cmath>
 #include <limits>
@@ -92,12 +91,16 @@ void score_block(const float* queries, const float* block, int d, Floats scale, 
 }
 
 using BlockKernel = void (*)(const float*, const float*, int, Floats, float*, int64_t);
+// for_count[count]: the kernel for a group of `count` queries. (A plain array in a struct: a
+// std::array of these pointers drops the vector type's alignment attribute, with a warning.)
+struct BlockKernels {
+    BlockKernel for_count[kQueryGroup + 1];
+};
 template <std::size_t... count>
-constexpr std::array<BlockKernel, sizeof...(count)> block_kernels(std::index_sequence<count...>) {
-    return {(count == 0 ? nullptr : &score_block<count == 0 ? 1 : static_cast<int>(count)>)...};
+constexpr BlockKernels block_kernels(std::index_sequence<count...>) {
+    return {{(count == 0 ? nullptr : &score_block<count == 0 ? 1 : static_cast<int>(count)>)...}};
 }
-// kBlockKernels[count]: the kernel for a group of `count` queries.
-constexpr auto kBlockKernels = block_kernels(std::make_index_sequence<kQueryGroup + 1>());
+constexpr BlockKernels kBlockKernels = block_kernels(std::make_index_sequence<kQueryGroup + 1>());
 #endif
 
 }  // namespace
@@ -128,7 +131,7 @@ void keys_by_feature(const QkvLayer& layer, const QkvShape& shape, KeysByFeature
     tbb::parallel_for(int64_t{0}, hkv * tiles, [&](int64_t job) {
         const int g = static_cast<int>(job / tiles);
         const int64_t from = job % tiles * tile, to = std::min(tokens, from + tile);
-    #if defined(KVSIM_SCORE_PANELS)
+#if defined(KVSIM_SCORE_PANELS)
         if (out.panels) {  // [kv head][panel][block][feature][width]: a panel a job, zeros past the last token
             float* panel = out.values.data() + job * tile * d;
             for (int64_t first = 0; first < tile; first += kBlockTokens) {
@@ -288,8 +291,8 @@ void panel_scores(const StridedRows& q, const KeysByFeature& keys, int g, int d,
         for (int64_t group = first_row / kQueryGroup; group < groups; ++group) {
             const int64_t row = group * kQueryGroup;
             const int count = static_cast<int>(std::min<int64_t>(kQueryGroup, rows - row));
-            kBlockKernels[count](packed.data() + group * kQueryGroup * d, head_panels + first_key * d, d,
-                                 scale_vector, scores + row * end_step + first_key, end_step);
+            kBlockKernels.for_count[count](packed.data() + group * kQueryGroup * d, head_panels + first_key * d, d,
+                                           scale_vector, scores + row * end_step + first_key, end_step);
         }
     }
 }
