@@ -535,8 +535,12 @@ void Harness::observe(const GroupStep& s) {
     const bool renormalized = options_.view == AttentionView::renormalized;
     retained_.resize(group);
     gathered_.resize(renormalized && shown ? group * held : 0);
-    sum_kept_weights(s.rows, kept_, gathered_.empty() ? nullptr : gathered_.data(), retained_.data(), s.interleaved,
-                     s.interleaved_bounded);
+    // A lone head's combined row is its own row (the replay passes the same pointer), so the
+    // weights the policy is shown are the ones summed: copied out once, by the sum.
+    const bool shown_as_summed = shown && !cached_view && !renormalized && group == 1 && s.combined == s.rows[0];
+    attn_.resize(shown ? held : 0);
+    float* const copy = shown_as_summed ? attn_.data() : gathered_.empty() ? nullptr : gathered_.data();
+    sum_kept_weights(s.rows, kept_, copy, retained_.data(), s.interleaved, s.interleaved_bounded);
     if (measured) {
         for (std::size_t h = 0; h < group; ++h) {
             // The current token is always in the cache: where its own weight is known, it counts.
@@ -557,9 +561,8 @@ void Harness::observe(const GroupStep& s) {
     }
 
     // What the policy sees, index-aligned with kept_.
-    attn_.resize(shown ? held : 0);
-    if (!shown) {
-        // A policy that keeps by position is given nothing to read.
+    if (!shown || shown_as_summed) {
+        // A policy that keeps by position is given nothing to read; a lone head's were copied.
     } else if (cached_view) {
         // Each head's weights on the held positions (the current token is last), averaged over
         // the group in head order: the runtime's arithmetic (src/runtime/head_cache.cpp).
