@@ -204,8 +204,8 @@ float finite_peak(const float* x, int64_t n) {
 
 // out[j] = e[j] * scale for j < n, the elementwise product Eigen's arrays give (the same bits).
 // Where floor_key > 0, also every j whose out[j] has bits at least floor_key, ascending, into `at`
-// (room for n + 16): heavy_hitters.h's positions_at_or_above, found while the weights are in
-// registers. Returns how many.
+// (room for n + 16; written over past the count): heavy_hitters.h's positions_at_or_above, found
+// while the weights are in registers. Returns how many.
 std::size_t scale_row(const float* e, int64_t n, float scale, float* out, int32_t floor_key, int32_t* at) {
 #if defined(__AVX512F__)
     if (floor_key > 0) {
@@ -234,7 +234,7 @@ std::size_t scale_row(const float* e, int64_t n, float scale, float* out, int32_
         return count;
     }
 #elif defined(__AVX2__)
-    if (floor_key > 0) {  // the same, eight weights at a time; the few that pass are taken one by one
+    if (floor_key > 0) {  // the same, eight weights at a time, with AVX2's stand-in for a compress
         const __m256 factor = _mm256_set1_ps(scale);
         const __m256i floor_bits = _mm256_set1_epi32(floor_key - 1);
         std::size_t count = 0;
@@ -242,9 +242,10 @@ std::size_t scale_row(const float* e, int64_t n, float scale, float* out, int32_
         for (; j + 8 <= n; j += 8) {
             const __m256 w = _mm256_mul_ps(_mm256_loadu_ps(e + j), factor);
             _mm256_storeu_ps(out + j, w);
-            unsigned pass = static_cast<unsigned>(
+            const unsigned pass = static_cast<unsigned>(
                 _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_castps_si256(w), floor_bits))));
-            for (; pass != 0; pass &= pass - 1) at[count++] = static_cast<int32_t>(j + __builtin_ctz(pass));
+            // Not a branch per pass: mispredicted, it was a third of this loop's time (perf, Zen 3).
+            count += store_passing_positions(at + count, pass, static_cast<int32_t>(j));
         }
         for (; j < n; ++j) {
             out[j] = e[j] * scale;
