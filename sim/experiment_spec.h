@@ -37,7 +37,7 @@ struct BudgetColumn {
     double compression = 0;  // > 0: each sequence's budget gives this compression ratio in tokens
     // Per (layer, KV head), index layer * num_kv_heads + kv, when a profile fits each head its own
     // budget; overrides layer_budgets (which then hold each layer's mean, for the tables).
-    std::vector<int> head_budgets;
+    std::vector<int> head_budgets{};
 };
 
 // The column of a per-layer profile (non-empty layer_budgets), with per-(layer, KV head) budgets
@@ -53,24 +53,25 @@ inline BudgetColumn profile_budget_column(std::string label, std::string where, 
 
 // A policy as the config names it, with the parameters the config gives (defaults come later).
 struct PolicyEntry {
-    std::string name;
-    std::map<std::string, double> params;
-    std::string where;                       // "FILE:LINE: policies[2]" for error messages
-    std::map<std::string, std::string> files;  // file parameters: name -> path
-    bool quantized = false;                  // {evict: NAME, quantize: {...}}
-    std::map<std::string, double> quantize;  // bits, older_than, key_group, value_group
-    bool adakv = false;                      // {evict: NAME, adakv: {floor: 0.2}}: Ada-KV across KV heads
-    std::map<std::string, double> adakv_params;  // floor
-    std::string adakv_where;                 // "FILE:LINE: policies[2].adakv"
+    // Every member has an initialiser, so that a brace list naming the first few is complete.
+    std::string name{};
+    std::map<std::string, double> params{};
+    std::string where{};                         // "FILE:LINE: policies[2]" for error messages
+    std::map<std::string, std::string> files{};  // file parameters: name -> path
+    bool quantized = false;                      // {evict: NAME, quantize: {...}}
+    std::map<std::string, double> quantize{};    // bits, older_than, key_group, value_group
+    bool adakv = false;                          // {evict: NAME, adakv: {floor: 0.2}}: Ada-KV across KV heads
+    std::map<std::string, double> adakv_params{};  // floor
+    std::string adakv_where{};                     // "FILE:LINE: policies[2].adakv"
     // {evict: NAME, project: {lowrank: {...}}}: each kept token held through a projection policy.
-    std::string project;                           // lowrank or group_heads; empty for none
-    std::map<std::string, double> project_params;
-    std::map<std::string, std::string> project_files;
-    std::string project_where;                     // "FILE:LINE: policies[2].project.lowrank"
+    std::string project{};  // lowrank or group_heads; empty for none
+    std::map<std::string, double> project_params{};
+    std::map<std::string, std::string> project_files{};
+    std::string project_where{};  // "FILE:LINE: policies[2].project.lowrank"
     // {profile: FILE}: a fitted profile brings its own budgets (its one column) and the shape
     // of the model it was fitted to.
-    std::vector<BudgetColumn> profile_budgets;  // empty, or the profile's one column
-    ModelShape profile_shape;
+    std::vector<BudgetColumn> profile_budgets{};  // empty, or the profile's one column
+    ModelShape profile_shape{};
 };
 
 // One sweep axis: a policy parameter and the values it takes.

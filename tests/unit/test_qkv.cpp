@@ -526,17 +526,8 @@ TEST_CASE("per-layer budgets: a flat profile equals the scalar budget; a wrong l
     config.trace.synthetic = "qkv";
     config.trace.name = "tiny-256";
     config.budgets = {40};
-    config.layer_budget_profiles = {
-        {.label = "flat",
-         .budget = 40,
-         .layer_budgets = {40, 40, 40},
-         .where = "cfg.yaml: layer_budgets",
-         .head_budgets = {}},
-        {.label = "pyramid",
-         .budget = 40,
-         .layer_budgets = {60, 40, 20},
-         .where = "cfg.yaml: layer_budgets",
-         .head_budgets = {}}};
+    config.layer_budget_profiles = {{"flat", 40, {40, 40, 40}, "cfg.yaml: layer_budgets"},
+                                    {"pyramid", 40, {60, 40, 20}, "cfg.yaml: layer_budgets"}};
     config.policies = {entry("h2o", {{"recent_window", 8}})};
     config.per_layer = true;
     const auto records = run_experiment(config, {}, false).records;
@@ -551,12 +542,7 @@ TEST_CASE("per-layer budgets: a flat profile equals the scalar budget; a wrong l
     for (const ResultRecord& r : records) per_layer_records += r.layer >= 0;
     CHECK(per_layer_records == 3 * 3);  // three columns x three layers
 
-    config.layer_budget_profiles = {
-        {.label = "short",
-         .budget = 40,
-         .layer_budgets = {40, 40},
-         .where = "cfg.yaml: layer_budgets",
-         .head_budgets = {}}};
+    config.layer_budget_profiles = {{"short", 40, {40, 40}, "cfg.yaml: layer_budgets"}};
     CHECK_THROWS_WITH_AS(run_experiment(config, {}, false),
                          doctest::Contains("cfg.yaml: layer_budgets: 2 per-layer budgets, but trace"), InputError);
 }
