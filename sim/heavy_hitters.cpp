@@ -171,18 +171,6 @@ std::span<const int32_t> positions_at_or_above(std::span<const float> row, int32
         for (; j < n; ++j) take(j);
         return {out, count};
     }
-#elif defined(__AVX2__)
-    if (floor_key >= 0) {  // the same, eight lanes at a time
-        const __m256i floor_bits = _mm256_set1_epi32(floor_key - 1);
-        for (; j + 8 <= n; j += 8) {
-            const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.data() + j));
-            const __m256i passing = _mm256_cmpgt_epi32(bits, floor_bits);
-            const unsigned pass = static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(passing)));
-            count += store_passing_positions(out + count, pass, static_cast<int32_t>(j));
-        }
-        for (; j < n; ++j) take(j);
-        return {out, count};
-    }
 #endif
     for (; j + 16 <= n; j += 16)
         if (block_may_pass(row.data() + j, floor_key, true))

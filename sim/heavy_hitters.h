@@ -2,14 +2,9 @@
 // rule: every position above the k-th largest weight, then positions equal to it in ascending
 // order until k are chosen. Computed once per step and shared by every policy of a run.
 #pragma once
-#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <vector>
-
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 namespace kvsim {
 
@@ -36,34 +31,5 @@ void top_k_positions(std::span<const float> row, int k, std::vector<int32_t>& ou
 // ascending: what the hint's pass gathers. The positions lie in a buffer of this thread's, valid
 // until its next call. For tests, and for the callers above.
 std::span<const int32_t> positions_at_or_above(std::span<const float> row, int32_t floor_key);
-
-#if defined(__AVX2__)
-// For each mask of eight lanes, the set lanes' numbers in ascending order, a byte each: what
-// AVX-512's compress does with a mask, as a table of 2 KB for AVX2.
-struct PassingLanes {
-    long long of[256];
-};
-constexpr PassingLanes passing_lanes() {
-    PassingLanes table{};
-    for (unsigned mask = 0; mask < 256; ++mask) {
-        unsigned long long packed = 0;
-        int next = 0;
-        for (unsigned lane = 0; lane < 8; ++lane)
-            if (mask >> lane & 1u) packed |= static_cast<unsigned long long>(lane) << (8 * next++);
-        table.of[mask] = static_cast<long long>(packed);
-    }
-    return table;
-}
-inline constexpr PassingLanes kPassingLanes = passing_lanes();
-
-// first + l for each lane l set in `pass` (eight lanes), ascending, to out[0..); eight positions
-// are written whatever passes (the caller has room), so no branch depends on the mask. Returns
-// how many passed.
-inline std::size_t store_passing_positions(int32_t* out, unsigned pass, int32_t first) {
-    const __m256i lanes = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(kPassingLanes.of[pass]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_add_epi32(lanes, _mm256_set1_epi32(first)));
-    return static_cast<std::size_t>(__builtin_popcount(pass));
-}
-#endif
 
 }  // namespace kvsim

@@ -202,6 +202,35 @@ float finite_peak(const float* x, int64_t n) {
 #endif
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// For each mask of eight lanes, the set lanes' numbers in ascending order, a byte each: what
+// AVX-512's compress does with a mask, as a table of 2 KB for AVX2.
+struct PassingLanes {
+    long long of[256];
+};
+constexpr PassingLanes passing_lanes() {
+    PassingLanes table{};
+    for (unsigned mask = 0; mask < 256; ++mask) {
+        unsigned long long packed = 0;
+        int next = 0;
+        for (unsigned lane = 0; lane < 8; ++lane)
+            if (mask >> lane & 1u) packed |= static_cast<unsigned long long>(lane) << (8 * next++);
+        table.of[mask] = static_cast<long long>(packed);
+    }
+    return table;
+}
+constexpr PassingLanes kPassingLanes = passing_lanes();
+
+// first + l for each lane l set in `pass` (eight lanes), ascending, to out[0..); eight positions
+// are written whatever passes (the caller has room), so no branch depends on the mask. Returns
+// how many passed.
+std::size_t store_passing_positions(int32_t* out, unsigned pass, int32_t first) {
+    const __m256i lanes = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(kPassingLanes.of[pass]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_add_epi32(lanes, _mm256_set1_epi32(first)));
+    return static_cast<std::size_t>(std::popcount(pass));
+}
+#endif
+
 // out[j] = e[j] * scale for j < n, the elementwise product Eigen's arrays give (the same bits).
 // Where floor_key > 0, also every j whose out[j] has bits at least floor_key, ascending, into `at`
 // (room for n + 16; written over past the count): heavy_hitters.h's positions_at_or_above, found
