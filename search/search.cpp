@@ -327,6 +327,11 @@ void SearchGridReplay::run_units(const std::vector<std::size_t>& units, const La
     }
 }
 
+std::vector<int> search_heldout_indices(const SearchSpec& spec, const std::string& trace_path) {
+    const TraceReader reader(trace_path);
+    return heldout_indices(spec, static_cast<int>(reader.sequences().size()), trace_path);
+}
+
 SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     const auto start = std::chrono::steady_clock::now();
     SearchSetup setup(spec, run);

@@ -290,6 +290,32 @@ double spearman(const std::vector<double>& x, const std::vector<double>& y) {
     return (sxx == 0 || syy == 0) ? NAN : sxy / std::sqrt(sxx * syy);
 }
 
+TokenizedText select_eval_sequences(const TokenizedText& text, const EvalOptions& options,
+                                    std::vector<std::size_t>& original) {
+    original.resize(text.sequences.size());
+    std::iota(original.begin(), original.end(), std::size_t{0});
+    if (options.sequences.empty()) return text;
+    TokenizedText selected = text;
+    selected.sequences.clear();
+    original.clear();
+    for (std::size_t i = 0; i < options.sequences.size(); ++i) {
+        const int index = options.sequences[i];
+        if (index < 0 || index >= static_cast<int>(text.sequences.size()))
+            throw InputError(options.sequences_where + ": sequence " + std::to_string(index) + " is not in " +
+                             options.input.text_path + " (it splits into " + std::to_string(text.sequences.size()) + ")");
+        const std::vector<int>& tokens = text.sequences[index];
+        if (i < options.expected_tokens.size() && !options.expected_tokens[i].empty() &&
+            !std::equal(tokens.begin(), tokens.end(), options.expected_tokens[i].begin(), options.expected_tokens[i].end()))
+            throw InputError(options.input.text_path + ": sequence " + std::to_string(index) + " tokenizes to " +
+                             std::to_string(tokens.size()) + " tokens that differ from the trace's " +
+                             std::to_string(options.expected_tokens[i].size()) + " (" + options.sequences_where +
+                             "; give the text, --split-on and --max-tokens the trace was captured with)");
+        selected.sequences.push_back(tokens);
+        original.push_back(static_cast<std::size_t>(index));
+    }
+    return selected;
+}
+
 EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>& extra_axes, const EvalOptions& options) {
     std::vector<GridAxis> grid = merge_grid(config.grid, extra_axes);
     // The full cache is the baseline row of every eval; a `full` entry in the config is that row.
@@ -298,32 +324,8 @@ EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>&
 
     const LoadedInput input = load_model_input(options.input);
     const model::LlamaModel& loaded = input.model;
-    // The sequences evaluated: all, or those asked for, checked against the tokens expected.
-    TokenizedText text = input.text;
-    std::vector<std::size_t> original(text.sequences.size());
-    std::iota(original.begin(), original.end(), std::size_t{0});
-    if (!options.sequences.empty()) {
-        TokenizedText selected = text;
-        selected.sequences.clear();
-        original.clear();
-        for (std::size_t i = 0; i < options.sequences.size(); ++i) {
-            const int index = options.sequences[i];
-            if (index < 0 || index >= static_cast<int>(text.sequences.size()))
-                throw InputError(options.sequences_where + ": sequence " + std::to_string(index) + " is not in " +
-                                 options.input.text_path + " (it splits into " + std::to_string(text.sequences.size()) +
-                                 ")");
-            const std::vector<int>& tokens = text.sequences[index];
-            if (i < options.expected_tokens.size() && !options.expected_tokens[i].empty() &&
-                !std::equal(tokens.begin(), tokens.end(), options.expected_tokens[i].begin(), options.expected_tokens[i].end()))
-                throw InputError(options.input.text_path + ": sequence " + std::to_string(index) + " tokenizes to " +
-                                 std::to_string(tokens.size()) + " tokens that differ from the trace's " +
-                                 std::to_string(options.expected_tokens[i].size()) +
-                                 " (" + options.sequences_where + "; give the text, --split-on and --max-tokens the trace was captured with)");
-            selected.sequences.push_back(tokens);
-            original.push_back(static_cast<std::size_t>(index));
-        }
-        text = std::move(selected);
-    }
+    std::vector<std::size_t> original;
+    const TokenizedText text = select_eval_sequences(input.text, options, original);
     const model::LlamaConfig& mc = loaded.config();
     for (const BudgetColumn& column : config.layer_budget_profiles)
         if (static_cast<int>(column.layer_budgets.size()) != mc.n_layers)

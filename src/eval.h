@@ -43,6 +43,12 @@ struct EvalResult {
 
 EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>& extra_axes, const EvalOptions& options);
 
+// The sequences run_eval evaluates: all of `text`'s, or options.sequences, each checked against
+// options.expected_tokens (InputError naming the text file). `original` receives each selected
+// sequence's index in `text`.
+TokenizedText select_eval_sequences(const TokenizedText& text, const EvalOptions& options,
+                                    std::vector<std::size_t>& original);
+
 // Spearman's rank correlation (average ranks for ties); NaN when either side is constant.
 double spearman(const std::vector<double>& x, const std::vector<double>& y);
 

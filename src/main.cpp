@@ -370,6 +370,10 @@ int run_search_command(const ReplayFlags& flags, const ModelInput& confirm) {
     }
     if (flags.slurm_shards > 0 || flags.slurm_max_running > 0)
         throw InputError("--shards and --max-running size the job array of --emit-slurm; to run one shard, give --shard I/N");
+    // The model runs after the search, or in the merge of its shards: its input is checked first
+    // (by each shard, on the machines that will load it), so no search's hours end in an error
+    // about the text or the model.
+    if (!confirm.model_path.empty()) check_confirmation_input(*config.search, run.trace_path, confirm);
     if (flags.shard.empty()) {
         if (flags.resume)
             throw InputError("--resume: a search checkpoints only as shards of its grid replay; give --shard I/N");

@@ -15,16 +15,42 @@
 #include "src/eval.h"
 
 namespace kvsim {
+namespace {
+
+// The eval of the held-out sequences, each expected to tokenize to the trace's own tokens.
+EvalOptions confirmation_options(const SearchSpec& spec, const std::string& trace_path, const std::vector<int>& heldout,
+                                 const ModelInput& input) {
+    const TraceReader reader(trace_path);
+    EvalOptions options;
+    options.input = input;
+    options.sequences = heldout;
+    options.sequences_where = spec.split_where + " (held-out sequences)";
+    for (int s : heldout) options.expected_tokens.push_back(reader.read_tokens(s));
+    return options;
+}
+
+}  // namespace
+
+void check_confirmation_input(const SearchSpec& spec, const std::string& trace_path, const ModelInput& input) {
+    const EvalOptions options = confirmation_options(spec, trace_path, search_heldout_indices(spec, trace_path), input);
+    const LoadedInput loaded = load_model_input(input);
+    const TraceMetadata meta = TraceReader(trace_path).metadata();
+    const model::LlamaConfig& mc = loaded.model.config();
+    const ModelShape traced{meta.model_name, static_cast<int>(meta.num_layers), static_cast<int>(meta.num_query_heads),
+                            static_cast<int>(meta.num_kv_heads), static_cast<int>(meta.head_dim)};
+    const ModelShape model{input.model_path, mc.n_layers, mc.n_heads, mc.n_kv_heads, mc.head_dim};
+    if (!traced.same_as(model))
+        throw InputError(input.model_path + ": the model has " + model.describe() + ", but the trace " + trace_path +
+                         " records " + traced.describe() + " (" + traced.name +
+                         "): confirmation in the loop needs a trace of every layer and head of this model");
+    std::vector<std::size_t> original;
+    select_eval_sequences(loaded.text, options, original);
+}
 
 void confirm_in_the_loop(SearchOutcome& outcome, const SearchSpec& spec, const ModelInput& input,
                          const std::string& config_file, bool show_progress) {
-    const TraceReader reader(outcome.trace);
-    EvalOptions options;
-    options.input = input;
+    EvalOptions options = confirmation_options(spec, outcome.trace, outcome.heldout_indices, input);
     options.show_progress = show_progress;
-    options.sequences = outcome.heldout_indices;
-    options.sequences_where = spec.split_where + " (held-out sequences)";
-    for (int s : outcome.heldout_indices) options.expected_tokens.push_back(reader.read_tokens(s));
 
     // One policy entry per method and target, each at its own budgets.
     ExperimentConfig config;

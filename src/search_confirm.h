@@ -12,4 +12,10 @@ namespace kvsim {
 void confirm_in_the_loop(SearchOutcome& outcome, const SearchSpec& spec, const ModelInput& input,
                          const std::string& config_file, bool show_progress);
 
+// What confirm_in_the_loop needs, checked before the search runs rather than after it: the model
+// loads, its shape is the trace's, and the held-out sequences tokenize to the trace's tokens.
+// Throws the InputError confirm_in_the_loop would, without the hours of search before it. The
+// model is released again: a search's replay does not hold a model's weights beside its own.
+void check_confirmation_input(const SearchSpec& spec, const std::string& trace_path, const ModelInput& input);
+
 }  // namespace kvsim

@@ -254,6 +254,26 @@ class Search(KvsimTestCase):
         self.assertEqual(cut.returncode, 2, cut.stderr)  # truncation warnings, then the error
         self.assertIn("sequence 3 tokenizes to 100 tokens that differ from the trace's 425",
                       cut.stderr.strip().splitlines()[-1])
+        # A trace of some layers only: its budgets cannot run in the whole model.
+        two_layers = self.path("two-layers.h5")
+        self.assertEqual(kvsim("capture", "--model", MODEL, "--text", STORIES, "--split-on", "<|endoftext|>",
+                               "--layers", "0,1", "-o", two_layers).returncode, 0)
+        partial = self.search(one_target.replace(TRACE, two_layers), "--model", MODEL, "--text", STORIES,
+                              "--split-on", "<|endoftext|>", "--context", "512")
+        self.assert_input_error(partial, MODEL + ": the model has 5 layers, 8 query heads, 4 KV heads, head size 8, "
+                                "but the trace " + two_layers + " records 2 layers")
+        # Each is refused before the search runs, not after it (a search can take hours): here the
+        # search would end in an error of its own, but the text's comes first; from a shard too,
+        # whose merge runs the model.
+        fails_late = (SEARCH.replace("target: [2x, 3x]", "target: 2x")
+                      .replace("fit: [layer_budgets, head_budgets]", "fit: [tiers]\n  tiers: {recent: 16, value_group: 3}"))
+        self.assert_input_error(self.search(fails_late), "value_group 3 does not divide the head size 8")
+        for extra in ([], ["--shard", "1/2"]):
+            with self.subTest(extra=extra):
+                cut = self.search(fails_late, "--model", MODEL, "--text", STORIES, "--split-on", "<|endoftext|>",
+                                  "--max-tokens", "100", *extra)
+                self.assertEqual(cut.returncode, 2, cut.stderr)
+                self.assertIn("differ from the trace's 425", cut.stderr.strip().splitlines()[-1])
         self.assertFalse(os.path.exists(self.out))
         self.out = out
 
