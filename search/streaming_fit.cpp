@@ -215,6 +215,19 @@ void fit_streaming_heads(const FitInput& in, SearchOutcome& out) {
         }
     }
 
+    // What each head holds on the held-out sequences when it streams and when it keeps its cache:
+    // its sinks, window and state, whatever its lambda. Measured first, so that a target no set of
+    // streaming heads reaches is refused before the lambdas are fitted, not after.
+    const std::vector<PlanResult> bytes =
+        plans.run(*in.heldout, {Plan{"bytes-streaming", every_head, std::vector<double>(units, 0.99)},
+                                Plan{"bytes-full", no_head, std::vector<double>(units, 0.99)}});
+    const double full_fp16 = 4.0 * in.shape.head_dim;
+    const std::string why = "; lower search.streaming.recent or drop streaming from search.fit";
+    std::vector<std::size_t> every_unit(units);
+    std::iota(every_unit.begin(), every_unit.end(), std::size_t{0});
+    for (const SearchTarget& target : spec.targets)  // throws unless every head streaming reaches it
+        heads_for_target(every_unit, bytes[0], bytes[1], target.bytes(full_fp16), target, why);
+
     // The published calibration: each head's lambda fitted against the full softmax output with
     // nothing kept exactly (no sinks, no window: the state must reproduce every token), then
     // deployed with the sinks and window. Its lambdas are measured beside the fitted ones below.
@@ -235,10 +248,6 @@ void fit_streaming_heads(const FitInput& in, SearchOutcome& out) {
     const std::vector<double>& error_099 = baselines[0].head_error;
     const std::vector<double>& error_calibrated = baselines[1].head_error;
 
-    // What each head holds on the held-out sequences when it streams and when it keeps its cache.
-    const std::vector<PlanResult> bytes = plans.run(*in.heldout, {Plan{"bytes-streaming", every_head, lambda},
-                                                                  Plan{"bytes-full", no_head, lambda}});
-    const double full_fp16 = 4.0 * in.shape.head_dim;
     const std::vector<std::size_t> order = ascending_order(fitted_error);
     struct Chosen {
         Plan plan;
@@ -247,7 +256,6 @@ void fit_streaming_heads(const FitInput& in, SearchOutcome& out) {
         const std::vector<double>* fitting_error;  // per head, on the fitting sequences
     };
     std::vector<Chosen> chosen;
-    const std::string why = "; lower search.streaming.recent or drop streaming from search.fit";
     for (const SearchTarget& target : spec.targets) {
         const double wanted = target.bytes(full_fp16);
         const std::vector<uint8_t> streams = heads_for_target(order, bytes[0], bytes[1], wanted, target, why);
