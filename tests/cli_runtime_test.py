@@ -12,6 +12,7 @@ Run by meson test as: python3 tests/cli_runtime_test.py build/kvsim
 import json
 import os
 import re
+import subprocess
 import sys
 import unittest
 
@@ -97,6 +98,22 @@ class Generate(KvsimTestCase):
         self.assert_input_error(kvsim("generate", "--model", MODEL, "--profile", good, "--prompt", "Hi", "-n", "600",
                                       "--context", "512"),
                                 "pass the model's context of 512 positions")
+
+
+class SharedLibrary(unittest.TestCase):
+
+    def test_exports_the_c_api_and_nothing_else(self):
+        # An engine loads libkvsim_runtime.so beside its own Eigen, yaml-cpp and TBB: any C++
+        # symbol it exported could bind to the engine's copy of another version, and kvsim itself
+        # links libkvsim as well, where a second exported definition of a class is an ODR violation.
+        library = os.path.join(os.path.dirname(cli_common.KVSIM), "libkvsim_runtime.so")
+        listing = subprocess.run(["nm", "-D", "--defined-only", library], capture_output=True, text=True, check=True)
+        exported = {line.split()[-1] for line in listing.stdout.splitlines() if line.strip()}
+        header = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src", "runtime",
+                                   "kvsim_runtime.h")).read()
+        declared = set(re.findall(r"\b(kvsim_rt_\w+)\(", header))
+        self.assertGreaterEqual(len(declared), 9)
+        self.assertEqual(exported, declared)
 
 
 if __name__ == "__main__":
