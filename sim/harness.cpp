@@ -75,8 +75,9 @@ bool sum_four_heads_exactly(std::span<const float* const> rows, const float* int
                             float* gathered, double* retained) {
     const std::size_t held = kept.size();
     const float *row0 = rows[0], *row1 = rows[1], *row2 = rows[2], *row3 = rows[3];
-    float *out0 = gathered, *out1 = gathered + held, *out2 = gathered + 2 * held, *out3 = gathered + 3 * held;
-    if constexpr (!copy) out0 = out1 = out2 = out3 = nullptr;
+    float *out0 = nullptr, *out1 = nullptr, *out2 = nullptr, *out3 = nullptr;
+    if constexpr (copy)  // without a copy, gathered is null, and null + held would be undefined
+        out0 = gathered, out1 = gathered + held, out2 = gathered + 2 * held, out3 = gathered + 3 * held;
     __m256d even = _mm256_setzero_pd(), odd = _mm256_setzero_pd();
     // Over all weights, as unsigned: the least of (bits - 1), where +0 wraps to the top and passes,
     // and the largest bits, where a negative, NaN or too large weight is at least 2.0f's.

@@ -5,6 +5,15 @@
 namespace kvsim::runtime {
 namespace {
 std::size_t align16(std::size_t n) { return (n + 15) / 16 * 16; }
+
+// A slot's row in one of a tier's arrays. A tier lacks some arrays (FP16 has no levels or scales,
+// INT8 and INT4 no halves): their base is null, their row is 0 bytes, and null + offset would be
+// undefined behaviour, so such a row has no address at all.
+template <class T>
+const void* row_at(const T* base, std::size_t offset, std::size_t row_bytes) {
+    return row_bytes ? base + offset : nullptr;
+}
+
 }  // namespace
 
 DevicePool::DevicePool(const std::vector<HeadLayout>& layouts) : layouts_(layouts), offsets_(layouts.size()) {
@@ -58,9 +67,12 @@ bool DevicePool::stage(int head, int slot, uint8_t code, const TierView (&keys)[
         for (int side = 0; side < 2; ++side) {
             const int tier = side == 0 ? code & 3 : code >> 2;
             const TierView& v = side == 0 ? keys[tier] : values[tier];
-            pieces[count++] = {o.half[side][tier] + s * v.half_row_bytes(), v.half + s * v.head_dim, v.half_row_bytes()};
-            pieces[count++] = {o.levels[side][tier] + s * v.level_row_bytes(), v.levels + s * v.row_bytes, v.level_row_bytes()};
-            pieces[count++] = {o.scales[side][tier] + s * v.scale_row_bytes(), v.scales + s * v.groups, v.scale_row_bytes()};
+            pieces[count++] = {o.half[side][tier] + s * v.half_row_bytes(), row_at(v.half, s * v.head_dim, v.half_row_bytes()),
+                               v.half_row_bytes()};
+            pieces[count++] = {o.levels[side][tier] + s * v.level_row_bytes(),
+                               row_at(v.levels, s * v.row_bytes, v.level_row_bytes()), v.level_row_bytes()};
+            pieces[count++] = {o.scales[side][tier] + s * v.scale_row_bytes(),
+                               row_at(v.scales, s * v.groups, v.scale_row_bytes()), v.scale_row_bytes()};
         }
     pieces[count++] = {o.codes + s, &code, 1};
     // A slot goes whole or not at all.
