@@ -34,7 +34,7 @@ Json rows_of(const std::vector<T>& values, int num_layers, int num_kv_heads) {
 // Reads a profile's JSON with one error line per problem: the file and the key.
 class ProfileReader {
 public:
-    ProfileReader(std::string path, const Json& root) : path_(std::move(path)), root_(root) {}
+    explicit ProfileReader(std::string path) : path_(std::move(path)) {}
 
     [[noreturn]] void fail(const std::string& key, const std::string& what) const {
         throw InputError(path_ + ": " + key + ": " + what);
@@ -91,7 +91,6 @@ public:
 
 private:
     std::string path_;
-    const Json& root_;
 };
 
 }  // namespace
@@ -141,7 +140,7 @@ std::string profile_json(const Profile& p) {
 
 Profile load_profile(const std::string& path) {
     const Json root = load_json_file(path);
-    ProfileReader r(path, root);
+    ProfileReader r(path);
     if (!root.is_object()) r.fail("(top level)", "expected a JSON object");
     if (r.string(r.at(root, "format", ""), "format") != kProfileFormat)
         r.fail("format", "expected \"" + std::string(kProfileFormat) + "\"");

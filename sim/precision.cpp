@@ -49,7 +49,7 @@ void build_tier_arrays(const QkvLayer& layer, int num_kv_heads, int head_dim, Ti
 
 IncrementalTiers::IncrementalTiers(const TierFormat* format, int64_t tokens, int num_kv_heads, int head_dim,
                                    const KvProjection* projection, int layer)
-    : tiered_(format != nullptr), tokens_(tokens), kv_heads_(num_kv_heads), head_dim_(head_dim),
+    : tiered_(format != nullptr), kv_heads_(num_kv_heads), head_dim_(head_dim),
       quant_heads_(num_kv_heads), quant_dim_(head_dim), k_(tokens * num_kv_heads * head_dim), v_(k_.size()),
       layer_(layer) {
     arrays_.k[0] = k_.data();
@@ -174,7 +174,8 @@ float softmax_numerators(Eigen::ArrayXf& scores) {
     // Elementwise, on Eigen's aligned storage: the same values whatever the caller or thread.
     scores = (scores - scores.maxCoeff()).exp();
     double total = 0;
-    for (Eigen::Index j = 0; j < scores.size(); ++j) total += scores[j];
+    const float* const numerators = scores.data();
+    for (Eigen::Index j = 0; j < scores.size(); ++j) total += numerators[j];
     return static_cast<float>(1.0 / total);
 }
 
@@ -184,18 +185,19 @@ void cached_attention_output(const float* q, std::span<const int32_t> held, std:
                              float* weights) {
     const Eigen::Index n = static_cast<Eigen::Index>(held.size());
     scratch.resize(n);
+    float* const scores = scratch.data();  // the hot loops index it plainly, without Eigen's checks
     const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
     for (Eigen::Index j = 0; j < n; ++j) {
         const int32_t p = held[j];
         const float* k = arrays.k[key_tier[p]] + (static_cast<int64_t>(p) * num_kv_heads + kv_head) * head_dim;
-        scratch[j] = fixed_order_dot(q, k, head_dim) * scale;
+        scores[j] = fixed_order_dot(q, k, head_dim) * scale;
     }
     const float inv_total = softmax_numerators(scratch);
     std::fill(out, out + head_dim, 0.0f);
     for (Eigen::Index j = 0; j < n; ++j) {
         const int32_t p = held[j];
         const float* v = arrays.v[value_tier[p]] + (static_cast<int64_t>(p) * num_kv_heads + kv_head) * head_dim;
-        const float w = scratch[j] * inv_total;
+        const float w = scores[j] * inv_total;
         if (weights) weights[j] = w;
         for (int i = 0; i < head_dim; ++i) out[i] += w * v[i];
     }

@@ -42,7 +42,6 @@ private:
     // Projected caches: rebuilds tokens [first, first + count) of a tier from its latents.
     void reconstruct(bool key, const std::vector<float>& latent, std::vector<float>& out, int64_t first, int64_t count);
     bool tiered_;
-    int64_t tokens_;
     int kv_heads_, head_dim_;
     int quant_heads_, quant_dim_;  // how quantisation groups a row: per KV head, or one joint latent
     std::vector<float> k_, v_;
@@ -83,6 +82,11 @@ float softmax_numerators(Eigen::ArrayXf& scores);
 // A dot product whose summation order depends only on n (not on alignment or the caller):
 // sixteen lanes summed in a fixed order, vectorisable. Inline, so the runtime's hot loop inlines it.
 inline float fixed_order_dot(const float* a, const float* b, int n) {
+    if (n < 16) {  // no full block, so every lane is +0: adding them all is adding +0 once
+        float total = 0;
+        for (int i = 0; i < n; ++i) total += a[i] * b[i];
+        return total + 0.0f;  // -0 becomes +0, as the lanes' sum makes it
+    }
     float lanes[16] = {};
     int i = 0;
     for (; i + 16 <= n; i += 16)
