@@ -30,7 +30,9 @@ TEST_CASE("fuzz seeds: the gguf corpus is what fuzz_seeds.h writes, and every se
     const std::filesystem::path corpus = std::filesystem::path(KVSIM_SOURCE_DIR) / "tests" / "fuzz" / "corpus" / "gguf";
     const bool rewrite = std::getenv("KVSIM_WRITE_FUZZ_SEEDS") != nullptr;
     ScratchDir scratch;
-    for (const auto& [name, writer] : kvsim::fuzz::gguf_seeds()) {
+    for (const auto& seed : kvsim::fuzz::gguf_seeds()) {
+        const auto& name = seed.first;  // not a structured binding: clang 14 cannot capture one
+        const auto& writer = seed.second;
         CAPTURE(name);
         const std::string path = scratch.file(name);
         writer.write(path);

@@ -180,7 +180,9 @@ TEST_CASE("GGUF writer -> reader round trip of metadata of every type, versions 
         CHECK(file.version() == version);
         CHECK(file.tensors().empty());
         CHECK(file.metadata().size() == every_value_type().size());
-        for (const auto& [key, value] : every_value_type()) {
+        for (const auto& entry : every_value_type()) {
+            const std::string& key = entry.first;  // not a structured binding: clang 14 cannot capture one
+            const auto& value = entry.second;
             CAPTURE(key);
             REQUIRE(file.find(key) != nullptr);
             CHECK(file.at(key).type() == value.type());

@@ -108,9 +108,11 @@ TEST_CASE("adakv: floor 0 still keeps each head's protected recent window") {
 }
 
 TEST_CASE("adakv with floor 1 reproduces the wrapped policy at uniform budgets exactly") {
-    for (const auto& [name, params] : std::vector<std::pair<std::string, std::map<std::string, double>>>{
+    for (const auto& policy : std::vector<std::pair<std::string, std::map<std::string, double>>>{
              {"h2o", {{"recent_window", 4}}}, {"tova", {}}, {"scissorhands", {{"recent_window", 4}}},
              {"snapkv", {{"recent_window", 4}, {"obs_window", 4}, {"pool_kernel", 3}}}}) {
+        const auto& name = policy.first;  // not a structured binding: clang 14 cannot capture one
+        const auto& params = policy.second;
         CAPTURE(name);
         CHECK(replay_qkv({ada(name, params, 1.0)}, {12, 40}) == replay_qkv({entry(name, params)}, {12, 40}));
     }

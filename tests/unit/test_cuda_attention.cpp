@@ -33,7 +33,8 @@ void fill(TierStore (&stores)[3], int rows, int d, int group, std::mt19937& rng)
 
 TEST_CASE("TierView reads every tier as TierStore::read does, bit for bit") {
     std::mt19937 rng(7);
-    for (const auto& [d, group] : {std::pair{128, 32}, std::pair{8, 8}, std::pair{67, 16}, std::pair{64, 64}}) {
+    for (const auto& shape : {std::pair{128, 32}, std::pair{8, 8}, std::pair{67, 16}, std::pair{64, 64}}) {
+        const int d = shape.first, group = shape.second;  // not a structured binding: clang 14 cannot capture one
         TierStore stores[3];
         fill(stores, 9, d, group, rng);
         std::vector<float> row(d);

@@ -93,7 +93,8 @@ TEST_CASE("float16 Q/K/V read as the same float bits HDF5's conversion gives: ev
         {"q", &read.q}, {"k", &read.k}, {"v", &read.v}};
     const std::vector<float>* written[] = {&layer.q, &layer.k, &layer.v};
     for (int i = 0; i < 3; ++i) {
-        const auto& [name, values] = tensors[i];
+        const auto& name = tensors[i].first;  // not a structured binding: clang 14 cannot capture one
+        const auto& values = tensors[i].second;
         INFO("tensor " << name);
         const std::vector<float> hdf5 =
             read_through_hdf5(path, std::string("/sequences/000000/qkv/layer_000/") + name, values->size());
@@ -314,7 +315,9 @@ TEST_CASE("Q/K/V stored in any layout HDF5 reads come back as HDF5 reads them; k
         const std::pair<std::size_t, float> bad_values[] = {{5, std::numeric_limits<float>::quiet_NaN()},
                                                             {n / 2 + 3, -std::numeric_limits<float>::infinity()},
                                                             {n - 1, std::numeric_limits<float>::infinity()}};
-        for (const auto& [at, value] : bad_values) {
+        for (const auto& bad : bad_values) {
+            const std::size_t at = bad.first;  // not a structured binding: clang 14 cannot capture one
+            const float value = bad.second;
             CAPTURE(at);
             std::vector<float> values = layer.q;
             values[at] = value;
