@@ -30,29 +30,6 @@ namespace {
 
 using Json = nlohmann::ordered_json;
 
-// The held-out indices: as listed, or a seeded draw of a fraction (Fisher-Yates on mt19937_64,
-// whose output the C++ standard fixes, so the split is the same on every platform).
-std::vector<int> heldout_indices(const SearchSpec& spec, int count, const std::string& trace) {
-    std::vector<int> heldout = spec.heldout;
-    if (heldout.empty()) {
-        std::vector<int> order(count);
-        for (int i = 0; i < count; ++i) order[i] = i;
-        std::mt19937_64 rng(spec.seed);
-        for (int i = count - 1; i > 0; --i) std::swap(order[i], order[static_cast<int>(rng() % (i + 1))]);
-        const int take = std::max(1, static_cast<int>(std::lround(spec.heldout_fraction * count)));
-        heldout.assign(order.begin(), order.begin() + std::min(take, count));
-    }
-    for (int s : heldout)
-        if (s >= count)
-            throw InputError(spec.split_where + ": sequence " + std::to_string(s) + " is not in " + trace + " (it has " +
-                             std::to_string(count) + ", numbered from 0)");
-    std::sort(heldout.begin(), heldout.end());
-    if (static_cast<int>(heldout.size()) >= count)
-        throw InputError(spec.split_where + ": the split leaves no fitting sequence (" + trace + " has " +
-                         std::to_string(count) + ")");
-    return heldout;
-}
-
 // One unit's objective summed over its steps (lower is better) and the steps it is summed over.
 double error_sum(const StreamMetrics& m, bool output_error) {
     return output_error ? m.output_rel_error : static_cast<double>(m.steps) - m.retained_mass;
@@ -194,7 +171,7 @@ SearchSetup::SearchSetup(const SearchSpec& spec, const SearchRun& run) : reader(
 
     // The split.
     const int count = static_cast<int>(reader.sequences().size());
-    heldout = heldout_indices(spec, count, run.trace_path);
+    heldout = search_heldout_indices(spec, count, run.trace_path);
     for (int s = 0; s < count; ++s)
         if (!std::binary_search(heldout.begin(), heldout.end(), s)) fitting.push_back(s);
     for (int s : fitting) out.fitting_sequences.push_back(reader.sequences()[s].name);
@@ -327,9 +304,27 @@ void SearchGridReplay::run_units(const std::vector<std::size_t>& units, const La
     }
 }
 
-std::vector<int> search_heldout_indices(const SearchSpec& spec, const std::string& trace_path) {
-    const TraceReader reader(trace_path);
-    return heldout_indices(spec, static_cast<int>(reader.sequences().size()), trace_path);
+// The held-out indices: as listed, or a seeded draw of a fraction (Fisher-Yates on mt19937_64,
+// whose output the C++ standard fixes, so the split is the same on every platform).
+std::vector<int> search_heldout_indices(const SearchSpec& spec, int count, const std::string& trace) {
+    std::vector<int> heldout = spec.heldout;
+    if (heldout.empty()) {
+        std::vector<int> order(count);
+        for (int i = 0; i < count; ++i) order[i] = i;
+        std::mt19937_64 rng(spec.seed);
+        for (int i = count - 1; i > 0; --i) std::swap(order[i], order[static_cast<int>(rng() % (i + 1))]);
+        const int take = std::max(1, static_cast<int>(std::lround(spec.heldout_fraction * count)));
+        heldout.assign(order.begin(), order.begin() + std::min(take, count));
+    }
+    for (int s : heldout)
+        if (s >= count)
+            throw InputError(spec.split_where + ": sequence " + std::to_string(s) + " is not in " + trace + " (it has " +
+                             std::to_string(count) + ", numbered from 0)");
+    std::sort(heldout.begin(), heldout.end());
+    if (static_cast<int>(heldout.size()) >= count)
+        throw InputError(spec.split_where + ": the split leaves no fitting sequence (" + trace + " has " +
+                         std::to_string(count) + ")");
+    return heldout;
 }
 
 SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {

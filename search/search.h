@@ -84,9 +84,10 @@ struct SearchRun {
 
 SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run);
 
-// The held-out sequences' indices (ascending) that run_search will choose on this trace: the
-// split's list, or its seeded draw. InputError as run_search's for a split the trace cannot give.
-std::vector<int> search_heldout_indices(const SearchSpec& spec, const std::string& trace_path);
+// The held-out sequences' indices (ascending) that run_search chooses on a trace of `count`
+// sequences: the split's list, or its seeded draw. InputError naming `trace` for a split it
+// cannot give.
+std::vector<int> search_heldout_indices(const SearchSpec& spec, int count, const std::string& trace);
 
 struct SearchSetup;
 

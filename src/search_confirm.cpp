@@ -18,9 +18,8 @@ namespace kvsim {
 namespace {
 
 // The eval of the held-out sequences, each expected to tokenize to the trace's own tokens.
-EvalOptions confirmation_options(const SearchSpec& spec, const std::string& trace_path, const std::vector<int>& heldout,
+EvalOptions confirmation_options(const SearchSpec& spec, const TraceReader& reader, const std::vector<int>& heldout,
                                  const ModelInput& input) {
-    const TraceReader reader(trace_path);
     EvalOptions options;
     options.input = input;
     options.sequences = heldout;
@@ -32,9 +31,12 @@ EvalOptions confirmation_options(const SearchSpec& spec, const std::string& trac
 }  // namespace
 
 void check_confirmation_input(const SearchSpec& spec, const std::string& trace_path, const ModelInput& input) {
-    const EvalOptions options = confirmation_options(spec, trace_path, search_heldout_indices(spec, trace_path), input);
+    const TraceReader reader(trace_path);
+    const std::vector<int> heldout =
+        search_heldout_indices(spec, static_cast<int>(reader.sequences().size()), trace_path);
+    const EvalOptions options = confirmation_options(spec, reader, heldout, input);
     const LoadedInput loaded = load_model_input(input);
-    const TraceMetadata meta = TraceReader(trace_path).metadata();
+    const TraceMetadata& meta = reader.metadata();
     const model::LlamaConfig& mc = loaded.model.config();
     const ModelShape traced{meta.model_name, static_cast<int>(meta.num_layers), static_cast<int>(meta.num_query_heads),
                             static_cast<int>(meta.num_kv_heads), static_cast<int>(meta.head_dim)};
@@ -49,7 +51,7 @@ void check_confirmation_input(const SearchSpec& spec, const std::string& trace_p
 
 void confirm_in_the_loop(SearchOutcome& outcome, const SearchSpec& spec, const ModelInput& input,
                          const std::string& config_file, bool show_progress) {
-    EvalOptions options = confirmation_options(spec, outcome.trace, outcome.heldout_indices, input);
+    EvalOptions options = confirmation_options(spec, TraceReader(outcome.trace), outcome.heldout_indices, input);
     options.show_progress = show_progress;
 
     // One policy entry per method and target, each at its own budgets.
