@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -345,7 +346,20 @@ GgufFile GgufFile::open(const std::string& path) {
     char magic[4];
     reader.read_bytes(magic, 4);
     if (std::memcmp(magic, kMagic, 4) != 0) {
-        throw InputError(path + ": not a GGUF file (bad magic '" + std::string(magic, 4) + "', expected 'GGUF')");
+        // A text file's first bytes may hold a newline or a control byte: shown as \xNN, so the
+        // error stays one line.
+        std::string shown;
+        for (const char c : magic) {
+            const auto byte = static_cast<unsigned char>(c);
+            if (byte >= 0x20 && byte < 0x7f && c != '\\') {
+                shown += c;
+            } else {
+                char escaped[5];
+                std::snprintf(escaped, sizeof escaped, "\\x%02x", byte);
+                shown += escaped;
+            }
+        }
+        throw InputError(path + ": not a GGUF file (bad magic '" + shown + "', expected 'GGUF')");
     }
     file.version_ = reader.read<uint32_t>();
     if (file.version_ != 2 && file.version_ != 3) {

@@ -274,6 +274,13 @@ TEST_CASE("GGUF errors: bad magic, unsupported version, missing key or tensor, w
         const std::string message = open_error(path);
         CHECK(message.find(path + ": not a GGUF file") == 0);
     }
+    SUBCASE("bad magic with a newline, as a text file given as the model has: one line") {
+        std::vector<uint8_t> bad = bytes;
+        bad[0] = 'O', bad[1] = 'n', bad[2] = '\n', bad[3] = 0x01;
+        const std::string path = scratch.file("text.gguf");
+        write_bytes(path, bad, bad.size());
+        CHECK(open_error(path) == path + ": not a GGUF file (bad magic 'On\\x0a\\x01', expected 'GGUF')");
+    }
     SUBCASE("version 1") {
         std::vector<uint8_t> bad = bytes;
         bad[4] = 1;
