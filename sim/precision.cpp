@@ -7,6 +7,7 @@
 #include "base/errors.h"
 #include "sim/lowrank.h"
 #include "sim/quantize.h"
+#include "sim/softmax_exp.h"
 
 namespace kvsim {
 namespace {
@@ -172,7 +173,7 @@ double value_bytes(Tier tier, int head_dim, const TierFormat* format) {
 
 float softmax_numerators(Eigen::ArrayXf& scores) {
     // Elementwise, on Eigen's aligned storage: the same values whatever the caller or thread.
-    scores = (scores - scores.maxCoeff()).exp();
+    exp_minus_peak(scores.data(), scores.size(), scores.maxCoeff());
     double total = 0;
     const float* const numerators = scores.data();
     for (Eigen::Index j = 0; j < scores.size(); ++j) total += numerators[j];

@@ -17,6 +17,7 @@
 #include "base/errors.h"
 #include "base/size_limits.h"
 #include "sim/heavy_hitters.h"
+#include "sim/softmax_exp.h"
 
 namespace kvsim {
 
@@ -404,8 +405,7 @@ int64_t attention_rows_of_head(const QkvLayer& layer, const KeysByFeature& keys,
         // softmax would turn that into NaN: checked in the pass that finds the peak.
         const float peak = finite_peak(row.data(), t + 1);
         if (std::isnan(peak)) return t;
-        row = (row - peak).exp();
-        const float inv_total = 1.0f / row.sum();
+        const float inv_total = 1.0f / exp_minus_peak_and_sum(row.data(), t + 1, peak);
         const int32_t floor = visit && visit->gather_floor ? visit->gather_floor(h) : 0;
         const std::size_t gathered = scale_row(row.data(), t, inv_total, out, floor, at_or_above.data());
         block.self_weight[h][i] = row(t) * inv_total;
