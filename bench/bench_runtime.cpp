@@ -22,6 +22,7 @@
 
 #include "policies/policy.h"
 #include "sim/cache_math.h"
+#include "sim/softmax_exp.h"
 #include "search/profile.h"
 #include "src/runtime/head_cache.h"
 #include "src/runtime/kvsim_runtime.h"
@@ -116,8 +117,7 @@ void fp32_blocked_attention(const std::vector<float>& k, const std::vector<float
             s *= scale;
             for (int h = 0; h < kGroup; ++h) {
                 const float rescale = online[h].raise_to(s.col(h).maxCoeff());
-                s.col(h) = (s.col(h).array() - online[h].maximum).exp().matrix();
-                online[h].sum += s.col(h).sum();
+                online[h].sum += exp_minus_peak_and_sum(s.col(h).data(), m, online[h].maximum);
                 if (rescale != 1.0f) o.row(h) *= rescale;
             }
             o.noalias() += s.transpose() * values;

@@ -55,9 +55,7 @@ inline Eigen::internal::Packet8f exp8(const Eigen::internal::Packet8f& input) {
 template <bool with_sum>
 float exp_pass(float* x, int64_t n, float peak) {
     const int64_t misalignment = static_cast<int64_t>(reinterpret_cast<std::uintptr_t>(x) & 31);
-    const int64_t start = reinterpret_cast<std::uintptr_t>(x) % sizeof(float) != 0
-                              ? n
-                              : std::min<int64_t>(n, ((32 - misalignment) & 31) / int64_t{sizeof(float)});
+    const int64_t start = std::min<int64_t>(n, ((32 - misalignment) & 31) / int64_t{sizeof(float)});
     const int64_t end = start + (n - start) / 8 * 8, end_of_pairs = start + (n - start) / 16 * 16;
     for (int64_t i = 0; i < start; ++i) x[i] = std::exp(x[i] - peak);
     for (int64_t i = end; i < n; ++i) x[i] = std::exp(x[i] - peak);
@@ -69,7 +67,7 @@ float exp_pass(float* x, int64_t n, float peak) {
         return e;
     };
     if (end == start) {  // no whole packet: Eigen's sum is one chain from the first value
-        if (!with_sum) return 0.0f;
+        if constexpr (!with_sum) return 0.0f;
         float total = x[0];
         for (int64_t i = 1; i < n; ++i) total += x[i];
         return total;
@@ -79,18 +77,13 @@ float exp_pass(float* x, int64_t n, float peak) {
         __m256 sum1 = packet(start + 8);
         for (int64_t i = start + 16; i < end_of_pairs; i += 16) {
             const __m256 a = packet(i), b = packet(i + 8);
-            if (with_sum) {
-                sum0 = padd(sum0, a);
-                sum1 = padd(sum1, b);
-            }
+            sum0 = padd(sum0, a);
+            sum1 = padd(sum1, b);
         }
-        if (with_sum) sum0 = padd(sum0, sum1);
-        if (end > end_of_pairs) {
-            const __m256 last = packet(end_of_pairs);
-            if (with_sum) sum0 = padd(sum0, last);
-        }
+        sum0 = padd(sum0, sum1);
+        if (end > end_of_pairs) sum0 = padd(sum0, packet(end_of_pairs));
     }
-    if (!with_sum) return 0.0f;
+    if constexpr (!with_sum) return 0.0f;
     float total = Eigen::internal::predux(sum0);
     for (int64_t i = 0; i < start; ++i) total += x[i];
     for (int64_t i = end; i < n; ++i) total += x[i];

@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "sim/precision.h"
+#include "sim/softmax_exp.h"
 #include "sim/streaming_heads.h"
 
 namespace kvsim::runtime {
@@ -211,8 +212,7 @@ void HeadCache::attend_one_pass(int slot, const float* q, float* out) {
                 float* w = weights_.data() + static_cast<std::size_t>(h) * n;
                 for (int r = 0; r < m; ++r) w[rows[first + r]] = scores(r, h);
                 const float rescale = online_[h].raise_to(scores.col(h).maxCoeff());
-                scores.col(h) = (scores.col(h).array() - online_[h].maximum).exp().matrix();
-                online_[h].sum += scores.col(h).sum();
+                online_[h].sum += exp_minus_peak_and_sum(scores.col(h).data(), m, online_[h].maximum);
                 if (rescale != 1.0f) o.row(h) *= rescale;
             }
             o.noalias() += scores.transpose() * v;

@@ -4,7 +4,6 @@
 #include <Eigen/Core>
 #include <bit>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
