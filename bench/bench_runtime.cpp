@@ -21,11 +21,11 @@
 #include <Eigen/Core>
 
 #include "policies/policy.h"
-#include "sim/cache_math.h"
-#include "sim/softmax_exp.h"
+#include "cache_math/numerics.h"
+#include "cache_math/softmax_exp.h"
 #include "search/profile.h"
-#include "src/runtime/head_cache.h"
-#include "src/runtime/kvsim_runtime.h"
+#include "runtime/head_cache.h"
+#include "runtime/kvsim_runtime.h"
 
 using namespace kvsim;
 using Clock = std::chrono::steady_clock;

@@ -8,7 +8,7 @@
 #include <memory>
 
 #include "policies/policy.h"
-#include "sim/lowrank.h"
+#include "cache_math/lowrank.h"
 #include "base/errors.h"
 
 namespace kvsim {

@@ -13,27 +13,15 @@
 #include <utility>
 #include <vector>
 
+#include "cache_math/tier_format.h"
+
 namespace kvsim {
 
 // A policy holds an ascending list of positions (it starts holding position 0, as the harness's
 // cache does). At step `pos` it sees the attention on the positions it holds, then admits `pos`;
 // when the cache is over budget it chooses victims.
-class StreamingHeadState;  // sim/streaming_heads.h
-struct KvProjection;        // sim/lowrank.h
-
-// How precisely a cached position's key or value is held. Eviction decides which positions stay;
-// tiers decide how coarsely, and compose with any eviction policy (policies/quantized.h).
-enum class Tier : uint8_t { fp16 = 0, int8 = 1, int4 = 2 };
-
-// The quantisation behind the int8 and int4 tiers of a policy (sim/quantize.h does the numerics).
-struct TierFormat {
-    int key_group = 128;          // KIVI keys: tokens sharing a per-channel scale
-    int value_group = 128;        // channels sharing a per-token scale
-    bool per_token_keys = false;  // keys per token like values (for token-level tiering)
-    bool int4_from_int8 = false;  // int4 tokens are requantised from their int8 form (they sank there)
-    int int8_key_group = 0, int8_value_group = 0;  // 0: the same groups as int4
-    bool operator==(const TierFormat&) const = default;
-};
+class StreamingHeadState;  // cache_math/streaming_heads.h
+struct KvProjection;        // cache_math/lowrank.h
 
 // What a scored policy holds, slot by slot: for selection across the KV heads of a layer.
 struct HeldScores {

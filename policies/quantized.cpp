@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "policies/policy.h"
-#include "sim/quantize.h"
+#include "cache_math/quantize.h"
 #include "base/errors.h"
 
 namespace kvsim {

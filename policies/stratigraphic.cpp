@@ -15,7 +15,7 @@
 #include <string>
 
 #include "policies/policy.h"
-#include "sim/tier_shares.h"
+#include "cache_math/tier_shares.h"
 
 namespace kvsim {
 namespace {

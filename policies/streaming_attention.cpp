@@ -1,11 +1,11 @@
 // Streaming heads: DuoAttention (Xiao et al. 2024) keeps a full cache for retrieval heads and only
 // sinks and a recent window for streaming heads; here a streaming head also folds every token it
-// lets go into a decayed linear-attention state (sim/streaming_heads.h) instead of dropping it.
+// lets go into a decayed linear-attention state (cache_math/streaming_heads.h) instead of dropping it.
 #include <cmath>
 #include <memory>
 
 #include "policies/recency.h"
-#include "sim/streaming_heads.h"
+#include "cache_math/streaming_heads.h"
 #include "base/errors.h"
 
 namespace kvsim {

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "sim/experiment_spec.h"
-#include "sim/tier_shares.h"
+#include "cache_math/tier_shares.h"
 
 namespace kvsim {
 

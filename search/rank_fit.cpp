@@ -8,7 +8,8 @@
 #include "base/errors.h"
 #include "policies/policy.h"
 #include "search/allocation.h"
-#include "sim/lowrank.h"
+#include "cache_math/lowrank.h"
+#include "sim/lowrank_fit.h"
 #include "sim/replay.h"
 #include "sim/sweep.h"
 

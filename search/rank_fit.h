@@ -3,7 +3,7 @@
 // (MLA-style), each fitted to a target; against a uniform rank and KV-head grouping (contiguous,
 // and by fitted similarity) at the same bytes.
 //
-// How: the bases are fitted on the fitting sequences only (sim/lowrank.h). A ladder of (key rank,
+// How: the bases are fitted on the fitting sequences only (cache_math/lowrank.h). A ladder of (key rank,
 // value rank) pairs is replayed for every head at once (one lockstep pass over the fitting set for
 // the errors; bytes per head follow from the ranks, counted on the held-out set by the same
 // arithmetic as the memory metric); then per target one pair per unit by marginal gain

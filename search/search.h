@@ -16,10 +16,10 @@
 
 #include "search/profile.h"
 #include "search/search_spec.h"
-#include "sim/tier_shares.h"
+#include "cache_math/tier_shares.h"
 #include "sim/attention_source.h"
 #include "sim/harness.h"
-#include "sim/lowrank.h"
+#include "cache_math/lowrank.h"
 
 namespace kvsim {
 

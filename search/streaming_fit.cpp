@@ -10,7 +10,7 @@
 #include "base/errors.h"
 #include "policies/policy.h"
 #include "sim/replay.h"
-#include "sim/streaming_heads.h"
+#include "cache_math/streaming_heads.h"
 #include "sim/sweep.h"
 
 namespace kvsim {

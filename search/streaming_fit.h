@@ -1,6 +1,6 @@
 // Streaming heads for a search: per (layer, KV head), the lambda in [0, 1] that minimises that
 // head's output error when it streams (its sinks and recent window kept exactly, every other
-// token folded into the decayed linear state of sim/streaming_heads.h), found by golden-section
+// token folded into the decayed linear state of cache_math/streaming_heads.h), found by golden-section
 // search on the fitting sequences; then, per target, the heads that stream, smallest fitted error
 // first, until the cache meets the target's bytes. Every head is searched at once: each step is
 // one lockstep replay in which every head runs at its own probe lambda.

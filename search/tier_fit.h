@@ -11,7 +11,7 @@
 #include <string>
 
 #include "search/search.h"
-#include "sim/tier_shares.h"
+#include "cache_math/tier_shares.h"
 
 namespace kvsim {
 

@@ -7,7 +7,7 @@
 #include <limits>
 #include <stdexcept>
 
-#include "sim/streaming_heads.h"
+#include "cache_math/streaming_heads.h"
 #include "base/errors.h"
 
 #if defined(__AVX2__)
@@ -566,7 +566,7 @@ void Harness::observe(const GroupStep& s) {
         // A policy that keeps by position is given nothing to read; a lone head's were copied.
     } else if (cached_view) {
         // Each head's weights on the held positions (the current token is last), averaged over
-        // the group in head order: the runtime's arithmetic (src/runtime/head_cache.cpp).
+        // the group in head order: the runtime's arithmetic (runtime/head_cache.cpp).
         std::fill(attn_.begin(), attn_.end(), 0.0f);
         if (!cached_weights_.empty()) {
             const std::size_t n = held + 1;

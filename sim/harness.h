@@ -10,7 +10,7 @@
 
 #include "policies/policy.h"
 #include "sim/attention_source.h"
-#include "sim/precision.h"
+#include "cache_math/tiers.h"
 
 namespace kvsim {
 
@@ -104,7 +104,7 @@ struct CacheValues {
     int kv_head = 0, num_kv_heads = 1, head_dim = 0;
     bool output_error = false;  // compute the output-error metric
     bool memory = false;        // compute the memory metric
-    // A projected cache (sim/lowrank.h): numbers a token's key and value keep (0: head_dim), the
+    // A projected cache (cache_math/lowrank.h): numbers a token's key and value keep (0: head_dim), the
     // share of them this KV head carries, and bytes it holds whatever the context (its bases).
     int key_dim = 0, value_dim = 0;
     double byte_share = 1.0;

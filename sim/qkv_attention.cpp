@@ -17,7 +17,7 @@
 #include "base/errors.h"
 #include "base/size_limits.h"
 #include "sim/heavy_hitters.h"
-#include "sim/softmax_exp.h"
+#include "cache_math/softmax_exp.h"
 
 namespace kvsim {
 

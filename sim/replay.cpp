@@ -8,8 +8,8 @@
 #include <optional>
 
 #include "sim/heavy_hitters.h"
-#include "sim/lowrank.h"
-#include "sim/precision.h"
+#include "cache_math/lowrank.h"
+#include "cache_math/tiers.h"
 #include "sim/qkv_attention.h"
 #include "base/errors.h"
 #include "base/size_limits.h"
@@ -116,7 +116,7 @@ private:
         uint64_t tier_copies = 0;  // combinations that may hold quantised copies of the layer's K and V
         for (const ReplayCombo& c : combos_) {
             tier_copies += c.quantize.has_value() || c.policy->keeps_everything;
-            // A projection's latents and reconstruction (sim/lowrank.h): about as many copies again.
+            // A projection's latents and reconstruction (cache_math/lowrank.h): about as many copies again.
             tier_copies += c.project != nullptr || c.policy->projection != nullptr;
         }
         for (std::size_t s = 0; s < shape_.sequence_lengths.size(); ++s) {

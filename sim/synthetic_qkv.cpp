@@ -10,7 +10,7 @@
 
 #include "sim/qkv_attention.h"
 #include "sim/rng.h"
-#include "sim/rope.h"
+#include "cache_math/rope.h"
 #include "base/errors.h"
 
 namespace kvsim {

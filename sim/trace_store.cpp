@@ -20,7 +20,7 @@
 #endif
 
 #include "kvsim_version.h"
-#include "sim/cache_math.h"
+#include "cache_math/numerics.h"
 #include "base/atomic_file.h"
 #include "base/errors.h"
 #include "base/input_file.h"

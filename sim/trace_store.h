@@ -8,7 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "sim/rope.h"
+#include "cache_math/qkv_layer.h"
+#include "cache_math/rope.h"
 
 namespace kvsim {
 
@@ -75,16 +76,6 @@ inline int64_t attention_block_end(int64_t first_step, int64_t last_step, int64_
     while (end <= last_step && attention_row_offset(end + 1) - attention_row_offset(first_step) <= max_floats) ++end;
     return end;
 }
-
-struct QkvLayer {
-    int64_t tokens = 0;
-    std::vector<float> q;  // [tokens][num_query_heads][head_dim]
-    std::vector<float> k;  // [tokens][num_kv_heads][head_dim]
-    std::vector<float> v;  // [tokens][num_kv_heads][head_dim]
-    // [tokens][num_kv_heads][head_dim]: the keys before RoPE, where the trace records them and they
-    // were asked for (TraceReader::read_pre_rope_keys); empty otherwise.
-    std::vector<float> k_pre_rope;
-};
 
 class TraceWriter {
 public:

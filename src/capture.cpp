@@ -5,8 +5,8 @@
 #include <span>
 #include <filesystem>
 
-#include "src/model/llama.h"
-#include "src/model/tokenizer.h"
+#include "model/llama.h"
+#include "model/tokenizer.h"
 #include "src/model_text.h"
 #include "base/errors.h"
 #include "base/sha256.h"

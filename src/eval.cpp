@@ -16,16 +16,16 @@
 #include <thread>
 
 #include "sim/heavy_hitters.h"
-#include "sim/lowrank.h"
-#include "sim/precision.h"
+#include "cache_math/lowrank.h"
+#include "cache_math/tiers.h"
 #include "sim/harness.h"
 #include "sim/replay.h"
 #include "sim/sweep.h"
 #include "base/errors.h"
 #include "base/size_limits.h"
 #include "src/experiment.h"
-#include "src/model/llama.h"
-#include "src/model/tokenizer.h"
+#include "model/llama.h"
+#include "model/tokenizer.h"
 #include "src/model_text.h"
 #include "src/progress.h"
 
@@ -373,7 +373,7 @@ EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>&
     }
     // Each worker thread runs on its own copy of the model (sharing its weights: a copy is its KV
     // cache and RoPE tables), with a policy's simulated cache for a sequence: every layer's K and V
-    // in fp32 and in each quantised tier, at most 16 bytes per cached element (sim/precision.h),
+    // in fp32 and in each quantised tier, at most 16 bytes per cached element (cache_math/tiers.h),
     // besides the harnesses' own bookkeeping.
     const auto copies = static_cast<uint64_t>(
         std::min<std::size_t>(outcomes.size(), static_cast<std::size_t>(tbb::this_task_arena::max_concurrency())));

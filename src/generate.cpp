@@ -7,9 +7,9 @@
 #include <vector>
 
 #include "base/errors.h"
-#include "src/model/llama.h"
-#include "src/model/tokenizer.h"
-#include "src/runtime/kvsim_runtime.h"
+#include "model/llama.h"
+#include "model/tokenizer.h"
+#include "runtime/kvsim_runtime.h"
 
 namespace kvsim {
 namespace {

@@ -1,5 +1,5 @@
-// kvsim generate: the example engine. The native forward pass (src/model) with kvsim's runtime
-// (src/runtime/kvsim_runtime.h) holding the whole KV cache under a fitted profile: the model never
+// kvsim generate: the example engine. The native forward pass (model) with kvsim's runtime
+// (runtime/kvsim_runtime.h) holding the whole KV cache under a fitted profile: the model never
 // stores a key or value itself, and every attention output comes from the runtime.
 #pragma once
 #include <string>

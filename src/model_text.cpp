@@ -5,7 +5,7 @@
 
 #include "base/errors.h"
 #include "base/size_limits.h"
-#include "src/model/gguf.h"
+#include "model/gguf.h"
 
 namespace kvsim {
 

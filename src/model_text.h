@@ -4,8 +4,8 @@
 #include <string>
 #include <vector>
 
-#include "src/model/llama.h"
-#include "src/model/tokenizer.h"
+#include "model/llama.h"
+#include "model/tokenizer.h"
 #include "src/text.h"
 
 namespace kvsim {

@@ -10,7 +10,7 @@
 #include "base/errors.h"
 #include "search/streaming_fit.h"
 #include "search/tier_fit.h"
-#include "sim/lowrank.h"
+#include "cache_math/lowrank.h"
 #include "sim/trace_store.h"
 #include "src/eval.h"
 

@@ -106,10 +106,10 @@ class SharedLibrary(unittest.TestCase):
         # An engine loads libkvsim_runtime.so beside its own Eigen, yaml-cpp and TBB: any C++
         # symbol it exported could bind to the engine's copy of another version, and kvsim itself
         # links libkvsim as well, where a second exported definition of a class is an ODR violation.
-        library = os.path.join(os.path.dirname(cli_common.KVSIM), "libkvsim_runtime.so")
+        library = os.path.join(os.path.dirname(cli_common.KVSIM), "runtime", "libkvsim_runtime.so")
         listing = subprocess.run(["nm", "-D", "--defined-only", library], capture_output=True, text=True, check=True)
         exported = {line.split()[-1] for line in listing.stdout.splitlines() if line.strip()}
-        header = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src", "runtime",
+        header = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "runtime",
                                    "kvsim_runtime.h")).read()
         declared = set(re.findall(r"\b(kvsim_rt_\w+)\(", header))
         self.assertGreaterEqual(len(declared), 9)

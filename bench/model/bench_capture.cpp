@@ -24,8 +24,8 @@
 #include "bench/fp32_peak.h"
 #include "sim/trace_store.h"
 #include "src/capture.h"
-#include "src/model/gguf_writer.h"
-#include "src/model/llama.h"
+#include "model/gguf_writer.h"
+#include "model/llama.h"
 
 using namespace kvsim;
 

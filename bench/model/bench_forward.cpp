@@ -26,8 +26,8 @@
 #include <vector>
 
 #include "bench/fp32_peak.h"
-#include "src/model/gguf_writer.h"
-#include "src/model/llama.h"
+#include "model/gguf_writer.h"
+#include "model/llama.h"
 
 using namespace kvsim::model;
 

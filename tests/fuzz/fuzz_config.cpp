@@ -9,7 +9,7 @@
 
 #include "base/errors.h"
 #include "base/size_limits.h"
-#include "sim/streaming_heads.h"
+#include "cache_math/streaming_heads.h"
 #include "search/profile.h"
 #include "src/config.h"
 

@@ -15,9 +15,9 @@
 
 #include "base/errors.h"
 #include "base/size_limits.h"
-#include "src/model/gguf.h"
-#include "src/model/llama.h"
-#include "src/model/tokenizer.h"
+#include "model/gguf.h"
+#include "model/llama.h"
+#include "model/tokenizer.h"
 
 namespace {
 

@@ -1,5 +1,5 @@
 // Small GGUF files made with kvsim's own writer: the seeds of fuzz_gguf (tests/fuzz/corpus/gguf,
-// written by `KVSIM_WRITE_FUZZ_SEEDS=1 build/src/model/model_tests -tc='fuzz seeds*'`) and the
+// written by `KVSIM_WRITE_FUZZ_SEEDS=1 build/tests/model_tests -tc='fuzz seeds*'`) and the
 // vocabulary fuzz_tokenizer builds in-process. A few KB each: the fuzzer mutates every byte.
 #pragma once
 
@@ -8,7 +8,7 @@
 #include <utility>
 #include <vector>
 
-#include "src/model/gguf_writer.h"
+#include "model/gguf_writer.h"
 
 namespace kvsim::fuzz {
 

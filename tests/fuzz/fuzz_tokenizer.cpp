@@ -17,8 +17,8 @@
 
 #include "base/errors.h"
 #include "base/size_limits.h"
-#include "src/model/gguf_writer.h"
-#include "src/model/tokenizer.h"
+#include "model/gguf_writer.h"
+#include "model/tokenizer.h"
 #include "tests/fuzz/fuzz_seeds.h"
 #include "tests/model/bpe_vocabulary.h"
 

@@ -9,7 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include "src/model/gguf_writer.h"
+#include "model/gguf_writer.h"
 
 namespace kvsim::model::testing {
 

@@ -6,7 +6,7 @@
 #include <iostream>
 #include <string>
 
-#include "src/model/bpe_pre_tokenizer.h"
+#include "model/bpe_pre_tokenizer.h"
 
 int main() {
     std::string name, hex;

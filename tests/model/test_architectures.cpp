@@ -1,7 +1,7 @@
 // The architectures and options the forward pass reads (llama with Llama 3.1 RoPE scaling, tied
 // embeddings, a sliding window in metadata; qwen2 with Q/K/V biases), each a random-weight model
 // written by kvsim's GGUF writer and checked against the plain reference forward pass below,
-// written from the published descriptions independently of llama.cpp (src/model); then weights
+// written from the published descriptions independently of llama.cpp (model); then weights
 // kept encoded in memory against the same weights dequantised to F32.
 #include <doctest/doctest.h>
 #include <tbb/global_control.h>
@@ -12,9 +12,9 @@
 #include <vector>
 
 #include "base/errors.h"
-#include "src/model/gguf.h"
-#include "src/model/gguf_writer.h"
-#include "src/model/llama.h"
+#include "model/gguf.h"
+#include "model/gguf_writer.h"
+#include "model/llama.h"
 #include "tests/model/test_util.h"
 
 using namespace kvsim::model;

@@ -9,9 +9,9 @@
 #include <sstream>
 
 #include "base/errors.h"
-#include "src/model/bpe_pre_tokenizer.h"
-#include "src/model/gguf_writer.h"
-#include "src/model/tokenizer.h"
+#include "model/bpe_pre_tokenizer.h"
+#include "model/gguf_writer.h"
+#include "model/tokenizer.h"
 #include "tests/model/bpe_vocabulary.h"
 #include "tests/model/test_util.h"
 

@@ -8,9 +8,9 @@
 #include <fstream>
 #include <iterator>
 
-#include "src/model/gguf.h"
-#include "src/model/llama.h"
-#include "src/model/tokenizer.h"
+#include "model/gguf.h"
+#include "model/llama.h"
+#include "model/tokenizer.h"
 #include "tests/fuzz/fuzz_seeds.h"
 #include "tests/model/test_util.h"
 

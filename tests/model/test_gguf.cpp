@@ -14,8 +14,8 @@
 #include <sys/stat.h>
 
 #include "base/errors.h"
-#include "src/model/gguf.h"
-#include "src/model/gguf_writer.h"
+#include "model/gguf.h"
+#include "model/gguf_writer.h"
 #include "tests/model/test_util.h"
 
 using namespace kvsim::model;

@@ -10,9 +10,9 @@
 #include <vector>
 
 #include "base/errors.h"
-#include "src/model/gguf_writer.h"
-#include "src/model/llama.h"
-#include "src/model/tokenizer.h"
+#include "model/gguf_writer.h"
+#include "model/llama.h"
+#include "model/tokenizer.h"
 #include "tests/model/test_util.h"
 
 using namespace kvsim::model;

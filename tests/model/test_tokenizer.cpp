@@ -8,9 +8,9 @@
 #include <random>
 
 #include "base/errors.h"
-#include "src/model/gguf.h"
-#include "src/model/gguf_writer.h"
-#include "src/model/tokenizer.h"
+#include "model/gguf.h"
+#include "model/gguf_writer.h"
+#include "model/tokenizer.h"
 #include "tests/model/test_util.h"
 
 using namespace kvsim::model;

@@ -10,7 +10,7 @@
 #include <string>
 
 #include "base/size_limits.h"
-#include "src/model/llama.h"
+#include "model/llama.h"
 
 #ifndef KVSIM_SHARED_DIR
 #define KVSIM_SHARED_DIR "../shared"

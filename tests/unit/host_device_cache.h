@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "src/runtime/cuda_attention.h"
+#include "runtime/cuda_attention.h"
 
 namespace kvsim::runtime {
 

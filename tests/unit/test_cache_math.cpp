@@ -1,4 +1,4 @@
-// sim/cache_math.h: the shared fp16 conversion against Eigen's (an independent implementation),
+// cache_math/numerics.h: the shared fp16 conversion against Eigen's (an independent implementation),
 // and the online softmax against the two-pass one.
 #include <doctest/doctest.h>
 
@@ -7,7 +7,7 @@
 #include <random>
 #include <vector>
 
-#include "sim/cache_math.h"
+#include "cache_math/numerics.h"
 
 using namespace kvsim;
 

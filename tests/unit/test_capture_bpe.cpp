@@ -6,8 +6,8 @@
 
 #include "helpers.h"
 #include "src/capture.h"
-#include "src/model/gguf_writer.h"
-#include "src/model/tokenizer.h"
+#include "model/gguf_writer.h"
+#include "model/tokenizer.h"
 #include "tests/model/bpe_vocabulary.h"
 #include "tests/model/test_util.h"
 

@@ -9,12 +9,13 @@
 #include <fstream>
 
 #include "base/errors.h"
-#include "sim/lowrank.h"
+#include "cache_math/lowrank.h"
+#include "sim/lowrank_fit.h"
 #include "sim/trace_store.h"
 #include "src/capture.h"
-#include "src/model/gguf_writer.h"
-#include "src/model/llama.h"
-#include "src/model/tokenizer.h"
+#include "model/gguf_writer.h"
+#include "model/llama.h"
+#include "model/tokenizer.h"
 #include "tests/model/test_util.h"
 
 using namespace kvsim;

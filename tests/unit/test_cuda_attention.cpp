@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "src/runtime/cuda_attention.h"
-#include "src/runtime/device_pool.h"
-#include "src/runtime/tier_store.h"
+#include "runtime/cuda_attention.h"
+#include "runtime/device_pool.h"
+#include "runtime/tier_store.h"
 
 using namespace kvsim;
 using namespace kvsim::runtime;

@@ -1,4 +1,4 @@
-// GGUF block formats (src/model/ggml_blocks.h): hand-made blocks checked element by element against
+// GGUF block formats (model/ggml_blocks.h): hand-made blocks checked element by element against
 // values worked out from the format descriptions, round trips through kvsim's quantisers with a
 // stated error bound per type, malformed tensors, and a Q4_K model through capture and eval.
 #include <doctest/doctest.h>
@@ -14,11 +14,11 @@
 #include "src/capture.h"
 #include "src/config.h"
 #include "src/eval.h"
-#include "src/model/ggml_blocks.h"
-#include "src/model/ggml_quantize.h"
-#include "src/model/gguf.h"
-#include "src/model/gguf_writer.h"
-#include "src/model/llama.h"
+#include "model/ggml_blocks.h"
+#include "model/ggml_quantize.h"
+#include "model/gguf.h"
+#include "model/gguf_writer.h"
+#include "model/llama.h"
 #include "sim/trace_store.h"
 #include "tests/model/test_util.h"
 

@@ -10,7 +10,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "sim/quantize.h"
+#include "cache_math/quantize.h"
 #include "base/errors.h"
 
 using namespace kvsim;

@@ -16,13 +16,13 @@
 #include <vector>
 
 #include "search/profile.h"
-#include "sim/precision.h"
+#include "cache_math/tiers.h"
 #include "sim/replay.h"
 #include "sim/sweep.h"
 #include "sim/trace_store.h"
-#include "src/runtime/head_cache.h"
-#include "src/runtime/kvsim_runtime.h"
-#include "src/runtime/runtime_internal.h"
+#include "runtime/head_cache.h"
+#include "runtime/kvsim_runtime.h"
+#include "runtime/runtime_internal.h"
 #include "tests/unit/host_device_cache.h"
 
 using namespace kvsim;

@@ -17,7 +17,7 @@
 #include "search/profile.h"
 #include "search/search.h"
 #include "sim/replay.h"
-#include "sim/streaming_heads.h"
+#include "cache_math/streaming_heads.h"
 #include "sim/sweep.h"
 #include "sim/trace_store.h"
 

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "sim/rng.h"
-#include "sim/softmax_exp.h"
+#include "cache_math/softmax_exp.h"
 
 using namespace kvsim;
 

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "sim/rng.h"
-#include "sim/streaming_heads.h"
+#include "cache_math/streaming_heads.h"
 #include "base/errors.h"
 
 using namespace kvsim;

@@ -13,7 +13,7 @@
 
 #include "helpers.h"
 #include "hostile_traces.h"
-#include "sim/cache_math.h"
+#include "cache_math/numerics.h"
 #include "sim/trace_store.h"
 #include "base/errors.h"
 

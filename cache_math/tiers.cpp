@@ -1,0 +1,207 @@
+#include "cache_math/tiers.h"
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <cmath>
+
+#include "base/errors.h"
+#include "cache_math/lowrank.h"
+#include "cache_math/quantize.h"
+#include "cache_math/softmax_exp.h"
+
+namespace kvsim {
+namespace {
+
+QuantSpec spec_for(const TierFormat& f, int bits) {
+    QuantSpec spec;
+    spec.bits = bits;
+    spec.key_group = (bits == 8 && f.int8_key_group) ? f.int8_key_group : f.key_group;
+    spec.value_group = (bits == 8 && f.int8_value_group) ? f.int8_value_group : f.value_group;
+    spec.per_token_keys = f.per_token_keys;
+    return spec;
+}
+
+}  // namespace
+
+void check_tier_format(const TierFormat& format, int head_dim, const std::string& label, const std::string& of) {
+    for (const int group : {format.value_group, format.int8_value_group})
+        if (group > 0 && !value_group_fits(group, head_dim))
+            throw InputError(label + ": value_group " + std::to_string(group) + " does not divide the head size " +
+                             std::to_string(head_dim) + " of " + of);
+}
+
+void build_tier_arrays(const QkvLayer& layer, int num_kv_heads, int head_dim, TierArrays& arrays) {
+    const TierFormat& f = arrays.format;
+    arrays.k[0] = layer.k.data();
+    arrays.v[0] = layer.v.data();
+    DequantizedKV int8 = dequantize_layer(layer, num_kv_heads, head_dim, spec_for(f, 8));
+    DequantizedKV int4 = f.int4_from_int8
+                             ? requantize(int8, layer.tokens, num_kv_heads, head_dim, spec_for(f, 4))
+                             : dequantize_layer(layer, num_kv_heads, head_dim, spec_for(f, 4));
+    arrays.storage_k8 = std::move(int8.k);
+    arrays.storage_v8 = std::move(int8.v);
+    arrays.storage_k4 = std::move(int4.k);
+    arrays.storage_v4 = std::move(int4.v);
+    arrays.k[1] = arrays.storage_k8.data();
+    arrays.v[1] = arrays.storage_v8.data();
+    arrays.k[2] = arrays.storage_k4.data();
+    arrays.v[2] = arrays.storage_v4.data();
+}
+
+IncrementalTiers::IncrementalTiers(const TierFormat* format, int64_t tokens, int num_kv_heads, int head_dim,
+                                   const KvProjection* projection, int layer)
+    : tiered_(format != nullptr), kv_heads_(num_kv_heads), head_dim_(head_dim),
+      quant_heads_(num_kv_heads), quant_dim_(head_dim), k_(tokens * num_kv_heads * head_dim), v_(k_.size()),
+      layer_(layer) {
+    arrays_.k[0] = k_.data();
+    arrays_.v[0] = v_.data();
+    if (projection) {
+        projection_ = std::make_shared<KvProjection>(*projection);
+        if (projection->kind == KvProjection::Kind::joint_low_rank) quant_heads_ = 1, quant_dim_ = num_kv_heads * head_dim;
+        for (auto* storage : {&latent_k_, &latent_v_, &arrays_.storage_k16, &arrays_.storage_v16})
+            storage->assign(k_.size(), 0.0f);
+        arrays_.k[0] = arrays_.storage_k16.data();
+        arrays_.v[0] = arrays_.storage_v16.data();
+        if (tiered_)
+            for (auto* storage : {&latent_k8_, &latent_v8_, &latent_k4_, &latent_v4_}) storage->assign(k_.size(), 0.0f);
+    }
+    if (!tiered_) return;
+    arrays_.format = *format;
+    for (auto* storage : {&arrays_.storage_k8, &arrays_.storage_v8, &arrays_.storage_k4, &arrays_.storage_v4})
+        storage->assign(k_.size(), 0.0f);
+    arrays_.k[1] = arrays_.storage_k8.data();
+    arrays_.v[1] = arrays_.storage_v8.data();
+    arrays_.k[2] = arrays_.storage_k4.data();
+    arrays_.v[2] = arrays_.storage_v4.data();
+}
+
+// Values (and per-token keys) of token t: each head's channel groups share a scale.
+void IncrementalTiers::quantize_values(int64_t t, const float* v_in, float* v_out, const float* k_in, float* k_out,
+                                       int bits) {
+    const QuantSpec spec = spec_for(arrays_.format, bits);
+    const int group = std::min(spec.value_group, quant_dim_);
+    const int64_t row = t * quant_heads_ * quant_dim_;
+    for (int g = 0; g < quant_heads_; ++g)
+        for (int c = 0; c < quant_dim_; c += group) {
+            const int64_t at = row + static_cast<int64_t>(g) * quant_dim_ + c;
+            const int n = std::min(group, quant_dim_ - c);
+            roundtrip_group(v_in + at, v_out + at, n, 1, bits);
+            if (spec.per_token_keys) roundtrip_group(k_in + at, k_out + at, n, 1, bits);
+        }
+}
+
+// A complete KIVI key group: each channel's scale spans the group's tokens.
+void IncrementalTiers::quantize_key_group(int64_t first, int64_t count, const float* k_in, float* k_out, int bits) {
+    const int64_t stride = static_cast<int64_t>(quant_heads_) * quant_dim_;
+    for (int g = 0; g < quant_heads_; ++g)
+        for (int c = 0; c < quant_dim_; ++c) {
+            const int64_t at = first * stride + static_cast<int64_t>(g) * quant_dim_ + c;
+            roundtrip_group(k_in + at, k_out + at, count, stride, bits);
+        }
+}
+
+void IncrementalTiers::reconstruct(bool key, const std::vector<float>& latent, std::vector<float>& out, int64_t first,
+                                   int64_t count) {
+    const int64_t at = first * kv_heads_ * head_dim_;
+    reconstruct_tokens(*projection_, layer_, kv_heads_, head_dim_, key, latent.data() + at, nullptr, out.data() + at,
+                       count, first);
+}
+
+void IncrementalTiers::add_token(int64_t t, const float* k, const float* v) {
+    const std::size_t width = static_cast<std::size_t>(kv_heads_) * head_dim_;
+    std::copy(k, k + width, k_.begin() + t * width);
+    std::copy(v, v + width, v_.begin() + t * width);
+    const bool projected = projection_ != nullptr;
+    if (projected) {
+        float* lk = latent_k_.data() + t * width;
+        float* lv = latent_v_.data() + t * width;
+        project_tokens(*projection_, layer_, kv_heads_, head_dim_, true, k, lk, 1, t);
+        project_tokens(*projection_, layer_, kv_heads_, head_dim_, false, v, lv, 1, t);
+        reconstruct_tokens(*projection_, layer_, kv_heads_, head_dim_, true, lk, k,
+                           arrays_.storage_k16.data() + t * width, 1, t);
+        reconstruct_tokens(*projection_, layer_, kv_heads_, head_dim_, false, lv, v,
+                           arrays_.storage_v16.data() + t * width, 1, t);
+    }
+    if (!tiered_) return;
+    const TierFormat& f = arrays_.format;
+    // What is quantised: the token's vectors, or a projected cache's latents (rebuilt below).
+    const std::vector<float>& k_in = projected ? latent_k_ : k_;
+    const std::vector<float>& v_in = projected ? latent_v_ : v_;
+    std::vector<float>& k8 = projected ? latent_k8_ : arrays_.storage_k8;
+    std::vector<float>& v8 = projected ? latent_v8_ : arrays_.storage_v8;
+    std::vector<float>& k4 = projected ? latent_k4_ : arrays_.storage_k4;
+    std::vector<float>& v4 = projected ? latent_v4_ : arrays_.storage_v4;
+    // int4 comes from the original values, or from the int8 form a token sank from.
+    const float* k4_from = f.int4_from_int8 ? k8.data() : k_in.data();
+    const float* v4_from = f.int4_from_int8 ? v8.data() : v_in.data();
+    quantize_values(t, v_in.data(), v8.data(), k_in.data(), k8.data(), 8);
+    quantize_values(t, v4_from, v4.data(), k4_from, k4.data(), 4);
+    if (projected) {
+        reconstruct(false, v8, arrays_.storage_v8, t, 1);
+        reconstruct(false, v4, arrays_.storage_v4, t, 1);
+        if (f.per_token_keys) {
+            reconstruct(true, k8, arrays_.storage_k8, t, 1);
+            reconstruct(true, k4, arrays_.storage_k4, t, 1);
+        }
+    }
+    if (!f.per_token_keys) {
+        for (int bits : {8, 4}) {
+            const int group = spec_for(f, bits).key_group;
+            if ((t + 1) % group != 0) continue;
+            std::vector<float>& out = bits == 8 ? k8 : k4;
+            quantize_key_group(t + 1 - group, group, bits == 8 ? k_in.data() : k4_from, out.data(), bits);
+            if (projected) reconstruct(true, out, bits == 8 ? arrays_.storage_k8 : arrays_.storage_k4, t + 1 - group, group);
+        }
+    }
+}
+
+double key_bytes(Tier tier, int head_dim, const TierFormat* format) {
+    if (tier == Tier::fp16 || !format) return 2.0 * head_dim;
+    const int bits = tier == Tier::int8 ? 8 : 4;
+    const QuantSpec spec = spec_for(*format, bits);
+    // Half of K+V's closed form is the value's; the key's scales differ under KIVI.
+    return kv_bytes_per_token(head_dim, bits, spec) - value_bytes(tier, head_dim, format);
+}
+
+double value_bytes(Tier tier, int head_dim, const TierFormat* format) {
+    if (tier == Tier::fp16 || !format) return 2.0 * head_dim;
+    const int bits = tier == Tier::int8 ? 8 : 4;
+    const QuantSpec spec = spec_for(*format, bits);
+    const int group = std::min(spec.value_group, head_dim);
+    return head_dim * bits / 8.0 + 2.0 * ((head_dim + group - 1) / group);
+}
+
+float softmax_numerators(Eigen::ArrayXf& scores) {
+    // Elementwise, on Eigen's aligned storage: the same values whatever the caller or thread.
+    exp_minus_peak(scores.data(), scores.size(), scores.maxCoeff());
+    double total = 0;
+    const float* const numerators = scores.data();
+    for (Eigen::Index j = 0; j < scores.size(); ++j) total += numerators[j];
+    return static_cast<float>(1.0 / total);
+}
+
+void cached_attention_output(const float* q, std::span<const int32_t> held, std::span<const uint8_t> key_tier,
+                             std::span<const uint8_t> value_tier, const TierArrays& arrays, int kv_head,
+                             int num_kv_heads, int head_dim, Eigen::ArrayXf& scratch, float* out,
+                             float* weights) {
+    const Eigen::Index n = static_cast<Eigen::Index>(held.size());
+    scratch.resize(n);
+    float* const scores = scratch.data();  // the hot loops index it plainly, without Eigen's checks
+    const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+    for (Eigen::Index j = 0; j < n; ++j) {
+        const int32_t p = held[j];
+        const float* k = arrays.k[key_tier[p]] + (static_cast<int64_t>(p) * num_kv_heads + kv_head) * head_dim;
+        scores[j] = fixed_order_dot(q, k, head_dim) * scale;
+    }
+    const float inv_total = softmax_numerators(scratch);
+    std::fill(out, out + head_dim, 0.0f);
+    for (Eigen::Index j = 0; j < n; ++j) {
+        const int32_t p = held[j];
+        const float* v = arrays.v[value_tier[p]] + (static_cast<int64_t>(p) * num_kv_heads + kv_head) * head_dim;
+        const float w = scores[j] * inv_total;
+        if (weights) weights[j] = w;
+        for (int i = 0; i < head_dim; ++i) out[i] += w * v[i];
+    }
+}
+
+}  // namespace kvsim

@@ -1,0 +1,424 @@
+#include "runtime/head_cache.h"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+#include "cache_math/tiers.h"
+#include "cache_math/softmax_exp.h"
+#include "cache_math/streaming_heads.h"
+
+namespace kvsim::runtime {
+
+HeadCache::HeadCache(const HeadPlan& plan, PolicyMaker make_policy)
+    : plan_(plan), make_policy_(std::move(make_policy)),
+      capacity_(std::min(std::max(plan.budget, plan.prefill), plan.max_context) + 1) {
+    policy_ = make_policy_();
+    format_ = policy_->tier_format();
+    const int d = plan_.head_dim;
+    kivi_ = format_ && !format_->per_token_keys;
+    if (kivi_) {
+        // KIVI keys: each channel's scale spans a group of key_group positions (aligned to 0), so
+        // a group's keys are quantised once its last position has arrived; until then they wait
+        // at FP16, and the group's keys are kept aside (evicted or not) to size its scales.
+        key_group_ = format_->key_group;
+        if (format_->int8_key_group && format_->int8_key_group != key_group_)
+            throw std::invalid_argument("per-channel (KIVI) keys with different INT8 and INT4 key groups");
+        if (format_->int4_from_int8)
+            throw std::invalid_argument("per-channel (KIVI) keys requantised from INT8 to INT4");
+        // A group longer than the context never completes: it needs no more rows than positions.
+        group_keys_.assign(static_cast<std::size_t>(std::min(key_group_, plan_.max_context)) * d, 0.0f);
+        const std::size_t groups = static_cast<std::size_t>(plan_.max_context) / key_group_ + 1;
+        for (int tier = 1; tier < 3; ++tier) channel_scales_[tier].assign(groups * d, 0.0f);
+    }
+    for (int tier = 0; tier < 3; ++tier) {
+        if (tier > 0 && !format_) break;
+        const int group = !format_ ? d
+                          : (tier == 1 && format_->int8_value_group) ? format_->int8_value_group
+                                                                      : format_->value_group;
+        // Streaming heads keep their exact tokens in the state's own buffers: no slots.
+        const int rows = policy_->linear_state() ? 0 : capacity_;
+        keys_[tier].plan(tier, rows, d, kivi_ && tier > 0 ? 0 : group);
+        values_[tier].plan(tier, rows, d, group);
+        key_bytes_[tier] = key_bytes(static_cast<Tier>(tier), d, format_);
+        value_bytes_[tier] = value_bytes(static_cast<Tier>(tier), d, format_);
+    }
+    positions_.reserve(capacity_);
+    slot_of_.reserve(capacity_);
+    free_slots_.reserve(capacity_);
+    key_tier_.assign(plan_.max_context, 0);
+    value_tier_.assign(plan_.max_context, 0);
+    new_key_tier_.assign(plan_.max_context, 0);
+    new_value_tier_.assign(plan_.max_context, 0);
+    key_row_.resize(d);
+    value_row_.resize(d);
+    attn_.reserve(capacity_);
+    weights_.reserve(static_cast<std::size_t>(plan_.group) * (capacity_ + 1));
+    scores_.resize(capacity_ + 1);
+    for (auto& bucket : by_tier_) bucket.reserve(capacity_ + 1);
+    victims_.reserve(capacity_ + 1);
+    key_block_.resize(static_cast<std::size_t>(kBlock) * d);
+    value_block_.resize(static_cast<std::size_t>(kBlock) * d);
+    block_scores_.resize(kBlock, plan_.group);
+    start();
+}
+
+void HeadCache::start() {
+    // Both point into the policy, which reset() rebuilds.
+    state_ = policy_->linear_state();
+    format_ = policy_->tier_format();
+    positions_.clear();
+    slot_of_.clear();
+    free_slots_.clear();
+    for (int s = capacity_ - 1; s >= 0; --s) free_slots_.push_back(s);
+    std::fill(key_tier_.begin(), key_tier_.end(), uint8_t{0});
+    std::fill(value_tier_.begin(), value_tier_.end(), uint8_t{0});
+    attending_bytes_ = 0;
+    completed_key_groups_ = 0;
+    if (mirrored_)
+        for (int s = 0; s < capacity_; ++s) mark(s, kEmptyCode);
+}
+
+std::unique_ptr<Policy> HeadCache::fresh_policy() const { return make_policy_(); }
+
+void HeadCache::reset(std::unique_ptr<Policy> fresh) {
+    policy_ = std::move(fresh);  // a policy starts holding position 0, as the harness's does
+    start();
+}
+
+void HeadCache::fail(int32_t t, const std::string& what) const {
+    throw std::logic_error("layer " + std::to_string(plan_.layer) + ", KV head " + std::to_string(plan_.kv_head) +
+                           ", position " + std::to_string(t) + ": " + what);
+}
+
+std::size_t HeadCache::reserved_bytes() const {
+    std::size_t bytes = 0;
+    for (int tier = 0; tier < 3; ++tier) bytes += keys_[tier].reserved_bytes() + values_[tier].reserved_bytes();
+    bytes += group_keys_.size() * sizeof(float);
+    for (const auto& scales : channel_scales_) bytes += scales.size() * sizeof(float);
+    return bytes;
+}
+
+// A held token moves to a coarser tier: requantised from what the cache holds now (a token that
+// sank to INT8 reaches INT4 from its INT8 form, as the simulator's int4_from_int8 tiers do).
+void HeadCache::sink(std::size_t i, uint8_t key_tier, uint8_t value_tier) {
+    const int slot = slot_of_[i];
+    const int32_t p = positions_[i];
+    // With int4_from_int8, a token that falls from FP16 straight to INT4 passes through its INT8
+    // form, as the simulator's INT4 tier is built from its INT8 one.
+    auto move = [&](TierStore* stores, uint8_t from, uint8_t to, std::vector<float>& row) {
+        stores[from].read(slot, row.data());
+        if (from == 0 && to == 2 && format_->int4_from_int8) {
+            stores[1].write(slot, row.data());
+            stores[1].read(slot, row.data());
+        }
+        stores[to].write(slot, row.data());
+    };
+    if (key_tier != key_tier_[p] && kivi_) {
+        // A KIVI key leaves FP16 once, with its position group's per-channel scales.
+        if (key_tier_[p] != 0) fail(p, "a per-channel (KIVI) key may only leave FP16, not sink further");
+        if (p / key_group_ > completed_key_groups_ - 1)
+            fail(p, "quantised a per-channel (KIVI) key before its position group was complete");
+        keys_[0].read(slot, key_row_.data());
+        keys_[key_tier].write_with_channel_scales(slot, key_row_.data(), group_scales(key_tier, p));
+    } else if (key_tier != key_tier_[p]) {
+        move(keys_, key_tier_[p], key_tier, key_row_);
+    }
+    if (value_tier != value_tier_[p]) move(values_, value_tier_[p], value_tier, value_row_);
+    mark(slot, slot_code(key_tier, value_tier));
+}
+
+// The oracle: the simulator's two-pass softmax (cache_math/tiers.cpp) per query head, every row
+// read from its tier; bit for bit what the simulator computes.
+void HeadCache::attend_two_pass(int slot, const float* q, float* out) {
+    const int d = plan_.head_dim, group = plan_.group;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    const Eigen::Index n = static_cast<Eigen::Index>(positions_.size() + 1);
+    weights_.resize(static_cast<std::size_t>(group) * n);
+    for (int h = 0; h < group; ++h) {
+        const float* qh = q + static_cast<std::size_t>(h) * d;
+        scores_.resize(n);
+        for (Eigen::Index j = 0; j < n; ++j) {
+            const bool current = j == n - 1;
+            if (current)
+                keys_[0].read(slot, key_row_.data());
+            else
+                read_key(positions_[j], key_tier_[positions_[j]], slot_of_[j], key_row_.data());
+            scores_[j] = fixed_order_dot(qh, key_row_.data(), d) * scale;
+        }
+        const float inv_total = softmax_numerators(scores_);
+        float* o = out + static_cast<std::size_t>(h) * d;
+        std::fill(o, o + d, 0.0f);
+        for (Eigen::Index j = 0; j < n; ++j) {
+            const bool current = j == n - 1;
+            values_[current ? 0 : value_tier_[positions_[j]]].read(current ? slot : slot_of_[j], value_row_.data());
+            const float w = scores_[j] * inv_total;
+            weights_[static_cast<std::size_t>(h) * n + j] = w;
+            for (int i = 0; i < d; ++i) o[i] += w * value_row_[i];
+        }
+    }
+}
+
+// The serving path: one pass over the cache for the whole group, each row dequantised once and
+// used by every query head of the group. Tier by tier (rows of one tier read with the same code,
+// back to back), in blocks of rows: a block's keys and values are dequantised once, then two small
+// matrix products do the group's work, scores = K_block q^T and out += exp(scores - max)^T V_block,
+// with an online softmax per head (cache_math/numerics.h) rescaling its output when its maximum rises.
+// The order of rows does not matter to an online softmax beyond rounding. The policy's weights
+// come from the scores kept on the side, normalised once the pass is done.
+void HeadCache::attend_one_pass(int slot, const float* q, float* out) {
+    using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+    const int d = plan_.head_dim, group = plan_.group;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    const std::size_t n = positions_.size() + 1;
+    weights_.resize(static_cast<std::size_t>(group) * n);  // scores first, weights after the pass
+    online_.assign(group, OnlineSoftmax{});
+    Eigen::Map<RowMajor> o(out, group, d);
+    o.setZero();
+    const Eigen::Map<const RowMajor> queries(q, group, d);
+    for (auto& b : by_tier_) b.clear();
+    for (std::size_t j = 0; j + 1 < n; ++j) {
+        const int32_t p = positions_[j];
+        by_tier_[key_tier_[p] == value_tier_[p] ? key_tier_[p] : 3].push_back(static_cast<int>(j));
+    }
+    by_tier_[0].push_back(static_cast<int>(n - 1));  // the current token, at FP16
+    for (int bucket = 0; bucket < 4; ++bucket) {
+        const std::vector<int>& rows = by_tier_[bucket];
+        for (std::size_t first = 0; first < rows.size(); first += kBlock) {
+            const int m = static_cast<int>(std::min<std::size_t>(kBlock, rows.size() - first));
+            // The next block's rows start loading while this one is computed.
+            const std::size_t next_end = std::min(rows.size(), first + m + kBlock);
+            for (std::size_t r = first + m; r < next_end; ++r) {
+                const std::size_t j = static_cast<std::size_t>(rows[r]);
+                if (j == n - 1) continue;
+                keys_[key_tier_[positions_[j]]].prefetch(slot_of_[j]);
+                values_[value_tier_[positions_[j]]].prefetch(slot_of_[j]);
+            }
+            for (int r = 0; r < m; ++r) {
+                const std::size_t j = static_cast<std::size_t>(rows[first + r]);
+                const bool current = j == n - 1;
+                const int row = current ? slot : slot_of_[j];
+                if (current)
+                    keys_[0].read(row, key_block_.data() + r * d);
+                else
+                    read_key(positions_[j], key_tier_[positions_[j]], row, key_block_.data() + r * d);
+                values_[current ? 0 : value_tier_[positions_[j]]].read(row, value_block_.data() + r * d);
+            }
+            const Eigen::Map<const RowMajor> k(key_block_.data(), m, d), v(value_block_.data(), m, d);
+            auto scores = block_scores_.topRows(m);
+            scores.noalias() = k * queries.transpose();
+            scores *= scale;
+            for (int h = 0; h < group; ++h) {
+                float* w = weights_.data() + static_cast<std::size_t>(h) * n;
+                for (int r = 0; r < m; ++r) w[rows[first + r]] = scores(r, h);
+                const float rescale = online_[h].raise_to(scores.col(h).maxCoeff());
+                online_[h].sum += exp_minus_peak_and_sum(scores.col(h).data(), m, online_[h].maximum);
+                if (rescale != 1.0f) o.row(h) *= rescale;
+            }
+            o.noalias() += scores.transpose() * v;
+        }
+    }
+    for (int h = 0; h < group; ++h) {
+        const float inv_sum = 1.0f / online_[h].sum;
+        o.row(h) *= inv_sum;
+        float* w = weights_.data() + static_cast<std::size_t>(h) * n;
+        for (std::size_t j = 0; j < n; ++j) w[j] = std::exp(w[j] - online_[h].maximum) * inv_sum;
+    }
+}
+
+void HeadCache::bench_fill(int tokens, const float* k, const float* v, const std::function<uint8_t(int)>& tier_of) {
+    start();
+    const int d = plan_.head_dim;
+    for (int p = 0; p < tokens && !free_slots_.empty(); ++p) {
+        const int slot = free_slots_.back();
+        free_slots_.pop_back();
+        const uint8_t tier = format_ ? tier_of(p) : 0;
+        keys_[tier].write(slot, k + static_cast<std::size_t>(p) * d);
+        values_[tier].write(slot, v + static_cast<std::size_t>(p) * d);
+        key_tier_[p] = value_tier_[p] = tier;
+        mark(slot, slot_code(tier, tier));
+        positions_.push_back(p);
+        slot_of_.push_back(slot);
+    }
+}
+
+void HeadCache::bench_attend(const float* q, float* out) {
+    const int32_t last = positions_.back();
+    const int slot = slot_of_.back();
+    positions_.pop_back();
+    slot_of_.pop_back();
+    attend_one_pass(slot, q, out);
+    positions_.push_back(last);
+    slot_of_.push_back(slot);
+}
+
+void HeadCache::decode(int32_t t, const float* q, const float* k, const float* v, float* out, bool defer_eviction) {
+    if (state_) {
+        // A streaming head: the state takes every token and folds what leaves its window.
+        const int d = plan_.head_dim;
+        state_->admit(t, k, v);
+        for (int h = 0; h < plan_.group; ++h)
+            state_->output(q + static_cast<std::size_t>(h) * d, out + static_cast<std::size_t>(h) * d);
+        attending_bytes_ = state_->bytes() + static_cast<double>(policy_->bytes_per_slot()) * (positions_.size() + 1);
+        complete(t, -1, defer_eviction);
+        return;
+    }
+    const int slot = admit(t, k, v);
+    if (plan_.oracle)
+        attend_two_pass(slot, q, out);
+    else
+        attend_one_pass(slot, q, out);
+    // What the policy sees: each query head's weights on the held positions, averaged over the
+    // group (the renormalised view computed from the cache itself).
+    const std::size_t held = positions_.size(), n = held + 1;
+    attn_.assign(held, 0.0f);
+    for (int h = 0; h < plan_.group; ++h)
+        for (std::size_t j = 0; j < held; ++j) attn_[j] += weights_[h * n + j];
+    for (std::size_t j = 0; j < held; ++j) attn_[j] /= static_cast<float>(plan_.group);
+    complete(t, slot, defer_eviction);
+}
+
+int HeadCache::admit(int32_t t, const float* k, const float* v) {
+    // t enters at FP16, in a free slot (held <= budget, so one is free).
+    if (free_slots_.empty()) fail(t, "no free slot: the policy holds more than its budget and prefill allow");
+    const int slot = free_slots_.back();
+    free_slots_.pop_back();
+    keys_[0].write(slot, k);
+    values_[0].write(slot, v);
+    key_tier_[t] = value_tier_[t] = 0;
+    mark(slot, 0);
+    if (kivi_) add_group_key(t, k);
+    return slot;
+}
+
+// t's key joins its position group; when t completes the group, each channel's scale at INT8 and
+// INT4 is sized from the group's keys at FP16, as the simulator's quantize_key_group does.
+void HeadCache::add_group_key(int32_t t, const float* k) {
+    const int d = plan_.head_dim;
+    float* row = group_keys_.data() + static_cast<std::size_t>(t % key_group_) * d;
+    for (int c = 0; c < d; ++c) row[c] = round_to_fp16(k[c]);
+    if ((t + 1) % key_group_ != 0) return;
+    const int group = t / key_group_;
+    for (int tier = 1; tier < 3; ++tier) {
+        const int qmax = quant_levels(tier == 1 ? 8 : 4);
+        float* scales = channel_scales_[tier].data() + static_cast<std::size_t>(group) * d;
+        for (int c = 0; c < d; ++c) {
+            float max_abs = 0.0f;
+            for (int r = 0; r < key_group_; ++r) max_abs = std::max(max_abs, std::abs(group_keys_[static_cast<std::size_t>(r) * d + c]));
+            scales[c] = group_scale(max_abs, qmax);
+        }
+    }
+    completed_key_groups_ = group + 1;
+}
+
+void HeadCache::read_key(int32_t p, uint8_t tier, int slot, float* out) const {
+    if (kivi_ && tier != 0)
+        keys_[tier].read_with_channel_scales(slot, group_scales(tier, p), out);
+    else
+        keys_[tier].read(slot, out);
+}
+
+void HeadCache::abandon(int slot) {
+    free_slots_.push_back(slot);
+    mark(slot, kEmptyCode);
+}
+
+void HeadCache::complete_from_slot_weights(int32_t t, int slot, const float* slot_weights, bool defer_eviction) {
+    attn_.resize(positions_.size());
+    for (std::size_t j = 0; j < positions_.size(); ++j) attn_[j] = slot_weights[slot_of_[j]];
+    complete(t, slot, defer_eviction);
+}
+
+// After attention: the step's bytes, t held, then the policy observes attn_ (the held positions'
+// weights; zeros for a streaming head), evicts to its budget and reassigns tiers.
+void HeadCache::complete(int32_t t, int slot, bool defer_eviction) {
+    const std::size_t held = positions_.size();
+    if (!state_) {
+        double bytes = key_bytes_[0] + value_bytes_[0];
+        for (int32_t p : positions_) bytes += key_bytes_[key_tier_[p]] + value_bytes_[value_tier_[p]];
+        attending_bytes_ = bytes + static_cast<double>(policy_->bytes_per_slot()) * static_cast<double>(held + 1);
+    }
+    if (t == 0) {  // the policy was built holding position 0; its tier as step 0 left it
+        positions_.push_back(0);
+        slot_of_.push_back(slot);
+        assign_tiers(0);
+        return;
+    }
+    if (state_) attn_.assign(held, 0.0f);
+    positions_.push_back(t);  // a streaming head's policy holds positions like any other
+    slot_of_.push_back(slot);
+    policy_->on_decode_step(t, attn_);
+    // Inside a prefill the cache grows freely; after its last token it is compressed once.
+    if (!defer_eviction && (positions_.size() > static_cast<std::size_t>(plan_.budget) || policy_->sizes_itself())) {
+        victims_.clear();
+        policy_->evict(plan_.budget, victims_);
+        // Victims ascend, as positions do: one merge pass.
+        std::size_t out_index = 0, next_victim = 0;
+        for (std::size_t i = 0; i < positions_.size(); ++i) {
+            if (next_victim < victims_.size() && positions_[i] == victims_[next_victim]) {
+                if (slot_of_[i] >= 0) {
+                    free_slots_.push_back(slot_of_[i]);
+                    mark(slot_of_[i], kEmptyCode);
+                }
+                ++next_victim;
+                continue;
+            }
+            positions_[out_index] = positions_[i];
+            slot_of_[out_index] = slot_of_[i];
+            ++out_index;
+        }
+        if (next_victim != victims_.size()) fail(t, "evicted a position it does not hold, or out of order");
+        positions_.resize(out_index);
+        slot_of_.resize(out_index);
+        if (positions_.size() > static_cast<std::size_t>(plan_.budget))
+            fail(t, "left " + std::to_string(positions_.size()) + " positions, over its budget of " +
+                        std::to_string(plan_.budget));
+    }
+    assign_tiers(t);
+}
+
+void HeadCache::mirror_to_device(bool on) {
+    mirrored_ = on && !state_;
+    slot_code_.assign(mirrored_ ? capacity_ : 0, kEmptyCode);
+    slot_dirty_.assign(mirrored_ ? capacity_ : 0, 0);
+    dirty_slots_.clear();
+    mark_all_dirty();  // every slot once: the device's table starts as the host's, all empty
+}
+
+void HeadCache::mark(int slot, uint8_t code) {
+    if (!mirrored_) return;
+    slot_code_[slot] = code;
+    if (!slot_dirty_[slot]) slot_dirty_[slot] = 1, dirty_slots_.push_back(slot);
+}
+
+void HeadCache::mark_all_dirty() {
+    for (int s = 0; mirrored_ && s < capacity_; ++s)
+        if (!slot_dirty_[s]) slot_dirty_[s] = 1, dirty_slots_.push_back(s);
+}
+
+void HeadCache::take_dirty(const std::function<void(int slot, uint8_t code)>& send) {
+    for (int slot : dirty_slots_) {
+        send(slot, slot_code_[slot]);
+        slot_dirty_[slot] = 0;
+    }
+    dirty_slots_.clear();
+}
+
+void HeadCache::assign_tiers(int32_t t) {
+    if (!format_) return;
+    // The policy writes the tier of every held position; a change may only sink a token.
+    for (int32_t p : positions_) new_key_tier_[p] = key_tier_[p], new_value_tier_[p] = value_tier_[p];
+    policy_->assign_tiers(t, positions_, new_key_tier_, new_value_tier_);
+    for (std::size_t i = 0; i < positions_.size(); ++i) {
+        const int32_t p = positions_[i];
+        const uint8_t key = new_key_tier_[p], value = new_value_tier_[p];
+        if (key == key_tier_[p] && value == value_tier_[p]) continue;
+        if (key < key_tier_[p] || value < value_tier_[p] || key > 2 || value > 2)
+            fail(t, "moved position " + std::to_string(p) + " to a finer or unknown tier (a token only sinks)");
+        sink(i, key, value);
+        key_tier_[p] = key;
+        value_tier_[p] = value;
+    }
+}
+
+}  // namespace kvsim::runtime
