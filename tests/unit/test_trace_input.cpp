@@ -114,7 +114,7 @@ TEST_CASE("one NaN or Inf in Q, K or V is refused as it is read, naming the file
 
 TEST_CASE("values past float16's range: valid as float32, refused when stored as float16, saturated in fp16 caches") {
     // The simulated fp16 cache (and the int8/int4 ones built on it) saturates at +-65504, so the
-    // metrics stay finite where a GPU's cast would make Inf; see README, Bad input.
+    // metrics stay finite where a GPU's cast would make Inf; see docs/bad-input.md.
     CHECK(replay_error(hostile("qkv-beyond-fp16")) == "");
     const std::string path = temp_dir() + "/hostile-qkv-beyond-fp16-stored-fp16.h5";
     std::filesystem::remove(path);
