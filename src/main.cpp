@@ -628,6 +628,22 @@ int main(int argc, char** argv) {
     CLI::App* report = app.add_subcommand("report", "plots (SVG, PNG, report.md) of a results folder, drawn by gnuplot");
     report->add_option("dir", report_dir, "folder with results.json, search.json or profile.json")->required();
 
+    // Each command's help ends with the page of docs/ that explains its task, start to finish.
+    app.footer("Guides, one per task, in the repository's docs/ folder: README.md links them all.");
+    const std::pair<CLI::App*, const char*> guides[] = {
+        {run, "docs/configs-and-policies.md, docs/metrics.md"}, {sweep, "docs/configs-and-policies.md"},
+        {merge, "docs/clusters.md"},          {trace, "docs/trace-format.md"},
+        {synth, "docs/configs-and-policies.md"}, {info, "docs/trace-format.md"},
+        {bases, "docs/lowrank.md"},           {policies, "docs/configs-and-policies.md"},
+        {capture, "docs/capture-and-models.md"}, {eval, "docs/capture-and-models.md"},
+        {search, "docs/search-and-export.md"}, {generate, "docs/runtime.md"},
+        {exporter, "docs/search-and-export.md, docs/profile-format.md"}, {report, "docs/metrics.md"},
+    };
+    for (const auto& [command, pages] : guides) {
+        const std::string before = command->get_footer();
+        command->footer((before.empty() ? "" : before + "\n\n") + "Guide: " + pages);
+    }
+
     try {
         app.parse(argc, argv);
         reject_empty_values(app);
