@@ -18,6 +18,29 @@ MODEL = os.path.join(SHARED, "models", "stories260K", "stories260K.gguf")
 STORIES = os.path.join(SHARED, "text", "tinystories_sample.txt")
 TRACE = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data",
                                      "tinystories-stories260K.h5"))
+# tests/sanitizers.sh sets KVSIM_SANITIZER_BUILD: under ASan and UBSan kvsim runs an order of
+# magnitude slower, so there the searches replay each sequence's first 128 steps and fit one target:
+# the same code paths (every fit, the exact replays of the profiles, the exports, confirmation in
+# the loop) at about a quarter of the cost. The plain build searches the whole trace at two targets.
+SANITIZER = bool(os.environ.get("KVSIM_SANITIZER_BUILD"))
+MAX_STEPS = 128 if SANITIZER else None
+TARGETS = ("2x",) if SANITIZER else ("2x", "3x")
+
+
+with open(TRACE, "rb") as trace_file:
+    TRACE_SHA256 = hashlib.sha256(trace_file.read()).hexdigest()
+
+
+def trace_at(sequences=None):
+    """The trace as a config's `trace:` value, cut to MAX_STEPS where the tests run sized down."""
+    keys = ["path: " + TRACE]
+    if sequences:
+        keys.append("sequences: [%s]" % ", ".join(map(str, sequences)))
+    if MAX_STEPS:
+        keys.append("max_steps: %d" % MAX_STEPS)
+    return "{%s}" % ", ".join(keys)
+
+
 SEARCH = """trace: %s
 search:
   policy: {h2o: {recent_window: 8}}
@@ -27,6 +50,12 @@ search:
 """ % TRACE
 
 
+def sized(text):
+    """A search config sized for the build under test: the cut trace, and one target under the sanitizers."""
+    text = text.replace("trace: %s\n" % TRACE, "trace: %s\n" % trace_at())
+    return text.replace("target: [2x, 3x]", "target: [%s]" % ", ".join(TARGETS))
+
+
 class Search(KvsimTestCase):
 
     def setUp(self):
@@ -34,6 +63,10 @@ class Search(KvsimTestCase):
         self.out = self.path("out")
 
     def search(self, text=SEARCH, *extra):
+        """A search as the tests run it: sized() for the build (the error cases check the config as written)."""
+        return kvsim("search", self.write("search.yaml", sized(text)), "--out", self.out, "-q", *extra)
+
+    def search_as_written(self, text, *extra):
         return kvsim("search", self.write("search.yaml", text), "--out", self.out, "-q", *extra)
 
     def test_search_writes_tables_profiles_and_reproducible_figures(self):
@@ -41,20 +74,20 @@ class Search(KvsimTestCase):
         self.assertEqual(result.returncode, 0, result.stderr)
         self.assertIn("fitted head budgets", result.stdout)
         for name in ("search.json", "search.csv", "report.md", "profile.json", "profile-layer_budgets-2x.json",
-                     "profile-head_budgets-3x.json"):
+                     "profile-head_budgets-%s.json" % TARGETS[-1]):
             self.assertTrue(os.path.exists(os.path.join(self.out, name)), name)
         search = json.loads(read(os.path.join(self.out, "search.json")))
         self.assertEqual(search["format"], "kvsim-search")
         self.assertEqual(search["heldout_sequences"], ["tinystories_sample-3", "tinystories_sample-4"])
         methods = {(r["method"], r["target"]): r for r in search["records"]}
-        for target in ("2x", "3x"):
+        for target in TARGETS:
             uniform = methods[("uniform", target)]
             for (method, t), r in methods.items():
                 if t == target:  # every method of a target at the same bytes, within 1%
                     self.assertLess(abs(r["bytes_per_token"] / uniform["bytes_per_token"] - 1), 0.01, method)
         # Ada-KV's head allocation beside the fitted one: uniform's layer totals, so uniform's bytes,
         # measured on both sets.
-        for target in ("2x", "3x"):
+        for target in TARGETS:
             ada, uniform = methods[("Ada-KV (floor 0.2)", target)], methods[("uniform", target)]
             self.assertEqual(ada["fit"], "head_budgets")
             self.assertEqual(ada["layer_budgets"], uniform["layer_budgets"])
@@ -76,9 +109,9 @@ class Search(KvsimTestCase):
         self.assertEqual(len(profile["head_budgets"]), 5)
         self.assertEqual(len(profile["head_budgets"][0]), 4)
         run_dir = self.path("run")
-        config = self.write("replay.yaml", "trace: {path: %s, sequences: [3, 4]}\n"
+        config = self.write("replay.yaml", "trace: %s\n"
                                            "policies: [{profile: %s}]\nmetrics: [output_rel_error, bytes_per_token]\n"
-                                           % (TRACE, os.path.join(self.out, "profile.json")))
+                                           % (trace_at([3, 4]), os.path.join(self.out, "profile.json")))
         result = kvsim("run", config, "--out", run_dir, "-q")
         self.assertEqual(result.returncode, 0, result.stderr)
         replayed = json.loads(read(os.path.join(run_dir, "results.json")))[0]
@@ -114,12 +147,12 @@ class Search(KvsimTestCase):
         profile_path = os.path.join(self.out, "profile-streaming-2x.json")
         profile = json.loads(read(profile_path))
         self.assertEqual(profile["policy"]["name"], "streaming_attention")
-        self.assertEqual(profile["source"]["trace_sha256"], hashlib.sha256(open(TRACE, "rb").read()).hexdigest())
+        self.assertEqual(profile["source"]["trace_sha256"], TRACE_SHA256)
         self.assertEqual(len(profile["streaming"]["lambda"]), 5)
         record = [r for r in json.loads(read(os.path.join(self.out, "search.json")))["records"]
                   if r["method"] == "streaming heads, fitted lambdas"][0]
-        config = self.write("replay.yaml", "trace: {path: %s, sequences: [3, 4]}\npolicies: [{profile: %s}]\n"
-                                           "metrics: [output_rel_error, bytes_per_token]\n" % (TRACE, profile_path))
+        config = self.write("replay.yaml", "trace: %s\npolicies: [{profile: %s}]\n"
+                                           "metrics: [output_rel_error, bytes_per_token]\n" % (trace_at([3, 4]), profile_path))
         result = kvsim("run", config, "--out", self.path("run"), "-q")
         self.assertEqual(result.returncode, 0, result.stderr)
         replayed = json.loads(read(os.path.join(self.path("run"), "results.json")))[0]
@@ -139,7 +172,7 @@ class Search(KvsimTestCase):
         # The pattern exported from the fitted profile picks the same heads, so the same figure.
         with_pattern = text.replace("streaming: {sinks: 4, recent: 16}", "streaming: {sinks: 4, recent: 16, pattern: %s}"
                                     % os.path.join(duo, "full_attention_heads.tsv"))
-        result = kvsim("search", self.write("pattern.yaml", with_pattern), "--out", self.path("pattern"), "-q")
+        result = kvsim("search", self.write("pattern.yaml", sized(with_pattern)), "--out", self.path("pattern"), "-q")
         self.assertEqual(result.returncode, 0, result.stderr)
         duo_record = [r for r in json.loads(read(os.path.join(self.path("pattern"), "search.json")))["records"]
                       if r["method"] == "streaming heads from the DuoAttention pattern, fitted lambdas"][0]
@@ -151,7 +184,7 @@ class Search(KvsimTestCase):
         result = self.search(text)
         self.assertEqual(result.returncode, 0, result.stderr)
         records = json.loads(read(os.path.join(self.out, "search.json")))["records"]
-        for target in ("2x", "3x"):
+        for target in TARGETS:
             fitted = [r for r in records if r["target"] == target and r["method"] == "fitted tier profile"][0]
             published = [r for r in records if r["target"] == target and r["method"].startswith("published shares")][0]
             for r in (fitted, published):  # the same bytes, within 1%, and per-head shares that fit
@@ -165,9 +198,9 @@ class Search(KvsimTestCase):
             profile = json.loads(read(profile_path))
             self.assertEqual(profile["policy"]["name"], "stratigraphic")
             self.assertEqual(profile["tiers"], fitted["tiers"])
-            self.assertEqual(profile["source"]["trace_sha256"], hashlib.sha256(open(TRACE, "rb").read()).hexdigest())
-            config = self.write("replay.yaml", "trace: {path: %s, sequences: [3, 4]}\npolicies: [{profile: %s}]\n"
-                                               "metrics: [output_rel_error, bytes_per_token]\n" % (TRACE, profile_path))
+            self.assertEqual(profile["source"]["trace_sha256"], TRACE_SHA256)
+            config = self.write("replay.yaml", "trace: %s\npolicies: [{profile: %s}]\n"
+                                               "metrics: [output_rel_error, bytes_per_token]\n" % (trace_at([3, 4]), profile_path))
             run = self.path("run-" + target)
             result = kvsim("run", config, "--out", run, "-q")
             self.assertEqual(result.returncode, 0, result.stderr)
@@ -329,20 +362,20 @@ class Search(KvsimTestCase):
         for old, new, fragment in cases:
             with self.subTest(new=new):
                 self.assertIn(old, SEARCH)
-                self.assert_input_error(self.search(SEARCH.replace(old, new)), fragment)
-        self.assert_input_error(self.search("trace: %s\nsearch: {policy: h2o}\n" % TRACE), "missing key 'target'")
+                self.assert_input_error(self.search_as_written(SEARCH.replace(old, new)), fragment)
+        self.assert_input_error(self.search_as_written("trace: %s\nsearch: {policy: h2o}\n" % TRACE), "missing key 'target'")
         # Streaming records are output errors; they may not sit in a table of retained mass.
         self.assert_input_error(
-            self.search(SEARCH.replace("  fit: [layer_budgets, head_budgets]\n",
+            self.search_as_written(SEARCH.replace("  fit: [layer_budgets, head_budgets]\n",
                                        "  fit: [streaming]\n  objective: retained_mass\n")),
             "search.objective: streaming heads are fitted and reported by their output error")
         # A flag search does not honour is refused, not ignored.
-        self.assertEqual(self.search(SEARCH, "--format", "csv").returncode, 2)
-        self.assert_input_error(self.search("trace: %s\nbudgets: [8]\npolicies: [h2o]\n" % TRACE), "missing key 'search'")
+        self.assertEqual(self.search_as_written(SEARCH, "--format", "csv").returncode, 2)
+        self.assert_input_error(self.search_as_written("trace: %s\nbudgets: [8]\npolicies: [h2o]\n" % TRACE), "missing key 'search'")
         # Output error needs Q/K/V; an attention-only trace offers retained mass.
         attention = self.path("attention.h5")
         self.assertEqual(kvsim("trace", "synth", "policybook", "-o", attention).returncode, 0)
-        self.assert_input_error(self.search("trace: %s\nsearch: {policy: h2o, target: 2x, objective: output_rel_error}\n"
+        self.assert_input_error(self.search_as_written("trace: %s\nsearch: {policy: h2o, target: 2x, objective: output_rel_error}\n"
                                             % attention), "output_rel_error needs a Q/K/V trace")
         self.assertFalse(os.path.exists(self.out))  # no failed search wrote anything
 
