@@ -3,7 +3,9 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -707,17 +709,72 @@ SearchMerge merge_search_partials(const std::vector<std::string>& files) {
 
 namespace {
 
-// A word for a POSIX shell, single-quoted.
+// A word for a POSIX shell, single-quoted: inside single quotes the shell expands nothing, and a
+// single quote is closed, escaped and reopened.
 std::string shell_quote(const std::string& word) {
     std::string out = "'";
     for (char c : word) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
     return out + "'";
 }
 
+// A file name pattern of sbatch's: '%' starts a field (%A, %a, %j), and "%%" is a '%'.
+std::string slurm_file_pattern(const std::string& path) {
+    std::string out;
+    for (char c : path) out += c == '%' ? std::string("%%") : std::string(1, c);
+    return out;
+}
+
+// An argument of an #SBATCH line, as sbatch reads one: a backslash takes the next character as
+// it is, so whitespace, quotes, '#' (the rest of the line a comment) and backslashes are escaped.
+std::string sbatch_directive_word(const std::string& word) {
+    std::string out;
+    for (char c : word) {
+        if (c == ' ' || c == '\t' || c == '"' || c == '\'' || c == '#' || c == '\\') out += '\\';
+        out += c;
+    }
+    return out;
+}
+
+// A job name of letters, digits, '.', '_' and '-' only: it goes into #SBATCH lines and squeue's
+// listings, where nothing else needs to be read literally.
+std::string slurm_job_name(const std::string& name) {
+    std::string out;
+    for (char c : name) out += std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-' ? c : '_';
+    return out;
+}
+
+// A line break (or another control character) cannot be quoted in a comment or an #SBATCH line:
+// it would end the line and start a command. Such a value is refused, shown with its controls
+// escaped so that the error stays on one line.
+void refuse_control_characters(const std::string& value, const std::string& what) {
+    if (std::none_of(value.begin(), value.end(), [](char c) { return static_cast<unsigned char>(c) < 0x20 || c == 0x7f; }))
+        return;
+    std::string shown;
+    for (char c : value) {
+        if (static_cast<unsigned char>(c) >= 0x20 && c != 0x7f) {
+            shown += c;
+            continue;
+        }
+        char escaped[8];
+        std::snprintf(escaped, sizeof escaped, c == '\n' ? "\\n" : "\\x%02x", static_cast<unsigned char>(c));
+        shown += escaped;
+    }
+    throw InputError("--emit-slurm: " + what + " '" + shown +
+                     "' holds a line break or another control character, which a batch script cannot carry; "
+                     "rename it");
+}
+
 }  // namespace
 
 void write_slurm_script(const SlurmScript& s) {
     const std::string out_dir = std::filesystem::absolute(s.out_dir).lexically_normal().string();
+    refuse_control_characters(s.path, "the script's path");
+    refuse_control_characters(out_dir, "the output folder");
+    refuse_control_characters(s.kvsim, "the kvsim binary's path");
+    refuse_control_characters(s.workdir, "the working folder");
+    for (const std::string& a : s.command_args) refuse_control_characters(a, "the argument");
+    const std::string job_name = slurm_job_name(s.job_name);
+    const std::string log_folder = slurm_file_pattern(out_dir);
     std::string command = shell_quote(s.kvsim);
     for (const std::string& a : s.command_args) command += " " + shell_quote(a);
     command += " --out " + shell_quote(out_dir);
@@ -733,9 +790,9 @@ void write_slurm_script(const SlurmScript& s) {
     text += "# Each array task runs shard $SLURM_ARRAY_TASK_ID and resumes its own checkpoint, so a shard that\n";
     text += "# failed or lost its node is rerun alone with `sbatch --array=I " + s.path + "`, redoing only what\n";
     text += "# it had not finished; `kvsim merge` names the shards a merge still misses.\n";
-    text += "#SBATCH --job-name=" + s.job_name + "\n";
+    text += "#SBATCH --job-name=" + job_name + "\n";
     text += "#SBATCH --array=" + array + "\n";
-    text += "#SBATCH --output=" + out_dir + "/slurm-%A_%a.out\n";
+    text += "#SBATCH --output=" + sbatch_directive_word(log_folder + "/slurm-%A_%a.out") + "\n";
     text += "set -euo pipefail\n";
     text += "cd " + shell_quote(s.workdir) + "\n";
     text += "if [ \"${1:-}\" = merge ]; then\n";
@@ -746,8 +803,8 @@ void write_slurm_script(const SlurmScript& s) {
     text += "    mkdir -p " + shell_quote(out_dir) + "\n";
     text += "    array_job=$(sbatch --parsable \"$script\")\n";
     text += "    array_job=${array_job%%;*}\n";
-    text += "    merge_job=$(sbatch --parsable --array=0 --job-name=" + s.job_name +
-            "-merge --dependency=afterok:\"$array_job\" --output=" + shell_quote(out_dir + "/slurm-merge-%A.out") +
+    text += "    merge_job=$(sbatch --parsable --array=0 --job-name=" + job_name +
+            "-merge --dependency=afterok:\"$array_job\" --output=" + shell_quote(log_folder + "/slurm-merge-%A.out") +
             " \"$script\" merge)\n";
     text += "    echo \"submitted array job $array_job (" + std::to_string(s.shards) +
             " shards) and merge job ${merge_job%%;*}\"\n";
