@@ -22,6 +22,7 @@
 #include "src/config.h"
 #include "base/errors.h"
 #include "base/atomic_file.h"
+#include "base/output_folder.h"
 #include "base/size_limits.h"
 #include "src/capture.h"
 #include "src/eval.h"
@@ -115,13 +116,15 @@ void print_results(const std::vector<ResultRecord>& records, const std::string& 
     std::cout.flush();
 }
 
-// Writes results.csv and results.json, then prints the records in the chosen format.
+// Writes results.csv and results.json (and `more_files` with them), then prints the records in the
+// chosen format.
 void emit_results(const std::vector<ResultRecord>& records, const std::string& trace, const CommandSetup& setup,
-                  const std::vector<std::string>& metrics, const std::string& title) {
+                  const std::vector<std::string>& metrics, const std::string& title,
+                  const std::vector<std::pair<std::string, std::string>>& more_files) {
     ExperimentResult result;
     result.trace = trace;
     result.records = records;
-    write_outputs(result, setup.out_dir);
+    write_outputs(result, setup.out_dir, more_files);
     print_results(records, trace, setup.format, setup.layout, metrics, title);
 }
 
@@ -240,6 +243,7 @@ SearchRun search_run_of(const ExperimentConfig& config) {
 // asked, the output files, the tables and notes.
 int finish_search(SearchRun run, const ExperimentConfig& config, const ModelInput& confirm, const std::string& out_dir,
                   bool quiet) {
+    const OutputFolder folder(out_dir);  // one writer at a time, from before the search to its files
     ProgressBar bar(!quiet);
     run.progress = [&bar](double fraction) { bar.update(fraction); };
     SearchOutcome outcome = run_search(*config.search, run);
@@ -264,6 +268,8 @@ struct MergeFlags {
 
 int run_merge(const MergeFlags& flags) {
     const std::vector<std::string> files = partial_files(flags.inputs);
+    // Held from before the partials are read: no shard may still be writing into the folder.
+    const OutputFolder folder(flags.out.empty() ? flags.inputs.front() : flags.out);
     if (holds_search_partials(files)) {
         // A search's shards: the merge runs the rest of the search, as one machine would.
         if (!flags.format.empty() || !flags.layout.empty())
@@ -317,6 +323,7 @@ int run_capture(const ModelInput& input, const std::string& dtype, const std::ve
 
 int run_eval_command(const ReplayFlags& flags, const ModelInput& input, int chunk) {
     const CommandSetup setup = set_up(flags);
+    const OutputFolder folder(setup.out_dir);  // one writer at a time, from the first token to the files
     EvalOptions options;
     options.input = input;
     options.chunk = chunk;
@@ -331,7 +338,6 @@ int run_eval_command(const ReplayFlags& flags, const ModelInput& input, int chun
     char title[512];
     std::snprintf(title, sizeof title, "kvsim eval %s  |  %s, %ld predicted tokens per configuration, full cache PPL %.4f",
                   flags.config.c_str(), result.description.c_str(), result.tokens, result.full_ppl);
-    emit_results(result.records, result.description, setup, metrics, title);
     const std::size_t configurations = result.configurations;
     nlohmann::ordered_json correlation;
     correlation["full_ppl"] = result.full_ppl;
@@ -339,7 +345,8 @@ int run_eval_command(const ReplayFlags& flags, const ModelInput& input, int chun
     correlation["configurations"] = configurations;
     correlation["spearman_retained_mass_vs_delta_ppl"] = result.spearman_retained_mass;
     correlation["spearman_heavy_hitter_recall_vs_delta_ppl"] = result.spearman_heavy_hitter_recall;
-    write_file_atomically(setup.out_dir + "/correlation.json", to_json_text(correlation, 2) + "\n");
+    emit_results(result.records, result.description, setup, metrics, title,
+                 {{"correlation.json", to_json_text(correlation, 2) + "\n"}});
     if (setup.format == "table")
         std::printf("\nSpearman rank correlation with the perplexity rise, across %zu configurations:\n"
                     "  retained_mass        %+.3f\n  heavy_hitter_recall  %+.3f\n"

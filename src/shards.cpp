@@ -19,6 +19,7 @@
 #include "base/errors.h"
 #include "base/input_file.h"
 #include "base/json_file.h"
+#include "base/output_folder.h"
 #include "base/sha256.h"
 #include "kvsim_version.h"
 #include "src/report.h"
@@ -208,33 +209,25 @@ void refuse_different_runs(const PartialHeader& p, const PartialHeader& first) {
 }
 
 // The checkpoint of a shard: its partial file, rewritten whole under a temporary name after every
-// layer. The folder is made with the first one, so input refused before it leaves nothing behind.
-// Bad input found mid-way (a non-finite value in a later layer) is found again on a resume, so a
-// failed run removes a checkpoint it started (not one it was resuming) and a folder it made. A
+// layer, in a folder the caller holds (OutputFolder, which removes a folder it made when nothing
+// was written into it). Bad input found mid-way (a non-finite value in a later layer) is found
+// again on a resume, so a failed run removes a checkpoint it started (not one it was resuming). A
 // killed run never gets to abandon(), and its checkpoint stays.
 class Checkpoint {
 public:
-    Checkpoint(std::string out_dir, std::string path, bool resuming)
-        : out_dir_(std::move(out_dir)), path_(std::move(path)), resuming_(resuming) {}
+    Checkpoint(std::string path, bool resuming) : path_(std::move(path)), resuming_(resuming) {}
     void write(const std::string& text) {
-        if (!std::filesystem::is_directory(out_dir_)) {
-            std::error_code ec;
-            std::filesystem::create_directories(out_dir_, ec);
-            if (ec) throw InputError(out_dir_ + ": cannot create output folder (" + ec.message() + ")");
-            made_folder_ = true;
-        }
         write_file_atomically(path_, text);
         wrote_ = true;
     }
     void abandon() {
         std::error_code ec;
         if (wrote_ && !resuming_) std::filesystem::remove(path_, ec);
-        if (made_folder_) std::filesystem::remove(out_dir_, ec);  // only if empty
     }
 
 private:
-    std::string out_dir_, path_;
-    bool resuming_, made_folder_ = false, wrote_ = false;
+    std::string path_;
+    bool resuming_, wrote_ = false;
 };
 
 // The units of the shard's range a checkpoint does not already hold.
@@ -385,6 +378,9 @@ ShardedOutcome run_sharded(const ExperimentConfig& config, const std::vector<Gri
     ShardedOutcome outcome;
     outcome.units = partial.end - partial.first;
     outcome.partial_path = partial.path;
+    // One writer of the folder at a time; the shards of a sweep share it, each writing its own
+    // partial file.
+    const OutputFolder folder(run.out_dir, run.shard ? OutputFolder::Access::shared : OutputFolder::Access::exclusive);
     if (run.resume && std::filesystem::exists(partial.path)) {
         Partial previous = read_partial(partial.path);
         trace_sha256.settle();
@@ -395,7 +391,7 @@ ShardedOutcome run_sharded(const ExperimentConfig& config, const std::vector<Gri
 
     const std::vector<std::size_t> todo = unfinished_units(partial, partial.done);
     outcome.units_run = todo.size();
-    Checkpoint checkpoint(run.out_dir, partial.path, !partial.done.empty());
+    Checkpoint checkpoint(partial.path, !partial.done.empty());
     const auto start = std::chrono::steady_clock::now();
     try {
         experiment.run_units(todo, run.show_progress,
@@ -635,6 +631,7 @@ SearchShardOutcome run_search_shard(const SearchSpec& spec, const SearchRun& run
     SearchShardOutcome outcome;
     outcome.units = partial.end - partial.first;
     outcome.partial_path = partial.path;
+    const OutputFolder folder(shard_run.out_dir, OutputFolder::Access::shared);
     if (shard_run.resume && std::filesystem::exists(partial.path)) {
         SearchPartial previous = read_search_partial(partial.path);
         trace_sha256.settle();
@@ -646,7 +643,7 @@ SearchShardOutcome run_search_shard(const SearchSpec& spec, const SearchRun& run
     outcome.units_run = todo.size();
 
     // Checkpoints after every layer, as a sweep's shard writes them.
-    Checkpoint checkpoint(shard_run.out_dir, partial.path, !partial.done.empty());
+    Checkpoint checkpoint(partial.path, !partial.done.empty());
     try {
         grid.run_units(todo, [&](const std::vector<std::size_t>& units, std::vector<SearchUnitStreams>& streams) {
             for (std::size_t i = 0; i < units.size(); ++i) partial.done[units[i]] = std::move(streams[i]);
