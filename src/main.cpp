@@ -2,11 +2,14 @@
 #include <malloc.h>
 #include <cmath>
 #include <tbb/global_control.h>
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <iostream>
 #include <map>
@@ -486,9 +489,49 @@ void reject_empty_values(const CLI::App& app) {
     for (const CLI::App* sub : app.get_subcommands()) reject_empty_values(*sub);
 }
 
+// Standard input, output and error open before anything else is: a closed one's number would go
+// to the first file kvsim opens, and what was meant for the terminal into that file. /dev/null
+// takes the place of a closed stdin or stderr; a closed standard output is an error, since every
+// command's answer goes there. Returns false when standard output was closed.
+bool open_standard_streams() {
+    bool stdout_open = true;
+    for (int fd = 0; fd <= 2; ++fd) {
+        if (::fcntl(fd, F_GETFD) >= 0 || errno != EBADF) continue;
+        if (fd == STDOUT_FILENO) stdout_open = false;
+        const int opened = ::open("/dev/null", fd == 0 ? O_RDONLY : O_WRONLY);
+        if (opened >= 0 && opened != fd) ::close(opened);  // cannot happen: open takes the lowest free number
+    }
+    return stdout_open;
+}
+
+// A command's answer that did not reach its reader is a failure, not success: a full disk
+// (`kvsim run > file`, /dev/full), a standard output closed or revoked. One line, exit status 2.
+int finish_standard_output(int status) {
+    errno = 0;
+    const bool flushed = std::fflush(stdout) == 0;
+    const int error = errno;
+    if (flushed && !std::ferror(stdout) && std::cout.good()) return status;
+    if (status == 0)
+        std::fprintf(stderr, "kvsim: error: standard output: cannot write (%s)\n",
+                     error ? std::strerror(error) : "a write failed part-way; what it printed is incomplete");
+    return status == 0 ? 2 : status;
+}
+
+int run_command(int argc, char** argv);
+
 }  // namespace
 
 int main(int argc, char** argv) {
+    if (!open_standard_streams()) {
+        std::fprintf(stderr, "kvsim: error: standard output is closed; give kvsim somewhere to write its answer\n");
+        return 2;
+    }
+    return finish_standard_output(run_command(argc, argv));
+}
+
+namespace {
+
+int run_command(int argc, char** argv) {
     // A replay's matrix products allocate and free their packing space (megabytes) once per head
     // and block. With glibc's adaptive thresholds those pages went back to the kernel at each free
     // and were faulted in again (about 115,000 page faults in the Llama-1B file replay); fixed
@@ -713,3 +756,5 @@ int main(int argc, char** argv) {
     }
     return 0;
 }
+
+}  // namespace
