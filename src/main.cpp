@@ -715,8 +715,14 @@ int run_command(int argc, char** argv) {
         if (*synth) return trace_synth(synth_generator, synth_name, synth_dtype, synth_out);
         if (*info) return trace_info(info_path);
         if (*bases) {
-            if (bases_rope_theta < 0 || !std::isfinite(bases_rope_theta))
-                throw InputError("--pre-rope-theta: must be a positive number");
+            // Given at all, a RoPE base is positive: 0 would quietly fit the keys after RoPE.
+            if (bases->count("--pre-rope-theta") && !(bases_rope_theta > 0 && std::isfinite(bases_rope_theta)))
+                throw InputError("--pre-rope-theta: must be a positive number (the model's RoPE base, e.g. 10000)");
+            for (std::size_t i = 0; i < bases_sequences.size(); ++i)
+                if (std::find(bases_sequences.begin(), bases_sequences.begin() + static_cast<std::ptrdiff_t>(i),
+                              bases_sequences[i]) != bases_sequences.begin() + static_cast<std::ptrdiff_t>(i))
+                    throw InputError("--sequences: sequence " + std::to_string(bases_sequences[i]) +
+                                     " is listed twice (a sequence counted twice would weigh the bases toward it)");
             const KeyFrame keys{bases_pre_rope || bases_rope_theta > 0, bases_rope_theta, !bases_no_joint};
             write_kv_bases(bases_out, fit_kv_bases(bases_trace, bases_sequences, keys));
             std::printf("wrote %s\n", bases_out.c_str());
