@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import unittest
 
 import cli_common
@@ -452,22 +451,6 @@ class OutputFolders(KvsimTestCase):
         merged = kvsim("merge", out, "-q")
         self.assertEqual(merged.returncode, 0, merged.stderr)
         self.assertEqual(budgets_of(out), (["48", "64"], ["48", "64"]))
-
-    def test_interrupted_at_random_points_a_folder_holds_one_run_s_files(self):
-        out = self.path("out")
-        configs = [self.write("a.yaml", SWEEP_A), self.write("b.yaml", SWEEP_B)]
-        rng = __import__("random").Random(31)
-        for i in range(12):
-            process = subprocess.Popen([cli_common.KVSIM, "run", configs[i % 2], "--out", out, "-q"],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            time.sleep(rng.uniform(0.0, 0.06))  # a run takes about 0.05 s
-            process.send_signal(rng.choice([signal.SIGINT, signal.SIGTERM, signal.SIGHUP]))
-            process.wait()
-            if os.path.exists(os.path.join(out, "results.json")):
-                csv, records = budgets_of(out)
-                self.assertEqual(csv, records, "results.csv and results.json of different runs")
-            if os.path.exists(out):
-                self.assertEqual([n for n in os.listdir(out) if n.startswith(".")], [])  # no lock, journal or temp file
 
 
 def edit_json(path, change):
