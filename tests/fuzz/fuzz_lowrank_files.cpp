@@ -2,39 +2,26 @@
 // bases.json) and the fitted ranks (a search's ranks-*.json), each input read as both, at the shape
 // of the seeds (3 layers, 2 KV heads, head size 16). Bad input may only ever be an InputError;
 // anything else escaping, a crash or a sanitizer report is a bug the fuzzer reports.
-#include <unistd.h>
-
 #include <cstdint>
 #include <cstdio>
 #include <string>
 
-#include "base/errors.h"
 #include "cache_math/lowrank.h"
+#include "fuzz_files.h"
 
 namespace {
 
-const std::string& scratch_file() {
-    static const std::string path = "/tmp/kvsim-fuzz-lowrank-" + std::to_string(::getpid()) + ".json";
-    return path;
-}
+using kvsim::fuzz::expect_only_input_errors;
 
-template <class F>
-void expect_only_input_errors(F&& f) {
-    try {
-        f();
-    } catch (const kvsim::InputError&) {
-    }
+const std::string& scratch_file() {
+    static const std::string path = kvsim::fuzz::scratch_path("lowrank.json");
+    return path;
 }
 
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-    {
-        FILE* f = std::fopen(scratch_file().c_str(), "wb");
-        if (!f) return 0;
-        std::fwrite(data, 1, size, f);
-        std::fclose(f);
-    }
+    if (!kvsim::fuzz::write_input(scratch_file(), data, size)) return 0;
     expect_only_input_errors([] {
         const auto bases = kvsim::read_kv_bases(scratch_file());
         // What the policies do with a file they accept: group heads by its distances, project.

@@ -2,21 +2,19 @@
 // profile.json in turn, read and turned into figures (the .dat data and .gp scripts) without
 // running gnuplot. Bad input may only ever be an InputError; anything else escaping, a crash or a
 // sanitizer report is a bug the fuzzer reports.
-#include <unistd.h>
-
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
 #include <string>
 
-#include "base/errors.h"
 #include "src/report_plots.h"
+#include "fuzz_files.h"
 
 namespace {
 
 const std::string& scratch_folder() {
     static const std::string path = [] {
-        const std::string folder = "/tmp/kvsim-fuzz-report-" + std::to_string(::getpid());
+        const std::string folder = kvsim::fuzz::scratch_path("report");
         std::filesystem::create_directories(folder);
         return folder;
     }();
@@ -28,14 +26,8 @@ const std::string& scratch_folder() {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     for (const char* name : {"results.json", "search.json", "profile.json"}) {
         const std::string path = scratch_folder() + "/" + name;
-        FILE* f = std::fopen(path.c_str(), "wb");
-        if (!f) return 0;
-        std::fwrite(data, 1, size, f);
-        std::fclose(f);
-        try {
-            (void)kvsim::check_report_inputs(scratch_folder());
-        } catch (const kvsim::InputError&) {
-        }
+        if (!kvsim::fuzz::write_input(path, data, size)) return 0;
+        kvsim::fuzz::expect_only_input_errors([] { (void)kvsim::check_report_inputs(scratch_folder()); });
         std::remove(path.c_str());
     }
     return 0;
