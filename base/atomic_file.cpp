@@ -23,7 +23,16 @@ namespace {
 constexpr int kCleanupSlots = 64;
 std::array<std::atomic<const char*>, kCleanupSlots> live_temp_files{};
 
+// While a SignalsHeld lives (depth > 0), the handler notes the signal and returns; the last
+// SignalsHeld to go then acts on it. Lock-free atomics: safe in a handler.
+std::atomic<int> hold_depth{0};
+std::atomic<int> held_signal{0};
+
 extern "C" void remove_temp_files_and_exit(int signal_number) {
+    if (hold_depth.load() > 0) {
+        held_signal.store(signal_number);
+        return;
+    }
     for (auto& slot : live_temp_files)
         if (const char* path = slot.load()) ::unlink(path);
     // Die of the same signal, so the parent sees how the process ended.
@@ -46,6 +55,20 @@ void install_handlers_once() {
     });
 }
 
+}  // namespace
+
+SignalsHeld::SignalsHeld() {
+    install_handlers_once();
+    hold_depth.fetch_add(1);
+}
+
+SignalsHeld::~SignalsHeld() {
+    if (hold_depth.fetch_sub(1) != 1) return;
+    if (const int signal_number = held_signal.exchange(0)) remove_temp_files_and_exit(signal_number);
+}
+
+namespace {
+
 int register_temp_file(const char* path) {
     install_handlers_once();
     for (int i = 0; i < kCleanupSlots; ++i) {
@@ -59,6 +82,14 @@ bool process_is_gone(long pid) { return pid > 0 && ::kill(static_cast<pid_t>(pid
 
 }  // namespace
 
+RemovedOnSignal::RemovedOnSignal(std::string path) : path_(std::move(path)) {
+    slot_ = register_temp_file(path_.c_str());
+}
+
+RemovedOnSignal::~RemovedOnSignal() {
+    if (slot_ >= 0) live_temp_files[slot_].store(nullptr);
+}
+
 std::string atomic_temp_path(const std::string& path, long pid) {
     const std::filesystem::path p(path);
     return (p.parent_path() / ("." + p.filename().string() + ".tmp-" + std::to_string(pid))).string();
@@ -68,6 +99,9 @@ int remove_stale_temp_files(const std::string& folder) {
     int removed = 0;
     std::error_code error;
     const std::filesystem::path dir = folder.empty() ? std::filesystem::path(".") : std::filesystem::path(folder);
+    // A commit a killed process left half done: its temporary files are what the next writer of the
+    // folder renames into place (base/output_folder.h), so they stay until then.
+    if (std::filesystem::exists(dir / kCommitJournalName, error)) return 0;
     for (std::filesystem::directory_iterator it(dir, error), end; !error && it != end; it.increment(error)) {
         const std::string name = it->path().filename().string();
         const auto mark = name.rfind(".tmp-");
@@ -98,6 +132,12 @@ void AtomicFile::commit() {
     if (std::rename(temp_path_.c_str(), path_.c_str()) != 0)
         throw InputError(path_ + ": cannot write (" + std::strerror(errno) + ")");
     committed_ = true;
+    if (cleanup_slot_ >= 0) live_temp_files[cleanup_slot_].store(nullptr);
+    cleanup_slot_ = -1;
+}
+
+void AtomicFile::keep_temp_file() {
+    committed_ = true;  // the destructor leaves the temporary file
     if (cleanup_slot_ >= 0) live_temp_files[cleanup_slot_].store(nullptr);
     cleanup_slot_ = -1;
 }

@@ -19,6 +19,9 @@ public:
     const std::string& path() const { return path_; }
     void write(const std::string& contents);  // writes the whole temporary file
     void commit();  // renames the temporary file to the real name
+    // Leaves the temporary file for someone else to rename (a commit journal names it): neither the
+    // destructor nor a signal removes it.
+    void keep_temp_file();
 
 private:
     std::string path_;
@@ -26,6 +29,36 @@ private:
     int cleanup_slot_ = -1;  // this file's entry in the signal handler's list
     bool committed_ = false;
 };
+
+// A path the signal handler removes with the temporary files while the object lives (a folder's
+// lock file, base/output_folder.h).
+class RemovedOnSignal {
+public:
+    explicit RemovedOnSignal(std::string path);
+    ~RemovedOnSignal();
+    RemovedOnSignal(const RemovedOnSignal&) = delete;
+    RemovedOnSignal& operator=(const RemovedOnSignal&) = delete;
+
+private:
+    std::string path_;
+    int slot_ = -1;
+};
+
+// While an object lives, SIGINT, SIGTERM and SIGHUP wait: a run's last steps that must happen
+// together (the renames of a folder's files, base/output_folder.h) finish, then the last object to
+// go removes the live temporary files and ends the process as the signal would have. Whichever
+// thread the signal lands on.
+class SignalsHeld {
+public:
+    SignalsHeld();
+    ~SignalsHeld();
+    SignalsHeld(const SignalsHeld&) = delete;
+    SignalsHeld& operator=(const SignalsHeld&) = delete;
+};
+
+// The journal of a folder's commit in progress (base/output_folder.h): while it exists, the
+// temporary files in that folder are left for the next writer to complete.
+inline constexpr const char* kCommitJournalName = ".kvsim-commit";
 
 // A private folder under the system's temporary directory ("kvsim-<what>-<pid>"), removed with
 // everything in it when the object goes: scratch files another component reads by path. A run

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -160,6 +161,32 @@ Json basis_json(const PcaBasis& b) {
     return Json{{"vectors", std::move(vectors)}, {"energy", std::move(energy)}, {"mean", std::move(mean)}};
 }
 
+// A number the cache can compute with in float: finite and within float's range.
+double float_range_number(const Json& j, const std::string& where) {
+    if (!j.is_number()) throw InputError(where + ": not a number");
+    const double v = j.get<double>();
+    if (!(std::fabs(v) <= std::numeric_limits<float>::max()))
+        throw InputError(where + ": " + j.dump() + " is outside float's range (the cache computes in float)");
+    return v;
+}
+
+// An integer in [lo, hi], checked before it is narrowed (2^32 + 5 is not 5).
+int64_t bounded_integer(const Json& j, const std::string& where, int64_t lo, int64_t hi) {
+    if (!j.is_number_integer()) throw InputError(where + ": not an integer");
+    const bool above = j.is_number_unsigned() ? j.get<uint64_t>() > static_cast<uint64_t>(hi) : j.get<int64_t>() > hi;
+    if (above || j.get<int64_t>() < lo)
+        throw InputError(where + ": " + j.dump() + " is outside [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+    return j.get<int64_t>();
+}
+
+// "version": 1, the only version of the bases and ranks files.
+void require_version_1(const Json& root, const std::string& path) {
+    const auto it = root.find("version");
+    if (it == root.end()) throw InputError(path + ": 'version' missing");
+    if (bounded_integer(*it, path + ": 'version'", 0, 1 << 30) != 1)
+        throw InputError(path + ": 'version' " + it->dump() + " is not 1, the only version this kvsim reads");
+}
+
 // One basis: `vectors`, n lists of n numbers, and `energy`, n numbers.
 PcaBasis basis_from_json(const Json& node, int n, const std::string& where) {
     if (!node.is_object()) throw InputError(where + ": expected an object with vectors and energy");
@@ -182,23 +209,28 @@ PcaBasis basis_from_json(const Json& node, int n, const std::string& where) {
     b.vectors.resize(n, n);
     b.energy.resize(n);
     b.mean.resize(n);
-    for (int j = 0; j < n; ++j) {
-        if (!(*mean)[j].is_number()) throw InputError(where + ".mean[" + std::to_string(j) + "]: not a number");
-        b.mean[j] = (*mean)[j].get<double>();
-    }
+    for (int j = 0; j < n; ++j) b.mean[j] = float_range_number((*mean)[j], where + ".mean[" + std::to_string(j) + "]");
     for (int j = 0; j < n; ++j) {
         const Json& column = (*vectors)[j];
         const std::string at = where + ".vectors[" + std::to_string(j) + "]";
         if (!column.is_array() || column.size() != static_cast<std::size_t>(n))
             throw InputError(at + ": expected a list of " + std::to_string(n) + " numbers");
-        for (int i = 0; i < n; ++i) {
-            if (!column[i].is_number()) throw InputError(at + "[" + std::to_string(i) + "]: not a number");
-            b.vectors(i, j) = column[i].get<double>();
-        }
-        if (!(*energy)[j].is_number()) throw InputError(where + ".energy[" + std::to_string(j) + "]: not a number");
-        b.energy[j] = (*energy)[j].get<double>();
+        for (int i = 0; i < n; ++i) b.vectors(i, j) = float_range_number(column[i], at + "[" + std::to_string(i) + "]");
+        // A principal direction has unit length: a zero (or scaled) column projects every token to
+        // nothing (or more than it is) and its errors come out NaN or wrong, not refused.
+        const double length = b.vectors.col(j).norm();
+        if (!(std::fabs(length - 1) <= 1e-3))
+            throw InputError(at + ": has length " + std::to_string(length) + "; a basis vector has length 1");
+        b.energy[j] = float_range_number((*energy)[j], where + ".energy[" + std::to_string(j) + "]");
     }
-    if (!b.vectors.allFinite() || !b.energy.allFinite() || !b.mean.allFinite()) throw InputError(where + ": a value is not finite");
+    // Eigenvalues of a covariance: at least zero up to rounding, strongest first (ranks keep the first).
+    const double scale = std::max(1.0, b.energy.cwiseAbs().maxCoeff());
+    for (int j = 0; j < n; ++j) {
+        const std::string at = where + ".energy[" + std::to_string(j) + "]";
+        if (b.energy[j] < -1e-6 * scale) throw InputError(at + ": " + std::to_string(b.energy[j]) + " is negative");
+        if (j > 0 && b.energy[j] > b.energy[j - 1] + 1e-9 * scale)
+            throw InputError(at + ": energies must descend (the strongest direction first)");
+    }
     return b;
 }
 
@@ -206,7 +238,7 @@ int int_field(const Json& root, const char* key, const std::string& path) {
     const auto it = root.find(key);
     if (it == root.end() || !it->is_number_integer())
         throw InputError(path + ": '" + key + "' missing or not an integer");
-    return it->get<int>();
+    return static_cast<int>(bounded_integer(*it, path + ": '" + key + "'", 1, 4096));
 }
 
 const Json& list_field(const Json& root, const char* key, std::size_t size, const std::string& path) {
@@ -218,10 +250,13 @@ const Json& list_field(const Json& root, const char* key, std::size_t size, cons
     return *it;
 }
 
-std::shared_ptr<const KvBases> parse_kv_bases(const std::string& path) {
-    const Json root = load_json_file(path);
-    if (!root.is_object() || root.value("format", "") != "kvsim-kv-bases")
+}  // namespace
+
+std::shared_ptr<const KvBases> read_kv_bases(const std::string& path) {
+    const Json root = load_ordered_json_file(path);
+    if (!root.is_object() || !root.contains("format") || root["format"] != "kvsim-kv-bases")
         throw InputError(path + ": 'format' is not kvsim-kv-bases (write the file with kvsim trace bases)");
+    require_version_1(root, path);
     auto bases = std::make_shared<KvBases>();
     bases->num_layers = int_field(root, "num_layers", path);
     bases->num_kv_heads = int_field(root, "num_kv_heads", path);
@@ -265,6 +300,17 @@ std::shared_ptr<const KvBases> parse_kv_bases(const std::string& path) {
     for (std::size_t u = 0; u < per_head.size(); ++u) {
         const std::string where = path + ": heads[" + std::to_string(u) + "]";
         if (!per_head[u].is_object()) throw InputError(where + ": expected an object");
+        // Entries are applied in order, layer by layer: the labels must say so (a duplicate or a
+        // layer the trace lacks would otherwise be applied to whichever head its place is).
+        for (const auto& [label, expected] : {std::pair<const char*, int64_t>{"layer", u / heads}, {"kv_head", u % heads}}) {
+            const auto it = per_head[u].find(label);
+            if (it == per_head[u].end()) throw InputError(where + "." + label + ": missing");
+            const int64_t got = bounded_integer(*it, where + "." + label, 0, 1 << 30);
+            if (got != expected)
+                throw InputError(where + "." + label + ": " + std::to_string(got) + ", but entry " + std::to_string(u) +
+                                 " is layer " + std::to_string(u / heads) + ", KV head " + std::to_string(u % heads) +
+                                 " (entries go layer by layer, KV heads in order)");
+        }
         bases->key.push_back(basis_from_json(per_head[u].value("key", Json()), dim, where + ".key"));
         bases->value.push_back(basis_from_json(per_head[u].value("value", Json()), dim, where + ".value"));
     }
@@ -289,8 +335,9 @@ std::shared_ptr<const KvBases> parse_kv_bases(const std::string& path) {
             if (!rows[a].is_array() || rows[a].size() != static_cast<std::size_t>(heads))
                 throw InputError(at + "[" + std::to_string(a) + "]: expected " + std::to_string(heads) + " numbers");
             for (int b = 0; b < heads; ++b) {
-                if (!rows[a][b].is_number()) throw InputError(at + "[" + std::to_string(a) + "]: not a number");
-                m(a, b) = rows[a][b].get<double>();
+                const std::string cell = at + "[" + std::to_string(a) + "][" + std::to_string(b) + "]";
+                m(a, b) = float_range_number(rows[a][b], cell);
+                if (m(a, b) < 0) throw InputError(cell + ": a distance is at least 0");
             }
         }
         bases->head_distance.push_back(m);
@@ -298,7 +345,6 @@ std::shared_ptr<const KvBases> parse_kv_bases(const std::string& path) {
     return bases;
 }
 
-}  // namespace
 
 std::string kv_bases_json(const KvBases& bases) {
     Json heads = Json::array(), joint = Json::array(), distance = Json::array();
@@ -343,7 +389,7 @@ std::shared_ptr<const KvBases> load_kv_bases(const std::string& path, int num_la
     {
         std::lock_guard<std::mutex> lock(mutex);
         auto& slot = cache[path];
-        if (!slot) slot = parse_kv_bases(path);
+        if (!slot) slot = read_kv_bases(path);
         bases = slot;
     }
     if (bases->num_layers != num_layers || bases->num_kv_heads != num_kv_heads || bases->head_dim != head_dim)
@@ -368,9 +414,10 @@ void write_fitted_ranks(const std::string& path, const FittedRanks& ranks, int n
 }
 
 FittedRanks load_fitted_ranks(const std::string& path, int num_layers, int num_kv_heads, int head_dim) {
-    const Json root = load_json_file(path);
-    if (!root.is_object() || root.value("format", "") != "kvsim-ranks")
+    const Json root = load_ordered_json_file(path);
+    if (!root.is_object() || !root.contains("format") || root["format"] != "kvsim-ranks")
         throw InputError(path + ": 'format' is not kvsim-ranks (kvsim search writes ranks.json)");
+    require_version_1(root, path);
     if (int_field(root, "num_layers", path) != num_layers || int_field(root, "num_kv_heads", path) != num_kv_heads ||
         int_field(root, "head_dim", path) != head_dim)
         throw InputError(path + ": ranks fitted to another shape than the trace's " + std::to_string(num_layers) +
@@ -388,9 +435,14 @@ FittedRanks load_fitted_ranks(const std::string& path, int num_layers, int num_k
         for (std::size_t u = 0; u < units; ++u) {
             const std::string at = path + ": " + key + "[" + std::to_string(u) + "]";
             if (!list[u].is_number_integer()) throw InputError(at + ": not an integer");
-            const std::string problem = check_rank(list[u].get<int>(), most, key);
-            if (!problem.empty()) throw InputError(at + ": " + problem);
-            to.push_back(list[u].get<int>());
+            // Checked whole, then narrowed: 2^32 + 5 is not rank 5.
+            const bool in_range = !(list[u].is_number_unsigned() && list[u].get<uint64_t>() > static_cast<uint64_t>(most)) &&
+                                  list[u].get<int64_t>() >= 1 && list[u].get<int64_t>() <= most;
+            if (!in_range)
+                throw InputError(at + ": " + std::string(key) + " = " + list[u].dump() + " must be in 1.." +
+                                 std::to_string(most) + " (the trace's head size bounds a head's rank)");
+            const int64_t rank = list[u].get<int64_t>();
+            to.push_back(static_cast<int>(rank));
         }
     }
     return out;

@@ -77,6 +77,8 @@ private:
 void write_kv_bases(const std::string& path, const KvBases& bases);
 std::string kv_bases_json(const KvBases& bases);  // what write_kv_bases writes
 std::shared_ptr<const KvBases> load_kv_bases(const std::string& path, int num_layers, int num_kv_heads, int head_dim);
+// The file read and checked as load_kv_bases reads it, every time (no cache), with its own shape.
+std::shared_ptr<const KvBases> read_kv_bases(const std::string& path);
 
 // Ranks fitted per (layer, KV head), or per layer for a joint latent: what kvsim search writes
 // (ranks.json) and the lowrank policy's `ranks` file reads, validated against the trace's shape.

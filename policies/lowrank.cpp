@@ -103,6 +103,7 @@ PolicyDescriptor lowrank_descriptor() {
          {"ranks", 0, false, 0, "fitted ranks per (layer, KV head), or per layer for joint (ranks-*.json from kvsim "
                                 "search); overrides key_rank and value_rank", false, true}},
         nullptr, nullptr};
+    d.params.back().replaces = {"key_rank", "value_rank"};
     d.projection = [](const ParamValues& p, const PolicyContext& ctx) -> std::shared_ptr<const KvProjection> {
         refuse_context("lowrank", check_lowrank(p, ctx));  // a caller that skipped check_context
         auto projection = std::make_shared<KvProjection>();

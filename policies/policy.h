@@ -151,6 +151,9 @@ struct ParamSpec {
     std::string help;
     bool odd = false;   // pooling kernels must be odd to have a centre
     bool file = false;  // a path (relative to the config file), not a number
+    // A file that replaces these parameters (lowrank's ranks: key_rank and value_rank): giving both
+    // would leave one unused, so a config that does is refused.
+    std::vector<std::string> replaces = {};
 };
 
 // What a policy may know about where it runs, besides its own parameters.
@@ -231,9 +234,10 @@ std::string known_policy_names();  // "sliding_window, streaming_llm, ..." for e
 ParamValues resolve_params(const PolicyDescriptor& policy, const std::map<std::string, double>& given,
                            const std::string& where);
 
-// File parameters must be declared as such; throws InputError prefixed by `where`.
+// File parameters must be declared as such, and none given beside the parameters it replaces
+// (`given`: the numbers the config sets); throws InputError prefixed by `where`.
 void check_file_params(const PolicyDescriptor& policy, const std::map<std::string, std::string>& files,
-                       const std::string& where);
+                       const std::string& where, const std::map<std::string, double>& given = {});
 
 // A recent window must leave room to evict: shared by the windowed policies.
 std::string check_recent_window_fits(const ParamValues& params, int budget);

@@ -82,13 +82,17 @@ ParamValues resolve_params(const PolicyDescriptor& policy, const std::map<std::s
 }
 
 void check_file_params(const PolicyDescriptor& policy, const std::map<std::string, std::string>& files,
-                       const std::string& where) {
+                       const std::string& where, const std::map<std::string, double>& given) {
     for (const auto& [name, path] : files) {
         const ParamSpec* spec = nullptr;
         for (const auto& s : policy.params)
             if (s.name == name) spec = &s;
         if (!spec) throw InputError(where + ": unknown parameter '" + name + "' for policy " + policy.name);
         if (!spec->file) throw InputError(where + "." + name + ": expected a number, got '" + path + "'");
+        for (const std::string& replaced : spec->replaces)
+            if (given.count(replaced))
+                throw InputError(where + "." + replaced + ": " + name + " (" + path + ") replaces " + replaced +
+                                 ", which would go unused; give one or the other");
     }
 }
 

@@ -6,6 +6,7 @@
 
 #include "base/atomic_file.h"
 #include "base/errors.h"
+#include "base/output_folder.h"
 
 namespace kvsim {
 
@@ -28,14 +29,10 @@ void export_duo_pattern(const Profile& profile, const std::string& profile_path,
     nlohmann::ordered_json config = {{"sink_size", s.sinks},
                                      {"recent_size", s.recent},
                                      {"sparsity", static_cast<double>(streaming) / (static_cast<double>(L) * K)}};
-    std::error_code ec;
-    std::filesystem::create_directories(dir, ec);
-    if (ec) throw InputError(dir + ": cannot create output folder (" + ec.message() + ")");
-    AtomicFile heads(dir + "/full_attention_heads.tsv"), json(dir + "/config.json");
-    heads.write(tsv);
-    json.write(config.dump(2) + "\n");
-    heads.commit();
-    json.commit();
+    FolderCommit files(dir);  // the two files change together (base/output_folder.h)
+    files.add("full_attention_heads.tsv", tsv);
+    files.add("config.json", config.dump(2) + "\n");
+    files.commit();
 }
 
 void export_layer_ratios(const Profile& profile, const std::string& profile_path, const std::string& path) {

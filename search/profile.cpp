@@ -11,6 +11,7 @@
 #include "base/errors.h"
 #include "base/input_file.h"
 #include "base/json_file.h"
+#include "policies/policy.h"
 #include "sim/experiment_spec.h"
 
 namespace kvsim {
@@ -93,6 +94,52 @@ private:
     std::string path_;
 };
 
+// What the profile asks of its policy, checked once here for every reader (run, eval, generate and
+// the runtime, export, report): the policy exists and takes these parameters; a profile holds
+// streaming heads (for streaming_attention), tier shares (for stratigraphic) or budgets (for an
+// eviction policy), never two of them; and the policy's parameters fit inside every budget.
+void check_profile_policy(const Profile& p, const ProfileReader& r) {
+    const PolicyDescriptor* policy = find_policy(p.policy);
+    if (!policy) r.fail("policy.name", "unknown policy '" + p.policy + "' (known: " + known_policy_names() + ")");
+    ParamValues values;
+    try {
+        values = resolve_params(*policy, p.params, "policy.params");
+    } catch (const InputError& e) {
+        r.fail("policy", e.what());
+    }
+    for (const ParamSpec& spec : policy->params)
+        if (spec.file && p.params.count(spec.name))
+            r.fail("policy.params." + spec.name, "is a file parameter; a profile's parameters are numbers");
+    if (p.streaming && p.tiers) r.fail("streaming", "beside tiers: a profile holds streaming heads or tier shares, not both");
+    if (p.streaming && p.policy != "streaming_attention")
+        r.fail("streaming", "streaming heads are for policy streaming_attention, not " + p.policy);
+    if (p.tiers && p.policy != "stratigraphic") r.fail("tiers", "tier shares are for policy stratigraphic, not " + p.policy);
+    const bool budgets = !p.layer_budgets.empty() || !p.head_budgets.empty();
+    if (policy->keeps_everything) {
+        if (budgets)
+            r.fail(p.head_budgets.empty() ? "layer_budgets" : "head_budgets",
+                   "policy " + p.policy + " keeps every token" +
+                       (p.streaming || p.tiers ? std::string(" (its ") + (p.streaming ? "streaming heads" : "tier shares") +
+                                                     " size it)"
+                                               : std::string()) +
+                       ": token budgets do not apply; remove them, or name an eviction policy");
+        if (p.policy == "streaming_attention" && !p.streaming)
+            r.fail("streaming", "missing: a streaming_attention profile names its streaming heads");
+        return;
+    }
+    // An eviction policy: its window (or other parameter) must leave room in the tightest budget.
+    if (!policy->check_budget) return;
+    const std::vector<int>& per = p.head_budgets.empty() ? p.layer_budgets : p.head_budgets;
+    const auto tightest = std::min_element(per.begin(), per.end());
+    const std::size_t at = static_cast<std::size_t>(tightest - per.begin());
+    const std::string problem = policy->check_budget(values, *tightest);
+    if (problem.empty()) return;
+    const int K = p.model.num_kv_heads;
+    r.fail(p.head_budgets.empty() ? "layer_budgets[" + std::to_string(at) + "]"
+                                  : "head_budgets[" + std::to_string(at / K) + "][" + std::to_string(at % K) + "]",
+           problem + " (policy.params)");
+}
+
 }  // namespace
 
 void write_profile(const Profile& profile, const std::string& path) {
@@ -168,8 +215,11 @@ Profile load_profile(const std::string& path) {
     if (root.contains("target")) p.target = r.string(root["target"], "target");
 
     const int L = p.model.num_layers;
-    // Budgets, unless the profile streams heads instead (then every other head keeps its cache).
-    if (root.contains("layer_budgets") || !(root.contains("streaming") || root.contains("tiers"))) {
+    // Budgets, unless the policy keeps every token or the profile streams heads or holds tier shares
+    // instead (then every other head keeps its cache).
+    const PolicyDescriptor* descriptor = find_policy(p.policy);
+    const bool keeps_everything = descriptor && descriptor->keeps_everything;
+    if (root.contains("layer_budgets") || !(keeps_everything || root.contains("streaming") || root.contains("tiers"))) {
         const Json& layers = r.list(r.at(root, "layer_budgets", ""), "layer_budgets", static_cast<std::size_t>(L));
         for (int l = 0; l < L; ++l)
             p.layer_budgets.push_back(static_cast<int>(
@@ -245,6 +295,7 @@ Profile load_profile(const std::string& path) {
         text("config", p.config);
         text("config_sha256", p.config_sha256);
     }
+    check_profile_policy(p, r);
     return p;
 }
 

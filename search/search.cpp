@@ -13,6 +13,7 @@
 
 #include "base/atomic_file.h"
 #include "base/errors.h"
+#include "base/output_folder.h"
 #include "base/sha256.h"
 #include "policies/policy.h"
 #include "search/allocation.h"
@@ -672,9 +673,6 @@ std::string format_search_table(const SearchOutcome& o) {
 }
 
 void write_search_outputs(const SearchOutcome& o, const std::string& dir) {
-    std::error_code ec;
-    std::filesystem::create_directories(dir, ec);
-    if (ec) throw InputError(dir + ": cannot create output folder (" + ec.message() + ")");
 
     Json records = Json::array();
     std::string csv = "method,fit,target,objective,bytes_per_token,compression_ratio,heldout,fitting,delta_ppl,layer_budgets\n";
@@ -755,12 +753,10 @@ void write_search_outputs(const SearchOutcome& o, const std::string& dir) {
         for (const std::string& n : o.notes) report += "- " + n + "\n";
     }
 
-    // Every file is complete under a temporary name before any takes its real name.
-    std::vector<std::unique_ptr<AtomicFile>> files;
-    auto add = [&](const std::string& name, const std::string& contents) {
-        files.push_back(std::make_unique<AtomicFile>(dir + "/" + name));
-        files.back()->write(contents);
-    };
+    // Every file is complete under a temporary name before any takes its real name, and they take
+    // them together (base/output_folder.h).
+    FolderCommit files(dir);
+    auto add = [&](const std::string& name, const std::string& contents) { files.add(name, contents); };
     add("search.json", search.dump(2, ' ', false, Json::error_handler_t::replace) + "\n");
     add("search.csv", csv);
     add("report.md", report);
@@ -785,7 +781,7 @@ void write_search_outputs(const SearchOutcome& o, const std::string& dir) {
         add(name, fitted_ranks_json(FittedRanks{joint, r.key_rank, r.value_rank}, o.shape.num_layers,
                                     o.shape.num_kv_heads, o.shape.head_dim));
     }
-    for (auto& f : files) f->commit();
+    files.commit();
 }
 
 }  // namespace kvsim

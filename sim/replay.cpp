@@ -192,7 +192,8 @@ private:
     // the fuzzer) gets the tier format's check here, before the layer's first step.
     void check_tier_format(const ReplayCombo& c, const Policy& policy) const {
         if (const TierFormat* f = policy.tier_format(); qkv_ && f)
-            kvsim::check_tier_format(*f, head_dim_, c.label, source_.description());
+            kvsim::check_tier_format(*f, head_dim_, c.where.empty() ? c.label : c.where + " (" + c.label + ")",
+                                     source_.description());
     }
 
     // One harness per (KV head, combination), index kv_head * combinations + combination.

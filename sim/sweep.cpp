@@ -87,7 +87,7 @@ std::vector<ReplayCombo> expand_sweep(const std::vector<PolicyEntry>& policies, 
                 param_where[axes[a]->param] = axes[a]->where;
             }
             const ParamValues values = resolve_params(*policy, given, axes.empty() ? entry.where : where);
-            check_file_params(*policy, entry.files, entry.where);
+            check_file_params(*policy, entry.files, axes.empty() ? entry.where : where, given);
             std::optional<QuantizeRule> quantize;
             if (entry.quantized) quantize = resolve_quantize(entry.quantize, entry.where + ".quantize");
             std::optional<AdaKvRule> adakv;
@@ -110,7 +110,7 @@ std::vector<ReplayCombo> expand_sweep(const std::vector<PolicyEntry>& policies, 
                     throw InputError(entry.project_where + ": '" + entry.project +
                                      "' is not a projection (known: lowrank, group_heads)");
                 project_values = resolve_params(*project, entry.project_params, entry.project_where);
-                check_file_params(*project, entry.project_files, entry.project_where);
+                check_file_params(*project, entry.project_files, entry.project_where, entry.project_params);
                 std::string projected = policy_label(*project, entry.project_params);
                 for (const auto& [name, path] : entry.project_files) {
                     const std::string file = name + "=" + std::filesystem::path(path).filename().string();

@@ -198,8 +198,11 @@ public:
             } else if (t.IsMap() && t.size() == 1 && t["bytes_per_token"]) {
                 st.bytes_per_token = number(t["bytes_per_token"], key + ".bytes_per_token");
                 if (!(st.bytes_per_token > 0)) fail(t, key + ".bytes_per_token", "must be > 0");
+                // The shortest text that reads back as the same number: 12 and 12.0000001 stay apart.
                 char label[48];
-                std::snprintf(label, sizeof label, "%gB", st.bytes_per_token);
+                char* end = std::to_chars(label, label + sizeof label - 2, st.bytes_per_token).ptr;
+                *end = 'B';
+                end[1] = '\0';
                 st.label = label;
             } else {
                 fail(t, key, "expected a compression ratio like 2x, {compression: 2x} or {bytes_per_token: N}");
@@ -214,8 +217,11 @@ public:
                 st.compression = ratio;
                 st.label = ratio_text;
             }
+            // The same target twice, however written (2x and 2.0x; 12 and 12.0 bytes per token).
             for (const SearchTarget& other : spec.targets)
-                if (other.label == st.label) fail(t, key, "target " + st.label + " is listed twice");
+                if ((st.compression > 0 && other.compression == st.compression) ||
+                    (st.bytes_per_token > 0 && other.bytes_per_token == st.bytes_per_token))
+                    fail(t, key, "target " + st.label + " is listed twice (as " + other.label + ")");
             spec.targets.push_back(st);
         }
         if (const YAML::Node objective = node["objective"]) {
@@ -410,15 +416,10 @@ ExperimentConfig load_config(const std::string& path) {
             entry.params = profile.params;
             entry.where = p.where(policies[i], key + ".profile") + " (" + file + ")";
             entry.profile_shape = profile.model;
-            if (profile.streaming) {  // streaming_attention reads the heads and lambdas from the file itself
-                if (profile.policy != "streaming_attention")
-                    p.fail(item, key + ".profile", file + ": a profile with streaming heads is for streaming_attention");
+            // load_profile checked what the profile asks of its policy (search/profile.h).
+            if (profile.streaming || profile.tiers) {  // the policy reads its heads or shares from the file itself
                 entry.files["profile"] = file;
-            } else if (profile.tiers) {  // so does stratigraphic its per-head zone shares
-                if (profile.policy != "stratigraphic")
-                    p.fail(item, key + ".profile", file + ": a profile with tier shares is for stratigraphic");
-                entry.files["profile"] = file;
-            } else {
+            } else if (!profile.layer_budgets.empty()) {
                 entry.profile_budgets.push_back(profile_column(profile, entry.where));
             }
             config.policies.push_back(entry);

@@ -70,7 +70,9 @@ public:
         }
         for (const Harness& h : harnesses_)  // the config cannot know the model's head size
             if (const TierFormat* f = h.policy().tier_format())
-                check_tier_format(*f, config_.head_dim, combo.label, "model " + llama_.path());
+                check_tier_format(*f, config_.head_dim,
+                                  combo.where.empty() ? combo.label : combo.where + " (" + combo.label + ")",
+                                  "model " + llama_.path());
         const Policy& probe = harnesses_.front().policy();
         const KvProjection* projection = probe.projection();
         simulated_ = probe.tier_format() != nullptr || probe.linear_state() != nullptr || projection != nullptr;

@@ -12,8 +12,8 @@
 #include "sim/synthetic_qkv.h"
 #include "sim/shard_plan.h"
 #include "sim/sweep.h"
-#include "base/atomic_file.h"
 #include "base/errors.h"
+#include "base/output_folder.h"
 #include "src/progress.h"
 
 namespace kvsim {
@@ -230,16 +230,15 @@ ExperimentResult run_experiment(const ExperimentConfig& config, const std::vecto
     return out;
 }
 
-void write_outputs(const ExperimentResult& result, const std::string& dir) {
-    std::error_code ec;
-    std::filesystem::create_directories(dir, ec);
-    if (ec) throw InputError(dir + ": cannot create output folder (" + ec.message() + ")");
-    // Both files are complete under temporary names before either takes its real name.
-    AtomicFile csv(dir + "/results.csv"), json(dir + "/results.json");
-    csv.write(format_csv(result.records));
-    json.write(format_json(result.records, result.trace));
-    csv.commit();
-    json.commit();
+void write_outputs(const ExperimentResult& result, const std::string& dir,
+                   const std::vector<std::pair<std::string, std::string>>& more_files) {
+    // Every file is complete under a temporary name before any takes its real name, and they take
+    // them together (base/output_folder.h).
+    FolderCommit commit(dir);
+    commit.add("results.csv", format_csv(result.records));
+    commit.add("results.json", format_json(result.records, result.trace));
+    for (const auto& [name, contents] : more_files) commit.add(name, contents);
+    commit.commit();
 }
 
 }  // namespace kvsim

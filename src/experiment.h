@@ -95,7 +95,9 @@ private:
 ExperimentResult run_experiment(const ExperimentConfig& config, const std::vector<GridAxis>& extra_axes,
                                 bool show_progress);
 
-// Writes results.csv and results.json into dir (created if missing), each atomically.
-void write_outputs(const ExperimentResult& result, const std::string& dir);
+// Writes results.csv and results.json (and `more_files`, name and contents, beside them) into dir,
+// created if missing: one commit, under the folder's lock (base/output_folder.h).
+void write_outputs(const ExperimentResult& result, const std::string& dir,
+                   const std::vector<std::pair<std::string, std::string>>& more_files = {});
 
 }  // namespace kvsim

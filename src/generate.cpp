@@ -100,6 +100,7 @@ GenerateResult run_generate(const GenerateOptions& options) {
     model::LlamaModel& llama = own ? *own : text->model;
     const model::LlamaConfig& c = llama.config();
     // The model's trained context: its GGUF's, or less where --context says the header overstates it.
+    check_context_flag(options.model_path, text_input.context, c);
     const int context = text_input.context > 0 ? std::min(text_input.context, c.context_length) : c.context_length;
     if (generation > context)
         throw InputError("--prompt: " + std::to_string(prompt.size()) + " tokens and -n " +

@@ -2,11 +2,14 @@
 #include <malloc.h>
 #include <cmath>
 #include <tbb/global_control.h>
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <iostream>
 #include <map>
@@ -22,6 +25,7 @@
 #include "src/config.h"
 #include "base/errors.h"
 #include "base/atomic_file.h"
+#include "base/output_folder.h"
 #include "base/size_limits.h"
 #include "src/capture.h"
 #include "src/eval.h"
@@ -115,13 +119,15 @@ void print_results(const std::vector<ResultRecord>& records, const std::string& 
     std::cout.flush();
 }
 
-// Writes results.csv and results.json, then prints the records in the chosen format.
+// Writes results.csv and results.json (and `more_files` with them), then prints the records in the
+// chosen format.
 void emit_results(const std::vector<ResultRecord>& records, const std::string& trace, const CommandSetup& setup,
-                  const std::vector<std::string>& metrics, const std::string& title) {
+                  const std::vector<std::string>& metrics, const std::string& title,
+                  const std::vector<std::pair<std::string, std::string>>& more_files) {
     ExperimentResult result;
     result.trace = trace;
     result.records = records;
-    write_outputs(result, setup.out_dir);
+    write_outputs(result, setup.out_dir, more_files);
     print_results(records, trace, setup.format, setup.layout, metrics, title);
 }
 
@@ -240,6 +246,7 @@ SearchRun search_run_of(const ExperimentConfig& config) {
 // asked, the output files, the tables and notes.
 int finish_search(SearchRun run, const ExperimentConfig& config, const ModelInput& confirm, const std::string& out_dir,
                   bool quiet) {
+    const OutputFolder folder(out_dir);  // one writer at a time, from before the search to its files
     ProgressBar bar(!quiet);
     run.progress = [&bar](double fraction) { bar.update(fraction); };
     SearchOutcome outcome = run_search(*config.search, run);
@@ -264,6 +271,8 @@ struct MergeFlags {
 
 int run_merge(const MergeFlags& flags) {
     const std::vector<std::string> files = partial_files(flags.inputs);
+    // Held from before the partials are read: no shard may still be writing into the folder.
+    const OutputFolder folder(flags.out.empty() ? flags.inputs.front() : flags.out);
     if (holds_search_partials(files)) {
         // A search's shards: the merge runs the rest of the search, as one machine would.
         if (!flags.format.empty() || !flags.layout.empty())
@@ -317,6 +326,7 @@ int run_capture(const ModelInput& input, const std::string& dtype, const std::ve
 
 int run_eval_command(const ReplayFlags& flags, const ModelInput& input, int chunk) {
     const CommandSetup setup = set_up(flags);
+    const OutputFolder folder(setup.out_dir);  // one writer at a time, from the first token to the files
     EvalOptions options;
     options.input = input;
     options.chunk = chunk;
@@ -337,7 +347,6 @@ int run_eval_command(const ReplayFlags& flags, const ModelInput& input, int chun
     char title[512];
     std::snprintf(title, sizeof title, "kvsim eval %s  |  %s, %ld predicted tokens per configuration, full cache PPL %s",
                   flags.config.c_str(), result.description.c_str(), result.tokens, full_ppl);
-    emit_results(result.records, result.description, setup, metrics, title);
     const std::size_t configurations = result.configurations;
     nlohmann::ordered_json correlation;
     correlation["full_ppl"] = std::isinf(result.full_ppl) ? nlohmann::ordered_json("inf") : nlohmann::ordered_json(result.full_ppl);
@@ -346,7 +355,8 @@ int run_eval_command(const ReplayFlags& flags, const ModelInput& input, int chun
     correlation["configurations"] = configurations;
     correlation["spearman_retained_mass_vs_delta_ppl"] = result.spearman_retained_mass;
     correlation["spearman_heavy_hitter_recall_vs_delta_ppl"] = result.spearman_heavy_hitter_recall;
-    write_file_atomically(setup.out_dir + "/correlation.json", to_json_text(correlation, 2) + "\n");
+    emit_results(result.records, result.description, setup, metrics, title,
+                 {{"correlation.json", to_json_text(correlation, 2) + "\n"}});
     if (setup.format == "table")
         std::printf("\nSpearman rank correlation with the perplexity rise, across %zu configurations:\n"
                     "  retained_mass        %+.3f\n  heavy_hitter_recall  %+.3f\n"
@@ -486,9 +496,49 @@ void reject_empty_values(const CLI::App& app) {
     for (const CLI::App* sub : app.get_subcommands()) reject_empty_values(*sub);
 }
 
+// Standard input, output and error open before anything else is: a closed one's number would go
+// to the first file kvsim opens, and what was meant for the terminal into that file. /dev/null
+// takes the place of a closed stdin or stderr; a closed standard output is an error, since every
+// command's answer goes there. Returns false when standard output was closed.
+bool open_standard_streams() {
+    bool stdout_open = true;
+    for (int fd = 0; fd <= 2; ++fd) {
+        if (::fcntl(fd, F_GETFD) >= 0 || errno != EBADF) continue;
+        if (fd == STDOUT_FILENO) stdout_open = false;
+        const int opened = ::open("/dev/null", fd == 0 ? O_RDONLY : O_WRONLY);
+        if (opened >= 0 && opened != fd) ::close(opened);  // cannot happen: open takes the lowest free number
+    }
+    return stdout_open;
+}
+
+// A command's answer that did not reach its reader is a failure, not success: a full disk
+// (`kvsim run > file`, /dev/full), a standard output closed or revoked. One line, exit status 2.
+int finish_standard_output(int status) {
+    errno = 0;
+    const bool flushed = std::fflush(stdout) == 0;
+    const int error = errno;
+    if (flushed && !std::ferror(stdout) && std::cout.good()) return status;
+    if (status == 0)
+        std::fprintf(stderr, "kvsim: error: standard output: cannot write (%s)\n",
+                     error ? std::strerror(error) : "a write failed part-way; what it printed is incomplete");
+    return status == 0 ? 2 : status;
+}
+
+int run_command(int argc, char** argv);
+
 }  // namespace
 
 int main(int argc, char** argv) {
+    if (!open_standard_streams()) {
+        std::fprintf(stderr, "kvsim: error: standard output is closed; give kvsim somewhere to write its answer\n");
+        return 2;
+    }
+    return finish_standard_output(run_command(argc, argv));
+}
+
+namespace {
+
+int run_command(int argc, char** argv) {
     // A replay's matrix products allocate and free their packing space (megabytes) once per head
     // and block. With glibc's adaptive thresholds those pages went back to the kernel at each free
     // and were faulted in again (about 115,000 page faults in the Llama-1B file replay); fixed
@@ -688,8 +738,14 @@ int main(int argc, char** argv) {
         if (*synth) return trace_synth(synth_generator, synth_name, synth_dtype, synth_out);
         if (*info) return trace_info(info_path);
         if (*bases) {
-            if (bases_rope_theta < 0 || !std::isfinite(bases_rope_theta))
-                throw InputError("--pre-rope-theta: must be a positive number");
+            // Given at all, a RoPE base is positive: 0 would quietly fit the keys after RoPE.
+            if (bases->count("--pre-rope-theta") && !(bases_rope_theta > 0 && std::isfinite(bases_rope_theta)))
+                throw InputError("--pre-rope-theta: must be a positive number (the model's RoPE base, e.g. 10000)");
+            for (std::size_t i = 0; i < bases_sequences.size(); ++i)
+                if (std::find(bases_sequences.begin(), bases_sequences.begin() + static_cast<std::ptrdiff_t>(i),
+                              bases_sequences[i]) != bases_sequences.begin() + static_cast<std::ptrdiff_t>(i))
+                    throw InputError("--sequences: sequence " + std::to_string(bases_sequences[i]) +
+                                     " is listed twice (a sequence counted twice would weigh the bases toward it)");
             const KeyFrame keys{bases_pre_rope || bases_rope_theta > 0, bases_rope_theta, !bases_no_joint};
             write_kv_bases(bases_out, fit_kv_bases(bases_trace, bases_sequences, keys));
             std::printf("wrote %s\n", bases_out.c_str());
@@ -729,3 +785,5 @@ int main(int argc, char** argv) {
     }
     return 0;
 }
+
+}  // namespace

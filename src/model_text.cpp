@@ -47,10 +47,7 @@ LoadedInput load_model_input(const ModelInput& input) {
         throw InputError(input.model_path + ": metadata key 'tokenizer.ggml.tokens': " +
                          std::to_string(tokenizer.vocab_size()) + " tokens, but tensor 'token_embd.weight' has " +
                          std::to_string(config.vocab_size) + " rows");
-    if (input.context > config.context_length)
-        throw InputError(input.model_path + ": --context " + std::to_string(input.context) +
-                         " is beyond the model's trained context of " + std::to_string(config.context_length) +
-                         " positions (metadata key '" + config.architecture + ".context_length')");
+    check_context_flag(input.model_path, input.context, config);
     const int limit = usable_context(config.context_length, input.context, input.max_tokens);
     TokenizedText text = tokenize_text(tokenizer, input.text_path, input.split_on, limit);
     // The KV cache holds what the longest sequence needs, not the header's context (which may
@@ -59,6 +56,13 @@ LoadedInput load_model_input(const ModelInput& input) {
     for (const auto& tokens : text.sequences) longest = std::max(longest, tokens.size());
     model::LlamaModel llama = model::LlamaModel::load(file, static_cast<int>(longest));
     return LoadedInput{std::move(llama), std::move(text), limit};
+}
+
+void check_context_flag(const std::string& model_path, int context, const model::LlamaConfig& config) {
+    if (context > config.context_length)
+        throw InputError(model_path + ": --context " + std::to_string(context) +
+                         " is beyond the model's trained context of " + std::to_string(config.context_length) +
+                         " positions (metadata key '" + config.architecture + ".context_length')");
 }
 
 int usable_context(int model_context, int context_override, int max_tokens) {

@@ -31,6 +31,10 @@ struct TokenizedText {
 TokenizedText tokenize_text(const model::Tokenizer& tokenizer, const std::string& text_path,
                             const std::string& split_on, int limit);
 
+// --context above the model's trained context: InputError naming the file and the metadata key
+// (eval, capture, search's confirmation and generate refuse it alike).
+void check_context_flag(const std::string& model_path, int context, const model::LlamaConfig& config);
+
 // The positions a model may use: its GGUF context, or less when the user says so.
 int usable_context(int model_context, int context_override, int max_tokens);
 

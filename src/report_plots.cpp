@@ -23,6 +23,9 @@
 #include "base/atomic_file.h"
 #include "base/errors.h"
 #include "base/input_file.h"
+#include "base/json_file.h"
+#include "base/output_folder.h"
+#include "search/profile.h"
 #include "sim/experiment_spec.h"
 
 extern char** environ;
@@ -36,17 +39,21 @@ using Json = nlohmann::ordered_json;  // keeps the file's key order (tiers)
 // ---- Reading the JSON files: every key that is plotted is type-checked, and an error names the
 // file, the record and the key.
 
-Json read_json(const std::string& path) {
-    const std::string text = read_input_file(path);
-    try {
-        return Json::parse(text);
-    } catch (const Json::exception& e) {
-        // nlohmann's message starts with "[json.exception.parse_error.101] " (or out_of_range.406
-        // for a number past double's range); the rest is the news.
-        const std::string what = e.what();
-        const auto start = what.find("] ");
-        throw InputError(path + ": invalid JSON: " + (start == std::string::npos ? what : what.substr(start + 2)));
-    }
+Json read_json(const std::string& path) { return load_ordered_json_file(path); }
+
+// Four significant digits, for prose (report.md); the .dat files keep ten.
+std::string short_number(double x) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%.4g", x);
+    return text;
+}
+
+// A number gnuplot can place on an axis: near double's limit (1e308) its autoscaling overflows and
+// the figure fails, so values past 1e300 are refused as input (a perplexity of 1e200 still plots).
+double plottable(double v, const std::string& where, const std::string& key) {
+    if (std::fabs(v) > 1e300)
+        throw InputError(where + ": '" + key + "' is " + short_number(v) + ", too large to plot (beyond 1e300)");
+    return v;
 }
 
 // A number, or NaN where the key is absent or null (a metric that was not measured).
@@ -54,7 +61,7 @@ double optional_number(const Json& object, const std::string& key, const std::st
     const auto it = object.find(key);
     if (it == object.end() || it->is_null()) return NAN;
     if (!it->is_number()) throw InputError(where + ": '" + key + "' is not a number");
-    return it->get<double>();
+    return plottable(it->get<double>(), where, key);
 }
 
 // A metric to draw: a number, or the "inf" / "-inf" kvsim eval writes for a perplexity (or its
@@ -106,21 +113,29 @@ struct Figure {
     std::string plot;     // gnuplot commands; they read NAME.dat
 };
 
-// Text from input files goes into gnuplot strings and .dat comments: no line breaks, and quotes
-// and backslashes escaped where gnuplot would read them.
+// Text from input files goes into gnuplot strings, .gp comments and .dat comments: no line breaks
+// (a comment or string would end there and the rest be read as commands).
 std::string one_line(const std::string& text) {
     std::string out = text;
     for (char& c : out)
-        if (static_cast<unsigned char>(c) < 0x20) c = ' ';
+        if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) c = ' ';
     return out;
 }
 
+// A gnuplot string that gnuplot takes literally: single-quoted, where it substitutes no backquoted
+// command and expands no escape or macro (in double quotes, `cmd` runs cmd). A single quote is
+// written twice.
 std::string gnuplot_string(const std::string& text) {
+    std::string out = "'";
+    for (char c : one_line(text)) out += c == '\'' ? std::string("''") : std::string(1, c);
+    return out + "'";
+}
+
+// A string column of a .dat file: gnuplot reads data files without substitution; double quotes
+// keep a tag with spaces in one column, and no tag holds a double quote.
+std::string data_string(const std::string& text) {
     std::string out = "\"";
-    for (char c : one_line(text)) {
-        if (c == '"' || c == '\\') out += '\\';
-        out += c;
-    }
+    for (char c : one_line(text)) out += c == '"' ? '\'' : c;
     return out + "\"";
 }
 
@@ -128,13 +143,6 @@ std::string number(double x) {
     char text[32];
     std::snprintf(text, sizeof text, "%.10g", x);
     return std::isnan(x) ? "NaN" : text;
-}
-
-// Four significant digits, for prose (report.md); the .dat files keep ten.
-std::string short_number(double x) {
-    char text[32];
-    std::snprintf(text, sizeof text, "%.4g", x);
-    return text;
 }
 
 enum class Better { higher, lower, unknown };
@@ -204,7 +212,7 @@ std::vector<Figure> line_figure(const std::string& name, const std::string& sour
         std::stable_sort(s.points.begin(), s.points.end(), [](const Point& a, const Point& b) { return a.x < b.x; });
         f.data += "#   index " + std::to_string(index) + ": " + one_line(s.label) + "\n";
         blocks += "\n# index " + std::to_string(index) + ": " + one_line(s.label) + "\n";
-        for (const Point& p : s.points) blocks += number(p.x) + " " + number(p.y) + " " + gnuplot_string(p.tag) + "\n";
+        for (const Point& p : s.points) blocks += number(p.x) + " " + number(p.y) + " " + data_string(p.tag) + "\n";
         blocks += "\n";  // two blank lines end a gnuplot index block
         f.plot += std::string(index ? ", \\\n     " : "") + "\"" + name + ".dat\" index " + std::to_string(index) +
                   " using 1:2 with linespoints title " + gnuplot_string(s.label);
@@ -216,7 +224,7 @@ std::vector<Figure> line_figure(const std::string& name, const std::string& sour
         f.data += "#   index " + std::to_string(index) + ": " + front_title + "\n";
         blocks += "\n# index " + std::to_string(index) + ": " + front_title + "\n";
         for (const Point& p : pareto_front(lines, better))
-            blocks += number(p.x) + " " + number(p.y) + " " + gnuplot_string(p.tag) + "\n";
+            blocks += number(p.x) + " " + number(p.y) + " " + data_string(p.tag) + "\n";
         f.plot += ", \\\n     \"" + name + ".dat\" index " + std::to_string(index) +
                   " using 1:2 with points pointtype 6 pointsize 2.5 linewidth 2 linecolor rgb \"black\" title " +
                   gnuplot_string(front_title);
@@ -390,13 +398,17 @@ std::vector<std::vector<double>> per_head(const Json& value, const std::string& 
             if (!row[head].is_null() && !row[head].is_number())
                 throw InputError(where + " row " + std::to_string(layer) + ", KV head " + std::to_string(head) +
                                  " is not a number");
-            rows.back().push_back(row[head].is_null() ? NAN : row[head].get<double>());
+            rows.back().push_back(row[head].is_null() ? NAN
+                                                      : plottable(row[head].get<double>(), where + " row " +
+                                                                      std::to_string(layer), "KV head " + std::to_string(head)));
         }
     }
     return rows;
 }
 
 Section profile_figures(const std::string& path) {
+    // A profile is plotted only if it is one every other command would take (search/profile.h).
+    (void)load_profile(path);
     const Json file = read_json(path);
     require_format(file, "kvsim-profile", path);
     const std::string name = optional_string(file, "name", path);
@@ -520,8 +532,16 @@ void run_gnuplot(const std::string& gnuplot, const std::string& folder, const st
     int status = 0;
     while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
     }
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
-        throw std::runtime_error("gnuplot failed in " + folder + ": " + one_line(said));
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        // Its last line says what failed (the lines before echo the script): one line, cut short.
+        std::string last;
+        std::stringstream lines(said);
+        for (std::string line; std::getline(lines, line);)
+            if (line.find_first_not_of(" \t^") != std::string::npos) last = line;
+        last = one_line(last);
+        if (last.size() > 200) last = last.substr(0, 197) + "...";
+        throw std::runtime_error("gnuplot failed on kvsim's script in " + folder + ": " + last);
+    }
 }
 
 // A staging folder that is removed unless it was renamed into place.
@@ -591,11 +611,17 @@ std::string report_page(const std::string& dir, const std::vector<Section>& sect
 
 }  // namespace
 
-int write_report_plots(const std::string& dir) {
+namespace {
+
+int figure_count(const std::vector<Section>& sections) {
+    int figures = 0;
+    for (const Section& s : sections) figures += static_cast<int>(s.figures.size());
+    return figures;
+}
+
+// Every input of DIR read and checked, and its figures built: what write_report_plots draws.
+std::vector<Section> read_sections(const std::string& dir) {
     std::error_code error;
-    if (!fs::is_directory(dir, error))
-        throw InputError(dir + (fs::exists(dir, error) ? ": not a folder" : ": no such folder"));
-    // Read and check every input before anything is written.
     std::vector<Section> sections;
     const fs::path folder(dir);
     using Reader = Section (*)(const std::string& path);
@@ -614,11 +640,27 @@ int write_report_plots(const std::string& dir) {
     std::sort(more_profiles.begin(), more_profiles.end());
     for (const std::string& path : more_profiles) sections.push_back(profile_figures(path));
     if (sections.empty()) throw InputError(dir + ": no results.json, search.json or profile.json to plot");
-    int figures = 0;
-    for (const Section& s : sections) figures += static_cast<int>(s.figures.size());
-    if (figures == 0)
+    if (figure_count(sections) == 0)
         throw InputError(dir + ": nothing to plot (no finite metric values in " + sections[0].source +
                          (sections.size() > 1 ? " or the others" : "") + ")");
+    return sections;
+}
+
+}  // namespace
+
+int check_report_inputs(const std::string& dir) { return figure_count(read_sections(dir)); }
+
+int write_report_plots(const std::string& dir) {
+    std::error_code error;
+    if (!fs::is_directory(dir, error))
+        throw InputError(dir + (fs::exists(dir, error) ? ": not a folder" : ": no such folder"));
+    // No other kvsim writes the folder's results (or plots) while they are read and drawn; a commit
+    // a killed run left half done is completed first.
+    const OutputFolder lock(dir);
+    // Read and check every input before anything is written.
+    const std::vector<Section> sections = read_sections(dir);
+    const int figures = figure_count(sections);
+    const fs::path folder(dir);
     const std::string gnuplot = find_gnuplot();
     const fs::path target = folder / "plots";
     if (fs::exists(target, error) && !fs::is_directory(target, error))

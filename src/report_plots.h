@@ -13,4 +13,9 @@ namespace kvsim {
 // PATH, throws InputError before anything is written. Returns the number of figures.
 int write_report_plots(const std::string& dir);
 
+// Reads and checks DIR's inputs and builds their figures as write_report_plots does, writing
+// nothing and running no gnuplot: the number of figures, or InputError. The fuzzers' way in
+// (tests/fuzz/fuzz_report.cpp).
+int check_report_inputs(const std::string& dir);
+
 }  // namespace kvsim

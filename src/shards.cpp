@@ -3,7 +3,9 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -17,6 +19,7 @@
 #include "base/errors.h"
 #include "base/input_file.h"
 #include "base/json_file.h"
+#include "base/output_folder.h"
 #include "base/sha256.h"
 #include "kvsim_version.h"
 #include "src/report.h"
@@ -25,33 +28,12 @@ namespace kvsim {
 namespace {
 
 using Json = nlohmann::ordered_json;
-constexpr int kPartialFormat = 1;
-
-// A number as JSON holds it: doubles round-trip exactly; non-finite ones are written as null and
-// read back as NaN, which the results files write as null again.
-double read_double(const Json& j) { return j.is_null() ? NAN : j.get<double>(); }
+constexpr int kPartialFormat = 2;  // 2: frame_sha256
 
 Json stream_json(const StreamMetrics& m) {
     return Json::array({m.retained_mass, m.steps, m.heavy_hitter_hits, m.heavy_hitter_possible, m.eviction_calls,
                         m.output_rel_error, m.output_cosine, m.output_steps, m.cache_bytes, m.fp16_bytes,
                         m.context_tokens});
-}
-
-StreamMetrics read_stream(const Json& j) {
-    if (!j.is_array() || j.size() != 11) throw std::invalid_argument("a stream is 11 numbers");
-    StreamMetrics m;
-    m.retained_mass = read_double(j[0]);
-    m.steps = j[1].get<int64_t>();
-    m.heavy_hitter_hits = j[2].get<int64_t>();
-    m.heavy_hitter_possible = j[3].get<int64_t>();
-    m.eviction_calls = j[4].get<int64_t>();
-    m.output_rel_error = read_double(j[5]);
-    m.output_cosine = read_double(j[6]);
-    m.output_steps = j[7].get<int64_t>();
-    m.cache_bytes = read_double(j[8]);
-    m.fp16_bytes = read_double(j[9]);
-    m.context_tokens = j[10].get<int64_t>();
-    return m;
 }
 
 Json frame_json(const ResultFrame& f) {
@@ -82,38 +64,6 @@ Json frame_json(const ResultFrame& f) {
             {"cells", cells}};
 }
 
-ResultFrame read_frame(const Json& j) {
-    ResultFrame f;
-    f.trace = j.at("trace").get<std::string>();
-    f.metrics = j.at("metrics").get<std::vector<std::string>>();
-    f.note = j.at("note").get<std::string>();
-    f.per_layer = j.at("per_layer").get<bool>();
-    f.per_sequence = j.at("per_sequence").get<bool>();
-    f.num_layers = j.at("num_layers").get<int>();
-    f.num_kv_heads = j.at("num_kv_heads").get<int>();
-    f.group_size = j.at("group_size").get<int>();
-    f.sequence_lengths = j.at("sequence_lengths").get<std::vector<int64_t>>();
-    f.sequence_names = j.at("sequence_names").get<std::vector<std::string>>();
-    f.sequence_index = j.at("sequence_index").get<std::vector<int>>();
-    for (const Json& c : j.at("cells")) {
-        CellInfo cell;
-        cell.policy = c.at("policy").get<std::string>();
-        cell.label = c.at("label").get<std::string>();
-        for (const auto& [name, value] : c.at("params").items()) cell.params[name] = value.get<double>();
-        cell.keeps_everything = c.at("keeps_everything").get<bool>();
-        cell.compression = c.at("compression").get<double>();
-        cell.budget = c.at("budget").get<int>();
-        cell.budget_label = c.at("budget_label").get<std::string>();
-        cell.layer_budgets = c.at("layer_budgets").get<std::vector<int>>();
-        f.cells.push_back(std::move(cell));
-    }
-    const std::size_t sequences = f.sequence_lengths.size();
-    if (f.num_layers < 1 || f.num_kv_heads < 1 || f.group_size < 1 || f.sequence_names.size() != sequences ||
-        f.sequence_index.size() != sequences || f.cells.empty())
-        throw std::invalid_argument("frame: inconsistent shape");
-    return f;
-}
-
 // What every partial file, a sweep's or a search's, says of itself: who wrote it, for which config
 // and trace, which share of how many units, and whether that share is finished.
 struct PartialHeader {
@@ -140,41 +90,250 @@ void write_range(Json& j, const PartialHeader& p) {
     j["complete"] = p.complete;
 }
 
-// `key` names the field being read, for the caller's error.
-void read_identity(const Json& j, PartialHeader& p, const char*& key) {
-    key = "kvsim_version";
-    p.kvsim_version = j.at(key).get<std::string>();
-    key = "config_sha256";
-    p.config_sha256 = j.at(key).get<std::string>();
-    key = "trace_sha256";
-    p.trace_sha256 = j.at(key).get<std::string>();
+// Reads a partial file (a shard's results, a --resume checkpoint) with one error line per problem:
+// the file, the field as a path into the JSON (results[3].streams[0].retained_mass), and what is
+// wrong, in kvsim's words. Every number is checked against the range the rest of the file implies
+// before anything is sized by it or summed.
+class PartialReader {
+public:
+    PartialReader(std::string path, std::string kind) : path_(std::move(path)), kind_(std::move(kind)) {}
+    const std::string& path() const { return path_; }
+
+    [[noreturn]] void fail(const std::string& field, const std::string& problem) const {
+        throw InputError(path_ + ": not a valid " + kind_ + ": " + field + ": " + problem);
+    }
+    const Json& at(const Json& object, const std::string& field, const std::string& name) const {
+        const std::string key = field.empty() ? name : field + "." + name;
+        if (!object.is_object()) fail(field.empty() ? "(top level)" : field, "expected an object");
+        const auto it = object.find(name);
+        if (it == object.end()) fail(key, "missing");
+        return *it;
+    }
+    int64_t integer(const Json& j, const std::string& field, int64_t lo, int64_t hi) const {
+        if (!j.is_number_integer()) fail(field, "expected a whole number, got " + shown(j));
+        const bool above = j.is_number_unsigned() ? j.get<uint64_t>() > static_cast<uint64_t>(hi) : j.get<int64_t>() > hi;
+        if (above || j.get<int64_t>() < lo)
+            fail(field, shown(j) + " is outside [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+        return j.get<int64_t>();
+    }
+    // A number in [lo, hi]; null (a non-finite value, as the writer writes one) reads as NaN where
+    // `null_is_nan`.
+    double number(const Json& j, const std::string& field, double lo, double hi, bool null_is_nan = false) const {
+        if (j.is_null() && null_is_nan) return NAN;
+        if (!j.is_number()) fail(field, "expected a number, got " + shown(j));
+        const double v = j.get<double>();
+        if (!(v >= lo && v <= hi)) fail(field, shown(j) + " is outside [" + text(lo) + ", " + text(hi) + "]");
+        return v;
+    }
+    std::string string(const Json& j, const std::string& field) const {
+        if (!j.is_string()) fail(field, "expected a string, got " + shown(j));
+        return j.get<std::string>();
+    }
+    std::string sha256(const Json& j, const std::string& field) const {
+        const std::string hex = string(j, field);
+        if (hex.size() != 64 || hex.find_first_not_of("0123456789abcdef") != std::string::npos)
+            fail(field, "expected 64 lowercase hexadecimal digits (a sha256)");
+        return hex;
+    }
+    bool boolean(const Json& j, const std::string& field) const {
+        if (!j.is_boolean()) fail(field, "expected true or false, got " + shown(j));
+        return j.get<bool>();
+    }
+    const Json& list(const Json& j, const std::string& field, std::size_t most) const {
+        if (!j.is_array()) fail(field, "expected a list");
+        if (j.size() > most) fail(field, std::to_string(j.size()) + " entries, more than the " + std::to_string(most) +
+                                             " the file allows");
+        return j;
+    }
+    std::vector<std::string> strings(const Json& j, const std::string& field, std::size_t size) const {
+        list(j, field, size);
+        if (j.size() != size) fail(field, std::to_string(j.size()) + " entries, expected " + std::to_string(size));
+        std::vector<std::string> out;
+        for (std::size_t i = 0; i < j.size(); ++i) out.push_back(string(j[i], field + "[" + std::to_string(i) + "]"));
+        return out;
+    }
+
+    static std::string text(double x) {
+        char out[32];
+        std::snprintf(out, sizeof out, "%.10g", x);
+        return out;
+    }
+    // A value as the file has it, cut short: the error stays one readable line.
+    static std::string shown(const Json& j) {
+        std::string out = to_json_text(j);
+        if (out.size() > 40) out = out.substr(0, 37) + "...";
+        for (char& c : out)
+            if (static_cast<unsigned char>(c) < 0x20) c = ' ';
+        return out;
+    }
+
+private:
+    std::string path_, kind_;
+};
+
+constexpr int64_t kMaxShape = 1 << 16;  // layers, KV heads, query heads per KV head, as the trace reader allows
+
+// a * b for bounds, at most 2^62 (never wrapping).
+int64_t bound_product(int64_t a, int64_t b) {
+    constexpr int64_t most = int64_t{1} << 62;
+    return a > 0 && b > most / a ? most : a * b;
+}
+
+// One stream's sums (StreamMetrics, as stream_json writes them) against what they can be: `steps`
+// query-head decode steps of a sequence of `length` tokens (0: not known, a search's fitting
+// sequence) in groups of `group`; fractions summed per step at most the steps (rounding allows
+// 1e-6 more), hits at most the possible ones, one eviction call per KV head and step at most.
+StreamMetrics read_stream(const PartialReader& r, const Json& j, const std::string& field, int64_t length, int group) {
+    r.list(j, field, 11);
+    if (j.size() != 11) r.fail(field, "expected the 11 numbers of a stream, got " + std::to_string(j.size()));
+    const auto at = [&](int i, const char* name) { return field + "[" + std::to_string(i) + "] (" + name + ")"; };
+    const int64_t most_steps = length > 0 ? bound_product(group, length - 1) : int64_t{1} << 50;
+    StreamMetrics m;
+    m.steps = r.integer(j[1], at(1, "steps"), length == 1 ? 0 : group, most_steps);
+    if (m.steps % group != 0)
+        r.fail(at(1, "steps"), std::to_string(m.steps) + " is not a multiple of the " + std::to_string(group) +
+                                   " query heads per KV head");
+    const double steps = static_cast<double>(m.steps);
+    const double fraction_sum = steps * (1 + 1e-6);
+    const int64_t decode_steps = m.steps / group;
+    const int64_t positions = length > 0 ? length : int64_t{1} << 40;
+    m.retained_mass = r.number(j[0], at(0, "retained_mass"), 0, fraction_sum, true);
+    m.heavy_hitter_possible =
+        r.integer(j[3], at(3, "heavy_hitter_possible"), 0, bound_product(m.steps, positions));
+    m.heavy_hitter_hits = r.integer(j[2], at(2, "heavy_hitter_hits"), 0, m.heavy_hitter_possible);
+    m.eviction_calls = r.integer(j[4], at(4, "eviction_calls"), 0, decode_steps);
+    m.output_steps = r.integer(j[7], at(7, "output_steps"), 0, m.steps);
+    const double output_sum = static_cast<double>(m.output_steps) * (1 + 1e-6);
+    m.output_rel_error = r.number(j[5], at(5, "output_rel_error"), 0, m.output_steps ? 1e300 : 0, true);
+    m.output_cosine = r.number(j[6], at(6, "output_cosine"), -output_sum, output_sum, true);
+    m.context_tokens =
+        r.integer(j[10], at(10, "context_tokens"), 0, bound_product(decode_steps, positions));
+    m.cache_bytes = r.number(j[8], at(8, "cache_bytes"), 0, 1e300, true);
+    m.fp16_bytes = r.number(j[9], at(9, "fp16_bytes"), 0, 1e300, true);
+    return m;
+}
+
+// The streams of every unit replay the same steps of a sequence, whatever the policy, layer or KV
+// head: a file (or a merge) whose streams disagree was edited.
+class StepsPerSequence {
+public:
+    void check(const PartialReader& r, const std::string& field, std::size_t sequence, int64_t steps) {
+        if (steps_.size() <= sequence) steps_.resize(sequence + 1, -1);
+        if (steps_[sequence] < 0) {
+            steps_[sequence] = steps;
+            where_[sequence] = r.path() + ": " + field;
+        } else if (steps_[sequence] != steps) {
+            r.fail(field, std::to_string(steps) + " steps, but " + where_[sequence] + " has " +
+                              std::to_string(steps_[sequence]) + " for the same sequence");
+        }
+    }
+
+private:
+    std::vector<int64_t> steps_;
+    std::map<std::size_t, std::string> where_;
+};
+
+ResultFrame read_frame(const PartialReader& r, const Json& j) {
+    ResultFrame f;
+    f.trace = r.string(r.at(j, "frame", "trace"), "frame.trace");
+    f.metrics = r.strings(r.list(r.at(j, "frame", "metrics"), "frame.metrics", 64), "frame.metrics",
+                          r.at(j, "frame", "metrics").size());
+    f.note = r.string(r.at(j, "frame", "note"), "frame.note");
+    f.per_layer = r.boolean(r.at(j, "frame", "per_layer"), "frame.per_layer");
+    f.per_sequence = r.boolean(r.at(j, "frame", "per_sequence"), "frame.per_sequence");
+    f.num_layers = static_cast<int>(r.integer(r.at(j, "frame", "num_layers"), "frame.num_layers", 1, kMaxShape));
+    f.num_kv_heads = static_cast<int>(r.integer(r.at(j, "frame", "num_kv_heads"), "frame.num_kv_heads", 1, kMaxShape));
+    f.group_size = static_cast<int>(r.integer(r.at(j, "frame", "group_size"), "frame.group_size", 1, kMaxShape));
+    const Json& lengths = r.list(r.at(j, "frame", "sequence_lengths"), "frame.sequence_lengths", 1 << 20);
+    if (lengths.empty()) r.fail("frame.sequence_lengths", "empty");
+    for (std::size_t s = 0; s < lengths.size(); ++s)
+        f.sequence_lengths.push_back(
+            r.integer(lengths[s], "frame.sequence_lengths[" + std::to_string(s) + "]", 1, kMaxSequenceTokens));
+    const std::size_t sequences = f.sequence_lengths.size();
+    f.sequence_names = r.strings(r.at(j, "frame", "sequence_names"), "frame.sequence_names", sequences);
+    const Json& index = r.list(r.at(j, "frame", "sequence_index"), "frame.sequence_index", sequences);
+    if (index.size() != sequences)
+        r.fail("frame.sequence_index", std::to_string(index.size()) + " entries, expected " + std::to_string(sequences));
+    for (std::size_t s = 0; s < sequences; ++s) {
+        const std::string field = "frame.sequence_index[" + std::to_string(s) + "]";
+        f.sequence_index.push_back(static_cast<int>(r.integer(index[s], field, 0, kMaxSequenceTokens)));
+        if (std::find(f.sequence_index.begin(), f.sequence_index.end() - 1, f.sequence_index.back()) !=
+            f.sequence_index.end() - 1)
+            r.fail(field, "sequence " + std::to_string(f.sequence_index.back()) + " is listed twice");
+    }
+    const Json& cells = r.list(r.at(j, "frame", "cells"), "frame.cells", 1 << 20);
+    if (cells.empty()) r.fail("frame.cells", "empty");
+    for (std::size_t i = 0; i < cells.size(); ++i) {
+        const std::string field = "frame.cells[" + std::to_string(i) + "]";
+        const Json& c = cells[i];
+        CellInfo cell;
+        cell.policy = r.string(r.at(c, field, "policy"), field + ".policy");
+        cell.label = r.string(r.at(c, field, "label"), field + ".label");
+        const Json& params = r.at(c, field, "params");
+        if (!params.is_object()) r.fail(field + ".params", "expected an object");
+        for (const auto& [name, value] : params.items())
+            cell.params[name] = r.number(value, field + ".params." + name, -1e300, 1e300);
+        cell.keeps_everything = r.boolean(r.at(c, field, "keeps_everything"), field + ".keeps_everything");
+        cell.compression = r.number(r.at(c, field, "compression"), field + ".compression", 0, 1e6);
+        cell.budget = static_cast<int>(r.integer(r.at(c, field, "budget"), field + ".budget",
+                                                 cell.keeps_everything || cell.compression > 0 ? 0 : 1,
+                                                 kMaxBudgetTokens));
+        cell.budget_label = r.string(r.at(c, field, "budget_label"), field + ".budget_label");
+        const Json& layer_budgets = r.list(r.at(c, field, "layer_budgets"), field + ".layer_budgets", kMaxShape);
+        if (!layer_budgets.empty() && layer_budgets.size() != static_cast<std::size_t>(f.num_layers))
+            r.fail(field + ".layer_budgets", std::to_string(layer_budgets.size()) + " entries, but the frame has " +
+                                                 std::to_string(f.num_layers) + " layers");
+        for (std::size_t l = 0; l < layer_budgets.size(); ++l)
+            cell.layer_budgets.push_back(static_cast<int>(r.integer(
+                layer_budgets[l], field + ".layer_budgets[" + std::to_string(l) + "]", 1, kMaxBudgetTokens)));
+        f.cells.push_back(std::move(cell));
+    }
+    // What a merge allocates for it: every (cell, sequence, layer, KV head)'s sums.
+    const uint64_t streams = checked_mul(checked_mul(f.cells.size(), sequences, "frame"),
+                                         checked_mul(f.num_layers, f.num_kv_heads, "frame"), "frame");
+    check_memory(checked_mul(streams, 2 * sizeof(StreamMetrics), "frame"),
+                 r.path() + ": frame (" + std::to_string(f.cells.size()) + " cells x " + std::to_string(sequences) +
+                     " sequences x " + std::to_string(f.num_layers) + " layers x " + std::to_string(f.num_kv_heads) +
+                     " KV heads)");
+    return f;
+}
+
+void read_identity(const PartialReader& r, const Json& j, PartialHeader& p) {
+    p.kvsim_version = r.string(r.at(j, "", "kvsim_version"), "kvsim_version");
+    p.config_sha256 = r.sha256(r.at(j, "", "config_sha256"), "config_sha256");
+    p.trace_sha256 = r.sha256(r.at(j, "", "trace_sha256"), "trace_sha256");
 }
 
 // The shard and its range, which must be the shard's share of `units`, the count the rest of the
 // file implies.
-void read_range(const Json& j, PartialHeader& p, std::size_t units, const char*& key) {
-    key = "shards";
-    p.shard.count = j.at(key).get<int>();
-    key = "shard";
-    p.shard.index = j.at(key).get<int>();
-    if (p.shard.count < 1 || p.shard.index < 0 || p.shard.index >= p.shard.count)
-        throw std::invalid_argument("shard out of range");
-    key = "units";
-    p.units = j.at(key).get<std::size_t>();
-    key = "first_unit";
-    p.first = j.at(key).get<std::size_t>();
-    key = "end_unit";
-    p.end = j.at(key).get<std::size_t>();
-    key = "complete";
-    p.complete = j.at(key).get<bool>();
-    if (p.units != units || shard_range(p.units, p.shard) != std::pair{p.first, p.end})
-        throw std::invalid_argument("the unit range does not match the shard");
+void read_range(const PartialReader& r, const Json& j, PartialHeader& p, std::size_t units) {
+    p.shard.count = static_cast<int>(r.integer(r.at(j, "", "shards"), "shards", 1, 1000000));
+    p.shard.index = static_cast<int>(r.integer(r.at(j, "", "shard"), "shard", 0, p.shard.count - 1));
+    p.units = static_cast<std::size_t>(r.integer(r.at(j, "", "units"), "units", 0, int64_t{1} << 40));
+    if (p.units != units)
+        r.fail("units", std::to_string(p.units) + ", but the rest of the file implies " + std::to_string(units));
+    if (p.units < static_cast<std::size_t>(p.shard.count))
+        r.fail("shards", std::to_string(p.shard.count) + " shards of " + std::to_string(p.units) + " units");
+    const auto [first, end] = shard_range(p.units, p.shard);
+    p.first = static_cast<std::size_t>(r.integer(r.at(j, "", "first_unit"), "first_unit", 0, int64_t{1} << 40));
+    p.end = static_cast<std::size_t>(r.integer(r.at(j, "", "end_unit"), "end_unit", 0, int64_t{1} << 40));
+    if (p.first != first || p.end != end)
+        r.fail("first_unit", "units [" + std::to_string(p.first) + ", " + std::to_string(p.end) + "), but shard " +
+                                 p.shard.text() + " of " + std::to_string(p.units) + " units is [" +
+                                 std::to_string(first) + ", " + std::to_string(end) + ")");
+    p.complete = r.boolean(r.at(j, "", "complete"), "complete");
 }
 
 // A result's unit: inside the shard's range and not seen before in the file.
-void check_unit(const PartialHeader& p, std::size_t unit, bool seen) {
-    if (unit < p.first || unit >= p.end || seen)
-        throw std::invalid_argument("unit " + std::to_string(unit) + " outside the shard or repeated");
+template <class Done>
+std::size_t read_unit(const PartialReader& r, const Json& result, const std::string& field, const PartialHeader& p,
+                      const Done& done) {
+    const auto unit = static_cast<std::size_t>(r.integer(r.at(result, field, "unit"), field + ".unit", 0, int64_t{1} << 40));
+    if (unit < p.first || unit >= p.end)
+        r.fail(field + ".unit", std::to_string(unit) + " is outside the shard's units [" + std::to_string(p.first) +
+                                    ", " + std::to_string(p.end) + ")");
+    if (done.count(unit)) r.fail(field + ".unit", std::to_string(unit) + " is listed twice");
+    return unit;
 }
 
 // --resume: the checkpoint must be this run's (same kvsim, trace and config).
@@ -206,33 +365,25 @@ void refuse_different_runs(const PartialHeader& p, const PartialHeader& first) {
 }
 
 // The checkpoint of a shard: its partial file, rewritten whole under a temporary name after every
-// layer. The folder is made with the first one, so input refused before it leaves nothing behind.
-// Bad input found mid-way (a non-finite value in a later layer) is found again on a resume, so a
-// failed run removes a checkpoint it started (not one it was resuming) and a folder it made. A
+// layer, in a folder the caller holds (OutputFolder, which removes a folder it made when nothing
+// was written into it). Bad input found mid-way (a non-finite value in a later layer) is found
+// again on a resume, so a failed run removes a checkpoint it started (not one it was resuming). A
 // killed run never gets to abandon(), and its checkpoint stays.
 class Checkpoint {
 public:
-    Checkpoint(std::string out_dir, std::string path, bool resuming)
-        : out_dir_(std::move(out_dir)), path_(std::move(path)), resuming_(resuming) {}
+    Checkpoint(std::string path, bool resuming) : path_(std::move(path)), resuming_(resuming) {}
     void write(const std::string& text) {
-        if (!std::filesystem::is_directory(out_dir_)) {
-            std::error_code ec;
-            std::filesystem::create_directories(out_dir_, ec);
-            if (ec) throw InputError(out_dir_ + ": cannot create output folder (" + ec.message() + ")");
-            made_folder_ = true;
-        }
         write_file_atomically(path_, text);
         wrote_ = true;
     }
     void abandon() {
         std::error_code ec;
         if (wrote_ && !resuming_) std::filesystem::remove(path_, ec);
-        if (made_folder_) std::filesystem::remove(out_dir_, ec);  // only if empty
     }
 
 private:
-    std::string out_dir_, path_;
-    bool resuming_, made_folder_ = false, wrote_ = false;
+    std::string path_;
+    bool resuming_, wrote_ = false;
 };
 
 // The units of the shard's range a checkpoint does not already hold.
@@ -261,6 +412,9 @@ struct Partial : PartialHeader {
     std::map<std::size_t, UnitResult> done;
 };
 
+// The sha256 of a frame as the partial writes it: a frame edited without it is refused.
+std::string frame_sha256(const Json& frame) { return sha256_hex(to_json_text(frame)); }
+
 std::string partial_text(const Partial& p) {
     Json results = Json::array();
     const std::vector<WorkUnit> all = enumerate_work(p.frame.cells.size(), p.frame.num_layers);
@@ -280,48 +434,57 @@ std::string partial_text(const Partial& p) {
     j["layout"] = p.layout;
     write_range(j, p);
     j["frame"] = p.frame_text;
+    j["frame_sha256"] = frame_sha256(p.frame_text);
     j["results"] = results;
     return to_json_text(j) + "\n";
 }
 
 Partial read_partial(const std::string& path) {
-    const Json j = load_json_file(path);
+    const Json j = load_ordered_json_file(path);
+    const PartialReader r(path, "kvsim partial results file");
     Partial p;
     p.path = path;
-    const char* key = "";
-    try {
-        key = "kvsim_partial_results";
-        if (j.at(key).get<int>() != kPartialFormat) throw std::invalid_argument("unknown format version");
-        read_identity(j, p, key);
-        key = "title";
-        p.title = j.at(key).get<std::string>();
-        key = "format";
-        p.format = j.at(key).get<std::string>();
-        key = "layout";
-        p.layout = j.at(key).get<std::string>();
-        key = "frame";
-        p.frame_text = j.at(key);
-        p.frame = read_frame(p.frame_text);
-        read_range(j, p, p.frame.cells.size() * static_cast<std::size_t>(p.frame.num_layers), key);
-        key = "results";
-        const std::size_t streams = p.frame.sequence_lengths.size() * static_cast<std::size_t>(p.frame.num_kv_heads);
-        for (const Json& r : j.at(key)) {
-            const auto unit = r.at("unit").get<std::size_t>();
-            check_unit(p, unit, p.done.count(unit));
-            UnitResult result;
-            result.policy_bytes_per_slot = r.at("policy_bytes_per_slot").get<std::size_t>();
-            for (const Json& s : r.at("streams")) result.streams.push_back(read_stream(s));
-            if (result.streams.size() != streams) throw std::invalid_argument("wrong number of streams");
-            p.done[unit] = std::move(result);
+    if (r.integer(r.at(j, "", "kvsim_partial_results"), "kvsim_partial_results", 0, 1 << 30) != kPartialFormat)
+        r.fail("kvsim_partial_results", "format " + PartialReader::shown(j["kvsim_partial_results"]) +
+                                            " is not the one this kvsim reads (" + std::to_string(kPartialFormat) + ")");
+    read_identity(r, j, p);
+    p.title = r.string(r.at(j, "", "title"), "title");
+    p.format = r.string(r.at(j, "", "format"), "format");
+    if (p.format != "table" && p.format != "csv" && p.format != "json") r.fail("format", "expected table, csv or json");
+    p.layout = r.string(r.at(j, "", "layout"), "layout");
+    if (p.layout != "matrix" && p.layout != "comparison") r.fail("layout", "expected matrix or comparison");
+    p.frame_text = r.at(j, "", "frame");
+    const std::string frame_hash = r.sha256(r.at(j, "", "frame_sha256"), "frame_sha256");
+    if (frame_sha256(p.frame_text) != frame_hash)
+        r.fail("frame", "does not match frame_sha256 (its cells, budgets or shape were edited)");
+    p.frame = read_frame(r, p.frame_text);
+    const ResultFrame& f = p.frame;
+    read_range(r, j, p, f.cells.size() * static_cast<std::size_t>(f.num_layers));
+    const std::size_t kv_heads = static_cast<std::size_t>(f.num_kv_heads);
+    const std::size_t streams = f.sequence_lengths.size() * kv_heads;
+    const Json& results = r.list(r.at(j, "", "results"), "results", p.end - p.first);
+    StepsPerSequence steps;
+    for (std::size_t i = 0; i < results.size(); ++i) {
+        const std::string field = "results[" + std::to_string(i) + "]";
+        const std::size_t unit = read_unit(r, results[i], field, p, p.done);
+        UnitResult result;
+        result.policy_bytes_per_slot = static_cast<std::size_t>(
+            r.integer(r.at(results[i], field, "policy_bytes_per_slot"), field + ".policy_bytes_per_slot", 0, 1 << 20));
+        const Json& list = r.list(r.at(results[i], field, "streams"), field + ".streams", streams);
+        if (list.size() != streams)
+            r.fail(field + ".streams", std::to_string(list.size()) + " streams, expected one per (sequence, KV head): " +
+                                           std::to_string(streams));
+        for (std::size_t k = 0; k < streams; ++k) {
+            const std::string at = field + ".streams[" + std::to_string(k) + "]";
+            const std::size_t sequence = k / kv_heads;
+            result.streams.push_back(read_stream(r, list[k], at, f.sequence_lengths[sequence], f.group_size));
+            steps.check(r, at + "[1] (steps)", sequence, result.streams.back().steps);
         }
-        if (p.complete && p.done.size() != p.end - p.first)
-            throw std::invalid_argument("marked complete with units missing");
-    } catch (const InputError&) {
-        throw;
-    } catch (const std::exception& e) {
-        throw InputError(path + ": not a valid kvsim partial results file (key '" + std::string(key) + "': " +
-                         e.what() + ")");
+        p.done[unit] = std::move(result);
     }
+    if (p.complete && p.done.size() != p.end - p.first)
+        r.fail("complete", "true, but " + std::to_string(p.end - p.first - p.done.size()) + " of the shard's " +
+                               std::to_string(p.end - p.first) + " units are missing");
     return p;
 }
 
@@ -383,6 +546,9 @@ ShardedOutcome run_sharded(const ExperimentConfig& config, const std::vector<Gri
     ShardedOutcome outcome;
     outcome.units = partial.end - partial.first;
     outcome.partial_path = partial.path;
+    // One writer of the folder at a time; the shards of a sweep share it, each writing its own
+    // partial file.
+    const OutputFolder folder(run.out_dir, run.shard ? OutputFolder::Access::shared : OutputFolder::Access::exclusive);
     if (run.resume && std::filesystem::exists(partial.path)) {
         Partial previous = read_partial(partial.path);
         trace_sha256.settle();
@@ -393,7 +559,7 @@ ShardedOutcome run_sharded(const ExperimentConfig& config, const std::vector<Gri
 
     const std::vector<std::size_t> todo = unfinished_units(partial, partial.done);
     outcome.units_run = todo.size();
-    Checkpoint checkpoint(run.out_dir, partial.path, !partial.done.empty());
+    Checkpoint checkpoint(partial.path, !partial.done.empty());
     const auto start = std::chrono::steady_clock::now();
     try {
         experiment.run_units(todo, run.show_progress,
@@ -473,6 +639,30 @@ void refuse_missing_units(std::size_t units, int shards, const std::map<int, std
                          unit_name + ") missing; rerun with --resume: --shard " + missing);
 }
 
+// Each partial's units replay the same steps of each sequence (read_partial checked that within a
+// file): partials whose steps differ are not of one run, however their headers agree.
+template <class P, class StreamsOf>
+void refuse_steps_differences(const std::vector<P>& partials, std::size_t kv_heads, StreamsOf streams_of) {
+    const P* reference = nullptr;
+    std::vector<int64_t> steps;
+    for (const P& p : partials) {
+        if (p.done.empty()) continue;
+        const auto& streams = streams_of(p.done.begin()->second);
+        std::vector<int64_t> mine;
+        for (std::size_t k = 0; k < streams.size(); k += kv_heads) mine.push_back(streams[k].steps);
+        if (!reference) {
+            reference = &p;
+            steps = mine;
+            continue;
+        }
+        for (std::size_t s = 0; s < mine.size() && s < steps.size(); ++s)
+            if (mine[s] != steps[s])
+                throw InputError(p.path + ": the streams of sequence " + std::to_string(s) + " replay " +
+                                 std::to_string(mine[s]) + " steps, and " + reference->path + "'s replay " +
+                                 std::to_string(steps[s]) + ": partials of different runs cannot merge");
+    }
+}
+
 }  // namespace
 
 MergeOutcome merge_partials(const std::vector<std::string>& inputs) {
@@ -495,6 +685,8 @@ MergeOutcome merge_partials(const std::vector<std::string>& inputs) {
     std::map<int, std::size_t> done;
     for (const auto& [index, p] : by_shard) done[index] = p->done.size();
     refuse_missing_units(first.units, first.shard.count, done, "cell x layer");
+    refuse_steps_differences(partials, static_cast<std::size_t>(first.frame.num_kv_heads),
+                             [](const UnitResult& r) -> const std::vector<StreamMetrics>& { return r.streams; });
 
     std::vector<UnitResult> units(first.units);
     for (const Partial& p : partials)
@@ -562,52 +754,69 @@ std::string search_partial_text(const SearchPartial& p) {
 }
 
 SearchPartial read_search_partial(const std::string& path) {
-    const Json j = load_json_file(path);
+    const Json j = load_ordered_json_file(path);
+    const PartialReader r(path, "kvsim search partial file");
     SearchPartial p;
     p.path = path;
-    const char* key = "";
-    try {
-        key = "kvsim_search_partial";
-        if (j.at(key).get<int>() != kSearchPartialFormat) throw std::invalid_argument("unknown format version");
-        read_identity(j, p, key);
-        key = "config";
-        p.config_path = j.at(key).get<std::string>();
-        key = "confirm";
-        const Json& c = j.at(key);
-        p.confirm.model_path = c.at("model").get<std::string>();
-        p.confirm.text_path = c.at("text").get<std::string>();
-        p.confirm.split_on = c.at("split_on").get<std::string>();
-        p.confirm.max_tokens = c.at("max_tokens").get<int>();
-        p.confirm.context = c.at("context").get<int>();
-        key = "grid";
-        p.grid = j.at(key).get<std::vector<int>>();
-        key = "num_layers";
-        p.num_layers = j.at(key).get<int>();
-        key = "num_kv_heads";
-        p.num_kv_heads = j.at(key).get<int>();
-        key = "fitting_sequences";
-        p.fitting_sequences = j.at(key).get<std::vector<std::string>>();
-        if (p.grid.empty() || p.num_layers < 1 || p.num_kv_heads < 1 || p.fitting_sequences.empty())
-            throw std::invalid_argument("an empty grid, fitting set, or no layers or KV heads");
-        read_range(j, p, p.grid.size() * static_cast<std::size_t>(p.num_layers), key);
-        key = "results";
-        for (const Json& r : j.at(key)) {
-            const auto unit = r.at("unit").get<std::size_t>();
-            check_unit(p, unit, p.done.count(unit));
-            SearchUnitStreams streams;
-            for (const Json& m : r.at("streams")) streams.push_back(read_stream(m));
-            if (streams.size() != p.fitting_sequences.size() * static_cast<std::size_t>(p.num_kv_heads))
-                throw std::invalid_argument("unit " + std::to_string(unit) + ": not one stream per (fitting sequence, KV head)");
-            p.done[unit] = std::move(streams);
-        }
-        if (p.complete && p.done.size() != p.end - p.first)
-            throw std::invalid_argument("marked complete with units missing");
-    } catch (const InputError&) {
-        throw;
-    } catch (const std::exception& e) {
-        throw InputError(path + ": not a valid kvsim search partial file (key '" + std::string(key) + "': " + e.what() +
-                         ")");
+    if (r.integer(r.at(j, "", "kvsim_search_partial"), "kvsim_search_partial", 0, 1 << 30) != kSearchPartialFormat)
+        r.fail("kvsim_search_partial", "format " + PartialReader::shown(j["kvsim_search_partial"]) +
+                                           " is not the one this kvsim reads (" + std::to_string(kSearchPartialFormat) +
+                                           ")");
+    read_identity(r, j, p);
+    p.config_path = r.string(r.at(j, "", "config"), "config");
+    if (p.config_path.empty() || p.config_path.find('\0') != std::string::npos) r.fail("config", "not a file name");
+    const Json& c = r.at(j, "", "confirm");
+    p.confirm.model_path = r.string(r.at(c, "confirm", "model"), "confirm.model");
+    p.confirm.text_path = r.string(r.at(c, "confirm", "text"), "confirm.text");
+    p.confirm.split_on = r.string(r.at(c, "confirm", "split_on"), "confirm.split_on");
+    p.confirm.max_tokens = static_cast<int>(r.integer(r.at(c, "confirm", "max_tokens"), "confirm.max_tokens", 0, 1 << 30));
+    p.confirm.context = static_cast<int>(r.integer(r.at(c, "confirm", "context"), "confirm.context", 0, 1 << 30));
+    const Json& grid = r.list(r.at(j, "", "grid"), "grid", 1 << 16);
+    if (grid.size() < 2) r.fail("grid", "expected at least two budgets");
+    for (std::size_t i = 0; i < grid.size(); ++i) {
+        const std::string field = "grid[" + std::to_string(i) + "]";
+        p.grid.push_back(static_cast<int>(r.integer(grid[i], field, 1, kMaxBudgetTokens)));
+        if (i > 0 && p.grid[i] <= p.grid[i - 1]) r.fail(field, "budgets must ascend");
     }
+    p.num_layers = static_cast<int>(r.integer(r.at(j, "", "num_layers"), "num_layers", 1, kMaxShape));
+    p.num_kv_heads = static_cast<int>(r.integer(r.at(j, "", "num_kv_heads"), "num_kv_heads", 1, kMaxShape));
+    const Json& fitting = r.list(r.at(j, "", "fitting_sequences"), "fitting_sequences", 1 << 20);
+    if (fitting.empty()) r.fail("fitting_sequences", "empty");
+    p.fitting_sequences = r.strings(fitting, "fitting_sequences", fitting.size());
+    read_range(r, j, p, p.grid.size() * static_cast<std::size_t>(p.num_layers));
+    const std::size_t kv_heads = static_cast<std::size_t>(p.num_kv_heads);
+    const std::size_t streams = p.fitting_sequences.size() * kv_heads;
+    check_memory(checked_mul(checked_mul(p.units, streams, path), sizeof(StreamMetrics), path),
+                 path + ": the grid replay's sums (" + std::to_string(p.units) + " units x " + std::to_string(streams) +
+                     " streams)");
+    const std::vector<WorkUnit> all = enumerate_work(p.grid.size(), p.num_layers);
+    const Json& results = r.list(r.at(j, "", "results"), "results", p.end - p.first);
+    StepsPerSequence steps;
+    for (std::size_t i = 0; i < results.size(); ++i) {
+        const std::string field = "results[" + std::to_string(i) + "]";
+        const std::size_t unit = read_unit(r, results[i], field, p, p.done);
+        if (r.integer(r.at(results[i], field, "budget"), field + ".budget", 1, kMaxBudgetTokens) !=
+            p.grid[all[unit].cell])
+            r.fail(field + ".budget", "is not grid budget " + std::to_string(p.grid[all[unit].cell]) + " of unit " +
+                                          std::to_string(unit));
+        if (r.integer(r.at(results[i], field, "layer"), field + ".layer", 0, p.num_layers - 1) != all[unit].layer)
+            r.fail(field + ".layer", "is not layer " + std::to_string(all[unit].layer) + " of unit " + std::to_string(unit));
+        const Json& list = r.list(r.at(results[i], field, "streams"), field + ".streams", streams);
+        if (list.size() != streams)
+            r.fail(field + ".streams", std::to_string(list.size()) + " streams, expected one per (fitting sequence, KV "
+                                                                      "head): " + std::to_string(streams));
+        SearchUnitStreams unit_streams;
+        for (std::size_t k = 0; k < streams; ++k) {
+            const std::string at = field + ".streams[" + std::to_string(k) + "]";
+            // A search's partial holds no sequence lengths: the steps are checked against each other.
+            unit_streams.push_back(read_stream(r, list[k], at, 0, 1));
+            steps.check(r, at + "[1] (steps)", k / kv_heads, unit_streams.back().steps);
+        }
+        p.done[unit] = std::move(unit_streams);
+    }
+    if (p.complete && p.done.size() != p.end - p.first)
+        r.fail("complete", "true, but " + std::to_string(p.end - p.first - p.done.size()) + " of the shard's " +
+                               std::to_string(p.end - p.first) + " units are missing");
     return p;
 }
 
@@ -633,6 +842,7 @@ SearchShardOutcome run_search_shard(const SearchSpec& spec, const SearchRun& run
     SearchShardOutcome outcome;
     outcome.units = partial.end - partial.first;
     outcome.partial_path = partial.path;
+    const OutputFolder folder(shard_run.out_dir, OutputFolder::Access::shared);
     if (shard_run.resume && std::filesystem::exists(partial.path)) {
         SearchPartial previous = read_search_partial(partial.path);
         trace_sha256.settle();
@@ -644,7 +854,7 @@ SearchShardOutcome run_search_shard(const SearchSpec& spec, const SearchRun& run
     outcome.units_run = todo.size();
 
     // Checkpoints after every layer, as a sweep's shard writes them.
-    Checkpoint checkpoint(shard_run.out_dir, partial.path, !partial.done.empty());
+    Checkpoint checkpoint(partial.path, !partial.done.empty());
     try {
         grid.run_units(todo, [&](const std::vector<std::size_t>& units, std::vector<SearchUnitStreams>& streams) {
             for (std::size_t i = 0; i < units.size(); ++i) partial.done[units[i]] = std::move(streams[i]);
@@ -659,6 +869,13 @@ SearchShardOutcome run_search_shard(const SearchSpec& spec, const SearchRun& run
     partial.complete = true;
     checkpoint.write(search_partial_text(partial));
     return outcome;
+}
+
+void check_partial_file(const std::string& path) {
+    if (holds_search_partials({path}))
+        (void)read_search_partial(path);
+    else
+        (void)read_partial(path);
 }
 
 bool holds_search_partials(const std::vector<std::string>& files) {
@@ -688,10 +905,17 @@ SearchMerge merge_search_partials(const std::vector<std::string>& files) {
                          "; merge with the kvsim that ran the shards");
     SearchMerge out;
     out.config = load_config(first.config_path);
-    const std::string config_sha = search_config_hash(first.config_path, first);
-    if (config_sha != first.config_sha256)
-        throw InputError(first.config_path + ": changed since the shards ran (config_sha256 " + config_sha + ", " +
-                         first.path + " has " + first.config_sha256 + "); rerun the shards");
+    // Every partial's grid, shape, fitting sequences and model flags are those the config's hash
+    // covers, not only the first's.
+    for (const SearchPartial& p : partials) {
+        const std::string config_sha = search_config_hash(first.config_path, p);
+        if (config_sha != p.config_sha256)
+            throw InputError(first.config_path + ": changed since the shards ran, or " + p.path +
+                             " was edited (config_sha256 " + config_sha + " of the config with its grid, shape and "
+                             "fitting sequences, and it has " + p.config_sha256 + "); rerun the shards");
+    }
+    refuse_steps_differences(partials, static_cast<std::size_t>(first.num_kv_heads),
+                             [](const SearchUnitStreams& s) -> const SearchUnitStreams& { return s; });
     const std::string trace_sha = sha256_file(out.config.trace.path);
     if (trace_sha != first.trace_sha256)
         throw InputError(out.config.trace.path + ": changed since the shards ran (trace_sha256 " + trace_sha + ", " +
@@ -707,17 +931,72 @@ SearchMerge merge_search_partials(const std::vector<std::string>& files) {
 
 namespace {
 
-// A word for a POSIX shell, single-quoted.
+// A word for a POSIX shell, single-quoted: inside single quotes the shell expands nothing, and a
+// single quote is closed, escaped and reopened.
 std::string shell_quote(const std::string& word) {
     std::string out = "'";
     for (char c : word) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
     return out + "'";
 }
 
+// A file name pattern of sbatch's: '%' starts a field (%A, %a, %j), and "%%" is a '%'.
+std::string slurm_file_pattern(const std::string& path) {
+    std::string out;
+    for (char c : path) out += c == '%' ? std::string("%%") : std::string(1, c);
+    return out;
+}
+
+// An argument of an #SBATCH line, as sbatch reads one: a backslash takes the next character as
+// it is, so whitespace, quotes, '#' (the rest of the line a comment) and backslashes are escaped.
+std::string sbatch_directive_word(const std::string& word) {
+    std::string out;
+    for (char c : word) {
+        if (c == ' ' || c == '\t' || c == '"' || c == '\'' || c == '#' || c == '\\') out += '\\';
+        out += c;
+    }
+    return out;
+}
+
+// A job name of letters, digits, '.', '_' and '-' only: it goes into #SBATCH lines and squeue's
+// listings, where nothing else needs to be read literally.
+std::string slurm_job_name(const std::string& name) {
+    std::string out;
+    for (char c : name) out += std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-' ? c : '_';
+    return out;
+}
+
+// A line break (or another control character) cannot be quoted in a comment or an #SBATCH line:
+// it would end the line and start a command. Such a value is refused, shown with its controls
+// escaped so that the error stays on one line.
+void refuse_control_characters(const std::string& value, const std::string& what) {
+    if (std::none_of(value.begin(), value.end(), [](char c) { return static_cast<unsigned char>(c) < 0x20 || c == 0x7f; }))
+        return;
+    std::string shown;
+    for (char c : value) {
+        if (static_cast<unsigned char>(c) >= 0x20 && c != 0x7f) {
+            shown += c;
+            continue;
+        }
+        char escaped[8];
+        std::snprintf(escaped, sizeof escaped, c == '\n' ? "\\n" : "\\x%02x", static_cast<unsigned char>(c));
+        shown += escaped;
+    }
+    throw InputError("--emit-slurm: " + what + " '" + shown +
+                     "' holds a line break or another control character, which a batch script cannot carry; "
+                     "rename it");
+}
+
 }  // namespace
 
 void write_slurm_script(const SlurmScript& s) {
     const std::string out_dir = std::filesystem::absolute(s.out_dir).lexically_normal().string();
+    refuse_control_characters(s.path, "the script's path");
+    refuse_control_characters(out_dir, "the output folder");
+    refuse_control_characters(s.kvsim, "the kvsim binary's path");
+    refuse_control_characters(s.workdir, "the working folder");
+    for (const std::string& a : s.command_args) refuse_control_characters(a, "the argument");
+    const std::string job_name = slurm_job_name(s.job_name);
+    const std::string log_folder = slurm_file_pattern(out_dir);
     std::string command = shell_quote(s.kvsim);
     for (const std::string& a : s.command_args) command += " " + shell_quote(a);
     command += " --out " + shell_quote(out_dir);
@@ -733,9 +1012,9 @@ void write_slurm_script(const SlurmScript& s) {
     text += "# Each array task runs shard $SLURM_ARRAY_TASK_ID and resumes its own checkpoint, so a shard that\n";
     text += "# failed or lost its node is rerun alone with `sbatch --array=I " + s.path + "`, redoing only what\n";
     text += "# it had not finished; `kvsim merge` names the shards a merge still misses.\n";
-    text += "#SBATCH --job-name=" + s.job_name + "\n";
+    text += "#SBATCH --job-name=" + job_name + "\n";
     text += "#SBATCH --array=" + array + "\n";
-    text += "#SBATCH --output=" + out_dir + "/slurm-%A_%a.out\n";
+    text += "#SBATCH --output=" + sbatch_directive_word(log_folder + "/slurm-%A_%a.out") + "\n";
     text += "set -euo pipefail\n";
     text += "cd " + shell_quote(s.workdir) + "\n";
     text += "if [ \"${1:-}\" = merge ]; then\n";
@@ -746,8 +1025,8 @@ void write_slurm_script(const SlurmScript& s) {
     text += "    mkdir -p " + shell_quote(out_dir) + "\n";
     text += "    array_job=$(sbatch --parsable \"$script\")\n";
     text += "    array_job=${array_job%%;*}\n";
-    text += "    merge_job=$(sbatch --parsable --array=0 --job-name=" + s.job_name +
-            "-merge --dependency=afterok:\"$array_job\" --output=" + shell_quote(out_dir + "/slurm-merge-%A.out") +
+    text += "    merge_job=$(sbatch --parsable --array=0 --job-name=" + job_name +
+            "-merge --dependency=afterok:\"$array_job\" --output=" + shell_quote(log_folder + "/slurm-merge-%A.out") +
             " \"$script\" merge)\n";
     text += "    echo \"submitted array job $array_job (" + std::to_string(s.shards) +
             " shards) and merge job ${merge_job%%;*}\"\n";

@@ -77,6 +77,10 @@ SearchShardOutcome run_search_shard(const SearchSpec& spec, const SearchRun& run
 // Whether the partial files are a search's (else a sweep's).
 bool holds_search_partials(const std::vector<std::string>& files);
 
+// Reads one partial file (a sweep's or a search's) and checks it as merge and --resume do, without
+// merging: InputError naming the file and the field. The fuzzers' way in (tests/fuzz/fuzz_partial.cpp).
+void check_partial_file(const std::string& path);
+
 struct SearchMerge {
     ExperimentConfig config;  // read again from the file the shards name, checked against their hash
     ModelInput confirm;

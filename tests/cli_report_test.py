@@ -72,17 +72,24 @@ PROFILE = {"format": "kvsim-profile", "version": 1, "name": "stories260K-h2o-2x"
            "policy": {"name": "h2o", "params": {"recent_window": 8}},
            "layer_budgets": [40, 52, 60, 70, 80],
            "head_budgets": [[40, 38, 41, 41], [50, 52, 54, 52], [60, 61, 59, 60], [70, 71, 69, 70], [80, 80, 81, 79]],
-           "streaming": {"sinks": 4, "recent": 16,
-                         "heads": [[0, 1, 0, 0], [1, 1, 0, 0], [0, 0, 0, 1], [1, 0, 1, 0], [0, 0, 0, 0]],
-                         "lambda": [[0.99, 0.93, 0.95, 0.97]] * 5},
-           "tiers": {"fp16_share": [[0.3, 0.3, 0.35, 0.3]] * 5, "int8_share": [[0.3, 0.3, 0.3, 0.3]] * 5,
-                     "int4_share": [[0.25, 0.25, 0.2, 0.25]] * 5},
            "expected": {"bytes_per_token": 61.2, "compression_ratio": 2.01},
            "heldout": {"objective": "output_rel_error", "value": 0.1234}}
+# The profiles of the other fits are for the policies that read them (every command takes the same
+# profiles: search/profile.h), with no budgets beside.
+STREAMING_PROFILE = dict(PROFILE, name="stories260K-streaming_attention-streaming-2x",
+                         policy={"name": "streaming_attention", "params": {}}, layer_budgets=None, head_budgets=None,
+                         streaming={"sinks": 4, "recent": 16,
+                                    "heads": [[0, 1, 0, 0], [1, 1, 0, 0], [0, 0, 0, 1], [1, 0, 1, 0], [0, 0, 0, 0]],
+                                    "lambda": [[0.99, 0.93, 0.95, 0.97]] * 5})
+TIERS_PROFILE = dict(PROFILE, name="stories260K-stratigraphic-tiers-2x", policy={"name": "stratigraphic", "params": {}},
+                     layer_budgets=None, head_budgets=None,
+                     tiers={"fp16": [[0.1, 0.2, 0.0, 0.35]] * 5, "int8": [[0.3] * 4] * 5, "int4": [[0.2] * 4] * 5})
+for fixture in (STREAMING_PROFILE, TIERS_PROFILE):
+    for key in [k for k, v in fixture.items() if v is None]:
+        del fixture[key]
 
-PROFILE_FIGURES = ["profile-layer_budgets", "profile-head_budgets", "profile-streaming-heads",
-                   "profile-streaming-lambda", "profile-tiers-fp16_share", "profile-tiers-int8_share",
-                   "profile-tiers-int4_share"]
+PROFILE_FIGURES = ["profile-layer_budgets", "profile-head_budgets"]
+STREAMING_FIGURES = ["profile-streaming-2x-streaming-heads", "profile-streaming-2x-streaming-lambda"]
 
 
 def dat_blocks(path):
@@ -136,7 +143,7 @@ class Report(KvsimTestCase):
         self.assertFalse(os.path.exists(os.path.join(plots, "results-ppl.dat")))  # not measured by run
         gp = read(os.path.join(plots, "results-retained_mass.gp"))
         self.assertIn('"results-retained_mass.dat"', gp)
-        self.assertIn('set xlabel "bytes per token', gp)
+        self.assertIn("set xlabel 'bytes per token", gp)
         blocks = dat_blocks(os.path.join(plots, "results-retained_mass.dat"))
         self.assertEqual(list(blocks)[:4], ["full", "int8", "sliding_window", "h2o(recent_window=8)"])
         self.assertIn("Pareto front (higher is better)", blocks)
@@ -158,7 +165,7 @@ class Report(KvsimTestCase):
         self.assert_figure(plots, "results-heavy_hitter_recall")
         self.assertEqual(sorted(n for n in os.listdir(plots) if n.endswith(".gp")),
                          ["results-heavy_hitter_recall.gp", "results-retained_mass.gp"])
-        self.assertIn('set xlabel "budget', read(os.path.join(plots, "results-retained_mass.gp")))
+        self.assertIn("set xlabel 'budget", read(os.path.join(plots, "results-retained_mass.gp")))
         blocks = dat_blocks(os.path.join(plots, "results-retained_mass.dat"))
         self.assertEqual([x for x, _ in blocks["tova"]], [48, 64, 128])
 
@@ -194,14 +201,17 @@ class Report(KvsimTestCase):
         self.assertEqual(report.count("!["), 1 + len(PROFILE_FIGURES))
 
         # A search folder's profile per fit and target is drawn too, named by its file.
-        tiers = {"fp16": [[0.1, 0.2, 0.0, 0.35]] * 5, "int8": [[0.3] * 4] * 5, "int4": [[0.2] * 4] * 5}
-        with open(os.path.join(folder, "profile-tiers-2x.json"), "w") as f:
-            json.dump(dict(PROFILE, name="stories260K-stratigraphic-tiers-2x", tiers=tiers), f)
+        for name, content in (("profile-tiers-2x.json", TIERS_PROFILE), ("profile-streaming-2x.json", STREAMING_PROFILE)):
+            with open(os.path.join(folder, name), "w") as f:
+                json.dump(content, f)
         result = kvsim("report", folder)
         self.assertEqual(result.returncode, 0, result.stderr)
         for zone in ("fp16", "int8", "int4"):
             self.assert_figure(plots, "profile-tiers-2x-tiers-" + zone)
+        for name in STREAMING_FIGURES:
+            self.assert_figure(plots, name)
         self.assertIn("\n3 0 0.35\n", read(os.path.join(plots, "profile-tiers-2x-tiers-fp16.dat")))
+        self.assertIn("\n1 0 1\n", read(os.path.join(plots, "profile-streaming-2x-streaming-heads.dat")))
         self.assertIn("stories260K-stratigraphic-tiers-2x", read(os.path.join(plots, "report.md")))
 
     @NEEDS_GNUPLOT
@@ -243,8 +253,8 @@ class Report(KvsimTestCase):
         self.assert_input_error(kvsim("report", folder), folder + ": no results.json, search.json or profile.json")
         results = os.path.join(folder, "results.json")
         cases = [
-            ("[{\"label\": \"a\",", [results + ": invalid JSON"]),
-            ("[{\"label\": \"a\", \"budget\": 1" + "3" * 400 + "}]", [results + ": invalid JSON"]),  # past double
+            ("[{\"label\": \"a\",", [results + ": not valid JSON"]),
+            ("[{\"label\": \"a\", \"budget\": 1" + "3" * 400 + "}]", [results + ": not valid JSON"]),  # past double
             ("{\"label\": \"a\"}", [results + ": not a JSON list of records"]),
             (json.dumps(PARETO_RECORDS[:3] + [dict(record("b", 10, 0.5, 0.1), bytes_per_token="10")]),
              [results + ": record 3: 'bytes_per_token' is not a number"]),
@@ -277,15 +287,19 @@ class Report(KvsimTestCase):
 
         profile = os.path.join(folder, "profile.json")
         for content, fragments in [
-            (dict(PROFILE, head_budgets=PROFILE["head_budgets"][:4]),
-             [profile + ": 'head_budgets' is not a list of 5 rows (one per layer)"]),
-            (dict(PROFILE, tiers={"fp16_share": [[0.3, 0.3, 0.3]] * 5}),
-             [profile + ": 'tiers.fp16_share' row 0 is not a list of 4 values (one per KV head)"]),
-            (dict(PROFILE, streaming={"lambda": [[0.9, 0.9, "x", 0.9]] * 5}),
-             [profile + ": 'streaming.lambda' row 0, KV head 2 is not a number"]),
-            (dict(PROFILE, tiers={"../fp16": [[0.3] * 4] * 5}), [profile + ": 'tiers' has a key '../fp16'"]),
-            (dict(PROFILE, model={"num_layers": 5}), [profile + ": 'model': 'num_kv_heads' is missing"]),
-            (dict(PROFILE, layer_budgets=[1, 2]), [profile + ": 'layer_budgets' is not a list of 5 numbers"]),
+            (dict(PROFILE, head_budgets=PROFILE["head_budgets"][:4]), [profile + ": head_budgets: expected 5 entries, got 4"]),
+            (dict(TIERS_PROFILE, tiers=dict(TIERS_PROFILE["tiers"], fp16=[[0.3, 0.3, 0.3]] * 5)),
+             [profile + ": tiers.fp16[0]: expected 4 entries, got 3"]),
+            (dict(STREAMING_PROFILE, streaming=dict(STREAMING_PROFILE["streaming"], **{"lambda": [[0.9, 0.9, "x", 0.9]] * 5})),
+             [profile + ": streaming.lambda[0][2]: expected a number"]),
+            (dict(TIERS_PROFILE, tiers=dict(TIERS_PROFILE["tiers"], **{"../fp16": [[0.3] * 4] * 5})),
+             [profile + ": 'tiers' has a key '../fp16'"]),
+            (dict(PROFILE, model={"name": "x", "num_layers": 5}), [profile + ": model.num_query_heads: missing"]),
+            (dict(PROFILE, layer_budgets=[1, 2]), [profile + ": layer_budgets: expected 5 entries, got 2"]),
+            # What no other command takes, report does not plot (once it drew these).
+            (dict(PROFILE, streaming=STREAMING_PROFILE["streaming"]),
+             [profile + ": streaming: streaming heads are for policy streaming_attention, not h2o"]),
+            (dict(TIERS_PROFILE, streaming=STREAMING_PROFILE["streaming"]), [profile + ": streaming: beside tiers"]),
         ]:
             with self.subTest(content=fragments[0]):
                 self.write("results/profile.json", json.dumps(content))

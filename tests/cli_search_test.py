@@ -130,7 +130,11 @@ class Search(KvsimTestCase):
         self.assert_input_error(kvsim("export", os.path.join(self.out, "profile.json"), "--format", "duo", "-o", duo),
                                 "streaming: missing")
         self.assertFalse(os.path.exists(duo))
+        # Streaming heads are a streaming_attention profile's, in place of budgets.
         profile["streaming"] = {"sinks": 4, "recent": 32, "heads": [[1, 0, 0, 0]] * 5, "lambda": [[0.9] * 4] * 5}
+        profile["policy"] = {"name": "streaming_attention", "params": {}}
+        for key in ("layer_budgets", "head_budgets"):
+            profile.pop(key, None)
         streaming = self.write("streaming.json", json.dumps(profile))
         result = kvsim("export", streaming, "--format", "duo", "-o", duo)
         self.assertEqual(result.returncode, 0, result.stderr)
@@ -343,7 +347,7 @@ class Search(KvsimTestCase):
              "search.tiers: shares sum to 1.45 > 1"),
             # The trace's head size is 8: checked by the replay itself (once an internal error, exit 1).
             ("  fit: [layer_budgets, head_budgets]\n", "  fit: [tiers]\n  tiers: {recent: 16, value_group: 3}\n",
-             "value_group 3 does not divide the head size 8 of "),
+             ": search.tiers (stratigraphic(recent=16,value_group=3"),
             ("  fit: [layer_budgets, head_budgets]\n", "  fit: [streaming]\n  streaming: {recent: 16, pattern: /}\n",
              "search.streaming.pattern: /: is a directory, not a file"),
             ("  fit: [layer_budgets, head_budgets]\n", "  fit: [tiers]\n  objective: retained_mass\n",
@@ -412,7 +416,7 @@ class Search(KvsimTestCase):
              "tiers[0][0]: the shares fp16 + int8 + int4 sum to 1.1 > 1"),
             (dict(tiers={"fp16": [[0.1] * 4] * 5, "int8": [[0.1] * 4] * 5}), "tiers.int4: missing"),
             (dict(tiers={"fp16": [[0.1] * 4] * 5, "int8": [[0.1] * 4] * 5, "int4": [[0.1] * 4] * 5}),
-             "a profile with tier shares is for stratigraphic"),
+             "tiers: tier shares are for policy stratigraphic, not h2o"),
         ]:
             with self.subTest(fragment=fragment):
                 result, path = replay(dict(good, **change), "bad.json")

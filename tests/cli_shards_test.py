@@ -135,7 +135,7 @@ class BadInput(KvsimTestCase):
         os.makedirs(empty)
         self.assert_merge_refused([empty], "no partial results")
         with open(os.path.join(b, "partial-0-of-2.json"), "w") as f:
-            f.write('{"kvsim_partial_results": 1, "kvsim_version": "x"}')
+            f.write('{"kvsim_partial_results": 2, "kvsim_version": "x"}')
         self.assert_merge_refused([b], "partial-0-of-2.json", "not a valid kvsim partial results file",
                                   "config_sha256")
 

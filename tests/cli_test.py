@@ -448,8 +448,8 @@ class ModelCli(KvsimTestCase):
                        "--context", "512", "--max-tokens", "100", "--out", out, "-q")
         self.assertEqual(result.returncode, 2, result.stderr)
         errors = [line for line in result.stderr.splitlines() if "error" in line]
-        self.assertEqual(errors, ["kvsim: error: int4(value_group=3): value_group 3 does not divide the head size 8 "
-                                  "of model " + MODEL], result.stderr)
+        self.assertEqual(errors, ["kvsim: error: " + config + ":3: policies[0].int4 (int4(value_group=3)): value_group 3 "
+                                  "does not divide the head size 8 of model " + MODEL], result.stderr)
         self.assertFalse(os.path.exists(out))
 
     def test_bad_model_and_text_inputs(self):

@@ -1,43 +1,30 @@
 // Fuzzes the YAML loaders (experiment config with its search section, per-layer budget profile,
 // streaming-head profile), the profile.json reader and the flag parsers. Bad input may only ever be an InputError; anything else escaping (a YAML
 // exception, bad_alloc, a crash, a sanitizer report) is a bug the fuzzer reports.
-#include <unistd.h>
-
 #include <cstdint>
 #include <cstdio>
 #include <string>
 
-#include "base/errors.h"
 #include "base/size_limits.h"
 #include "cache_math/streaming_heads.h"
 #include "search/profile.h"
 #include "src/config.h"
+#include "fuzz_files.h"
 
 namespace {
 
-const std::string& scratch_file() {
-    static const std::string path = "/tmp/kvsim-fuzz-config-" + std::to_string(::getpid()) + ".yaml";
-    return path;
-}
+using kvsim::fuzz::expect_only_input_errors;
 
-template <class F>
-void expect_only_input_errors(F&& f) {
-    try {
-        f();
-    } catch (const kvsim::InputError&) {
-    }
+const std::string& scratch_file() {
+    static const std::string path = kvsim::fuzz::scratch_path("config.yaml");
+    return path;
 }
 
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const std::string text(reinterpret_cast<const char*>(data), size);
-    {
-        FILE* f = std::fopen(scratch_file().c_str(), "wb");
-        if (!f) return 0;
-        std::fwrite(text.data(), 1, text.size(), f);
-        std::fclose(f);
-    }
+    if (!kvsim::fuzz::write_input(scratch_file(), data, size)) return 0;
     expect_only_input_errors([] {
         const kvsim::ExperimentConfig config = kvsim::load_config(scratch_file());
         (void)kvsim::budget_columns(config);

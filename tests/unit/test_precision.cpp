@@ -106,7 +106,8 @@ TEST_CASE("a value group that does not divide the head size is the replay's inpu
         } catch (const InputError& e) {
             message = e.what();
         }
-        CHECK(message == "int4(value_group=6): value_group 6 does not divide the head size 16 of " + source->description());
+        CHECK(message == "test: int4 (int4(value_group=6)): value_group 6 does not divide the head size 16 of " +
+                             source->description());
     }
     ReplayOptions options;
     options.output_error = true;
@@ -127,7 +128,7 @@ TEST_CASE("precision mistakes are input errors naming the key") {
     CHECK(error_of(tiny_config({composed("h2o", {{"recent_window", 8}}, {{"key_group", 0}})})) ==
           "test: h2o.quantize.key_group: must be >= 1, got 0");
     CHECK(error_of(tiny_config({entry("int4", {{"value_group", 6}})})).find(
-              "int4(value_group=6): value_group 6 does not divide the head size 16") == 0);
+              "test: int4 (int4(value_group=6)): value_group 6 does not divide the head size 16") == 0);
     ExperimentConfig attention_only = tiny_config({entry("int8")});
     attention_only.trace = {};
     attention_only.trace.synthetic = "policybook";

@@ -239,7 +239,7 @@ std::string kivi_profile(const std::string& policy, int key_group) {
     p.policy = policy;
     p.params = resolve_params(*find_policy(policy), {{"key_group", key_group}, {"value_group", 4}, {"fp16_recent", 5}},
                               "test");
-    p.layer_budgets.assign(p.model.num_layers, 512);  // a policy that keeps every token ignores them
+    // A policy that keeps every token takes no budgets (search/profile.h refuses them).
     const std::string path = temp_file(policy + "-kivi.json");
     write_profile(p, path);
     return path;
@@ -407,7 +407,7 @@ TEST_CASE("runtime (cpu): bad input is an error code and one line, and the cache
     const TraceReader reader(fp16_trace());
     Profile p = base_profile(reader.metadata());
     p.policy = "h2o";
-    p.params = resolve_params(*find_policy("h2o"), {}, "test");
+    p.params = resolve_params(*find_policy("h2o"), {{"recent_window", 4}}, "test");
     p.layer_budgets.assign(p.model.num_layers, 16);
     const std::string path = temp_file("bad.json");
     write_profile(p, path);
@@ -468,7 +468,6 @@ TEST_CASE("runtime (cpu): bytes held, counted by hand for a KIVI int8 cache and 
     p.model = {"bytes", L, H, K, d};
     p.policy = "int8";
     p.params = resolve_params(*find_policy("int8"), {{"key_group", G}, {"value_group", d}}, "test");
-    p.layer_budgets = {64};
     const std::string path = temp_file("bytes-int8.json");
     write_profile(p, path);
     Profile full = p;

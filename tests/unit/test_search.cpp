@@ -328,7 +328,6 @@ TEST_CASE("a profile round-trips through its JSON, and a DuoAttention export rea
     p.target = "2x";
     p.layer_budgets = {10, 20};
     p.head_budgets = {9, 11, 18, 22};
-    p.streaming = StreamingHeads{4, 16, {1, 0, 0, 1}, {0.9, 0.99, 0.5, 0.0}};
     p.layer_kept_fraction = {0.25, 0.5};
     p.heldout_value = 0.125;
     const std::string file = temp_dir() + "/round-trip.json";
@@ -339,17 +338,28 @@ TEST_CASE("a profile round-trips through its JSON, and a DuoAttention export rea
     CHECK(q.params == p.params);
     CHECK(q.layer_budgets == p.layer_budgets);
     CHECK(q.head_budgets == p.head_budgets);
-    REQUIRE(q.streaming);
-    CHECK(q.streaming->heads == p.streaming->heads);
-    CHECK(q.streaming->lambda == p.streaming->lambda);
     CHECK(q.heldout_value == p.heldout_value);
+
+    // Streaming heads are a streaming_attention profile's, without budgets (search/profile.h).
+    Profile streaming = p;
+    streaming.policy = "streaming_attention";
+    streaming.params = {};
+    streaming.layer_budgets.clear();
+    streaming.head_budgets.clear();
+    streaming.streaming = StreamingHeads{4, 16, {1, 0, 0, 1}, {0.9, 0.99, 0.5, 0.0}};
+    const std::string streaming_file = temp_dir() + "/round-trip-streaming.json";
+    write_profile(streaming, streaming_file);
+    const Profile r = load_profile(streaming_file);
+    REQUIRE(r.streaming);
+    CHECK(r.streaming->heads == streaming.streaming->heads);
+    CHECK(r.streaming->lambda == streaming.streaming->lambda);
 
     const std::string dir = temp_dir() + "/duo-export";
     std::filesystem::remove_all(dir);
-    export_duo_pattern(q, file, dir);
+    export_duo_pattern(r, streaming_file, dir);
     const StreamingPlan plan = load_duo_attention_pattern(dir + "/full_attention_heads.tsv", 2, 2, 0.99);
     for (int l = 0; l < 2; ++l)
-        for (int kv = 0; kv < 2; ++kv) CHECK(plan.is_streaming(l, kv) == (p.streaming->heads[l * 2 + kv] == 1));
+        for (int kv = 0; kv < 2; ++kv) CHECK(plan.is_streaming(l, kv) == (streaming.streaming->heads[l * 2 + kv] == 1));
 
     const std::string ratios = temp_dir() + "/ratios.json";
     export_layer_ratios(q, file, ratios);

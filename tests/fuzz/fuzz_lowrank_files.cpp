@@ -1,0 +1,34 @@
+// Fuzzes the readers of the low-rank policies' files: the bases (`kvsim trace bases`, a search's
+// bases.json) and the fitted ranks (a search's ranks-*.json), each input read as both, at the shape
+// of the seeds (3 layers, 2 KV heads, head size 16). Bad input may only ever be an InputError;
+// anything else escaping, a crash or a sanitizer report is a bug the fuzzer reports.
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+#include "cache_math/lowrank.h"
+#include "fuzz_files.h"
+
+namespace {
+
+using kvsim::fuzz::expect_only_input_errors;
+
+const std::string& scratch_file() {
+    static const std::string path = kvsim::fuzz::scratch_path("lowrank.json");
+    return path;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+    if (!kvsim::fuzz::write_input(scratch_file(), data, size)) return 0;
+    expect_only_input_errors([] {
+        const auto bases = kvsim::read_kv_bases(scratch_file());
+        // What the policies do with a file they accept: group heads by its distances, project.
+        for (int layer = 0; layer < bases->num_layers; ++layer)
+            (void)kvsim::group_heads_of_layer(bases->num_kv_heads, 1, &bases->head_distance.at(layer));
+    });
+    expect_only_input_errors([] { (void)kvsim::load_fitted_ranks(scratch_file(), 3, 2, 16); });
+    std::remove(scratch_file().c_str());
+    return 0;
+}
