@@ -61,6 +61,7 @@ HeadCache::HeadCache(const HeadPlan& plan, PolicyMaker make_policy)
     } else if (!policy_->linear_state()) {
         row_weights_.assign(static_cast<std::size_t>(plan_.group) * capacity_, 0.0f);
         index_of_slot_.assign(capacity_, 0);
+        row_means_.assign(capacity_, 0.0f);
         peaks_.assign(plan_.group, 0.0f);
         inverse_sums_.assign(plan_.group, 0.0f);
         int groups = 0;
@@ -103,7 +104,7 @@ std::size_t HeadCache::reserved_bytes() const {
     std::size_t bytes = 0;
     for (int tier = 0; tier < 3; ++tier) bytes += keys_[tier].reserved_bytes() + values_[tier].reserved_bytes();
     bytes += group_keys_.size() * sizeof(float);
-    bytes += (row_weights_.size() + kernel_scratch_.size()) * sizeof(float);
+    bytes += (row_weights_.size() + row_means_.size() + kernel_scratch_.size()) * sizeof(float);
     bytes += (index_of_slot_.size() + position_of_slot_.size()) * sizeof(int32_t);
     for (const auto& scales : channel_scales_) bytes += scales.size() * sizeof(float);
     return bytes;
@@ -230,14 +231,19 @@ void HeadCache::attend_from_storage(const float* q, float* out) {
         float* o = out + static_cast<std::size_t>(h) * d;
         for (int i = 0; i < d; ++i) o[i] *= inverse_sums_[h];
     }
-    // What the policy sees: each head's weight on each held position, averaged over the group.
-    attn_.resize(positions_.size());
-    for (std::size_t j = 0; j < positions_.size(); ++j) {
-        const std::size_t at = static_cast<std::size_t>(index_of_slot_[static_cast<std::size_t>(slot_of_[j])]);
-        float mean = 0.0f;
-        for (int h = 0; h < group; ++h) mean += scores[h * stride + at] * inverse_sums_[h];
-        attn_[j] = mean / static_cast<float>(group);
+    // What the policy sees: each head's weight on each held position, averaged over the group
+    // (in the rows' order, then by position).
+    float* const mean = row_means_.data();
+    std::fill(mean, mean + n, 0.0f);
+    for (int h = 0; h < group; ++h) {
+        const float* w = scores + h * stride;
+        const float inverse_sum = inverse_sums_[h];
+        for (int i = 0; i < n; ++i) mean[i] += w[i] * inverse_sum;
     }
+    const float inverse_group = 1.0f / static_cast<float>(group);
+    attn_.resize(positions_.size());
+    for (std::size_t j = 0; j < positions_.size(); ++j)
+        attn_[j] = mean[index_of_slot_[static_cast<std::size_t>(slot_of_[j])]] * inverse_group;
 }
 
 void HeadCache::bench_fill(int tokens, const float* k, const float* v, const std::function<uint8_t(int)>& tier_of) {
@@ -366,8 +372,10 @@ void HeadCache::complete_from_slot_weights(int32_t t, int slot, const float* slo
 void HeadCache::complete(int32_t t, int slot, bool defer_eviction) {
     const std::size_t held = positions_.size();
     if (!state_) {
-        double bytes = key_bytes_[0] + value_bytes_[0];
-        for (int32_t p : positions_) bytes += key_bytes_[key_tier_[p]] + value_bytes_[value_tier_[p]];
+        // The held tokens and t, each at its tiers: what the tier stores hold now.
+        double bytes = 0;
+        for (int tier = 0; tier < 3; ++tier)
+            bytes += keys_[tier].rows() * key_bytes_[tier] + values_[tier].rows() * value_bytes_[tier];
         attending_bytes_ = bytes + static_cast<double>(policy_->bytes_per_slot()) * static_cast<double>(held + 1);
     }
     if (t == 0) {  // the policy was built holding position 0; its tier as step 0 left it

@@ -125,7 +125,7 @@ private:
     // The serving path's: the group's scores, then weights, query head h at h * capacity_, in the
     // order the key tiers' rows were read; where each slot's lies; per head the peak score and
     // 1 / the sum of the exponentials.
-    std::vector<float> row_weights_;
+    std::vector<float> row_weights_, row_means_;
     std::vector<int32_t> index_of_slot_;
     std::vector<float> peaks_, inverse_sums_;
     std::vector<float> kernel_scratch_;
