@@ -392,19 +392,23 @@ void HeadCache::complete(int32_t t, int slot, bool defer_eviction) {
     if (!defer_eviction && (positions_.size() > static_cast<std::size_t>(plan_.budget) || policy_->sizes_itself())) {
         victims_.clear();
         policy_->evict(plan_.budget, victims_);
-        // Victims ascend, as positions do: one merge pass.
-        std::size_t out_index = 0, next_victim = 0;
-        for (std::size_t i = 0; i < positions_.size(); ++i) {
-            if (next_victim < victims_.size() && positions_[i] == victims_[next_victim]) {
-                if (slot_of_[i] >= 0) release(slot_of_[i], positions_[i]);
-                ++next_victim;
-                continue;
-            }
-            positions_[out_index] = positions_[i];
-            slot_of_[out_index] = slot_of_[i];
-            ++out_index;
+        // Victims ascend, as positions do: each found by bisection after the last, and the held
+        // positions between two victims moved down in one block (a step evicts one or a few).
+        std::size_t out_index = 0, from = 0;
+        for (const int32_t victim : victims_) {
+            const auto at = std::lower_bound(positions_.begin() + static_cast<std::ptrdiff_t>(from), positions_.end(), victim);
+            if (at == positions_.end() || *at != victim) fail(t, "evicted a position it does not hold, or out of order");
+            const std::size_t i = static_cast<std::size_t>(at - positions_.begin());
+            if (slot_of_[i] >= 0) release(slot_of_[i], victim);
+            std::copy(positions_.begin() + static_cast<std::ptrdiff_t>(from), at, positions_.begin() + static_cast<std::ptrdiff_t>(out_index));
+            std::copy(slot_of_.begin() + static_cast<std::ptrdiff_t>(from), slot_of_.begin() + static_cast<std::ptrdiff_t>(i),
+                      slot_of_.begin() + static_cast<std::ptrdiff_t>(out_index));
+            out_index += i - from;
+            from = i + 1;
         }
-        if (next_victim != victims_.size()) fail(t, "evicted a position it does not hold, or out of order");
+        std::copy(positions_.begin() + static_cast<std::ptrdiff_t>(from), positions_.end(), positions_.begin() + static_cast<std::ptrdiff_t>(out_index));
+        std::copy(slot_of_.begin() + static_cast<std::ptrdiff_t>(from), slot_of_.end(), slot_of_.begin() + static_cast<std::ptrdiff_t>(out_index));
+        out_index += positions_.size() - from;
         positions_.resize(out_index);
         slot_of_.resize(out_index);
         if (positions_.size() > static_cast<std::size_t>(plan_.budget))
