@@ -33,6 +33,12 @@ float element(const TierRows& t, std::size_t r, int c, const float* channel_scal
     return dequantize_level(static_cast<float>(level), scale);
 }
 
+// Row r, every channel, into `row`.
+void dequantise_row(const TierRows& t, std::size_t r, float* row) {
+    const float* channel_scales = row_channel_scales(t, r);
+    for (int c = 0; c < t.head_dim; ++c) row[c] = element(t, r, c, channel_scales);
+}
+
 void check_rows(const TierRows& t) {
     if (t.tier != 0 && t.groups == 0 && (!t.channel_scales || !t.position_of_slot))
         throw std::logic_error("attention kernels: a tier without row scales needs per-channel scales");
@@ -46,8 +52,7 @@ void score_rows_portable(const TierRows& t, const float* q, int group, float sca
     const int d = t.head_dim;
     float* row = scratch;
     for (int r = 0; r < t.count; ++r) {
-        const float* channel_scales = row_channel_scales(t, r);
-        for (int c = 0; c < d; ++c) row[c] = element(t, r, c, channel_scales);
+        dequantise_row(t, r, row);
         for (int h = 0; h < group; ++h) {
             const float* qh = q + static_cast<std::size_t>(h) * d;
             float dot = 0.0f;
@@ -65,8 +70,7 @@ void accumulate_rows_portable(const TierRows& t, const float* weights, std::size
     const int d = t.head_dim;
     float* row = scratch;
     for (int r = 0; r < t.count; ++r) {
-        const float* channel_scales = row_channel_scales(t, r);
-        for (int c = 0; c < d; ++c) row[c] = element(t, r, c, channel_scales);
+        dequantise_row(t, r, row);
         const std::size_t i = static_cast<std::size_t>(index_of_slot[t.slot_of_row[r]]);
         for (int h = 0; h < group; ++h) {
             const float w = weights[h * stride + i];
