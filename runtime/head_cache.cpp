@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <stdexcept>
 
 #include "cache_math/tiers.h"
@@ -59,7 +60,11 @@ HeadCache::HeadCache(const HeadPlan& plan, PolicyMaker make_policy)
         weights_.reserve(static_cast<std::size_t>(plan_.group) * (capacity_ + 1));
         scores_.resize(capacity_ + 1);
     } else if (!policy_->linear_state()) {
-        row_weights_.assign(static_cast<std::size_t>(plan_.group) * capacity_, 0.0f);
+        constexpr std::size_t kRowAlignFloats = 32 / sizeof(float);
+        score_stride_ = (static_cast<std::size_t>(capacity_) + kRowAlignFloats - 1) / kRowAlignFloats * kRowAlignFloats;
+        row_weights_.assign(static_cast<std::size_t>(plan_.group) * score_stride_ + kRowAlignFloats, 0.0f);
+        const auto address = reinterpret_cast<std::uintptr_t>(row_weights_.data());
+        score_offset_ = ((32 - address % 32) % 32) / sizeof(float);  // a float's address is a multiple of 4
         index_of_slot_.assign(capacity_, 0);
         row_means_.assign(capacity_, 0.0f);
         peaks_.assign(plan_.group, 0.0f);
@@ -208,8 +213,8 @@ TierRows HeadCache::value_rows(int tier) const {
 void HeadCache::attend_from_storage(const float* q, float* out) {
     const int d = plan_.head_dim, group = plan_.group;
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-    const std::size_t stride = static_cast<std::size_t>(capacity_);
-    float* const scores = row_weights_.data();
+    const std::size_t stride = score_stride_;
+    float* const scores = row_weights_.data() + score_offset_;
     std::fill(peaks_.begin(), peaks_.end(), -INFINITY);
     int n = 0;
     for (int tier = 0; tier < 3; ++tier) {

@@ -3,6 +3,7 @@
 // held, which is all a runtime can compute), every step's attention output and bytes must match
 // bit for bit: the summed output errors and bytes per (layer, KV head) are equal to the last digit.
 #include <doctest/doctest.h>
+#include <tbb/global_control.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 #include <filesystem>
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <new>
 #include <random>
@@ -402,6 +404,51 @@ TEST_CASE("runtime (cpu): every output of the serving path within 1e-5 of the or
                                                                 << a.outputs << " outputs");
         CHECK(a.worst < 1e-5);
         CHECK(a.same_holdings);
+        std::filesystem::remove(path);
+    }
+}
+
+TEST_CASE("runtime (cpu): every output the same bits on one thread as on several") {
+    // kvsim_rt_decode steps the KV heads in parallel; each head's arithmetic is its own, so the
+    // outputs and what each head holds may not depend on the threads, nor on where the heap put a
+    // head's buffers (a second run on one thread: the heap is in another state by then). Seen to
+    // fail when the serving path's score rows lay wherever the allocator put them: the
+    // exponentials of a row's unaligned head are taken one by one, in other bits.
+    const TraceReader reader(fp16_trace());
+    const TraceMetadata& m = reader.metadata();
+    const int L = static_cast<int>(m.num_layers), H = static_cast<int>(m.num_query_heads),
+              K = static_cast<int>(m.num_kv_heads), d = static_cast<int>(m.head_dim);
+    const int s = 3, length = static_cast<int>(reader.sequences()[s].length);
+    const kvsim_model_shape shape{L, H, K, d, length, 0};
+    for (const std::string& path : {tier_profile(), kivi_profile("int4", 16)}) {
+        auto run = [&](int threads) {
+            tbb::global_control limit(tbb::global_control::max_allowed_parallelism, static_cast<std::size_t>(threads));
+            kvsim_rt* rt = nullptr;
+            REQUIRE(kvsim_rt_create(path.c_str(), &shape, "cpu", &rt) == KVSIM_OK);
+            std::vector<float> outputs, out(static_cast<std::size_t>(H) * d);
+            std::vector<int32_t> held(length);
+            std::vector<uint8_t> tiers(length);
+            for (int layer = 0; layer < L; ++layer) {
+                const QkvLayer data = reader.read_qkv(s, layer);
+                for (int64_t t = 0; t < data.tokens; ++t) {
+                    REQUIRE(kvsim_rt_decode(rt, layer, static_cast<int32_t>(t), data.q.data() + t * H * d,
+                                            data.k.data() + t * K * d, data.v.data() + t * K * d, out.data()) == KVSIM_OK);
+                    outputs.insert(outputs.end(), out.begin(), out.end());
+                }
+                for (int kv = 0; kv < K; ++kv) {
+                    int32_t n = 0;
+                    REQUIRE(kvsim_rt_held(rt, layer, kv, held.data(), tiers.data(), length, &n) == KVSIM_OK);
+                    for (int i = 0; i < n; ++i) outputs.push_back(static_cast<float>(held[i] * 4 + tiers[i]));
+                }
+            }
+            kvsim_rt_destroy(rt);
+            return outputs;
+        };
+        const std::vector<float> one = run(1), several = run(4), again = run(1);
+        REQUIRE(one.size() == several.size());
+        REQUIRE(one.size() == again.size());
+        CHECK(std::memcmp(one.data(), several.data(), one.size() * sizeof(float)) == 0);
+        CHECK(std::memcmp(one.data(), again.data(), one.size() * sizeof(float)) == 0);
         std::filesystem::remove(path);
     }
 }
