@@ -1,16 +1,21 @@
 // The runtime's attention kernels (runtime/attention_kernels.h) and the packed tier storage they
 // read (runtime/tier_store.h), against numerics.h's definitions one number at a time: every tier,
 // scale groups of whole eights, of other sizes and per channel (KIVI), head sizes with and without
-// a tail past the last eight channels, and query groups of 1 to 9 heads.
+// a tail past the last eight channels, and query groups of 1 to 9 heads; then one head's whole
+// serving attention against the oracle's two-pass attention on the same cache.
 #include <doctest/doctest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <string>
 #include <numeric>
 #include <random>
 #include <vector>
 
+#include "policies/policy.h"
 #include "runtime/attention_kernels.h"
+#include "runtime/head_cache.h"
 #include "runtime/tier_store.h"
 
 using namespace kvsim;
@@ -236,4 +241,63 @@ TEST_CASE("attention kernels: a softmax's total summed in double") {
         for (float v : x) total += v;
         CHECK(reciprocal_of_sum(x.data(), n) == doctest::Approx(1.0 / total).epsilon(1e-7));
     }
+}
+
+TEST_CASE("attention kernels: a head's serving attention within 1e-5 of the oracle's at FP16, INT8, INT4 and mixed") {
+    // One head holding `tokens` positions at the given tiers (the last, the current token, at
+    // FP16), attended once by the serving path (score_rows, exponentials, accumulate_rows) and once
+    // by the oracle's two-pass attention over the same stored rows: each query head's output may
+    // differ by summation order alone, ||serving - oracle|| / ||oracle|| < 1e-5 (the order the
+    // runtime's agreement test holds over whole stories). Lengths of one row, of blocks and a part
+    // (kernel blocks are 32 rows), groups of one to nine query heads (nine: eight, then one).
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    REQUIRE(vector_kernels());  // otherwise the serving path below would be the portable loops
+#endif
+    const PolicyDescriptor* stratigraphic = find_policy("stratigraphic");
+    REQUIRE(stratigraphic);
+    static const std::map<std::string, std::string> no_files;
+    std::mt19937 rng(15);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    const std::vector<std::pair<const char*, std::vector<double>>> mixes = {
+        {"FP16", {1, 0, 0}}, {"INT8", {0, 1, 0}}, {"INT4", {0, 0, 1}}, {"mixed", {0.3, 0.4, 0.3}}};
+    for (const int d : {128, 40})
+        for (const int value_group : {32, 8})
+            for (const int tokens : {1, 2, 31, 33, 97, 300})
+                for (const int group : {1, 4, 5, 9})
+                    for (const auto& [name, share] : mixes) {
+                        INFO(name << ", head size " << d << ", scale group " << value_group << ", " << tokens
+                                  << " tokens, " << group << " query heads");
+                        const ParamValues params = resolve_params(*stratigraphic, {{"value_group", value_group}}, "test");
+                        HeadPlan plan;
+                        plan.group = group, plan.head_dim = d, plan.budget = tokens, plan.max_context = tokens;
+                        const PolicyContext ctx{tokens, tokens + 1, 0, 1, 0, 1, d, &no_files};
+                        HeadCache head(plan, [&] { return stratigraphic->make(params, ctx); });
+                        std::vector<float> k(static_cast<std::size_t>(tokens) * d), v(k.size()),
+                            q(static_cast<std::size_t>(group) * d);
+                        for (float& x : k) x = normal(rng);
+                        for (float& x : v) x = normal(rng);
+                        for (float& x : q) x = 0.5f * normal(rng);
+                        std::uniform_real_distribution<double> u(0.0, 1.0);
+                        std::vector<uint8_t> tier(tokens);
+                        for (uint8_t& t : tier) {
+                            const double x = u(rng);
+                            t = x < share[0] ? 0 : x < share[0] + share[1] ? 1 : 2;
+                        }
+                        tier.back() = 0;
+                        head.bench_fill(tokens, k.data(), v.data(), [&](int p) { return tier[p]; });
+                        REQUIRE(static_cast<int>(head.held().size()) == tokens);
+                        std::vector<float> serving(q.size()), oracle(q.size());
+                        head.bench_attend(q.data(), serving.data());
+                        head.bench_attend(q.data(), oracle.data(), true);
+                        for (int h = 0; h < group; ++h) {
+                            double diff = 0, norm = 0;
+                            for (int c = 0; c < d; ++c) {
+                                const double a = serving[h * d + c], b = oracle[h * d + c];
+                                diff += (a - b) * (a - b);
+                                norm += b * b;
+                            }
+                            REQUIRE(norm > 0);
+                            REQUIRE(std::sqrt(diff / norm) < 1e-5);
+                        }
+                    }
 }
