@@ -1,31 +1,39 @@
-// The runtime's CPU backend at the Llama-3.2-1B shape (one layer: 32 query heads, 8 KV heads, head
-// size 128): decode attention over a tiered cache against an fp32 full-cache decode attention of
-// the same shape (computed the same way; the plainest scalar loops shown too), at 4K and 32K tokens of context, as a time ratio and as a share of this
-// machine's memory bandwidth measured in the same run (a STREAM-style copy); then a whole decode
-// step (admission, H2O's score update and eviction) against its attention alone, at 4K.
-//   build/bench/bench_runtime [repeats, default 7]
-#include <tbb/info.h>
+// The runtime's CPU backend at the Llama-3.2-1B shape (one layer: 32 query heads over 8 KV heads of
+// 128 channels, one query token): decode attention over FP16, INT8 and INT4 caches and two tier
+// mixes, at 4K, 16K and 32K tokens of context, as time, bytes read a token and GB/s beside this
+// machine's memory read bandwidth, measured in the same run on the same threads (rounds that
+// alternate the bandwidth and every cache, medians); the largest difference of any query head's
+// output from the cpu-oracle backend's two-pass attention on the same cache; then a whole decode
+// step (admission, attention, the policy's update, eviction and re-zoning) against its attention
+// alone, for H2O and for stratigraphic tiers.
+//
+//   build/bench/bench_runtime [--context 4096 ...] [--threads 2] [--group 32] [--rounds 7]
+//                             [--step-context 4096]
+#include <CLI/CLI.hpp>
 #include <tbb/blocked_range.h>
+#include <tbb/global_control.h>
+#include <tbb/info.h>
 #include <tbb/parallel_for.h>
+#include <tbb/parallel_reduce.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <filesystem>
+#include <map>
+#include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
-#include <Eigen/Core>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include "policies/policy.h"
-#include "cache_math/numerics.h"
-#include "cache_math/softmax_exp.h"
-#include "search/profile.h"
+#include "runtime/attention_kernels.h"
 #include "runtime/head_cache.h"
-#include "runtime/kvsim_runtime.h"
 
 using namespace kvsim;
 using Clock = std::chrono::steady_clock;
@@ -34,237 +42,267 @@ namespace {
 
 constexpr int kQueryHeads = 32, kKvHeads = 8, kDim = 128, kGroup = kQueryHeads / kKvHeads;
 
-template <class F>
-double median_seconds(int repeats, F&& f) {
-    std::vector<double> times;
-    for (int r = 0; r < repeats; ++r) {
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+double median(std::vector<double> x) {
+    std::sort(x.begin(), x.end());
+    return x.size() % 2 ? x[x.size() / 2] : 0.5 * (x[x.size() / 2 - 1] + x[x.size() / 2]);
+}
+
+// Memory read bandwidth: every thread sums its share of an array eight times larger than any
+// last-level cache this targets, with as many loads in flight as the attention keeps.
+class ReadBandwidth {
+public:
+    ReadBandwidth() : words_(std::size_t{32} << 20, 1) {}  // 256 MiB
+    double bytes() const { return static_cast<double>(words_.size() * sizeof(uint64_t)); }
+    double seconds() {
         const auto start = Clock::now();
-        f();
-        times.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+        sink_ += tbb::parallel_reduce(
+            tbb::blocked_range<std::size_t>(0, words_.size(), std::size_t{1} << 16), uint64_t{0},
+            [&](const tbb::blocked_range<std::size_t>& r, uint64_t total) { return total + sum(r.begin(), r.end()); },
+            [](uint64_t a, uint64_t b) { return a + b; });
+        return seconds_since(start);
     }
-    std::sort(times.begin(), times.end());
-    return times[times.size() / 2];
-}
 
-// STREAM's copy kernel over arrays far larger than the caches: bytes read plus bytes written.
-double copy_bandwidth(int repeats) {
-    const std::size_t n = std::size_t{1} << 27;  // 512 MiB of floats each
-    std::vector<float> a(n, 1.0f), b(n, 0.0f);
-    const double s = median_seconds(repeats, [&] {
-        tbb::parallel_for(tbb::blocked_range<std::size_t>(0, n, 1 << 20), [&](const auto& r) {
-            std::memcpy(b.data() + r.begin(), a.data() + r.begin(), (r.end() - r.begin()) * sizeof(float));
-        });
-    });
-    return 2.0 * n * sizeof(float) / s;
-}
-
-// The plainest fp32 full-cache decode attention: per KV head, one pass over its T keys and values for
-// the group's four query heads (scores, softmax, weighted sum), in parallel over KV heads.
-void fp32_attention(const std::vector<float>& k, const std::vector<float>& v, int T, const float* q, float* out) {
-    tbb::parallel_for(0, kKvHeads, [&](int kv) {
-        thread_local std::vector<float> scores;
-        scores.resize(static_cast<std::size_t>(kGroup) * T);
-        const float scale = 1.0f / std::sqrt(static_cast<float>(kDim));
-        const float* keys = k.data() + static_cast<std::size_t>(kv) * T * kDim;
-        const float* values = v.data() + static_cast<std::size_t>(kv) * T * kDim;
-        float peak[kGroup], total[kGroup];
-        for (int h = 0; h < kGroup; ++h) peak[h] = -INFINITY, total[h] = 0;
-        for (int t = 0; t < T; ++t)
-            for (int h = 0; h < kGroup; ++h) {
-                const float* qh = q + (kv * kGroup + h) * kDim;
-                float dot = 0;
-                for (int i = 0; i < kDim; ++i) dot += qh[i] * keys[static_cast<std::size_t>(t) * kDim + i];
-                scores[h * T + t] = dot * scale;
-                peak[h] = std::max(peak[h], dot * scale);
-            }
-        for (int h = 0; h < kGroup; ++h) {
-            float* o = out + (kv * kGroup + h) * kDim;
-            std::fill(o, o + kDim, 0.0f);
-        }
-        for (int t = 0; t < T; ++t)
-            for (int h = 0; h < kGroup; ++h) {
-                const float w = std::exp(scores[h * T + t] - peak[h]);
-                total[h] += w;
-                float* o = out + (kv * kGroup + h) * kDim;
-                for (int i = 0; i < kDim; ++i) o[i] += w * values[static_cast<std::size_t>(t) * kDim + i];
-            }
-        for (int h = 0; h < kGroup; ++h) {
-            float* o = out + (kv * kGroup + h) * kDim;
-            for (int i = 0; i < kDim; ++i) o[i] /= total[h];
-        }
-    });
-}
-
-// The same fp32 full cache attended the way the runtime's CPU backend attends (blocks of rows,
-// scores and outputs as small matrix products, an online softmax), reading the rows in place: the
-// baseline the tiered cache is measured against, so a ratio is about bytes, not about code.
-void fp32_blocked_attention(const std::vector<float>& k, const std::vector<float>& v, int T, const float* q, float* out) {
-    using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-    constexpr int kBlock = 64;
-    tbb::parallel_for(0, kKvHeads, [&](int kv) {
-        const float scale = 1.0f / std::sqrt(static_cast<float>(kDim));
-        const Eigen::Map<const RowMajor> queries(q + kv * kGroup * kDim, kGroup, kDim);
-        Eigen::Map<RowMajor> o(out + kv * kGroup * kDim, kGroup, kDim);
-        o.setZero();
-        Eigen::MatrixXf scores(kBlock, kGroup);
-        OnlineSoftmax online[kGroup];
-        for (int first = 0; first < T; first += kBlock) {
-            const int m = std::min(kBlock, T - first);
-            const std::size_t at = (static_cast<std::size_t>(kv) * T + first) * kDim;
-            const Eigen::Map<const RowMajor> keys(k.data() + at, m, kDim), values(v.data() + at, m, kDim);
-            auto s = scores.topRows(m);
-            s.noalias() = keys * queries.transpose();
-            s *= scale;
-            for (int h = 0; h < kGroup; ++h) {
-                const float rescale = online[h].raise_to(s.col(h).maxCoeff());
-                online[h].sum += exp_minus_peak_and_sum(s.col(h).data(), m, online[h].maximum);
-                if (rescale != 1.0f) o.row(h) *= rescale;
-            }
-            o.noalias() += s.transpose() * values;
-        }
-        for (int h = 0; h < kGroup; ++h) o.row(h) /= online[h].sum;
-    });
-}
-
-std::string write_profile_file(const std::string& policy, const ParamValues& params, int budget, bool tiers) {
-    Profile p;
-    p.name = "bench-" + policy;
-    p.model = {"llama-1b-shaped", 1, kQueryHeads, kKvHeads, kDim};
-    p.policy = policy;
-    p.params = params;
-    if (tiers)
-        p.tiers = TierShares{1, kKvHeads, std::vector<double>(kKvHeads, 0.2), std::vector<double>(kKvHeads, 0.4),
-                             std::vector<double>(kKvHeads, 0.2)};
-    else
-        p.layer_budgets = {budget};
-    const std::string path = (std::filesystem::temp_directory_path() / ("kvsim-bench-" + policy + ".json")).string();
-    write_profile(p, path);
-    return path;
-}
-
-// One HeadCache per KV head, filled with the same rows at the tiers of a mix.
-struct TieredLayer {
-    std::vector<std::unique_ptr<runtime::HeadCache>> heads;
-    double row_bytes = 0;  // K and V bytes read per step, over every head
+private:
+    uint64_t sum(std::size_t begin, std::size_t end) const {
+        const uint64_t* w = words_.data();
+        uint64_t total = 0;
+        std::size_t i = begin;
+#if defined(__AVX2__)
+        __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (; i + 16 <= end; i += 16)
+            for (int a = 0; a < 4; ++a)
+                acc[a] = _mm256_add_epi64(acc[a], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i + 4 * a)));
+        alignas(32) uint64_t lanes[4];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes),
+                           _mm256_add_epi64(_mm256_add_epi64(acc[0], acc[1]), _mm256_add_epi64(acc[2], acc[3])));
+        total = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+#endif
+        for (; i < end; ++i) total += w[i];
+        return total;
+    }
+    std::vector<uint64_t> words_;
+    uint64_t sink_ = 0;
 };
 
-TieredLayer tiered_layer(int T, const double mix[4], const std::vector<float>& k, const std::vector<float>& v) {
-    const PolicyDescriptor* d = find_policy("stratigraphic");
-    static const std::map<std::string, std::string> files;
-    const ParamValues params = resolve_params(*d, {}, "bench");
-    TieredLayer layer;
-    // Tiers by position: a fixed pseudo-random draw with the mix's shares; evicted ones are left out
-    // by placing them past the held count, so `held` rows remain; the last is the FP16 current token.
-    const int held = static_cast<int>(std::lround(T * (1.0 - mix[3])));
-    std::mt19937 rng(5);
-    std::uniform_real_distribution<double> u(0.0, 1.0 - mix[3]);
-    std::vector<uint8_t> tier(held);
-    for (int p = 0; p < held; ++p) {
-        const double x = u(rng);
-        tier[p] = x < mix[0] ? 0 : x < mix[0] + mix[1] ? 1 : 2;
+// A cache's shares: FP16, INT8, INT4, evicted (the held tokens drawn at random with these shares;
+// the last, the current token, at FP16).
+struct Mix {
+    const char* name;
+    double share[4];
+};
+
+// One layer's KV heads holding the same tokens at one mix.
+struct Layer {
+    const Mix* mix = nullptr;
+    std::vector<std::unique_ptr<runtime::HeadCache>> heads;
+    int held = 0;
+    double bytes = 0;  // keys and values with their scales, every head: what one step reads
+
+    void attend(const float* q, float* out, bool oracle = false) {
+        tbb::parallel_for(0, kKvHeads, [&](int kv) {
+            heads[kv]->bench_attend(q + kv * kGroup * kDim, out + kv * kGroup * kDim, oracle);
+        });
     }
-    tier[held - 1] = 0;
-    const double bytes_of[3] = {2.0 * kDim * 2, 2.0 * (kDim + 2), 2.0 * (kDim / 2 + 2)};
+};
+
+runtime::HeadPlan head_plan(int kv, int budget, int max_context) {
+    runtime::HeadPlan plan;
+    plan.layer = 0, plan.kv_head = kv, plan.num_layers = 1, plan.num_kv_heads = kKvHeads;
+    plan.group = kGroup, plan.head_dim = kDim, plan.budget = budget, plan.max_context = max_context;
+    return plan;
+}
+
+runtime::HeadCache::PolicyMaker policy_maker(const std::string& name, const ParamValues& params, int kv, int budget,
+                                             int max_context) {
+    static const std::map<std::string, std::string> no_files;
+    const PolicyDescriptor* d = find_policy(name);
+    const int capacity = std::min(budget, max_context) + 1;
+    const PolicyContext ctx{budget, capacity, 0, 1, kv, kKvHeads, kDim, &no_files};
+    return [d, params, ctx] { return d->make(params, ctx); };
+}
+
+Layer fill_layer(const Mix& mix, int T, int scale_group, const std::vector<float>& k, const std::vector<float>& v) {
+    const ParamValues params = resolve_params(*find_policy("stratigraphic"), {{"value_group", scale_group}}, "bench");
+    Layer layer;
+    layer.mix = &mix;
+    layer.held = static_cast<int>(std::lround(T * (1.0 - mix.share[3])));
+    std::mt19937 rng(5);
+    std::uniform_real_distribution<double> u(0.0, 1.0 - mix.share[3]);
+    std::vector<uint8_t> tier(layer.held);
+    for (uint8_t& t : tier) {
+        const double x = u(rng);
+        t = x < mix.share[0] ? 0 : x < mix.share[0] + mix.share[1] ? 1 : 2;
+    }
+    tier.back() = 0;
+    const int groups = (kDim + scale_group - 1) / scale_group;
+    const double row_bytes[3] = {2.0 * kDim, kDim + 2.0 * groups, (kDim + 1) / 2 + 2.0 * groups};
     for (int kv = 0; kv < kKvHeads; ++kv) {
-        runtime::HeadPlan plan;
-        plan.layer = 0, plan.kv_head = kv, plan.num_layers = 1, plan.num_kv_heads = kKvHeads;
-        plan.group = kGroup, plan.head_dim = kDim, plan.budget = T, plan.max_context = T;
-        const PolicyContext ctx{T, T + 1, 0, 1, kv, kKvHeads, kDim, &files};
-        auto head = std::make_unique<runtime::HeadCache>(plan, [d, params, ctx] { return d->make(params, ctx); });
-        head->bench_fill(held, k.data() + static_cast<std::size_t>(kv) * T * kDim,
-                         v.data() + static_cast<std::size_t>(kv) * T * kDim, [&](int p) { return tier[p]; });
+        auto head = std::make_unique<runtime::HeadCache>(head_plan(kv, T, T),
+                                                         policy_maker("stratigraphic", params, kv, T, T));
+        const std::size_t at = static_cast<std::size_t>(kv) * T * kDim;
+        head->bench_fill(layer.held, k.data() + at, v.data() + at, [&](int p) { return tier[p]; });
         layer.heads.push_back(std::move(head));
     }
-    for (int p = 0; p < held; ++p) layer.row_bytes += bytes_of[tier[p]] * kKvHeads;
+    for (uint8_t t : tier) layer.bytes += 2.0 * row_bytes[t] * kKvHeads;
     return layer;
+}
+
+// The largest ||cpu - oracle|| / ||oracle|| over the query heads, on one query.
+double largest_difference(Layer& layer, const std::vector<float>& q) {
+    std::vector<float> fast(q.size()), oracle(q.size());
+    layer.attend(q.data(), fast.data());
+    layer.attend(q.data(), oracle.data(), true);
+    double worst = 0;
+    for (int h = 0; h < kQueryHeads; ++h) {
+        double diff = 0, norm = 0;
+        for (int i = 0; i < kDim; ++i) {
+            const double a = fast[h * kDim + i], b = oracle[h * kDim + i];
+            diff += (a - b) * (a - b);
+            norm += b * b;
+        }
+        worst = std::max(worst, std::sqrt(diff / norm));
+    }
+    return worst;
+}
+
+// Repeats of `pass` that take about 50 ms, so that one sample is not the clock's resolution.
+template <class F>
+int repeats_for(F&& pass) {
+    const auto start = Clock::now();
+    pass();
+    return std::max(1, static_cast<int>(std::ceil(0.05 / std::max(seconds_since(start), 1e-6))));
+}
+
+template <class F>
+double sample(int repeats, F&& pass) {
+    const auto start = Clock::now();
+    for (int r = 0; r < repeats; ++r) pass();
+    return seconds_since(start) / repeats;
+}
+
+void attention_table(int T, int scale_group, int rounds, ReadBandwidth& bandwidth, std::mt19937& rng) {
+    static const Mix mixes[] = {{"FP16", {1, 0, 0, 0}},
+                                {"INT8", {0, 1, 0, 0}},
+                                {"INT4", {0, 0, 1, 0}},
+                                {"tiers 20/40/20%, 20% evicted", {0.2, 0.4, 0.2, 0.2}},
+                                {"tiers 5/20/40%, 35% evicted", {0.05, 0.2, 0.4, 0.35}}};
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<float> q(kQueryHeads * kDim), out(q.size());
+    for (float& x : q) x = normal(rng) * 0.3f;
+    std::vector<Layer> layers;
+    {
+        std::vector<float> k(static_cast<std::size_t>(kKvHeads) * T * kDim), v(k.size());
+        for (float& x : k) x = normal(rng);
+        for (float& x : v) x = normal(rng);
+        for (const Mix& mix : mixes) layers.push_back(fill_layer(mix, T, scale_group, k, v));
+    }
+    std::vector<int> repeats;
+    for (Layer& layer : layers) repeats.push_back(repeats_for([&] { layer.attend(q.data(), out.data()); }));
+    std::vector<double> bandwidth_samples;
+    std::vector<std::vector<double>> samples(layers.size());
+    for (int round = 0; round < rounds; ++round) {
+        bandwidth_samples.push_back(bandwidth.bytes() / bandwidth.seconds());
+        for (std::size_t i = 0; i < layers.size(); ++i)
+            samples[i].push_back(sample(repeats[i], [&] { layers[i].attend(q.data(), out.data()); }));
+    }
+    const double read = median(bandwidth_samples);
+    std::printf("\n%d tokens of context; memory read bandwidth %.1f GB/s (median of %d, alternated with the caches "
+                "below)\n",
+                T, read / 1e9, rounds);
+    std::printf("  %-30s %7s %11s %9s %9s %8s %9s %9s %12s\n", "cache", "held", "bytes/token", "MB/step", "ms/step",
+                "GB/s", "of read", "vs FP16", "vs oracle");
+    const double fp16 = median(samples[0]);
+    for (std::size_t i = 0; i < layers.size(); ++i) {
+        const Layer& layer = layers[i];
+        const double s = median(samples[i]);
+        std::printf("  %-30s %7d %11.1f %9.1f %9.3f %8.2f %8.0f%% %8.2fx %12.2e\n", layer.mix->name, layer.held,
+                    layer.bytes / layer.held / kKvHeads, layer.bytes / 1e6, s * 1e3, layer.bytes / s / 1e9,
+                    100 * layer.bytes / s / read, fp16 / s, largest_difference(layers[i], q));
+    }
+}
+
+// A whole decode step (every head's decode in parallel, as kvsim_rt_decode runs them) against the
+// attention alone over the very cache the steps leave, alternated.
+void whole_step(const std::string& policy, const ParamValues& params, int T, int rounds, std::mt19937& rng) {
+    const int steps = 64, max_context = T + rounds * steps + steps + 1;
+    // A policy that sizes itself (stratigraphic's shares) plans for every position, as the runtime does.
+    const int budget = find_policy(policy)->keeps_everything ? max_context : T / 2;
+    std::vector<std::unique_ptr<runtime::HeadCache>> heads;
+    for (int kv = 0; kv < kKvHeads; ++kv)
+        heads.push_back(std::make_unique<runtime::HeadCache>(head_plan(kv, budget, max_context),
+                                                             policy_maker(policy, params, kv, budget, max_context)));
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    // A pool of tokens, cycled: drawing fresh numbers is not part of a step.
+    const int pool = 256;
+    std::vector<float> q(static_cast<std::size_t>(pool) * kQueryHeads * kDim), k(static_cast<std::size_t>(pool) * kKvHeads * kDim),
+        v(k.size()), out(kQueryHeads * kDim);
+    for (float& x : q) x = normal(rng) * 0.3f;
+    for (float& x : k) x = normal(rng);
+    for (float& x : v) x = normal(rng);
+    int t = 0;
+    auto step = [&] {
+        const std::size_t i = static_cast<std::size_t>(t % pool);
+        tbb::parallel_for(0, kKvHeads, [&](int kv) {
+            heads[kv]->decode(t, q.data() + (i * kKvHeads + kv) * kGroup * kDim, k.data() + (i * kKvHeads + kv) * kDim,
+                              v.data() + (i * kKvHeads + kv) * kDim, out.data() + kv * kGroup * kDim);
+        });
+        ++t;
+    };
+    const auto fill_start = Clock::now();
+    while (t < T) step();
+    const double fill = seconds_since(fill_start);
+    std::vector<double> whole, alone;
+    for (int round = 0; round < rounds; ++round) {
+        whole.push_back(sample(steps, step));
+        alone.push_back(sample(steps, [&] {
+            tbb::parallel_for(0, kKvHeads, [&](int kv) {
+                heads[kv]->bench_attend(q.data() + kv * kGroup * kDim, out.data() + kv * kGroup * kDim);
+            });
+        }));
+    }
+    const double w = median(whole), a = median(alone);
+    std::printf("  %-14s %7zu held after %d tokens (filled in %.1f s): %.3f ms a step, %.3f ms its attention alone: "
+                "%+.1f%%\n",
+                policy.c_str(), heads[0]->held().size(), t, fill, w * 1e3, a * 1e3, 100 * (w - a) / a);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-    const int repeats = argc > 1 ? std::atoi(argv[1]) : 7;
-    std::printf("threads: %d\n", tbb::info::default_concurrency());
-    const double bandwidth = copy_bandwidth(repeats);
-    std::printf("memory bandwidth (STREAM-style copy, 512 MiB arrays, median of %d): %.2f GB/s\n\n", repeats,
-                bandwidth / 1e9);
+    CLI::App app{"the runtime's decode attention against this machine's memory read bandwidth"};
+    std::vector<int> contexts;
+    int threads = tbb::info::default_concurrency(), scale_group = 32, rounds = 7, step_context = 4096;
+    app.add_option("--context", contexts, "tokens of context (repeatable; default 4096, 16384 and 32768)")
+        ->check(CLI::Range(2, 1 << 20));
+    app.add_option("--threads", threads, "threads (default: every core)")->check(CLI::Range(1, 1024));
+    app.add_option("--group", scale_group, "channels sharing one INT8/INT4 scale")->check(CLI::Range(1, kDim));
+    app.add_option("--rounds", rounds, "alternated rounds; each figure is their median")->check(CLI::Range(1, 1000));
+    app.add_option("--step-context", step_context, "tokens before the whole decode steps are timed (0: skip them)")
+        ->check(CLI::Range(0, 1 << 20));
+    CLI11_PARSE(app, argc, argv);
+    if (contexts.empty()) contexts = {4096, 16384, 32768};
+    tbb::global_control limit(tbb::global_control::max_allowed_parallelism, static_cast<std::size_t>(threads));
 
+    std::printf("decode attention, one Llama-3.2-1B-shaped layer: %d query heads over %d KV heads of %d channels, one "
+                "query token\n",
+                kQueryHeads, kKvHeads, kDim);
+    std::printf("threads: %d; INT8/INT4 scales: one fp16 a %d channels; kernels: %s; medians of %d rounds\n", threads,
+                scale_group, runtime::vector_kernels() ? "AVX2+FMA+F16C" : "portable", rounds);
+    std::printf("bytes/token: keys and values with their scales, per token and KV head; GB/s: bytes a step / time a "
+                "step;\nvs oracle: the largest ||cpu - cpu-oracle|| / ||cpu-oracle|| over the 32 query heads\n");
     std::mt19937 rng(1);
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    std::vector<float> q(kQueryHeads * kDim), out(kQueryHeads * kDim);
-    for (float& x : q) x = normal(rng) * 0.3f;
+    ReadBandwidth bandwidth;
+    for (int T : contexts) attention_table(T, scale_group, rounds, bandwidth, rng);
 
-    std::printf("decode attention, one layer (32 query heads, 8 KV heads, head size 128), median of %d:\n", repeats);
-    std::printf("  %-44s %8s %12s %10s %10s %12s\n", "cache", "context", "bytes read", "ms", "vs fp32", "of bandwidth");
-    const double mixes[3][4] = {{1.0, 0.0, 0.0, 0.0}, {0.2, 0.4, 0.2, 0.2}, {0.05, 0.2, 0.4, 0.35}};
-    const char* names[3] = {"runtime, all FP16", "runtime, tiers 20/40/20% + 20% evicted", "runtime, tiers 5/20/40% + 35% evicted"};
-    for (int T : {4096, 32768}) {
-        std::vector<float> k(static_cast<std::size_t>(kKvHeads) * T * kDim), v(k.size());
-        for (float& x : k) x = normal(rng);
-        for (float& x : v) x = normal(rng);
-        const double fp32_bytes = 2.0 * kKvHeads * T * kDim * sizeof(float);
-        const double scalar = median_seconds(repeats, [&] { fp32_attention(k, v, T, q.data(), out.data()); });
-        const double fp32 = median_seconds(repeats, [&] { fp32_blocked_attention(k, v, T, q.data(), out.data()); });
-        char scalar_ratio[32];
-        std::snprintf(scalar_ratio, sizeof scalar_ratio, "%.2fx", fp32 / scalar);
-        std::printf("  %-44s %8d %10.1f MB %10.3f %10s %11.0f%%\n", "fp32 full cache, scalar loops", T, fp32_bytes / 1e6,
-                    scalar * 1e3, scalar_ratio, 100 * fp32_bytes / scalar / bandwidth);
-        std::printf("  %-44s %8d %10.1f MB %10.3f %10s %11.0f%%\n", "fp32 full cache, blocked products", T, fp32_bytes / 1e6,
-                    fp32 * 1e3, "1.00", 100 * fp32_bytes / fp32 / bandwidth);
-        for (int m = 0; m < 3; ++m) {
-            TieredLayer layer = tiered_layer(T, mixes[m], k, v);
-            const double s = median_seconds(repeats, [&] {
-                tbb::parallel_for(0, kKvHeads, [&](int kv) {
-                    layer.heads[kv]->bench_attend(q.data() + kv * kGroup * kDim, out.data() + kv * kGroup * kDim);
-                });
-            });
-            char ratio[32];
-            std::snprintf(ratio, sizeof ratio, "%.2fx", fp32 / s);
-            std::printf("  %-44s %8d %10.1f MB %10.3f %10s %11.0f%%\n", names[m], T, layer.row_bytes / 1e6, s * 1e3,
-                        ratio, 100 * layer.row_bytes / s / bandwidth);
-        }
+    if (step_context > 0) {
+        std::printf("\nwhole decode step (admission, attention, the policy's update, eviction, re-zoning) against its "
+                    "attention alone, medians of %d rounds of 64 steps:\n",
+                    rounds);
+        whole_step("h2o", resolve_params(*find_policy("h2o"), {}, "bench"), step_context, rounds, rng);
+        whole_step("stratigraphic", resolve_params(*find_policy("stratigraphic"), {{"value_group", scale_group}}, "bench"),
+                   step_context, rounds, rng);
     }
-
-    // A whole decode step through the C API (t's admission, attention, H2O's update and eviction)
-    // against the attention alone over the same number of held tokens.
-    const int T = 4096, budget = 2048;
-    const std::string path = write_profile_file("h2o", resolve_params(*find_policy("h2o"), {}, "bench"), budget, false);
-    const kvsim_model_shape shape{1, kQueryHeads, kKvHeads, kDim, T + 256, 0};
-    kvsim_rt* rt = nullptr;
-    if (kvsim_rt_create(path.c_str(), &shape, "cpu", &rt) != KVSIM_OK) {
-        std::fprintf(stderr, "%s\n", kvsim_rt_create_error());
-        return 1;
-    }
-    std::vector<float> kt(kKvHeads * kDim), vt(kKvHeads * kDim), qt(kQueryHeads * kDim);
-    auto step = [&](int t) {
-        for (float& x : kt) x = normal(rng);
-        for (float& x : vt) x = normal(rng);
-        for (float& x : qt) x = normal(rng) * 0.3f;
-        if (kvsim_rt_decode(rt, 0, t, qt.data(), kt.data(), vt.data(), out.data()) != KVSIM_OK) {
-            std::fprintf(stderr, "%s\n", kvsim_rt_last_error(rt));
-            std::exit(1);
-        }
-    };
-    const auto fill_start = Clock::now();
-    for (int t = 0; t < T; ++t) step(t);
-    const double fill = std::chrono::duration<double>(Clock::now() - fill_start).count();
-    const int steps = 256;
-    const auto start = Clock::now();
-    for (int t = T; t < T + steps; ++t) step(t);
-    const double per_step = std::chrono::duration<double>(Clock::now() - start).count() / steps;
-    kvsim_rt_destroy(rt);
-    std::vector<float> k(static_cast<std::size_t>(kKvHeads) * (budget + 1) * kDim), v(k.size());
-    for (float& x : k) x = normal(rng);
-    for (float& x : v) x = normal(rng);
-    const double all_fp16[4] = {1.0, 0.0, 0.0, 0.0};
-    TieredLayer layer = tiered_layer(budget + 1, all_fp16, k, v);
-    const double attention = median_seconds(repeats, [&] {
-        tbb::parallel_for(0, kKvHeads, [&](int kv) {
-            layer.heads[kv]->bench_attend(q.data() + kv * kGroup * kDim, out.data() + kv * kGroup * kDim);
-        });
-    });
-    std::printf("\nwhole decode step, H2O at budget %d (2x) after %d tokens (filled in %.1f s): %.3f ms a step against "
-                "%.3f ms for its attention alone: admission, scores and eviction add %.0f%%\n",
-                budget, T, fill, per_step * 1e3, attention * 1e3, 100 * (per_step - attention) / attention);
-    std::filesystem::remove(path);
     return 0;
 }

@@ -1,8 +1,9 @@
 // The CUDA backend's device side: every (layer, KV head)'s tiered rows in one device pool
-// (device_pool.h: cudaMalloc'd once at plan time, laid out as the host's TierStores, with a code
-// per slot saying what it holds), and the kernels that attend over them. Their arithmetic is the shared
-// __host__ __device__ code of cache_math/numerics.h and TierView (fp16 bits, dequantisation, the
-// online softmax and its split-K merge), so what the CPU tests check is what the kernels run.
+// (device_pool.h: cudaMalloc'd once at plan time, in the host TierStores' row format with a row
+// per slot, and a code per slot saying what it holds), and the kernels that attend over them.
+// Their arithmetic is the shared __host__ __device__ code of cache_math/numerics.h and TierView
+// (fp16 bits, dequantisation, the online softmax and its split-K merge), so what the CPU tests
+// check is what the kernels run.
 //
 // The host keeps the master copy and the policies (the same HeadCache as the CPU backend): each
 // step it stages only the slots that changed (the new token, tokens that sank to a coarser tier,

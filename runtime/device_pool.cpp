@@ -45,6 +45,7 @@ std::vector<PooledHead> DevicePool::heads_at(uint8_t* base) const {
                 view.half = reinterpret_cast<const uint16_t*>(base + o.half[side][tier]);
                 view.levels = base + o.levels[side][tier];
                 view.scales = reinterpret_cast<const uint16_t*>(base + o.scales[side][tier]);
+                view.row_of_slot = nullptr;  // the pool keeps slot s at row s
                 (side == 0 ? heads[u].keys : heads[u].values)[tier] = view;
             }
         heads[u].codes = base + o.codes;
@@ -67,12 +68,13 @@ bool DevicePool::stage(int head, int slot, uint8_t code, const TierView (&keys)[
         for (int side = 0; side < 2; ++side) {
             const int tier = side == 0 ? code & 3 : code >> 2;
             const TierView& v = side == 0 ? keys[tier] : values[tier];
-            pieces[count++] = {o.half[side][tier] + s * v.half_row_bytes(), row_at(v.half, s * v.head_dim, v.half_row_bytes()),
+            const std::size_t r = v.row(slot);  // where the host holds the slot's row
+            pieces[count++] = {o.half[side][tier] + s * v.half_row_bytes(), row_at(v.half, r * v.head_dim, v.half_row_bytes()),
                                v.half_row_bytes()};
             pieces[count++] = {o.levels[side][tier] + s * v.level_row_bytes(),
-                               row_at(v.levels, s * v.row_bytes, v.level_row_bytes()), v.level_row_bytes()};
+                               row_at(v.levels, r * v.row_bytes, v.level_row_bytes()), v.level_row_bytes()};
             pieces[count++] = {o.scales[side][tier] + s * v.scale_row_bytes(),
-                               row_at(v.scales, s * v.groups, v.scale_row_bytes()), v.scale_row_bytes()};
+                               row_at(v.scales, r * v.groups, v.scale_row_bytes()), v.scale_row_bytes()};
         }
     pieces[count++] = {o.codes + s, &code, 1};
     // A slot goes whole or not at all.

@@ -1,6 +1,7 @@
 // Where the CUDA backend keeps a cache on the device, written without CUDA so the host can check
-// it: one byte pool for every (layer, KV head) (keys then values, tiers 0..2 at TierStore's
-// layout, then a code per slot), and the staging of changed slots into it. cuda_attention.cu
+// it: one byte pool for every (layer, KV head) (keys then values, tiers 0..2 in TierStore's row
+// format but a row per slot, slot s at row s, then a code per slot), and the staging of changed
+// slots into it (each read from wherever the host's packed store keeps that slot's row). cuda_attention.cu
 // allocates the pool with cudaMalloc and scatters the staged bytes with a kernel; the tests do
 // the same into host memory.
 #pragma once

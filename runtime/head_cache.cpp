@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <stdexcept>
 
 #include "cache_math/tiers.h"
@@ -45,6 +46,7 @@ HeadCache::HeadCache(const HeadPlan& plan, PolicyMaker make_policy)
     }
     positions_.reserve(capacity_);
     slot_of_.reserve(capacity_);
+    position_of_slot_.assign(capacity_, -1);
     free_slots_.reserve(capacity_);
     key_tier_.assign(plan_.max_context, 0);
     value_tier_.assign(plan_.max_context, 0);
@@ -53,13 +55,24 @@ HeadCache::HeadCache(const HeadPlan& plan, PolicyMaker make_policy)
     key_row_.resize(d);
     value_row_.resize(d);
     attn_.reserve(capacity_);
-    weights_.reserve(static_cast<std::size_t>(plan_.group) * (capacity_ + 1));
-    scores_.resize(capacity_ + 1);
-    for (auto& bucket : by_tier_) bucket.reserve(capacity_ + 1);
     victims_.reserve(capacity_ + 1);
-    key_block_.resize(static_cast<std::size_t>(kBlock) * d);
-    value_block_.resize(static_cast<std::size_t>(kBlock) * d);
-    block_scores_.resize(kBlock, plan_.group);
+    if (plan_.oracle) {
+        weights_.reserve(static_cast<std::size_t>(plan_.group) * (capacity_ + 1));
+        scores_.resize(capacity_ + 1);
+    } else if (!policy_->linear_state()) {
+        constexpr std::size_t kRowAlignFloats = 32 / sizeof(float);
+        score_stride_ = (static_cast<std::size_t>(capacity_) + kRowAlignFloats - 1) / kRowAlignFloats * kRowAlignFloats;
+        row_weights_.assign(static_cast<std::size_t>(plan_.group) * score_stride_ + kRowAlignFloats, 0.0f);
+        const auto address = reinterpret_cast<std::uintptr_t>(row_weights_.data());
+        score_offset_ = ((32 - address % 32) % 32) / sizeof(float);  // a float's address is a multiple of 4
+        index_of_slot_.assign(capacity_, 0);
+        row_means_.assign(capacity_, 0.0f);
+        peaks_.assign(plan_.group, 0.0f);
+        inverse_sums_.assign(plan_.group, 0.0f);
+        int groups = 0;
+        for (int tier = 1; tier < 3; ++tier) groups = std::max({groups, keys_[tier].groups(), values_[tier].groups()});
+        kernel_scratch_.assign(kernel_scratch_floats(d, groups), 0.0f);
+    }
     start();
 }
 
@@ -70,6 +83,7 @@ void HeadCache::start() {
     positions_.clear();
     slot_of_.clear();
     free_slots_.clear();
+    for (int tier = 0; tier < 3; ++tier) keys_[tier].clear(), values_[tier].clear();
     for (int s = capacity_ - 1; s >= 0; --s) free_slots_.push_back(s);
     std::fill(key_tier_.begin(), key_tier_.end(), uint8_t{0});
     std::fill(value_tier_.begin(), value_tier_.end(), uint8_t{0});
@@ -95,6 +109,8 @@ std::size_t HeadCache::reserved_bytes() const {
     std::size_t bytes = 0;
     for (int tier = 0; tier < 3; ++tier) bytes += keys_[tier].reserved_bytes() + values_[tier].reserved_bytes();
     bytes += group_keys_.size() * sizeof(float);
+    bytes += (row_weights_.size() + row_means_.size() + kernel_scratch_.size()) * sizeof(float);
+    bytes += (index_of_slot_.size() + position_of_slot_.size()) * sizeof(int32_t);
     for (const auto& scales : channel_scales_) bytes += scales.size() * sizeof(float);
     return bytes;
 }
@@ -109,10 +125,14 @@ void HeadCache::sink(std::size_t i, uint8_t key_tier, uint8_t value_tier) {
     auto move = [&](TierStore* stores, uint8_t from, uint8_t to, std::vector<float>& row) {
         stores[from].read(slot, row.data());
         if (from == 0 && to == 2 && format_->int4_from_int8) {
+            stores[1].add(slot);
             stores[1].write(slot, row.data());
             stores[1].read(slot, row.data());
+            stores[1].remove(slot);
         }
+        stores[to].add(slot);
         stores[to].write(slot, row.data());
+        stores[from].remove(slot);
     };
     if (key_tier != key_tier_[p] && kivi_) {
         // A KIVI key leaves FP16 once, with its position group's per-channel scales.
@@ -120,7 +140,9 @@ void HeadCache::sink(std::size_t i, uint8_t key_tier, uint8_t value_tier) {
         if (p / key_group_ > completed_key_groups_ - 1)
             fail(p, "quantised a per-channel (KIVI) key before its position group was complete");
         keys_[0].read(slot, key_row_.data());
+        keys_[key_tier].add(slot);
         keys_[key_tier].write_with_channel_scales(slot, key_row_.data(), group_scales(key_tier, p));
+        keys_[0].remove(slot);
     } else if (key_tier != key_tier_[p]) {
         move(keys_, key_tier_[p], key_tier, key_row_);
     }
@@ -159,71 +181,74 @@ void HeadCache::attend_two_pass(int slot, const float* q, float* out) {
     }
 }
 
-// The serving path: one pass over the cache for the whole group, each row dequantised once and
-// used by every query head of the group. Tier by tier (rows of one tier read with the same code,
-// back to back), in blocks of rows: a block's keys and values are dequantised once, then two small
-// matrix products do the group's work, scores = K_block q^T and out += exp(scores - max)^T V_block,
-// with an online softmax per head (cache_math/numerics.h) rescaling its output when its maximum rises.
-// The order of rows does not matter to an online softmax beyond rounding. The policy's weights
-// come from the scores kept on the side, normalised once the pass is done.
-void HeadCache::attend_one_pass(int slot, const float* q, float* out) {
-    using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+TierRows HeadCache::key_rows(int tier) const {
+    const TierStore& store = keys_[tier];
+    TierRows rows{tier, plan_.head_dim, store.rows(), store.row_bytes(), store.groups(), store.group_channels(),
+                  store.half(), store.levels(), store.scales(), store.slot_of_row()};
+    if (kivi_ && tier > 0) {
+        rows.channel_scales = channel_scales_[tier].data();
+        rows.position_of_slot = position_of_slot_.data();
+        rows.key_group = key_group_;
+    }
+    return rows;
+}
+
+TierRows HeadCache::value_rows(int tier) const {
+    const TierStore& store = values_[tier];
+    return TierRows{tier, plan_.head_dim, store.rows(), store.row_bytes(), store.groups(), store.group_channels(),
+                    store.half(), store.levels(), store.scales(), store.slot_of_row()};
+}
+
+// The serving path: attention read straight from the stored rows, for the whole query group at
+// once, in three passes (runtime/attention_kernels.h):
+//   1. every key tier's packed rows, one after another: each row's scores for every query head
+//      of the group, and each head's peak;
+//   2. each head's exponentials and their sum over those scores, in place (vector code with
+//      Eigen's bits, cache_math/softmax_exp.h);
+//   3. every value tier's packed rows: out += weight * row, each row's weight found where its
+//      key's score lies; then each head's output divided by its sum.
+// The policy's weights are the same exponentials, normalised and averaged over the group. Which
+// order the rows come in changes nothing but rounding: the exact peak is known before any
+// exponential, as in the oracle's two-pass softmax.
+void HeadCache::attend_from_storage(const float* q, float* out) {
     const int d = plan_.head_dim, group = plan_.group;
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-    const std::size_t n = positions_.size() + 1;
-    weights_.resize(static_cast<std::size_t>(group) * n);  // scores first, weights after the pass
-    online_.assign(group, OnlineSoftmax{});
-    Eigen::Map<RowMajor> o(out, group, d);
-    o.setZero();
-    const Eigen::Map<const RowMajor> queries(q, group, d);
-    for (auto& b : by_tier_) b.clear();
-    for (std::size_t j = 0; j + 1 < n; ++j) {
-        const int32_t p = positions_[j];
-        by_tier_[key_tier_[p] == value_tier_[p] ? key_tier_[p] : 3].push_back(static_cast<int>(j));
+    const std::size_t stride = score_stride_;
+    float* const scores = row_weights_.data() + score_offset_;
+    std::fill(peaks_.begin(), peaks_.end(), -INFINITY);
+    int n = 0;
+    for (int tier = 0; tier < 3; ++tier) {
+        const TierRows rows = key_rows(tier);
+        score_rows(rows, q, group, scale, scores + n, stride, peaks_.data(), kernel_scratch_.data());
+        for (int r = 0; r < rows.count; ++r) index_of_slot_[static_cast<std::size_t>(rows.slot_of_row[r])] = n + r;
+        n += rows.count;
     }
-    by_tier_[0].push_back(static_cast<int>(n - 1));  // the current token, at FP16
-    for (int bucket = 0; bucket < 4; ++bucket) {
-        const std::vector<int>& rows = by_tier_[bucket];
-        for (std::size_t first = 0; first < rows.size(); first += kBlock) {
-            const int m = static_cast<int>(std::min<std::size_t>(kBlock, rows.size() - first));
-            // The next block's rows start loading while this one is computed.
-            const std::size_t next_end = std::min(rows.size(), first + m + kBlock);
-            for (std::size_t r = first + m; r < next_end; ++r) {
-                const std::size_t j = static_cast<std::size_t>(rows[r]);
-                if (j == n - 1) continue;
-                keys_[key_tier_[positions_[j]]].prefetch(slot_of_[j]);
-                values_[value_tier_[positions_[j]]].prefetch(slot_of_[j]);
-            }
-            for (int r = 0; r < m; ++r) {
-                const std::size_t j = static_cast<std::size_t>(rows[first + r]);
-                const bool current = j == n - 1;
-                const int row = current ? slot : slot_of_[j];
-                if (current)
-                    keys_[0].read(row, key_block_.data() + r * d);
-                else
-                    read_key(positions_[j], key_tier_[positions_[j]], row, key_block_.data() + r * d);
-                values_[current ? 0 : value_tier_[positions_[j]]].read(row, value_block_.data() + r * d);
-            }
-            const Eigen::Map<const RowMajor> k(key_block_.data(), m, d), v(value_block_.data(), m, d);
-            auto scores = block_scores_.topRows(m);
-            scores.noalias() = k * queries.transpose();
-            scores *= scale;
-            for (int h = 0; h < group; ++h) {
-                float* w = weights_.data() + static_cast<std::size_t>(h) * n;
-                for (int r = 0; r < m; ++r) w[rows[first + r]] = scores(r, h);
-                const float rescale = online_[h].raise_to(scores.col(h).maxCoeff());
-                online_[h].sum += exp_minus_peak_and_sum(scores.col(h).data(), m, online_[h].maximum);
-                if (rescale != 1.0f) o.row(h) *= rescale;
-            }
-            o.noalias() += scores.transpose() * v;
-        }
-    }
+    // The sum in double, as the oracle's softmax_numerators adds it: a float sum of thousands of
+    // weights would be off by more than the rest of the path's rounding together.
     for (int h = 0; h < group; ++h) {
-        const float inv_sum = 1.0f / online_[h].sum;
-        o.row(h) *= inv_sum;
-        float* w = weights_.data() + static_cast<std::size_t>(h) * n;
-        for (std::size_t j = 0; j < n; ++j) w[j] = std::exp(w[j] - online_[h].maximum) * inv_sum;
+        exp_minus_peak(scores + h * stride, n, peaks_[h]);
+        inverse_sums_[h] = reciprocal_of_sum(scores + h * stride, static_cast<std::size_t>(n));
     }
+    std::fill(out, out + static_cast<std::size_t>(group) * d, 0.0f);
+    for (int tier = 0; tier < 3; ++tier)
+        accumulate_rows(value_rows(tier), scores, stride, index_of_slot_.data(), group, out, kernel_scratch_.data());
+    for (int h = 0; h < group; ++h) {
+        float* o = out + static_cast<std::size_t>(h) * d;
+        for (int i = 0; i < d; ++i) o[i] *= inverse_sums_[h];
+    }
+    // What the policy sees: each head's weight on each held position, averaged over the group
+    // (in the rows' order, then by position).
+    float* const mean = row_means_.data();
+    std::fill(mean, mean + n, 0.0f);
+    for (int h = 0; h < group; ++h) {
+        const float* w = scores + h * stride;
+        const float inverse_sum = inverse_sums_[h];
+        for (int i = 0; i < n; ++i) mean[i] += w[i] * inverse_sum;
+    }
+    const float inverse_group = 1.0f / static_cast<float>(group);
+    attn_.resize(positions_.size());
+    for (std::size_t j = 0; j < positions_.size(); ++j)
+        attn_[j] = mean[index_of_slot_[static_cast<std::size_t>(slot_of_[j])]] * inverse_group;
 }
 
 void HeadCache::bench_fill(int tokens, const float* k, const float* v, const std::function<uint8_t(int)>& tier_of) {
@@ -233,8 +258,11 @@ void HeadCache::bench_fill(int tokens, const float* k, const float* v, const std
         const int slot = free_slots_.back();
         free_slots_.pop_back();
         const uint8_t tier = format_ ? tier_of(p) : 0;
+        keys_[tier].add(slot);
+        values_[tier].add(slot);
         keys_[tier].write(slot, k + static_cast<std::size_t>(p) * d);
         values_[tier].write(slot, v + static_cast<std::size_t>(p) * d);
+        position_of_slot_[static_cast<std::size_t>(slot)] = p;
         key_tier_[p] = value_tier_[p] = tier;
         mark(slot, slot_code(tier, tier));
         positions_.push_back(p);
@@ -242,12 +270,13 @@ void HeadCache::bench_fill(int tokens, const float* k, const float* v, const std
     }
 }
 
-void HeadCache::bench_attend(const float* q, float* out) {
+void HeadCache::bench_attend(const float* q, float* out, bool oracle) {
+    if (!oracle) return attend_from_storage(q, out);
     const int32_t last = positions_.back();
     const int slot = slot_of_.back();
     positions_.pop_back();
     slot_of_.pop_back();
-    attend_one_pass(slot, q, out);
+    attend_two_pass(slot, q, out);
     positions_.push_back(last);
     slot_of_.push_back(slot);
 }
@@ -264,17 +293,18 @@ void HeadCache::decode(int32_t t, const float* q, const float* k, const float* v
         return;
     }
     const int slot = admit(t, k, v);
-    if (plan_.oracle)
+    if (plan_.oracle) {
         attend_two_pass(slot, q, out);
-    else
-        attend_one_pass(slot, q, out);
-    // What the policy sees: each query head's weights on the held positions, averaged over the
-    // group (the renormalised view computed from the cache itself).
-    const std::size_t held = positions_.size(), n = held + 1;
-    attn_.assign(held, 0.0f);
-    for (int h = 0; h < plan_.group; ++h)
-        for (std::size_t j = 0; j < held; ++j) attn_[j] += weights_[h * n + j];
-    for (std::size_t j = 0; j < held; ++j) attn_[j] /= static_cast<float>(plan_.group);
+        // What the policy sees: each query head's weights on the held positions, averaged over the
+        // group (the renormalised view computed from the cache itself).
+        const std::size_t held = positions_.size(), n = held + 1;
+        attn_.assign(held, 0.0f);
+        for (int h = 0; h < plan_.group; ++h)
+            for (std::size_t j = 0; j < held; ++j) attn_[j] += weights_[h * n + j];
+        for (std::size_t j = 0; j < held; ++j) attn_[j] /= static_cast<float>(plan_.group);
+    } else {
+        attend_from_storage(q, out);  // and attn_, the same way
+    }
     complete(t, slot, defer_eviction);
 }
 
@@ -283,8 +313,11 @@ int HeadCache::admit(int32_t t, const float* k, const float* v) {
     if (free_slots_.empty()) fail(t, "no free slot: the policy holds more than its budget and prefill allow");
     const int slot = free_slots_.back();
     free_slots_.pop_back();
+    keys_[0].add(slot);
+    values_[0].add(slot);
     keys_[0].write(slot, k);
     values_[0].write(slot, v);
+    position_of_slot_[static_cast<std::size_t>(slot)] = t;
     key_tier_[t] = value_tier_[t] = 0;
     mark(slot, 0);
     if (kivi_) add_group_key(t, k);
@@ -319,6 +352,16 @@ void HeadCache::read_key(int32_t p, uint8_t tier, int slot, float* out) const {
 }
 
 void HeadCache::abandon(int slot) {
+    keys_[0].remove(slot);
+    values_[0].remove(slot);
+    free_slots_.push_back(slot);
+    mark(slot, kEmptyCode);
+}
+
+// An evicted position's slot: its rows leave their tiers, and the slot is free again.
+void HeadCache::release(int slot, int32_t p) {
+    keys_[key_tier_[p]].remove(slot);
+    values_[value_tier_[p]].remove(slot);
     free_slots_.push_back(slot);
     mark(slot, kEmptyCode);
 }
@@ -334,8 +377,10 @@ void HeadCache::complete_from_slot_weights(int32_t t, int slot, const float* slo
 void HeadCache::complete(int32_t t, int slot, bool defer_eviction) {
     const std::size_t held = positions_.size();
     if (!state_) {
-        double bytes = key_bytes_[0] + value_bytes_[0];
-        for (int32_t p : positions_) bytes += key_bytes_[key_tier_[p]] + value_bytes_[value_tier_[p]];
+        // The held tokens and t, each at its tiers: what the tier stores hold now.
+        double bytes = 0;
+        for (int tier = 0; tier < 3; ++tier)
+            bytes += keys_[tier].rows() * key_bytes_[tier] + values_[tier].rows() * value_bytes_[tier];
         attending_bytes_ = bytes + static_cast<double>(policy_->bytes_per_slot()) * static_cast<double>(held + 1);
     }
     if (t == 0) {  // the policy was built holding position 0; its tier as step 0 left it
@@ -352,22 +397,23 @@ void HeadCache::complete(int32_t t, int slot, bool defer_eviction) {
     if (!defer_eviction && (positions_.size() > static_cast<std::size_t>(plan_.budget) || policy_->sizes_itself())) {
         victims_.clear();
         policy_->evict(plan_.budget, victims_);
-        // Victims ascend, as positions do: one merge pass.
-        std::size_t out_index = 0, next_victim = 0;
-        for (std::size_t i = 0; i < positions_.size(); ++i) {
-            if (next_victim < victims_.size() && positions_[i] == victims_[next_victim]) {
-                if (slot_of_[i] >= 0) {
-                    free_slots_.push_back(slot_of_[i]);
-                    mark(slot_of_[i], kEmptyCode);
-                }
-                ++next_victim;
-                continue;
-            }
-            positions_[out_index] = positions_[i];
-            slot_of_[out_index] = slot_of_[i];
-            ++out_index;
+        // Victims ascend, as positions do: each found by bisection after the last, and the held
+        // positions between two victims moved down in one block (a step evicts one or a few).
+        std::size_t out_index = 0, from = 0;
+        for (const int32_t victim : victims_) {
+            const auto at = std::lower_bound(positions_.begin() + static_cast<std::ptrdiff_t>(from), positions_.end(), victim);
+            if (at == positions_.end() || *at != victim) fail(t, "evicted a position it does not hold, or out of order");
+            const std::size_t i = static_cast<std::size_t>(at - positions_.begin());
+            if (slot_of_[i] >= 0) release(slot_of_[i], victim);
+            std::copy(positions_.begin() + static_cast<std::ptrdiff_t>(from), at, positions_.begin() + static_cast<std::ptrdiff_t>(out_index));
+            std::copy(slot_of_.begin() + static_cast<std::ptrdiff_t>(from), slot_of_.begin() + static_cast<std::ptrdiff_t>(i),
+                      slot_of_.begin() + static_cast<std::ptrdiff_t>(out_index));
+            out_index += i - from;
+            from = i + 1;
         }
-        if (next_victim != victims_.size()) fail(t, "evicted a position it does not hold, or out of order");
+        std::copy(positions_.begin() + static_cast<std::ptrdiff_t>(from), positions_.end(), positions_.begin() + static_cast<std::ptrdiff_t>(out_index));
+        std::copy(slot_of_.begin() + static_cast<std::ptrdiff_t>(from), slot_of_.end(), slot_of_.begin() + static_cast<std::ptrdiff_t>(out_index));
+        out_index += positions_.size() - from;
         positions_.resize(out_index);
         slot_of_.resize(out_index);
         if (positions_.size() > static_cast<std::size_t>(plan_.budget))

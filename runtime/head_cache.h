@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "policies/policy.h"
+#include "runtime/attention_kernels.h"
 #include "runtime/device_pool.h"
 #include "runtime/tier_store.h"
 
@@ -80,9 +81,10 @@ public:
 
     // Benchmarks only (bench/bench_runtime.cpp): hold positions 0..tokens-1 with the given rows
     // (tokens x head_dim each) at tier_of(position), without the policy; then one attention pass
-    // of the serving path over them (the last position as the current token, which must be FP16).
+    // over them (the last position as the current token, which must be FP16), by the serving path
+    // or the oracle's.
     void bench_fill(int tokens, const float* k, const float* v, const std::function<uint8_t(int)>& tier_of);
-    void bench_attend(const float* q, float* out);
+    void bench_attend(const float* q, float* out, bool oracle = false);
 
 private:
     void start();
@@ -94,9 +96,12 @@ private:
         return channel_scales_[tier].data() + static_cast<std::size_t>(p / key_group_) * plan_.head_dim;
     }
     void sink(std::size_t i, uint8_t key_tier, uint8_t value_tier);
+    void release(int slot, int32_t p);
     void assign_tiers(int32_t t);
     void attend_two_pass(int slot, const float* q, float* out);
-    void attend_one_pass(int slot, const float* q, float* out);
+    void attend_from_storage(const float* q, float* out);
+    TierRows key_rows(int tier) const;
+    TierRows value_rows(int tier) const;
     [[noreturn]] void fail(int32_t t, const std::string& what) const;
 
     HeadPlan plan_;
@@ -105,21 +110,28 @@ private:
     StreamingHeadState* state_ = nullptr;  // owned by the policy; null unless a streaming head
     const TierFormat* format_ = nullptr;
     int capacity_ = 0;                      // slots: budget + 1
-    TierStore keys_[3], values_[3];        // per tier, `capacity_` rows each
+    TierStore keys_[3], values_[3];        // per tier, room for `capacity_` slots, packed
     std::vector<int32_t> positions_;       // held, ascending
     std::vector<int> slot_of_;             // index-aligned with positions_
+    std::vector<int32_t> position_of_slot_;
     std::vector<int> free_slots_;
     std::vector<uint8_t> key_tier_, value_tier_;  // by position, as the policy assigns them
     std::vector<uint8_t> new_key_tier_, new_value_tier_;  // what assign_tiers writes, checked
     std::vector<int32_t> victims_;
     std::vector<float> key_row_, value_row_, attn_;
+    // The oracle's: one head's scores, and the group's weights (group x (held + 1)).
     Eigen::ArrayXf scores_;
-    std::vector<float> weights_;           // group x (held + 1)
-    std::vector<OnlineSoftmax> online_;    // per query head of the group
-    std::vector<int> by_tier_[4];          // held indices by tier (3: key and value tiers differ)
-    static constexpr int kBlock = 64;      // rows the one-pass attention dequantises at a time
-    std::vector<float> key_block_, value_block_;  // a block of dequantised rows
-    Eigen::MatrixXf block_scores_;         // a block's scores, rows x query heads
+    std::vector<float> weights_;
+    // The serving path's: the group's scores, then weights, query head h at h * score_stride_
+    // from row_weights_[score_offset_], in the order the key tiers' rows were read; where each
+    // slot's lies; per head the peak score and 1 / the sum of the exponentials. Every head's row
+    // starts on 32 bytes: exp_minus_peak takes a row's unaligned head one by one (Eigen's way), so
+    // an address that moved with the heap would move the output's bits with it.
+    std::vector<float> row_weights_, row_means_;
+    std::size_t score_stride_ = 0, score_offset_ = 0;
+    std::vector<int32_t> index_of_slot_;
+    std::vector<float> peaks_, inverse_sums_;
+    std::vector<float> kernel_scratch_;
     double key_bytes_[3] = {}, value_bytes_[3] = {};
     bool kivi_ = false;                    // keys per channel, a scale per group of positions
     int key_group_ = 1;

@@ -5,9 +5,10 @@
  *
  * Use: plan once (kvsim_rt_create sizes every buffer from the profile and the model's shape; no
  * allocation happens on the decode path), then per token and layer one kvsim_rt_decode call:
- * it appends the token's K and V, computes the step's attention for every query head over every
- * tier in one pass (dequantising on the fly, an online softmax across tiers), updates the policy's
- * scores from that attention, and evicts and re-zones to the profile's budgets.
+ * it appends the token's K and V, computes the step's attention for every query head, reading
+ * every tier's rows where they are stored (FP16, INT8 or INT4, widened in vector registers),
+ * updates the policy's scores from that attention, and evicts and re-zones to the profile's
+ * budgets.
  *
  * Errors: every call returns a kvsim_status; kvsim_rt_last_error gives one line saying what went
  * wrong. The library never aborts, and a failed call leaves the cache as it was. Not thread-safe:
@@ -42,8 +43,8 @@ typedef struct kvsim_model_shape {
 
 typedef struct kvsim_rt kvsim_rt;
 
-/* Plans a cache for `profile_path` on `backend`: "cpu" (one pass over the cache per step, an online
- * softmax across tiers), "cpu-oracle" (the simulator's two-pass attention, bit for bit), or "cuda"
+/* Plans a cache for `profile_path` on `backend`: "cpu" (attention read straight from the stored
+ * tiers, the query group at once), "cpu-oracle" (the simulator's two-pass attention, bit for bit), or "cuda"
  * (the cache's rows in device memory, attended there by split-K kernels; the policies, the
  * requantisation of tokens that sink and streaming heads run on the host, which keeps the master
  * copy and sends the device only the slots that changed each step; KVSIM_ERROR_BACKEND where

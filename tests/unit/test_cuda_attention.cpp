@@ -17,14 +17,17 @@ using namespace kvsim::runtime;
 
 namespace {
 
+// Every slot held at every tier, added last slot first: a host store packs its rows in the order
+// slots arrive, so slot s is not at row s (the device pool's layout) and staging must map them.
 void fill(TierStore (&stores)[3], int rows, int d, int group, std::mt19937& rng) {
     std::normal_distribution<float> normal(0.0f, 2.0f);
     std::vector<float> row(d);
     for (int tier = 0; tier < 3; ++tier) {
         stores[tier].plan(tier, rows, d, group);
-        for (int r = 0; r < rows; ++r) {
+        for (int slot = rows - 1; slot >= 0; --slot) {
             for (float& x : row) x = normal(rng);
-            stores[tier].write(r, row.data());
+            stores[tier].add(slot);
+            stores[tier].write(slot, row.data());
         }
     }
 }

@@ -3,12 +3,15 @@
 // held, which is all a runtime can compute), every step's attention output and bytes must match
 // bit for bit: the summed output errors and bytes per (layer, KV head) are equal to the last digit.
 #include <doctest/doctest.h>
+#include <tbb/global_control.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <new>
 #include <random>
@@ -305,6 +308,66 @@ TEST_CASE("runtime (cpu): the one-pass online softmax stays within float roundin
     }
 }
 
+// The serving path against the oracle, step by step on the same inputs: the largest relative
+// difference of any query head's output at any step, ||cpu - oracle|| / ||oracle||, and whether
+// the two caches ever held different positions or tiers (a decision flipped by rounding).
+struct StepAgreement {
+    double worst = 0;
+    long outputs = 0;
+    bool same_holdings = true;
+};
+
+StepAgreement serving_against_oracle(const std::string& profile_path, const std::vector<int>& sequences) {
+    const TraceReader reader(fp16_trace());
+    const TraceMetadata& m = reader.metadata();
+    const int L = static_cast<int>(m.num_layers), H = static_cast<int>(m.num_query_heads),
+              K = static_cast<int>(m.num_kv_heads), d = static_cast<int>(m.head_dim);
+    int longest = 0;
+    for (int s : sequences) longest = std::max<int>(longest, static_cast<int>(reader.sequences()[s].length));
+    const kvsim_model_shape shape{L, H, K, d, longest, 0};
+    kvsim_rt *fast = nullptr, *oracle = nullptr;
+    REQUIRE(kvsim_rt_create(profile_path.c_str(), &shape, "cpu", &fast) == KVSIM_OK);
+    REQUIRE(kvsim_rt_create(profile_path.c_str(), &shape, "cpu-oracle", &oracle) == KVSIM_OK);
+    StepAgreement a;
+    std::vector<float> out_fast(static_cast<std::size_t>(H) * d), out_oracle(out_fast.size());
+    std::vector<int32_t> held_fast(longest), held_oracle(longest);
+    std::vector<uint8_t> tiers_fast(longest), tiers_oracle(longest);
+    for (int s : sequences) {
+        REQUIRE(kvsim_rt_reset(fast) == KVSIM_OK);
+        REQUIRE(kvsim_rt_reset(oracle) == KVSIM_OK);
+        for (int layer = 0; layer < L; ++layer) {
+            const QkvLayer data = reader.read_qkv(s, layer);
+            for (int64_t t = 0; t < data.tokens; ++t) {
+                const float *q = data.q.data() + t * H * d, *k = data.k.data() + t * K * d, *v = data.v.data() + t * K * d;
+                REQUIRE(kvsim_rt_decode(fast, layer, static_cast<int32_t>(t), q, k, v, out_fast.data()) == KVSIM_OK);
+                REQUIRE(kvsim_rt_decode(oracle, layer, static_cast<int32_t>(t), q, k, v, out_oracle.data()) == KVSIM_OK);
+                for (int h = 0; h < H; ++h) {
+                    double diff = 0, norm = 0;
+                    for (int i = 0; i < d; ++i) {
+                        const double x = out_fast[h * d + i], y = out_oracle[h * d + i];
+                        diff += (x - y) * (x - y);
+                        norm += y * y;
+                    }
+                    a.worst = std::max(a.worst, std::sqrt(diff / std::max(norm, 1e-30)));
+                    ++a.outputs;
+                }
+                for (int kv = 0; kv < K; ++kv) {
+                    int32_t n_fast = 0, n_oracle = 0;
+                    REQUIRE(kvsim_rt_held(fast, layer, kv, held_fast.data(), tiers_fast.data(), longest, &n_fast) == KVSIM_OK);
+                    REQUIRE(kvsim_rt_held(oracle, layer, kv, held_oracle.data(), tiers_oracle.data(), longest, &n_oracle) ==
+                            KVSIM_OK);
+                    a.same_holdings = a.same_holdings && n_fast == n_oracle &&
+                                      std::equal(held_fast.begin(), held_fast.begin() + n_fast, held_oracle.begin()) &&
+                                      std::equal(tiers_fast.begin(), tiers_fast.begin() + n_fast, tiers_oracle.begin());
+                }
+            }
+        }
+    }
+    kvsim_rt_destroy(fast);
+    kvsim_rt_destroy(oracle);
+    return a;
+}
+
 std::string streaming_profile() {
     const TraceReader reader(fp16_trace());
     Profile p = base_profile(reader.metadata());
@@ -330,6 +393,66 @@ TEST_CASE("runtime (cpu): streaming heads match the simulator bit for bit") {
     std::filesystem::remove(path);
 }
 
+TEST_CASE("runtime (cpu): every output of the serving path within 1e-5 of the oracle's, every step") {
+    // The serving path reads the stored rows with vector code (runtime/attention_kernels.h): the
+    // same dequantised numbers as the oracle, summed in another order. Each query head's output at
+    // each step may differ from the oracle's by rounding alone, and no policy decision may flip.
+    for (const std::string& path : {h2o_profile(), tier_profile(), kivi_profile("int4", 16), kivi_profile("int8", 7),
+                                    streaming_profile()}) {
+        const StepAgreement a = serving_against_oracle(path, {3});
+        MESSAGE(std::filesystem::path(path).filename().string() << ": largest relative difference " << a.worst << " over "
+                                                                << a.outputs << " outputs");
+        CHECK(a.worst < 1e-5);
+        CHECK(a.same_holdings);
+        std::filesystem::remove(path);
+    }
+}
+
+TEST_CASE("runtime (cpu): every output the same bits on one thread as on several") {
+    // kvsim_rt_decode steps the KV heads in parallel; each head's arithmetic is its own, so the
+    // outputs and what each head holds may not depend on the threads, nor on where the heap put a
+    // head's buffers (a second run on one thread: the heap is in another state by then). Seen to
+    // fail when the serving path's score rows lay wherever the allocator put them: the
+    // exponentials of a row's unaligned head are taken one by one, in other bits.
+    const TraceReader reader(fp16_trace());
+    const TraceMetadata& m = reader.metadata();
+    const int L = static_cast<int>(m.num_layers), H = static_cast<int>(m.num_query_heads),
+              K = static_cast<int>(m.num_kv_heads), d = static_cast<int>(m.head_dim);
+    const int s = 3, length = static_cast<int>(reader.sequences()[s].length);
+    const kvsim_model_shape shape{L, H, K, d, length, 0};
+    for (const std::string& path : {tier_profile(), kivi_profile("int4", 16)}) {
+        auto run = [&](int threads) {
+            tbb::global_control limit(tbb::global_control::max_allowed_parallelism, static_cast<std::size_t>(threads));
+            kvsim_rt* rt = nullptr;
+            REQUIRE(kvsim_rt_create(path.c_str(), &shape, "cpu", &rt) == KVSIM_OK);
+            std::vector<float> outputs, out(static_cast<std::size_t>(H) * d);
+            std::vector<int32_t> held(length);
+            std::vector<uint8_t> tiers(length);
+            for (int layer = 0; layer < L; ++layer) {
+                const QkvLayer data = reader.read_qkv(s, layer);
+                for (int64_t t = 0; t < data.tokens; ++t) {
+                    REQUIRE(kvsim_rt_decode(rt, layer, static_cast<int32_t>(t), data.q.data() + t * H * d,
+                                            data.k.data() + t * K * d, data.v.data() + t * K * d, out.data()) == KVSIM_OK);
+                    outputs.insert(outputs.end(), out.begin(), out.end());
+                }
+                for (int kv = 0; kv < K; ++kv) {
+                    int32_t n = 0;
+                    REQUIRE(kvsim_rt_held(rt, layer, kv, held.data(), tiers.data(), length, &n) == KVSIM_OK);
+                    for (int i = 0; i < n; ++i) outputs.push_back(static_cast<float>(held[i] * 4 + tiers[i]));
+                }
+            }
+            kvsim_rt_destroy(rt);
+            return outputs;
+        };
+        const std::vector<float> one = run(1), several = run(4), again = run(1);
+        REQUIRE(one.size() == several.size());
+        REQUIRE(one.size() == again.size());
+        CHECK(std::memcmp(one.data(), several.data(), one.size() * sizeof(float)) == 0);
+        CHECK(std::memcmp(one.data(), again.data(), one.size() * sizeof(float)) == 0);
+        std::filesystem::remove(path);
+    }
+}
+
 namespace {
 
 // The "cuda" backend's path with its device done on the host (tests/unit/host_device_cache.h).
@@ -347,10 +470,11 @@ void check_close(const HeadFigures& reference, const HeadFigures& got) {
     REQUIRE(reference.error.size() == got.error.size());
     for (std::size_t u = 0; u < reference.error.size(); ++u) {
         INFO("unit " << u);
-        // Relative 1e-5, or 1e-4 absolute: a head that keeps every token (the exact heads of the
-        // streaming profile) has an output error of rounding alone, ~1e-6 a step, which the
-        // device's order of addition changes by as much as itself.
-        CHECK(got.error[u] == doctest::Approx(reference.error[u]).epsilon(1e-5).scale(10.0));
+        // Relative 1e-5, or 1e-3 absolute: a head that keeps every token (the exact heads of the
+        // streaming profile) has an output error of rounding alone, summed over its ~1,800 outputs
+        // here; the cpu backend sums its dot products in eight lanes, the device (here on the host)
+        // in order, and each path's rounding is ~3e-7 an output on average (about 5e-4 summed).
+        CHECK(got.error[u] == doctest::Approx(reference.error[u]).epsilon(1e-5).scale(100.0));
         CHECK(got.bytes[u] == reference.bytes[u]);
     }
 }

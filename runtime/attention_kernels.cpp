@@ -1,0 +1,500 @@
+#include "runtime/attention_kernels.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <type_traits>
+
+#include "cache_math/numerics.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KVSIM_VECTOR_KERNELS 1
+#include <immintrin.h>
+#endif
+
+namespace kvsim::runtime {
+namespace {
+
+// Row r's per-channel scales (KIVI keys), or null where the row carries its own group scales.
+const float* row_channel_scales(const TierRows& t, std::size_t r) {
+    if (!t.channel_scales) return nullptr;
+    const int32_t p = t.position_of_slot[t.slot_of_row[r]];
+    return t.channel_scales + static_cast<std::size_t>(p / t.key_group) * t.head_dim;
+}
+
+// Channel c of row r as attention reads it: numerics.h's definitions, one number at a time.
+float element(const TierRows& t, std::size_t r, int c, const float* channel_scales) {
+    if (t.tier == 0) return half_bits_to_float(t.half[r * t.head_dim + c]);
+    const uint8_t* row = t.levels + r * t.row_bytes;
+    const int level = t.tier == 1 ? static_cast<int8_t>(row[c]) : int4_level(row, c);
+    const float scale =
+        channel_scales ? channel_scales[c] : half_bits_to_float(t.scales[r * t.groups + c / t.group_channels]);
+    return dequantize_level(static_cast<float>(level), scale);
+}
+
+// Row r, every channel, into `row`.
+void dequantise_row(const TierRows& t, std::size_t r, float* row) {
+    const float* channel_scales = row_channel_scales(t, r);
+    for (int c = 0; c < t.head_dim; ++c) row[c] = element(t, r, c, channel_scales);
+}
+
+void check_rows(const TierRows& t) {
+    if (t.tier != 0 && t.groups == 0 && (!t.channel_scales || !t.position_of_slot))
+        throw std::logic_error("attention kernels: a tier without row scales needs per-channel scales");
+}
+
+}  // namespace
+
+void score_rows_portable(const TierRows& t, const float* q, int group, float scale, float* scores, std::size_t stride,
+                         float* peaks, float* scratch) {
+    check_rows(t);
+    const int d = t.head_dim;
+    float* row = scratch;
+    for (int r = 0; r < t.count; ++r) {
+        dequantise_row(t, r, row);
+        for (int h = 0; h < group; ++h) {
+            const float* qh = q + static_cast<std::size_t>(h) * d;
+            float dot = 0.0f;
+            for (int c = 0; c < d; ++c) dot += qh[c] * row[c];
+            const float s = dot * scale;
+            scores[h * stride + r] = s;
+            peaks[h] = std::max(peaks[h], s);
+        }
+    }
+}
+
+void accumulate_rows_portable(const TierRows& t, const float* weights, std::size_t stride,
+                              const int32_t* index_of_slot, int group, float* out, float* scratch) {
+    check_rows(t);
+    const int d = t.head_dim;
+    float* row = scratch;
+    for (int r = 0; r < t.count; ++r) {
+        dequantise_row(t, r, row);
+        const std::size_t i = static_cast<std::size_t>(index_of_slot[t.slot_of_row[r]]);
+        for (int h = 0; h < group; ++h) {
+            const float w = weights[h * stride + i];
+            float* o = out + static_cast<std::size_t>(h) * d;
+            for (int c = 0; c < d; ++c) o[c] += w * row[c];
+        }
+    }
+}
+
+#if defined(KVSIM_VECTOR_KERNELS)
+namespace {
+
+// How a tier's rows are scaled: FP16 not at all; INT8/INT4 by a scale per group of channels
+// (a multiple of 8 channels: one broadcast per 8), or per channel (KIVI keys, and groups that are
+// not a multiple of 8, spread over the channels a block at a time).
+enum class ScaleKind { none, group, channel };
+
+constexpr int kMaxChunks = 256;  // head sizes up to 2048 (eight channels a chunk)
+
+inline float hsum(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+// Where row r's numbers start: its half bits, or its levels.
+template <int Tier>
+inline const void* row_data(const TierRows& t, std::size_t r) {
+    if constexpr (Tier == 0) return t.half + r * t.head_dim;
+    return t.levels + r * t.row_bytes;
+}
+
+// Channels c..c+7 of a row: FP16 values, or INT8/INT4 levels, as floats (exact).
+template <int Tier>
+inline __m256 widen8(const void* row, int c) {
+    if constexpr (Tier == 0) {
+        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row) + c)));
+    } else if constexpr (Tier == 1) {
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(row) + c));
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+    } else {
+        // Four bytes hold eight nibbles, channel c + i in nibble i: each lane shifts its nibble to
+        // the top and back down arithmetically, which sign-extends it (int4_level, eight at once).
+        uint32_t word;
+        std::memcpy(&word, static_cast<const uint8_t*>(row) + c / 2, sizeof word);
+        const __m256i top = _mm256_sllv_epi32(_mm256_set1_epi32(static_cast<int>(word)),
+                                              _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0));
+        return _mm256_cvtepi32_ps(_mm256_srai_epi32(top, 28));
+    }
+}
+
+// Everything a block of rows shares: per row, its scales as floats.
+struct Block {
+    int first = 0, rows = 0;
+    const float* scales = nullptr;  // group: `groups` a row; channel (not KIVI): head_dim a row
+    int scale_stride = 0;
+};
+
+void halves_to_floats(const uint16_t* in, std::size_t n, float* out) {
+    std::size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+    for (; i < n; ++i) out[i] = half_bits_to_float(in[i]);
+}
+
+// The block's scales, converted once (a block's rows' scales lie together).
+template <ScaleKind K>
+Block prepare(const TierRows& t, int first, int rows, float* scratch) {
+    Block b{first, rows, nullptr, 0};
+    if constexpr (K == ScaleKind::none) return b;
+    if (t.channel_scales) return b;  // KIVI: each row finds its position group's scales
+    float* group_scales = scratch;
+    halves_to_floats(t.scales + static_cast<std::size_t>(first) * t.groups, static_cast<std::size_t>(rows) * t.groups,
+                     group_scales);
+    if constexpr (K == ScaleKind::group) {
+        b.scales = group_scales, b.scale_stride = t.groups;
+    } else {
+        float* spread = scratch + static_cast<std::size_t>(kKernelBlock) * (t.groups + 8);
+        const int d = t.head_dim;
+        for (int i = 0; i < rows; ++i)
+            for (int g = 0; g < t.groups; ++g) {
+                const int end = std::min(d, (g + 1) * t.group_channels);
+                std::fill(spread + static_cast<std::size_t>(i) * d + g * t.group_channels,
+                          spread + static_cast<std::size_t>(i) * d + end, group_scales[i * t.groups + g]);
+            }
+        b.scales = spread, b.scale_stride = d;
+    }
+    return b;
+}
+
+template <ScaleKind K>
+inline const float* scales_of(const TierRows& t, const Block& b, int i) {
+    if constexpr (K == ScaleKind::none) return nullptr;
+    if (t.channel_scales) return row_channel_scales(t, static_cast<std::size_t>(b.first + i));
+    return b.scales + static_cast<std::size_t>(i) * b.scale_stride;
+}
+
+// Eight levels times their scales: dequantize_level, eight at once.
+template <ScaleKind K>
+inline __m256 scaled(__m256 x, const float* scales, int j, const int* chunk_group) {
+    if constexpr (K == ScaleKind::group) return _mm256_mul_ps(x, _mm256_broadcast_ss(scales + chunk_group[j]));
+    if constexpr (K == ScaleKind::channel) return _mm256_mul_ps(x, _mm256_loadu_ps(scales + 8 * j));
+    return x;
+}
+
+// Channel c of a row (past the last whole eight) with the block's scales.
+template <ScaleKind K>
+inline float tail_element(const TierRows& t, std::size_t r, int c, const float* scales) {
+    if constexpr (K == ScaleKind::group) {
+        const uint8_t* row = t.levels + r * t.row_bytes;
+        const int level = t.tier == 1 ? static_cast<int8_t>(row[c]) : int4_level(row, c);
+        return dequantize_level(static_cast<float>(level), scales[c / t.group_channels]);
+    }
+    return element(t, r, c, K == ScaleKind::channel ? scales : nullptr);
+}
+
+// The next block's rows start loading while this one is computed.
+void prefetch_rows(const TierRows& t, int first, int rows) {
+    if (rows <= 0) return;
+    const char* begin;
+    std::size_t bytes;
+    if (t.tier == 0) {
+        begin = reinterpret_cast<const char*>(t.half + static_cast<std::size_t>(first) * t.head_dim);
+        bytes = static_cast<std::size_t>(rows) * t.head_dim * 2;
+    } else {
+        begin = reinterpret_cast<const char*>(t.levels + static_cast<std::size_t>(first) * t.row_bytes);
+        bytes = static_cast<std::size_t>(rows) * t.row_bytes;
+        if (t.groups > 0) {
+            const char* scales = reinterpret_cast<const char*>(t.scales + static_cast<std::size_t>(first) * t.groups);
+            for (std::size_t at = 0; at < static_cast<std::size_t>(rows) * t.groups * 2; at += 64)
+                _mm_prefetch(scales + at, _MM_HINT_T0);
+        }
+    }
+    for (std::size_t at = 0; at < bytes; at += 64) _mm_prefetch(begin + at, _MM_HINT_T0);
+}
+
+// The four lanes' sums of four vectors, in one vector: [sum a0, sum a1, sum a2, sum a3].
+inline __m128 sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    const __m256 pairs = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+}
+
+template <int G, int H>
+inline __m256 head_or_zero(const __m256 (&acc)[G]) {
+    if constexpr (H < G) return acc[H];
+    return _mm256_setzero_ps();
+}
+
+// Rows a score pass takes side by side, and so the accumulators in flight (rows x query heads):
+// enough to cover the FMA's latency on both pipes, within AVX2's sixteen registers; each query
+// load then serves every row of the pass.
+template <int G>
+constexpr int kRowsAtOnce = G <= 2 ? 4 : G == 3 ? 3 : G == 4 ? 2 : 1;
+
+// Scores of RW rows of a block, i0.. (peak: each head's largest score so far, lanes 0..7).
+template <int Tier, ScaleKind K, int G, int RW>
+inline void score_rows_at(const TierRows& t, const Block& b, int i0, const float* q, float scale, float* scores,
+                          std::size_t stride, __m128 (&peak)[2], const int* chunk_group) {
+    const int d = t.head_dim, chunks = d / 8;
+    const void* row[RW];
+    const float* sc[RW];
+#pragma GCC unroll 8
+    for (int w = 0; w < RW; ++w) {
+        row[w] = row_data<Tier>(t, static_cast<std::size_t>(b.first + i0 + w));
+        sc[w] = scales_of<K>(t, b, i0 + w);
+    }
+    __m256 acc[RW][G];
+#pragma GCC unroll 8
+    for (int w = 0; w < RW; ++w)
+#pragma GCC unroll 8
+        for (int h = 0; h < G; ++h) acc[w][h] = _mm256_setzero_ps();
+    for (int j = 0; j < chunks; ++j) {
+        __m256 k[RW];
+#pragma GCC unroll 8
+        for (int w = 0; w < RW; ++w) k[w] = scaled<K>(widen8<Tier>(row[w], 8 * j), sc[w], j, chunk_group);
+#pragma GCC unroll 8
+        for (int h = 0; h < G; ++h) {
+            const __m256 qh = _mm256_loadu_ps(q + static_cast<std::size_t>(h) * d + 8 * j);
+#pragma GCC unroll 8
+            for (int w = 0; w < RW; ++w) acc[w][h] = _mm256_fmadd_ps(qh, k[w], acc[w][h]);
+        }
+    }
+    const __m128 scale4 = _mm_set1_ps(scale);
+#pragma GCC unroll 8
+    for (int w = 0; w < RW; ++w) {
+        const std::size_t r = static_cast<std::size_t>(b.first + i0 + w);
+        alignas(16) float dot[8];
+        _mm_store_ps(dot, sum4(acc[w][0], head_or_zero<G, 1>(acc[w]), head_or_zero<G, 2>(acc[w]),
+                               head_or_zero<G, 3>(acc[w])));
+        if constexpr (G > 4)
+            _mm_store_ps(dot + 4, sum4(acc[w][4], head_or_zero<G, 5>(acc[w]), head_or_zero<G, 6>(acc[w]),
+                                       head_or_zero<G, 7>(acc[w])));
+        for (int c = 8 * chunks; c < d; ++c) {  // channels past the last eight, one by one
+            const float x = tail_element<K>(t, r, c, sc[w]);
+            for (int h = 0; h < G; ++h) dot[h] += q[static_cast<std::size_t>(h) * d + c] * x;
+        }
+        const __m128 lo = _mm_mul_ps(_mm_load_ps(dot), scale4);
+        peak[0] = _mm_max_ps(peak[0], lo);
+        _mm_store_ps(dot, lo);
+        if constexpr (G > 4) {
+            const __m128 hi = _mm_mul_ps(_mm_load_ps(dot + 4), scale4);
+            peak[1] = _mm_max_ps(peak[1], hi);
+            _mm_store_ps(dot + 4, hi);
+        }
+#pragma GCC unroll 8
+        for (int h = 0; h < G; ++h) scores[h * stride + r] = dot[h];
+    }
+}
+
+template <int Tier, ScaleKind K, int G>
+void score_block(const TierRows& t, const Block& b, const float* q, float scale, float* scores, std::size_t stride,
+                 __m128 (&peak)[2], const int* chunk_group) {
+    constexpr int RW = kRowsAtOnce<G>;
+    int i = 0;
+    for (; i + RW <= b.rows; i += RW) score_rows_at<Tier, K, G, RW>(t, b, i, q, scale, scores, stride, peak, chunk_group);
+    for (; i < b.rows; ++i) score_rows_at<Tier, K, G, 1>(t, b, i, q, scale, scores, stride, peak, chunk_group);
+}
+
+// Chunks of eight channels a value pass keeps in flight for every query head (chunks x heads
+// accumulators), one row after another through the block: the block's rows stay in L1 between
+// the passes over its channels.
+template <int G>
+constexpr int kChunksAtOnce = G >= 5 ? 1 : G >= 3 ? 2 : 8 / G;
+
+// out += w * v for S chunks of eight channels from j0, over the block's rows; `weights`: G a row.
+template <int Tier, ScaleKind K, int G, int S>
+inline void accumulate_slice(const TierRows& t, const Block& b, int j0, const float* weights, float* out,
+                             const int* chunk_group) {
+    const int d = t.head_dim;
+    __m256 acc[S][G];
+#pragma GCC unroll 8
+    for (int s = 0; s < S; ++s)
+#pragma GCC unroll 8
+        for (int h = 0; h < G; ++h) acc[s][h] = _mm256_loadu_ps(out + static_cast<std::size_t>(h) * d + 8 * (j0 + s));
+    for (int i = 0; i < b.rows; ++i) {
+        const void* row = row_data<Tier>(t, static_cast<std::size_t>(b.first + i));
+        const float* sc = scales_of<K>(t, b, i);
+        __m256 w[G];
+#pragma GCC unroll 8
+        for (int h = 0; h < G; ++h) w[h] = _mm256_broadcast_ss(weights + i * G + h);
+#pragma GCC unroll 8
+        for (int s = 0; s < S; ++s) {
+            const __m256 v = scaled<K>(widen8<Tier>(row, 8 * (j0 + s)), sc, j0 + s, chunk_group);
+#pragma GCC unroll 8
+            for (int h = 0; h < G; ++h) acc[s][h] = _mm256_fmadd_ps(w[h], v, acc[s][h]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int s = 0; s < S; ++s)
+#pragma GCC unroll 8
+        for (int h = 0; h < G; ++h) _mm256_storeu_ps(out + static_cast<std::size_t>(h) * d + 8 * (j0 + s), acc[s][h]);
+}
+
+template <int Tier, ScaleKind K, int G>
+void accumulate_block(const TierRows& t, const Block& b, const float* weights, float* out, const int* chunk_group) {
+    constexpr int S = kChunksAtOnce<G>;
+    const int d = t.head_dim, chunks = d / 8;
+    int j = 0;
+    for (; j + S <= chunks; j += S) accumulate_slice<Tier, K, G, S>(t, b, j, weights, out, chunk_group);
+    for (; j < chunks; ++j) accumulate_slice<Tier, K, G, 1>(t, b, j, weights, out, chunk_group);
+    for (int c = 8 * chunks; c < d; ++c)
+        for (int i = 0; i < b.rows; ++i) {
+            const float x = tail_element<K>(t, static_cast<std::size_t>(b.first + i), c, scales_of<K>(t, b, i));
+            for (int h = 0; h < G; ++h) out[static_cast<std::size_t>(h) * d + c] += weights[i * G + h] * x;
+        }
+}
+
+void chunk_groups(const TierRows& t, int* chunk_group) {
+    const int chunks = t.head_dim / 8;
+    for (int j = 0; j < chunks; ++j) chunk_group[j] = t.group_channels > 0 && t.groups > 0 ? 8 * j / t.group_channels : 0;
+}
+
+template <int Tier, ScaleKind K, int G>
+void score_tier(const TierRows& t, const float* q, float scale, float* scores, std::size_t stride, float* peaks,
+                float* scratch) {
+    int chunk_group[kMaxChunks];
+    chunk_groups(t, chunk_group);
+    __m128 peak[2] = {_mm_set1_ps(-INFINITY), _mm_set1_ps(-INFINITY)};
+    for (int first = 0; first < t.count; first += kKernelBlock) {
+        const int rows = std::min(kKernelBlock, t.count - first);
+        prefetch_rows(t, first + rows, std::min(kKernelBlock, t.count - first - rows));
+        const Block b = prepare<K>(t, first, rows, scratch);
+        score_block<Tier, K, G>(t, b, q, scale, scores, stride, peak, chunk_group);
+    }
+    alignas(16) float lanes[8];
+    _mm_store_ps(lanes, peak[0]);
+    _mm_store_ps(lanes + 4, peak[1]);
+    for (int h = 0; h < G; ++h) peaks[h] = std::max(peaks[h], lanes[h]);
+}
+
+template <int Tier, ScaleKind K, int G>
+void accumulate_tier(const TierRows& t, const float* weights, std::size_t stride, const int32_t* index_of_slot,
+                     float* out, float* scratch) {
+    int chunk_group[kMaxChunks];
+    chunk_groups(t, chunk_group);
+    float* block_weights = scratch + static_cast<std::size_t>(kKernelBlock) * (t.groups + 8 + t.head_dim);
+    for (int first = 0; first < t.count; first += kKernelBlock) {
+        const int rows = std::min(kKernelBlock, t.count - first);
+        prefetch_rows(t, first + rows, std::min(kKernelBlock, t.count - first - rows));
+        const Block b = prepare<K>(t, first, rows, scratch);
+        for (int i = 0; i < rows; ++i) {  // each row's weights, wherever its key's score lies
+            const std::size_t at = static_cast<std::size_t>(index_of_slot[t.slot_of_row[first + i]]);
+            for (int h = 0; h < G; ++h) block_weights[i * G + h] = weights[h * stride + at];
+        }
+        accumulate_block<Tier, K, G>(t, b, block_weights, out, chunk_group);
+    }
+}
+
+ScaleKind scale_kind(const TierRows& t) {
+    if (t.tier == 0) return ScaleKind::none;
+    if (t.groups == 0 || t.group_channels % 8 != 0) return ScaleKind::channel;
+    return ScaleKind::group;
+}
+
+// One call for a group of up to eight query heads: the tier, its scales and the group size
+// chosen at compile time.
+template <int G>
+void score_group(const TierRows& t, const float* q, float scale, float* scores, std::size_t stride, float* peaks,
+                 float* scratch) {
+    switch (t.tier * 3 + static_cast<int>(scale_kind(t))) {
+        case 0: return score_tier<0, ScaleKind::none, G>(t, q, scale, scores, stride, peaks, scratch);
+        case 4: return score_tier<1, ScaleKind::group, G>(t, q, scale, scores, stride, peaks, scratch);
+        case 5: return score_tier<1, ScaleKind::channel, G>(t, q, scale, scores, stride, peaks, scratch);
+        case 7: return score_tier<2, ScaleKind::group, G>(t, q, scale, scores, stride, peaks, scratch);
+        case 8: return score_tier<2, ScaleKind::channel, G>(t, q, scale, scores, stride, peaks, scratch);
+        default: throw std::logic_error("attention kernels: unknown tier");
+    }
+}
+
+template <int G>
+void accumulate_group(const TierRows& t, const float* weights, std::size_t stride, const int32_t* index_of_slot,
+                      float* out, float* scratch) {
+    switch (t.tier * 3 + static_cast<int>(scale_kind(t))) {
+        case 0: return accumulate_tier<0, ScaleKind::none, G>(t, weights, stride, index_of_slot, out, scratch);
+        case 4: return accumulate_tier<1, ScaleKind::group, G>(t, weights, stride, index_of_slot, out, scratch);
+        case 5: return accumulate_tier<1, ScaleKind::channel, G>(t, weights, stride, index_of_slot, out, scratch);
+        case 7: return accumulate_tier<2, ScaleKind::group, G>(t, weights, stride, index_of_slot, out, scratch);
+        case 8: return accumulate_tier<2, ScaleKind::channel, G>(t, weights, stride, index_of_slot, out, scratch);
+        default: throw std::logic_error("attention kernels: unknown tier");
+    }
+}
+
+template <class Call>
+void by_group_size(int group, Call&& call) {
+    switch (group) {
+        case 1: return call(std::integral_constant<int, 1>{});
+        case 2: return call(std::integral_constant<int, 2>{});
+        case 3: return call(std::integral_constant<int, 3>{});
+        case 4: return call(std::integral_constant<int, 4>{});
+        case 5: return call(std::integral_constant<int, 5>{});
+        case 6: return call(std::integral_constant<int, 6>{});
+        case 7: return call(std::integral_constant<int, 7>{});
+        default: return call(std::integral_constant<int, 8>{});
+    }
+}
+
+}  // namespace
+
+void score_rows(const TierRows& t, const float* q, int group, float scale, float* scores, std::size_t stride,
+                float* peaks, float* scratch) {
+    check_rows(t);
+    if (t.count == 0) return;
+    if (t.head_dim / 8 > kMaxChunks) return score_rows_portable(t, q, group, scale, scores, stride, peaks, scratch);
+    // More than eight query heads a KV head: eight at a time, each a pass over the rows.
+    for (int h0 = 0; h0 < group; h0 += 8) {
+        const int g = std::min(8, group - h0);
+        by_group_size(g, [&](auto size) {
+            score_group<decltype(size)::value>(t, q + static_cast<std::size_t>(h0) * t.head_dim, scale,
+                                               scores + h0 * stride, stride, peaks + h0, scratch);
+        });
+    }
+}
+
+void accumulate_rows(const TierRows& t, const float* weights, std::size_t stride, const int32_t* index_of_slot,
+                     int group, float* out, float* scratch) {
+    check_rows(t);
+    if (t.count == 0) return;
+    if (t.head_dim / 8 > kMaxChunks)
+        return accumulate_rows_portable(t, weights, stride, index_of_slot, group, out, scratch);
+    for (int h0 = 0; h0 < group; h0 += 8) {
+        const int g = std::min(8, group - h0);
+        by_group_size(g, [&](auto size) {
+            accumulate_group<decltype(size)::value>(t, weights + h0 * stride, stride, index_of_slot,
+                                                    out + static_cast<std::size_t>(h0) * t.head_dim, scratch);
+        });
+    }
+}
+
+float reciprocal_of_sum(const float* x, std::size_t n) {
+    __m256d sums[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
+    std::size_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int a = 0; a < 4; ++a) sums[a] = _mm256_add_pd(sums[a], _mm256_cvtps_pd(_mm_loadu_ps(x + i + 4 * a)));
+    const __m256d all = _mm256_add_pd(_mm256_add_pd(sums[0], sums[1]), _mm256_add_pd(sums[2], sums[3]));
+    double lanes[4];
+    _mm256_storeu_pd(lanes, all);
+    double total = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+    for (; i < n; ++i) total += x[i];
+    return static_cast<float>(1.0 / total);
+}
+
+bool vector_kernels() { return true; }
+
+#else
+
+void score_rows(const TierRows& t, const float* q, int group, float scale, float* scores, std::size_t stride,
+                float* peaks, float* scratch) {
+    score_rows_portable(t, q, group, scale, scores, stride, peaks, scratch);
+}
+
+void accumulate_rows(const TierRows& t, const float* weights, std::size_t stride, const int32_t* index_of_slot,
+                     int group, float* out, float* scratch) {
+    accumulate_rows_portable(t, weights, stride, index_of_slot, group, out, scratch);
+}
+
+float reciprocal_of_sum(const float* x, std::size_t n) {
+    double total = 0;
+    for (std::size_t i = 0; i < n; ++i) total += x[i];
+    return static_cast<float>(1.0 / total);
+}
+
+bool vector_kernels() { return false; }
+
+#endif
+
+}  // namespace kvsim::runtime

@@ -1,0 +1,303 @@
+// The runtime's attention kernels (runtime/attention_kernels.h) and the packed tier storage they
+// read (runtime/tier_store.h), against numerics.h's definitions one number at a time: every tier,
+// scale groups of whole eights, of other sizes and per channel (KIVI), head sizes with and without
+// a tail past the last eight channels, and query groups of 1 to 9 heads; then one head's whole
+// serving attention against the oracle's two-pass attention on the same cache.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <string>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "policies/policy.h"
+#include "runtime/attention_kernels.h"
+#include "runtime/head_cache.h"
+#include "runtime/tier_store.h"
+
+using namespace kvsim;
+using namespace kvsim::runtime;
+
+namespace {
+
+// One tier's store holding `slots` slots, added in a shuffled order and some removed again, so
+// that a slot's row is not the slot itself; with group 0 at a quantised tier, per-channel scales
+// for position groups of 3 (a slot holds position slot + 5).
+struct Rows {
+    TierStore store;
+    std::vector<float> channel_scales;
+    std::vector<int32_t> position_of_slot;
+    std::vector<int> held;  // slots, by row
+    int head_dim = 0;
+
+    Rows(int tier, int slots, int d, int group, std::mt19937& rng) : head_dim(d) {
+        std::normal_distribution<float> normal(0.0f, 1.5f);
+        store.plan(tier, slots, d, group);
+        const bool per_channel = tier != 0 && group == 0;
+        position_of_slot.resize(slots);
+        for (int s = 0; s < slots; ++s) position_of_slot[s] = s + 5;
+        if (per_channel) {
+            channel_scales.resize(static_cast<std::size_t>((slots + 5) / 3 + 1) * d);
+            for (float& x : channel_scales) x = round_to_fp16(0.02f + std::abs(normal(rng)) / (tier == 1 ? 127 : 7));
+        }
+        std::vector<int> order(slots);
+        std::iota(order.begin(), order.end(), 0);
+        std::shuffle(order.begin(), order.end(), rng);
+        std::vector<float> x(d);
+        for (int slot : order) {
+            for (float& v : x) v = normal(rng);
+            store.add(slot);
+            if (per_channel)
+                store.write_with_channel_scales(slot, x.data(), scales_of(slot));
+            else
+                store.write(slot, x.data());
+        }
+        for (int i = 0; i < slots / 3; ++i) store.remove(order[static_cast<std::size_t>(i) * 2 % slots]);
+        for (int r = 0; r < store.rows(); ++r) held.push_back(store.slot_of_row()[r]);
+    }
+    const float* scales_of(int slot) const {
+        return channel_scales.data() + static_cast<std::size_t>(position_of_slot[slot] / 3) * head_dim;
+    }
+    TierRows rows() const {
+        TierRows t{store.tier(), head_dim, store.rows(), store.row_bytes(), store.groups(), store.group_channels(),
+                   store.half(), store.levels(), store.scales(), store.slot_of_row()};
+        if (!channel_scales.empty()) {
+            t.channel_scales = channel_scales.data();
+            t.position_of_slot = position_of_slot.data();
+            t.key_group = 3;
+        }
+        return t;
+    }
+    // Channel c of a slot as numerics.h defines it.
+    float element(int slot, int c) const {
+        if (channel_scales.empty()) return store.view().element(slot, c);
+        std::vector<float> row(head_dim);
+        store.read_with_channel_scales(slot, scales_of(slot), row.data());
+        return row[c];
+    }
+};
+
+struct Shape {
+    int tier, head_dim, group;  // group 0: per-channel (KIVI) scales
+};
+
+std::vector<Shape> shapes() {
+    std::vector<Shape> all;
+    for (int tier = 0; tier < 3; ++tier)
+        for (const auto& [d, groups] : std::vector<std::pair<int, std::vector<int>>>{
+                 {128, {32, 8, 128, 12, 0}}, {8, {8, 4, 0}}, {67, {16, 67, 0}}, {20, {5, 0}}})
+            for (int group : groups)
+                if (tier > 0 || group == groups.front()) all.push_back({tier, d, group});
+    return all;
+}
+
+}  // namespace
+
+TEST_CASE("attention kernels: each stored number reaches attention as numerics.h defines it, bit for bit") {
+    // A query that is 1 on one channel and 0 elsewhere scores a row at exactly that channel's value
+    // (scale 1), and a weight of 1 on one row accumulates exactly its values: what the kernels
+    // widen and scale must be half_bits_to_float, and level * scale, to the last bit.
+    std::mt19937 rng(11);
+    for (const Shape& shape : shapes()) {
+        const int d = shape.head_dim, slots = 41;
+        const Rows r(shape.tier, slots, d, shape.group, rng);
+        const TierRows t = r.rows();
+        std::vector<float> scratch(kernel_scratch_floats(d, d));
+        for (bool portable : {false, true}) {
+            INFO("tier " << shape.tier << ", head size " << d << ", group " << shape.group << (portable ? ", portable" : ""));
+            for (int c = 0; c < d; ++c) {
+                std::vector<float> q(d, 0.0f), scores(slots);
+                q[c] = 1.0f;
+                float peak = -INFINITY;
+                (portable ? score_rows_portable : score_rows)(t, q.data(), 1, 1.0f, scores.data(), slots, &peak,
+                                                              scratch.data());
+                for (int row = 0; row < t.count; ++row) REQUIRE(scores[row] == r.element(r.held[row], c));
+            }
+            std::vector<int32_t> index_of_slot(slots, 0);
+            for (int row = 0; row < t.count; ++row) {
+                std::vector<float> weights(slots, 0.0f), out(d, 0.0f);
+                weights[row] = 1.0f;
+                for (int i = 0; i < t.count; ++i) index_of_slot[r.held[i]] = i;
+                (portable ? accumulate_rows_portable : accumulate_rows)(t, weights.data(), slots, index_of_slot.data(), 1,
+                                                                        out.data(), scratch.data());
+                for (int c = 0; c < d; ++c) REQUIRE(out[c] == r.element(r.held[row], c));
+            }
+        }
+    }
+}
+
+TEST_CASE("attention kernels: scores and weighted sums for query groups of 1 to 9 heads, within rounding") {
+    // Against the same sums in double from numerics.h's numbers: each score within float rounding
+    // of its terms' magnitude (n terms summed in float err by at most n * 2^-24 of it), each head's
+    // peak the largest of its scores, each output within rounding of the weighted values'
+    // magnitude; the vector kernels and the portable ones alike.
+    std::mt19937 rng(12);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::uniform_real_distribution<float> uniform(0.0f, 1.0f);
+    for (const Shape& shape : shapes()) {
+        const int d = shape.head_dim, slots = 70;
+        const Rows r(shape.tier, slots, d, shape.group, rng);
+        const TierRows t = r.rows();
+        std::vector<float> scratch(kernel_scratch_floats(d, d));
+        for (int group = 1; group <= 9; ++group) {
+            const std::size_t stride = slots + 3;
+            std::vector<float> q(static_cast<std::size_t>(group) * d), weights(group * stride);
+            for (float& x : q) x = normal(rng);
+            for (float& x : weights) x = uniform(rng);
+            std::vector<int32_t> index_of_slot(slots, -1);
+            for (int i = 0; i < t.count; ++i) index_of_slot[r.held[i]] = (i * 7) % t.count;  // any order
+            const float scale = 0.3f;
+            for (bool portable : {false, true}) {
+                INFO("tier " << shape.tier << ", head size " << d << ", group " << shape.group << ", " << group
+                             << " query heads" << (portable ? ", portable" : ""));
+                std::vector<float> scores(group * stride, 0.0f), peaks(group, -INFINITY);
+                std::vector<float> out(static_cast<std::size_t>(group) * d, 0.25f);  // accumulates onto what is there
+                (portable ? score_rows_portable : score_rows)(t, q.data(), group, scale, scores.data(), stride,
+                                                              peaks.data(), scratch.data());
+                (portable ? accumulate_rows_portable : accumulate_rows)(t, weights.data(), stride, index_of_slot.data(),
+                                                                        group, out.data(), scratch.data());
+                for (int h = 0; h < group; ++h) {
+                    float peak = -INFINITY;
+                    std::vector<double> expected(d, 0.25), magnitude(d, 0.25);
+                    for (int row = 0; row < t.count; ++row) {
+                        double dot = 0, size = 0;
+                        for (int c = 0; c < d; ++c) {
+                            const double x = r.element(r.held[row], c);
+                            dot += q[h * d + c] * x;
+                            size += std::abs(q[h * d + c] * x);
+                            const double w = weights[h * stride + index_of_slot[r.held[row]]];
+                            expected[c] += w * x;
+                            magnitude[c] += std::abs(w * x);
+                        }
+                        const float got = scores[h * stride + row];
+                        REQUIRE(std::abs(got - scale * dot) <= (d + 2) * 0x1p-24 * scale * size);
+                        peak = std::max(peak, got);
+                    }
+                    CHECK(peaks[h] == peak);
+                    for (int c = 0; c < d; ++c)
+                        REQUIRE(std::abs(out[h * d + c] - expected[c]) <= (t.count + 2) * 0x1p-24 * magnitude[c]);
+                }
+            }
+        }
+    }
+}
+
+TEST_CASE("tier store: rows stay packed at the front and every slot keeps its numbers as slots come and go") {
+    std::mt19937 rng(13);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (int tier = 0; tier < 3; ++tier) {
+        const int d = 24, slots = 50;
+        TierStore store;
+        store.plan(tier, slots, d, 8);
+        std::vector<std::vector<float>> expected(slots);  // what each held slot reads back
+        std::vector<int> held;
+        std::vector<float> x(d);
+        for (int step = 0; step < 2000; ++step) {
+            const bool add = held.empty() || (static_cast<int>(held.size()) < slots && rng() % 2);
+            if (add) {
+                int slot;
+                do slot = static_cast<int>(rng() % slots);
+                while (store.holds(slot));
+                for (float& v : x) v = normal(rng);
+                store.add(slot);
+                store.write(slot, x.data());
+                expected[slot].resize(d);
+                store.read(slot, expected[slot].data());
+                held.push_back(slot);
+            } else {
+                const std::size_t i = rng() % held.size();
+                store.remove(held[i]);
+                held.erase(held.begin() + static_cast<std::ptrdiff_t>(i));
+            }
+            INFO("tier " << tier << ", step " << step);
+            REQUIRE(store.rows() == static_cast<int>(held.size()));
+            std::vector<int> by_row(store.slot_of_row(), store.slot_of_row() + store.rows());
+            std::vector<int> sorted_held = held;
+            std::sort(by_row.begin(), by_row.end());
+            std::sort(sorted_held.begin(), sorted_held.end());
+            REQUIRE(by_row == sorted_held);
+            for (int r = 0; r < store.rows(); ++r) REQUIRE(store.view().row(store.slot_of_row()[r]) == static_cast<std::size_t>(r));
+            std::vector<float> row(d);
+            for (int slot : held) {
+                store.read(slot, row.data());
+                REQUIRE(row == expected[slot]);
+            }
+        }
+    }
+}
+
+TEST_CASE("attention kernels: a softmax's total summed in double") {
+    // One weight of 1 (the peak's) and many below half its float ulp: a float total loses them.
+    std::mt19937 rng(14);
+    std::uniform_real_distribution<float> uniform(0.0f, 6e-8f);
+    for (std::size_t n : {std::size_t{1}, std::size_t{15}, std::size_t{16}, std::size_t{33}, std::size_t{100000}}) {
+        std::vector<float> x(n);
+        for (float& v : x) v = uniform(rng);
+        x[0] = 1.0f;
+        double total = 0;
+        for (float v : x) total += v;
+        CHECK(reciprocal_of_sum(x.data(), n) == doctest::Approx(1.0 / total).epsilon(1e-7));
+    }
+}
+
+TEST_CASE("attention kernels: a head's serving attention within 1e-5 of the oracle's at FP16, INT8, INT4 and mixed") {
+    // One head holding `tokens` positions at the given tiers (the last, the current token, at
+    // FP16), attended once by the serving path (score_rows, exponentials, accumulate_rows) and once
+    // by the oracle's two-pass attention over the same stored rows: each query head's output may
+    // differ by summation order alone, ||serving - oracle|| / ||oracle|| < 1e-5 (the order the
+    // runtime's agreement test holds over whole stories). Lengths of one row, of blocks and a part
+    // (kernel blocks are 32 rows), groups of one to nine query heads (nine: eight, then one).
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    REQUIRE(vector_kernels());  // otherwise the serving path below would be the portable loops
+#endif
+    const PolicyDescriptor* stratigraphic = find_policy("stratigraphic");
+    REQUIRE(stratigraphic);
+    static const std::map<std::string, std::string> no_files;
+    std::mt19937 rng(15);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    const std::vector<std::pair<const char*, std::vector<double>>> mixes = {
+        {"FP16", {1, 0, 0}}, {"INT8", {0, 1, 0}}, {"INT4", {0, 0, 1}}, {"mixed", {0.3, 0.4, 0.3}}};
+    for (const int d : {128, 40})
+        for (const int value_group : {32, 8})
+            for (const int tokens : {1, 2, 31, 33, 97, 300})
+                for (const int group : {1, 4, 5, 9})
+                    for (const auto& [name, share] : mixes) {
+                        INFO(name << ", head size " << d << ", scale group " << value_group << ", " << tokens
+                                  << " tokens, " << group << " query heads");
+                        const ParamValues params = resolve_params(*stratigraphic, {{"value_group", value_group}}, "test");
+                        HeadPlan plan;
+                        plan.group = group, plan.head_dim = d, plan.budget = tokens, plan.max_context = tokens;
+                        const PolicyContext ctx{tokens, tokens + 1, 0, 1, 0, 1, d, &no_files};
+                        HeadCache head(plan, [&] { return stratigraphic->make(params, ctx); });
+                        std::vector<float> k(static_cast<std::size_t>(tokens) * d), v(k.size()),
+                            q(static_cast<std::size_t>(group) * d);
+                        for (float& x : k) x = normal(rng);
+                        for (float& x : v) x = normal(rng);
+                        for (float& x : q) x = 0.5f * normal(rng);
+                        std::uniform_real_distribution<double> u(0.0, 1.0);
+                        std::vector<uint8_t> tier(tokens);
+                        for (uint8_t& t : tier) {
+                            const double x = u(rng);
+                            t = x < share[0] ? 0 : x < share[0] + share[1] ? 1 : 2;
+                        }
+                        tier.back() = 0;
+                        head.bench_fill(tokens, k.data(), v.data(), [&](int p) { return tier[p]; });
+                        REQUIRE(static_cast<int>(head.held().size()) == tokens);
+                        std::vector<float> serving(q.size()), oracle(q.size());
+                        head.bench_attend(q.data(), serving.data());
+                        head.bench_attend(q.data(), oracle.data(), true);
+                        for (int h = 0; h < group; ++h) {
+                            double diff = 0, norm = 0;
+                            for (int c = 0; c < d; ++c) {
+                                const double a = serving[h * d + c], b = oracle[h * d + c];
+                                diff += (a - b) * (a - b);
+                                norm += b * b;
+                            }
+                            REQUIRE(norm > 0);
+                            REQUIRE(std::sqrt(diff / norm) < 1e-5);
+                        }
+                    }
+}
