@@ -303,8 +303,9 @@ void add_model_flags(CLI::App* cmd, ModelInput& flags) {
 }
 
 int run_capture(const ModelInput& input, const std::string& dtype, const std::vector<int>& layers,
-                bool pre_rope_keys, const std::string& out) {
+                bool pre_rope_keys, const std::string& out, bool quiet) {
     CaptureOptions options;
+    options.show_progress = !quiet;
     options.pre_rope_keys = pre_rope_keys;
     options.input = input;
     options.layers = layers;
@@ -564,7 +565,8 @@ int main(int argc, char** argv) {
         ->transform(CLI::CheckedTransformer(std::map<std::string, std::string>{{"fp16", "float16"}, {"fp32", "float32"}}));
     capture->add_option("--layers", capture_layers, "model layers to record, e.g. 0,8,15 (default: all)")
         ->delimiter(',');
-    bool capture_pre_rope_keys = false;
+    bool capture_pre_rope_keys = false, capture_quiet = false;
+    capture->add_flag("-q,--quiet", capture_quiet, "no progress bar (shown only when stderr is a terminal)");
     capture->add_flag("--pre-rope-keys", capture_pre_rope_keys,
                       "also record each layer's keys before RoPE (k_pre_rope), for low-rank keys fitted before RoPE");
 
@@ -647,7 +649,8 @@ int main(int argc, char** argv) {
         if (*run) return run_replay(run_flags, false);
         if (*sweep) return run_replay(sweep_flags, true);
         if (*merge) return run_merge(merge_flags);
-        if (*capture) return run_capture(capture_input, capture_dtype, capture_layers, capture_pre_rope_keys, capture_out);
+        if (*capture) return run_capture(capture_input, capture_dtype, capture_layers, capture_pre_rope_keys, capture_out,
+                                         capture_quiet);
         if (*eval) return run_eval_command(eval_flags, eval_input, eval_chunk);
         if (*search) return run_search_command(search_flags, search_confirm);
         if (*exporter) return run_export(export_profile, export_format, export_out);

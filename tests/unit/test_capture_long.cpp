@@ -2,6 +2,9 @@
 // chunk, the model's sliding window recorded, --context held to the trained context, fp16 storage.
 #include <doctest/doctest.h>
 
+#include <tbb/global_control.h>
+#include <tbb/task_arena.h>
+
 #include <Eigen/Core>
 #include <cmath>
 #include <cstring>
@@ -101,6 +104,25 @@ TEST_CASE("capture: a sequence of several chunks is streamed into the trace posi
             options.output_path = scratch.file("bad.h5");
             CHECK_THROWS_AS(capture_trace(options), InputError);
             CHECK_FALSE(std::filesystem::exists(options.output_path));
+        }
+    }
+    SUBCASE("the trace does not depend on the thread count") {
+        // One thread attends head after head in one score buffer; three share four heads out
+        // between three buffers (heads 0 and 3 in one). Either way each value is the same.
+        for (const int threads : {1, 3}) {
+            CAPTURE(threads);
+            options.output_path = scratch.file("threads" + std::to_string(threads) + ".h5");
+            // The arena has `threads` slots even on a machine with fewer cores: workers up to it allowed.
+            const tbb::global_control workers(tbb::global_control::max_allowed_parallelism, threads);
+            tbb::task_arena(threads).execute([&] { capture_trace(options); });
+            const TraceReader other(options.output_path);
+            CHECK(other.read_tokens(0) == stored);
+            for (int layer = 0; layer < config.n_layers; ++layer) {
+                const QkvLayer a = other.read_qkv(0, layer), b = trace.read_qkv(0, layer);
+                CHECK(a.q == b.q);
+                CHECK(a.k == b.k);
+                CHECK(a.v == b.v);
+            }
         }
     }
     SUBCASE("fp16 storage holds the fp32 capture rounded to half precision") {
