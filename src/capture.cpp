@@ -111,6 +111,8 @@ CaptureSummary capture_trace(const CaptureOptions& options) {
     m.source_model_file = std::filesystem::path(model_path).filename().string();
     m.source_model_sha256 = sha256_file(model_path);
     m.source_text_sha256 = text.text_sha256;
+    if (options.input.normalize != model::TextNormalization::none)
+        m.source_text_normalization = model::to_string(options.input.normalize);
     m.source_sliding_window = c.sliding_window;
     m.rope = llama.rope();
     m.pre_rope_keys = options.pre_rope_keys;

@@ -26,6 +26,7 @@
 #include "src/capture.h"
 #include "src/eval.h"
 #include "src/generate.h"
+#include "src/tokenize.h"
 #include "src/experiment.h"
 #include "src/report.h"
 #include "src/progress.h"
@@ -291,6 +292,19 @@ int run_merge(const MergeFlags& flags) {
     return 0;
 }
 
+constexpr const char* kNormalizeHelp =
+    "Unicode normalisation of the text before it is tokenised: none (the default: its bytes as they are, as llama.cpp "
+    "tokenises) or nfc (composed to NFC first, as Hugging Face's Qwen2 tokenizer does; a decomposed 'e' + U+0301 "
+    "then reads as 'é')";
+
+void add_normalize_flag(CLI::App* cmd, model::TextNormalization& normalize) {
+    cmd->add_option("--normalize", normalize, kNormalizeHelp)
+        ->transform(CLI::CheckedTransformer(std::map<std::string, model::TextNormalization>{
+                                                {"none", model::TextNormalization::none}, {"nfc", model::TextNormalization::nfc}})
+                        .description(""))
+        ->type_name("none|nfc");
+}
+
 void add_model_flags(CLI::App* cmd, ModelInput& flags) {
     cmd->add_option("--model", flags.model_path, "GGUF model file (llama architecture)")->required();
     cmd->add_option("--text", flags.text_path, "text file the model reads")->required();
@@ -300,6 +314,7 @@ void add_model_flags(CLI::App* cmd, ModelInput& flags) {
     cmd->add_option("--context", flags.context,
                     "positions per sequence, at most the model's trained context (default: all of it)")
         ->check(CLI::Range(2, 1 << 30));
+    add_normalize_flag(cmd, flags.normalize);
 }
 
 int run_capture(const ModelInput& input, const std::string& dtype, const std::vector<int>& layers,
@@ -428,7 +443,10 @@ int trace_info(const std::string& path) {
     } else {
         std::printf("source           model %s (sha256 %s)\n", m.source_model_file.c_str(),
                     m.source_model_sha256.c_str());
-        if (!m.source_text_sha256.empty()) std::printf("text sha256      %s\n", m.source_text_sha256.c_str());
+        if (!m.source_text_sha256.empty())
+            std::printf("text sha256      %s%s\n", m.source_text_sha256.c_str(),
+                        m.source_text_normalization.empty() ? "" : ("; normalised to " + m.source_text_normalization +
+                                                                    " before tokenising").c_str());
         if (m.source_sliding_window > 0)
             std::printf("sliding window   %lld positions (the model's; captured with full attention)\n",
                         static_cast<long long>(m.source_sliding_window));
@@ -617,6 +635,24 @@ int main(int argc, char** argv) {
         ->check(CLI::Range(2, 1 << 30));
     generate->add_option("--context", generate_options.perplexity.context, "the model's trained context")
         ->check(CLI::Range(2, 1 << 30));
+    add_normalize_flag(generate, generate_options.perplexity.normalize);
+
+    TokenizeOptions tokenize_options;
+    bool tokenize_no_bos = false;
+    CLI::App* tokenize = app.add_subcommand(
+        "tokenize", "print a text's token ids and pieces under a GGUF's tokenizer, as llama.cpp's llama-tokenize does");
+    tokenize->add_option("--model", tokenize_options.model_path, "GGUF model file (its tokenizer is read)")->required();
+    CLI::Option* tokenize_text_option = tokenize->add_option(
+        "--text", tokenize_options.text_path,
+        "text file, read as capture and eval read one (surrounding whitespace stripped; default: standard input, "
+        "read the same way)");
+    tokenize->add_option("--prompt", tokenize_options.prompt, "text to tokenize, exactly as given (as generate's --prompt)")
+        ->excludes(tokenize_text_option);
+    tokenize->add_flag("--ids", tokenize_options.ids_only, "print only the ids, as [1, 2, 3]");
+    tokenize->add_flag("--no-bos", tokenize_no_bos,
+                       "no BOS in front (default: BOS where the GGUF adds one, tokenizer.ggml.add_bos_token, as capture, "
+                       "eval and generate do)");
+    add_normalize_flag(tokenize, tokenize_options.normalize);
 
     std::string export_profile, export_format, export_out;
     CLI::App* exporter = app.add_subcommand("export", "write a fitted profile in a form other tools load");
@@ -663,6 +699,13 @@ int main(int argc, char** argv) {
             if (g.ppl_tokens > 0)
                 std::printf("perplexity of %s with the runtime in the loop: %.4f over %lld predicted tokens\n",
                             generate_options.perplexity.text_path.c_str(), g.ppl, static_cast<long long>(g.ppl_tokens));
+            return 0;
+        }
+        if (*tokenize) {
+            tokenize_options.add_bos = !tokenize_no_bos;
+            const model::Tokenizer tokenizer = model::Tokenizer::load(tokenize_options.model_path);
+            std::cout << format_tokens(tokenizer, tokenize_input(tokenizer, tokenize_options), tokenize_options.ids_only);
+            std::cout.flush();
             return 0;
         }
         if (*synth) return trace_synth(synth_generator, synth_name, synth_dtype, synth_out);
