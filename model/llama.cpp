@@ -5,6 +5,7 @@
 #include <tbb/task_arena.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -672,17 +673,24 @@ void LlamaModel::attention(int layer, int n, int start_pos, ForwardHooks* hooks)
         }
         attn_out_.block(0, h * head_dim, n, head_dim).noalias() = scores * values;
     };
-    // Scores are scratch held per slot, not per head: slot s attends heads s, s + slots, ... in
-    // turn (32 heads' scores of a 1B model were 134 MB at 4,096 positions; two slots hold 8 MB).
-    // Every slot's buffer has the same shape, so which slot a head lands in changes no value.
+    // Scores are scratch held per slot, not per head (32 heads' scores of a 1B model were 134 MB
+    // at 4,096 positions; two slots hold 8 MB): each slot's task takes the next head not yet
+    // taken until none is left, so a thread the machine holds back leaves its heads to the
+    // others. Every slot's buffer has the same shape, so which slot a head lands in changes no value.
     const int slots = static_cast<int>(scores_.size());
     const int64_t macs = int64_t{2} * n * end * head_dim * c.n_heads;
     if (macs < kParallelMinMacs || slots == 1) {
         for (int h = 0; h < c.n_heads; ++h) attend_head(h, scores_[0]);
     } else {
-        tbb::parallel_for(0, slots, [&](int s) {
-            for (int h = s; h < c.n_heads; h += slots) attend_head(h, scores_[static_cast<size_t>(s)]);
-        });
+        std::atomic<int> next_head{0};
+        // One task per slot (simple_partitioner), so that every slot can run beside the others.
+        tbb::parallel_for(
+            tbb::blocked_range<int>(0, slots, 1),
+            [&](const tbb::blocked_range<int>& range) {
+                for (int s = range.begin(); s < range.end(); ++s)
+                    for (int h = next_head++; h < c.n_heads; h = next_head++) attend_head(h, scores_[static_cast<size_t>(s)]);
+            },
+            tbb::simple_partitioner());
     }
     if (const int bad = *std::min_element(first_bad_row_.begin(), first_bad_row_.end()); bad < n)
         throw NonFiniteError(path_, "attention scores", layer, start_pos + bad);

@@ -107,8 +107,8 @@ TEST_CASE("capture: a sequence of several chunks is streamed into the trace posi
         }
     }
     SUBCASE("the trace does not depend on the thread count") {
-        // One thread attends head after head in one score buffer; three share four heads out
-        // between three buffers (heads 0 and 3 in one). Either way each value is the same.
+        // One thread attends head after head in one score buffer; three take the four heads
+        // into three buffers in whatever order they come. Either way each value is the same.
         for (const int threads : {1, 3}) {
             CAPTURE(threads);
             options.output_path = scratch.file("threads" + std::to_string(threads) + ".h5");
