@@ -2,8 +2,10 @@
 
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
+#include <tbb/task_arena.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -212,6 +214,14 @@ int64_t LlamaConfig::matmul_flops_per_token() const {
     const int64_t per_layer = int64_t{dim} * (q_dim() + 2 * kv_dim()) + int64_t{q_dim()} * dim +
                               int64_t{3} * dim * hidden_dim;
     return 2 * (n_layers * per_layer + int64_t{vocab_size} * dim);
+}
+
+double LlamaConfig::chunk_flops(int start_pos, int tokens, bool logits) const {
+    const double classifier = logits ? 0.0 : 2.0 * vocab_size * dim;
+    const double n = tokens, first = start_pos + 1.0, last = static_cast<double>(start_pos) + tokens;
+    const double positions_seen = n * (first + last) / 2;  // token i attends to start_pos + i + 1 positions
+    return (static_cast<double>(matmul_flops_per_token()) - classifier) * n +
+           2.0 * 2.0 * n_heads * head_dim * n_layers * positions_seen;
 }
 
 std::vector<double> LlamaConfig::rope_frequencies() const {
@@ -442,7 +452,6 @@ LlamaModel LlamaModel::load(const GgufFile& file, int max_context) {
     model.rope_ = Rope{c.rope_pairing, frequencies};
 
     model.cached_positions_.assign(static_cast<size_t>(c.n_layers), 0);
-    model.scores_.resize(c.n_heads);
     return model;
 }
 
@@ -502,15 +511,21 @@ const float* LlamaModel::cached_value(int layer, int kv_head, int pos) const {
     return value_cache_.data() + cache_offset(layer, kv_head, pos);
 }
 
-void LlamaModel::ensure_chunk_capacity(int n_tokens) {
-    if (n_tokens <= chunk_capacity_) return;
+int LlamaModel::score_slots() const {
+    return std::max(1, std::min(config_.n_heads, tbb::this_task_arena::max_concurrency()));
+}
+
+void LlamaModel::ensure_chunk_capacity(int n_tokens, int slots) {
+    if (n_tokens <= chunk_capacity_ && static_cast<std::size_t>(slots) <= scores_.size()) return;
+    n_tokens = std::max(n_tokens, chunk_capacity_);
+    slots = std::max(slots, static_cast<int>(scores_.size()));
     const LlamaConfig& c = config_;
-    // Activations per token, and per query head a row of scores over every cached position (masks
-    // are bytes, counted as floats). The sum of ints cannot wrap; the products are checked.
+    // Activations per token, and per score slot and per KV head (masks are bytes, counted as
+    // floats) a row over every cached position. The sum of ints cannot wrap; the products are checked.
     const std::string what = path_ + ": activations for a chunk of " + std::to_string(n_tokens) + " tokens";
     const uint64_t per_token = checked_add(
         2ull * c.dim + 3ull * c.q_dim() + 2ull * c.kv_dim() + 2ull * c.hidden_dim + static_cast<uint64_t>(c.vocab_size),
-        checked_mul(static_cast<uint64_t>(c.n_heads) + c.n_kv_heads, static_cast<uint64_t>(max_positions_), what), what);
+        checked_mul(static_cast<uint64_t>(slots) + c.n_kv_heads, static_cast<uint64_t>(max_positions_), what), what);
     check_memory(checked_add(memory_bytes(), checked_mul(checked_mul(per_token, sizeof(float), what),
                                                          static_cast<uint64_t>(n_tokens), what), what),
                  what);
@@ -523,6 +538,7 @@ void LlamaModel::ensure_chunk_capacity(int n_tokens) {
     attn_out_.resize(n_tokens, c.q_dim());
     gate_.resize(n_tokens, c.hidden_dim);
     up_.resize(n_tokens, c.hidden_dim);
+    scores_.resize(static_cast<std::size_t>(slots));
     for (auto& scores : scores_) scores.resize(n_tokens, max_positions_);
 }
 
@@ -546,7 +562,7 @@ const float* LlamaModel::forward_batch(std::span<const int> tokens, int start_po
         if (token < 0 || token >= c.vocab_size)
             throw std::out_of_range("LlamaModel::forward: token id " + std::to_string(token) + " is not in the vocabulary");
     }
-    ensure_chunk_capacity(n);
+    ensure_chunk_capacity(n, score_slots());
     if (key_cache_.empty()) {  // the plan was checked against the memory limit at load
         key_cache_.assign(cache_floats(), 0.0f);
         value_cache_.assign(cache_floats(), 0.0f);
@@ -613,7 +629,6 @@ void LlamaModel::attention(int layer, int n, int start_pos, ForwardHooks* hooks)
     // Token by token, in position order: hooks see (and may change) q/k/v, the cache stores k/v,
     // then the hooks' masks for this position are copied (their pointers live only until the next call).
     has_mask_.assign(static_cast<size_t>(c.n_kv_heads) * n, 0);
-    if (hooks) masks_.resize(static_cast<size_t>(c.n_kv_heads) * n * end);
     for (int i = 0; i < n; ++i) {
         const int pos = start_pos + i;
         // Before any hook sees them: a capture must never record a non-finite Q, K or V, and a
@@ -633,6 +648,8 @@ void LlamaModel::attention(int layer, int n, int start_pos, ForwardHooks* hooks)
         if (!hooks) continue;
         for (int g = 0; g < c.n_kv_heads; ++g) {
             if (const uint8_t* mask = hooks->attention_mask(layer, g, pos)) {
+                // Sized when a hook first masks: a capture, which masks nothing, holds none.
+                masks_.resize(std::max(masks_.size(), static_cast<size_t>(c.n_kv_heads) * n * end));
                 const size_t row = static_cast<size_t>(g) * n + i;
                 std::memcpy(masks_.data() + row * end, mask, static_cast<size_t>(pos) + 1);
                 has_mask_[row] = 1;
@@ -654,11 +671,11 @@ void LlamaModel::attention(int layer, int n, int start_pos, ForwardHooks* hooks)
     // (threads write only their own head's entry) and the error is thrown after the loop.
     const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
     first_bad_row_.assign(static_cast<size_t>(c.n_heads), n);
-    const auto attend_head = [&](int h) {
+    const auto attend_head = [&](int h, RowMatrix& scores_buffer) {
         const int g = h / heads_per_kv_head;
         const Eigen::Map<const RowMatrix> keys(key_cache_.data() + cache_offset(layer, g, 0), end, head_dim);
         const Eigen::Map<const RowMatrix> values(value_cache_.data() + cache_offset(layer, g, 0), end, head_dim);
-        auto scores = scores_[h].topLeftCorner(n, end);
+        auto scores = scores_buffer.topLeftCorner(n, end);
         scores.noalias() = (q_.block(0, h * head_dim, n, head_dim) * keys.transpose()) * scale;
         for (int i = 0; i < n; ++i) {
             const int visible = start_pos + i + 1;  // causal: positions 0..pos
@@ -669,11 +686,24 @@ void LlamaModel::attention(int layer, int n, int start_pos, ForwardHooks* hooks)
         }
         attn_out_.block(0, h * head_dim, n, head_dim).noalias() = scores * values;
     };
+    // Scores are scratch held per slot, not per head (32 heads' scores of a 1B model were 134 MB
+    // at 4,096 positions; two slots hold 8 MB): each slot's task takes the next head not yet
+    // taken until none is left, so a thread the machine holds back leaves its heads to the
+    // others. Every slot's buffer has the same shape, so which slot a head lands in changes no value.
+    const int slots = static_cast<int>(scores_.size());
     const int64_t macs = int64_t{2} * n * end * head_dim * c.n_heads;
-    if (macs < kParallelMinMacs) {
-        for (int h = 0; h < c.n_heads; ++h) attend_head(h);
+    if (macs < kParallelMinMacs || slots == 1) {
+        for (int h = 0; h < c.n_heads; ++h) attend_head(h, scores_[0]);
     } else {
-        tbb::parallel_for(0, c.n_heads, attend_head);
+        std::atomic<int> next_head{0};
+        // One task per slot (simple_partitioner), so that every slot can run beside the others.
+        tbb::parallel_for(
+            tbb::blocked_range<int>(0, slots, 1),
+            [&](const tbb::blocked_range<int>& range) {
+                for (int s = range.begin(); s < range.end(); ++s)
+                    for (int h = next_head++; h < c.n_heads; h = next_head++) attend_head(h, scores_[static_cast<size_t>(s)]);
+            },
+            tbb::simple_partitioner());
     }
     if (const int bad = *std::min_element(first_bad_row_.begin(), first_bad_row_.end()); bad < n)
         throw NonFiniteError(path_, "attention scores", layer, start_pos + bad);

@@ -71,6 +71,10 @@ struct LlamaConfig {
     // Multiply-adds x2 of the weight matrix products for one token (classifier included),
     // excluding attention over the cache.
     int64_t matmul_flops_per_token() const;
+    // Multiply-adds x2 of forward_batch over `tokens` positions from start_pos: the weight products
+    // (the classifier only with logits) and attention's q·k and weights·v over the positions each
+    // token sees.
+    double chunk_flops(int start_pos, int tokens, bool logits) const;
 
     // Reads and range-checks the llama.* metadata and checks that every weight tensor the model
     // needs is present with the shape the metadata implies; throws InputError naming the file and
@@ -205,7 +209,11 @@ class LlamaModel {
 
     LlamaModel() = default;
     const WeightMatrix& classifier() const { return tied_output_ ? token_embedding_ : output_; }
-    void ensure_chunk_capacity(int n_tokens);
+    // Sizes the chunk's activations for n_tokens rows and `slots` score buffers (at least what
+    // they hold now), checked against the memory limit first.
+    void ensure_chunk_capacity(int n_tokens, int slots);
+    // Score buffers attention uses at once: one per worker thread, at most one per query head.
+    int score_slots() const;
     void attention(int layer, int n_tokens, int start_pos, ForwardHooks* hooks);
     size_t cache_offset(int layer, int kv_head, int pos) const;
 
@@ -233,7 +241,7 @@ class LlamaModel {
     // Activations for a chunk of tokens, one row per token (capacity grows with the chunk size).
     int chunk_capacity_ = 0;
     RowMatrix x_, xb_, q_, k_, v_, attn_out_, gate_, up_, logits_;
-    std::vector<RowMatrix> scores_;          // per query head: [chunk][positions]
+    std::vector<RowMatrix> scores_;          // per slot (score_slots()): [chunk][positions]
     std::vector<uint8_t> masks_;             // per KV head and chunk row: [positions], copied from hooks
     std::vector<uint8_t> has_mask_;          // per KV head and chunk row: 0 = attend to all
     std::vector<int> first_bad_row_;         // per query head: first chunk row with non-finite scores

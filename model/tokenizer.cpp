@@ -483,6 +483,17 @@ std::string Tokenizer::decode(int token) const {
     return replace_all(pieces_[static_cast<size_t>(token)], kSpaceMarker, " ");
 }
 
+std::string Tokenizer::shown_piece(int token) const {
+    switch (type(token)) {
+        case TokenType::CONTROL:
+        case TokenType::UNKNOWN:
+        case TokenType::USER_DEFINED: return piece(token);
+        case TokenType::NORMAL: return decode(token);
+        case TokenType::BYTE: return model_ == Model::SentencePiece ? decode(token) : std::string();
+        default: return std::string();
+    }
+}
+
 std::string Tokenizer::decode(const std::vector<int>& tokens) const {
     if (model_ == Model::ByteLevelBpe) {
         std::string text;

@@ -60,6 +60,10 @@ class Tokenizer {
     // A sequence's text as encode() produced it: tokens' bytes concatenated, control tokens skipped,
     // and SentencePiece's dummy-prefix space in front removed, so decode(encode(s, b)) == s.
     std::string decode(const std::vector<int>& tokens) const;
+    // A token as llama.cpp's tokenize tool shows it (its token_to_piece with special tokens shown):
+    // control, unknown and user-defined tokens as their text ("<s>"), normal and (SentencePiece)
+    // byte tokens as decode() gives them, any other type as nothing.
+    std::string shown_piece(int token) const;
 
     Model model() const { return model_; }
     bool add_bos_token() const { return add_bos_token_; }

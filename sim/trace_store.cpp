@@ -508,6 +508,8 @@ TraceWriter::TraceWriter(const std::string& path, TraceMetadata metadata) : impl
     write_string_attr(root, "source_model_file", metadata.source_model_file);
     write_string_attr(root, "source_model_sha256", metadata.source_model_sha256);
     write_string_attr(root, "source_text_sha256", metadata.source_text_sha256);
+    if (!metadata.source_text_normalization.empty())
+        write_string_attr(root, "source_text_normalization", metadata.source_text_normalization);
     if (metadata.source_sliding_window > 0) write_int_attr(root, "source_sliding_window", metadata.source_sliding_window);
     if (!metadata.source_layers.empty()) write_string_attr(root, "source_layers", metadata.source_layers);
     if (metadata.rope.known()) {
@@ -884,6 +886,11 @@ TraceReader::TraceReader(const std::string& path) : impl_(std::make_unique<Impl>
     m.source_model_file = r.string_attr(root, "", "source_model_file");
     m.source_model_sha256 = r.string_attr(root, "", "source_model_sha256");
     m.source_text_sha256 = r.string_attr(root, "", "source_text_sha256");
+    if (H5Aexists(root, "source_text_normalization") > 0) {  // optional: only captures that normalised
+        m.source_text_normalization = r.string_attr(root, "", "source_text_normalization");
+        if (m.source_text_normalization != "nfc")
+            r.fail("root attribute 'source_text_normalization' is '" + m.source_text_normalization + "' (expected nfc)");
+    }
     if (H5Aexists(root, "source_sliding_window") > 0)  // optional: only models with a window
         m.source_sliding_window = r.int_attr(root, "", "source_sliding_window", 1, kInt);
     if (H5Aexists(root, "source_layers") > 0) m.source_layers = r.string_attr(root, "", "source_layers");

@@ -34,6 +34,9 @@ struct TraceMetadata {
     std::string source_model_file;
     std::string source_model_sha256;
     std::string source_text_sha256;
+    // "nfc" when the text was normalised to Unicode NFC before it was tokenised; empty when it was
+    // tokenised as it is.
+    std::string source_text_normalization;
     // The model's attention window (Mistral's sliding_window) when it has one, else 0: the
     // capture attends in full; a replay may apply the window as a policy.
     int64_t source_sliding_window = 0;

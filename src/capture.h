@@ -18,6 +18,8 @@ struct CaptureOptions {
     std::vector<int> layers;
     // Also record each layer's keys before RoPE (k_pre_rope), for low-rank keys fitted before RoPE.
     bool pre_rope_keys = false;
+    // A progress bar with the time left on stderr, when it is a terminal (progress.h).
+    bool show_progress = false;
 };
 
 struct CaptureSummary {

@@ -85,7 +85,8 @@ struct RuntimeHandle {
 GenerateResult run_generate(const GenerateOptions& options) {
     const model::Tokenizer tokenizer = model::Tokenizer::load(options.model_path);
     if (options.new_tokens < 0) throw InputError("-n: must be at least 0");
-    const std::vector<int> prompt = tokenizer.encode(options.prompt, true);
+    const std::vector<int> prompt =
+        encode_text(tokenizer, options.prompt, options.perplexity.normalize, /*add_bos=*/true, "--prompt");
 
     // The model, and the positions the runtime plans for: the prompt and its continuation, and the
     // longest sequence of the text (read as kvsim eval reads it, so the perplexities compare).

@@ -30,6 +30,7 @@
 #include "src/capture.h"
 #include "src/eval.h"
 #include "src/generate.h"
+#include "src/tokenize.h"
 #include "src/experiment.h"
 #include "src/report.h"
 #include "src/progress.h"
@@ -300,6 +301,19 @@ int run_merge(const MergeFlags& flags) {
     return 0;
 }
 
+constexpr const char* kNormalizeHelp =
+    "Unicode normalisation of the text before it is tokenised: none (the default: its bytes as they are, as llama.cpp "
+    "tokenises) or nfc (composed to NFC first, as Hugging Face's Qwen2 tokenizer does; a decomposed 'e' + U+0301 "
+    "then reads as 'é')";
+
+void add_normalize_flag(CLI::App* cmd, model::TextNormalization& normalize) {
+    cmd->add_option("--normalize", normalize, kNormalizeHelp)
+        ->transform(CLI::CheckedTransformer(std::map<std::string, model::TextNormalization>{
+                                                {"none", model::TextNormalization::none}, {"nfc", model::TextNormalization::nfc}})
+                        .description(""))
+        ->type_name("none|nfc");
+}
+
 void add_model_flags(CLI::App* cmd, ModelInput& flags) {
     cmd->add_option("--model", flags.model_path, "GGUF model file (llama architecture)")->required();
     cmd->add_option("--text", flags.text_path, "text file the model reads")->required();
@@ -309,11 +323,13 @@ void add_model_flags(CLI::App* cmd, ModelInput& flags) {
     cmd->add_option("--context", flags.context,
                     "positions per sequence, at most the model's trained context (default: all of it)")
         ->check(CLI::Range(2, 1 << 30));
+    add_normalize_flag(cmd, flags.normalize);
 }
 
 int run_capture(const ModelInput& input, const std::string& dtype, const std::vector<int>& layers,
-                bool pre_rope_keys, const std::string& out) {
+                bool pre_rope_keys, const std::string& out, bool quiet) {
     CaptureOptions options;
+    options.show_progress = !quiet;
     options.pre_rope_keys = pre_rope_keys;
     options.input = input;
     options.layers = layers;
@@ -444,7 +460,10 @@ int trace_info(const std::string& path) {
     } else {
         std::printf("source           model %s (sha256 %s)\n", m.source_model_file.c_str(),
                     m.source_model_sha256.c_str());
-        if (!m.source_text_sha256.empty()) std::printf("text sha256      %s\n", m.source_text_sha256.c_str());
+        if (!m.source_text_sha256.empty())
+            std::printf("text sha256      %s%s\n", m.source_text_sha256.c_str(),
+                        m.source_text_normalization.empty() ? "" : ("; normalised to " + m.source_text_normalization +
+                                                                    " before tokenising").c_str());
         if (m.source_sliding_window > 0)
             std::printf("sliding window   %lld positions (the model's; captured with full attention)\n",
                         static_cast<long long>(m.source_sliding_window));
@@ -621,7 +640,8 @@ int run_command(int argc, char** argv) {
         ->transform(CLI::CheckedTransformer(std::map<std::string, std::string>{{"fp16", "float16"}, {"fp32", "float32"}}));
     capture->add_option("--layers", capture_layers, "model layers to record, e.g. 0,8,15 (default: all)")
         ->delimiter(',');
-    bool capture_pre_rope_keys = false;
+    bool capture_pre_rope_keys = false, capture_quiet = false;
+    capture->add_flag("-q,--quiet", capture_quiet, "no progress bar (shown only when stderr is a terminal)");
     capture->add_flag("--pre-rope-keys", capture_pre_rope_keys,
                       "also record each layer's keys before RoPE (k_pre_rope), for low-rank keys fitted before RoPE");
 
@@ -672,6 +692,24 @@ int run_command(int argc, char** argv) {
         ->check(CLI::Range(2, 1 << 30));
     generate->add_option("--context", generate_options.perplexity.context, "the model's trained context")
         ->check(CLI::Range(2, 1 << 30));
+    add_normalize_flag(generate, generate_options.perplexity.normalize);
+
+    TokenizeOptions tokenize_options;
+    bool tokenize_no_bos = false;
+    CLI::App* tokenize = app.add_subcommand(
+        "tokenize", "print a text's token ids and pieces under a GGUF's tokenizer, as llama.cpp's llama-tokenize does");
+    tokenize->add_option("--model", tokenize_options.model_path, "GGUF model file (its tokenizer is read)")->required();
+    CLI::Option* tokenize_text_option = tokenize->add_option(
+        "--text", tokenize_options.text_path,
+        "text file, read as capture and eval read one (surrounding whitespace stripped; default: standard input, "
+        "read the same way)");
+    tokenize->add_option("--prompt", tokenize_options.prompt, "text to tokenize, exactly as given (as generate's --prompt)")
+        ->excludes(tokenize_text_option);
+    tokenize->add_flag("--ids", tokenize_options.ids_only, "print only the ids, as [1, 2, 3]");
+    tokenize->add_flag("--no-bos", tokenize_no_bos,
+                       "no BOS in front (default: BOS where the GGUF adds one, tokenizer.ggml.add_bos_token, as capture, "
+                       "eval and generate do)");
+    add_normalize_flag(tokenize, tokenize_options.normalize);
 
     std::string export_profile, export_format, export_out;
     CLI::App* exporter = app.add_subcommand("export", "write a fitted profile in a form other tools load");
@@ -695,6 +733,7 @@ int run_command(int argc, char** argv) {
         {capture, "docs/capture-and-models.md"}, {eval, "docs/capture-and-models.md"},
         {search, "docs/search-and-export.md"}, {generate, "docs/runtime.md"},
         {exporter, "docs/search-and-export.md, docs/profile-format.md"}, {report, "docs/metrics.md"},
+        {tokenize, "docs/capture-and-models.md"},
     };
     for (const auto& [command, pages] : guides) {
         const std::string before = command->get_footer();
@@ -720,7 +759,8 @@ int run_command(int argc, char** argv) {
         if (*run) return run_replay(run_flags, false);
         if (*sweep) return run_replay(sweep_flags, true);
         if (*merge) return run_merge(merge_flags);
-        if (*capture) return run_capture(capture_input, capture_dtype, capture_layers, capture_pre_rope_keys, capture_out);
+        if (*capture) return run_capture(capture_input, capture_dtype, capture_layers, capture_pre_rope_keys, capture_out,
+                                         capture_quiet);
         if (*eval) return run_eval_command(eval_flags, eval_input, eval_chunk);
         if (*search) return run_search_command(search_flags, search_confirm);
         if (*exporter) return run_export(export_profile, export_format, export_out);
@@ -733,6 +773,13 @@ int run_command(int argc, char** argv) {
             if (g.ppl_tokens > 0)
                 std::printf("perplexity of %s with the runtime in the loop: %.4f over %lld predicted tokens\n",
                             generate_options.perplexity.text_path.c_str(), g.ppl, static_cast<long long>(g.ppl_tokens));
+            return 0;
+        }
+        if (*tokenize) {
+            tokenize_options.add_bos = !tokenize_no_bos;
+            const model::Tokenizer tokenizer = model::Tokenizer::load(tokenize_options.model_path);
+            std::cout << format_tokens(tokenizer, tokenize_input(tokenizer, tokenize_options), tokenize_options.ids_only);
+            std::cout.flush();
             return 0;
         }
         if (*synth) return trace_synth(synth_generator, synth_name, synth_dtype, synth_out);

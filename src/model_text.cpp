@@ -9,8 +9,14 @@
 
 namespace kvsim {
 
+std::vector<int> encode_text(const model::Tokenizer& tokenizer, std::string_view text,
+                             model::TextNormalization normalization, bool add_bos, const std::string& what) {
+    if (normalization == model::TextNormalization::none) return tokenizer.encode(text, add_bos);
+    return tokenizer.encode(model::normalize_nfc(text, what), add_bos);
+}
+
 TokenizedText tokenize_text(const model::Tokenizer& tokenizer, const std::string& text_path,
-                            const std::string& split_on, int limit) {
+                            const std::string& split_on, int limit, model::TextNormalization normalization) {
     const TextSequences text = read_text_sequences(text_path, split_on);
     TokenizedText out;
     out.text_sha256 = text.sha256;
@@ -21,7 +27,8 @@ TokenizedText tokenize_text(const model::Tokenizer& tokenizer, const std::string
         check_memory(held + model::Tokenizer::encode_bytes_needed(text.texts[i].size()),
                      text_path + ": sequence " + std::to_string(i) + " (" + format_bytes(text.texts[i].size()) +
                          ") to tokenize");
-        std::vector<int> tokens = tokenizer.encode(text.texts[i], /*add_bos=*/true);
+        std::vector<int> tokens = encode_text(tokenizer, text.texts[i], normalization, /*add_bos=*/true,
+                                              text_path + ": sequence " + std::to_string(i));
         if (static_cast<int64_t>(tokens.size()) > limit) {
             std::fprintf(stderr, "kvsim: warning: %s: sequence %zu has %zu tokens, more than the %d the model can use; "
                                  "stopping at %d\n",
@@ -49,7 +56,7 @@ LoadedInput load_model_input(const ModelInput& input) {
                          std::to_string(config.vocab_size) + " rows");
     check_context_flag(input.model_path, input.context, config);
     const int limit = usable_context(config.context_length, input.context, input.max_tokens);
-    TokenizedText text = tokenize_text(tokenizer, input.text_path, input.split_on, limit);
+    TokenizedText text = tokenize_text(tokenizer, input.text_path, input.split_on, limit, input.normalize);
     // The KV cache holds what the longest sequence needs, not the header's context (which may
     // claim 2^31 positions).
     std::size_t longest = 0;

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "model/llama.h"
+#include "model/text_normalization.h"
 #include "model/tokenizer.h"
 #include "src/text.h"
 
@@ -26,10 +27,16 @@ struct TokenizedText {
     }
 };
 
+// Token ids for a text, normalised first as asked (model/text_normalization.h), preceded by BOS
+// when add_bos and the model adds one. `what` names the text in errors.
+std::vector<int> encode_text(const model::Tokenizer& tokenizer, std::string_view text,
+                             model::TextNormalization normalization, bool add_bos, const std::string& what);
+
 // Tokenises every sequence with BOS; a sequence longer than `limit` tokens is cut there with a
 // warning on stderr naming the file and the sequence. Throws InputError for empty text.
 TokenizedText tokenize_text(const model::Tokenizer& tokenizer, const std::string& text_path,
-                            const std::string& split_on, int limit);
+                            const std::string& split_on, int limit,
+                            model::TextNormalization normalization = model::TextNormalization::none);
 
 // --context above the model's trained context: InputError naming the file and the metadata key
 // (eval, capture, search's confirmation and generate refuse it alike).
@@ -45,6 +52,9 @@ struct ModelInput {
     std::string split_on;  // "" = the whole file is one sequence
     int max_tokens = 0;    // per sequence, BOS included; 0 = the model's context
     int context = 0;       // the model's trained context, when the GGUF header overstates it
+    // Unicode normalisation before tokenising (--normalize): none, as llama.cpp; nfc, as Hugging
+    // Face's Qwen2 tokenizer.
+    model::TextNormalization normalize = model::TextNormalization::none;
 };
 
 struct LoadedInput {

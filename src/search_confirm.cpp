@@ -22,6 +22,9 @@ EvalOptions confirmation_options(const SearchSpec& spec, const TraceReader& read
                                  const ModelInput& input) {
     EvalOptions options;
     options.input = input;
+    // The text is tokenised as the capture tokenised it (normalised or not), so that its tokens match.
+    options.input.normalize = model::text_normalization_named(reader.metadata().source_text_normalization)
+                                  .value_or(model::TextNormalization::none);
     options.sequences = heldout;
     options.sequences_where = spec.split_where + " (held-out sequences)";
     for (int s : heldout) options.expected_tokens.push_back(reader.read_tokens(s));
@@ -35,7 +38,7 @@ void check_confirmation_input(const SearchSpec& spec, const std::string& trace_p
     const std::vector<int> heldout =
         search_heldout_indices(spec, static_cast<int>(reader.sequences().size()), trace_path);
     const EvalOptions options = confirmation_options(spec, reader, heldout, input);
-    const LoadedInput loaded = load_model_input(input);
+    const LoadedInput loaded = load_model_input(options.input);
     const TraceMetadata& meta = reader.metadata();
     const model::LlamaConfig& mc = loaded.model.config();
     const ModelShape traced{meta.model_name, static_cast<int>(meta.num_layers), static_cast<int>(meta.num_query_heads),

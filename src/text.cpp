@@ -26,6 +26,10 @@ TextSequences read_text_sequences(const std::string& path, const std::string& sp
     in.read(all.data(), size);
     if (in.gcount() != size) throw InputError(path + ": cannot read (the file changed while being read?)");
 
+    return split_text(all, split_on, path);
+}
+
+TextSequences split_text(std::string_view all, const std::string& split_on, const std::string& name) {
     TextSequences out;
     out.sha256 = sha256_hex(all);
     auto add = [&](std::string_view piece) {
@@ -34,7 +38,7 @@ TextSequences read_text_sequences(const std::string& path, const std::string& sp
         const auto last = piece.find_last_not_of(" \t\r\n");
         out.texts.emplace_back(piece.substr(first, last - first + 1));
     };
-    const std::string_view view(all);
+    const std::string_view view = all;
     if (split_on.empty()) {
         add(view);
     } else {
@@ -46,7 +50,7 @@ TextSequences read_text_sequences(const std::string& path, const std::string& sp
             start = at + split_on.size();
         }
     }
-    if (out.texts.empty()) throw InputError(path + ": empty text (nothing to read after splitting and stripping)");
+    if (out.texts.empty()) throw InputError(name + ": empty text (nothing to read after splitting and stripping)");
     return out;
 }
 

@@ -12,6 +12,7 @@ import os
 import random
 import shutil
 import struct
+import subprocess
 import sys
 import unittest
 
@@ -389,6 +390,52 @@ class ModelInput(KvsimTestCase):
         self.assert_input_error(self.capture(model), "'tokenizer.ggml.token_type': entry 0")
         model = self.model(TinyLlama().set("tokenizer.ggml.tokens", ARRAY, (STRING, [])))
         self.assert_input_error(self.capture(model), "'tokenizer.ggml.tokens': empty vocabulary")
+
+    # `kvsim tokenize`: llama-tokenize's output on this tiny model, recorded by hand (llama.cpp
+    # c392e50, `llama-tokenize -m m.gguf -p "the tet he" --log-disable [--ids --no-bos]`).
+
+    def tokenize(self, *args, stdin=None):
+        return subprocess.run([cli_common.KVSIM, "tokenize", *args], input=stdin, capture_output=True,
+                              timeout=60)
+
+    def test_tokenize_prints_ids_and_pieces_as_llama_tokenize(self):
+        model = self.model(TinyLlama())
+        golden = (b"     1 -> '<s>'\n   264 -> ' the'\n   262 -> ' t'\n   260 -> 'e'\n   261 -> 't'\n"
+                  b"   259 -> ' '\n   263 -> 'he'\n")
+        result = self.tokenize("--model", model, "--prompt", "the tet he")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertEqual(result.stdout, golden)
+        result = self.tokenize("--model", model, "--prompt", "the tet he", "--ids", "--no-bos")
+        self.assertEqual(result.stdout, b"[264, 262, 260, 261, 259, 263]\n")
+        # Standard input and a file are read as capture reads a file: surrounding whitespace stripped.
+        result = self.tokenize("--model", model, stdin=b"\n the tet he \n")
+        self.assertEqual((result.returncode, result.stdout), (0, golden), result.stderr)
+        text = self.path("t.txt")
+        with open(text, "wb") as f:
+            f.write(b"the tet he\n")
+        self.assertEqual(self.tokenize("--model", model, "--text", text, "--ids").stdout, b"[1, 264, 262, 260, 261, 259, 263]\n")
+        self.assertEqual(self.tokenize("--model", model, "--prompt", "the", "--normalize", "nfc").stdout,
+                         b"     1 -> '<s>'\n   264 -> ' the'\n")
+
+    def test_tokenize_bad_input_is_one_line(self):
+        llama = TinyLlama()
+        llama.metadata["tokenizer.ggml.scores"][1][1][3] = float("nan")
+        model = self.model(llama)
+        for args, fragment in [
+            (("--model", model, "--prompt", "the"), model + ": metadata key 'tokenizer.ggml.scores': entry 3"),
+            (("--model", self.path("none.gguf"), "--prompt", "the"), self.path("none.gguf") + ": no such file"),
+            (("--model", self.model(TinyLlama(), "ok.gguf"), "--text", self.path("none.txt")),
+             self.path("none.txt") + ": no such file"),
+            (("--model", self.path("ok.gguf"), "--prompt", "a", "--text", self.text), "--text excludes --prompt"),
+            (("--model", self.path("ok.gguf"), "--prompt", "a", "--normalize", "nfkc"), "--normalize"),
+        ]:
+            with self.subTest(args=args):
+                result = self.tokenize(*args)
+                stderr = result.stderr.decode()
+                self.assertEqual(result.returncode, 2, stderr)
+                self.assertEqual(result.stdout, b"")
+                self.assertEqual(stderr.count("\n"), 1, stderr)
+                self.assertIn(fragment, stderr)
 
     def test_random_bytes_as_text(self):
         rng = random.Random(7)

@@ -1,12 +1,12 @@
 // `kvsim capture` of a long sequence through a synthetic 1B-shaped quantised model on this CPU.
 //
-//   bench_capture [--tokens 4096] [--type Q4_K] [--layers 16] [--store fp32|fp16] [--dir /tmp]
+//   bench_capture [--tokens 4096] [--sequences 1] [--type Q4_K] [--layers 16] [--store fp32|fp16] [--dir /tmp]
 //
 // Writes (once, in a child process, so its memory is not counted) a random-weight GGUF with
 // Llama 3.2 1B's shape (dim 2048, 16 layers, 32 query / 8 KV heads of 64, FFN 8192, vocab
 // 128256, tied classifier, Llama 3.1 RoPE scaling with factor 32) in the given type, in the
-// dialect llama.cpp loads, then captures one sequence of --tokens tokens
-// into a trace and reports: prompt-processing tokens/s, GFLOP/s of the matrix products
+// dialect llama.cpp loads, then captures --sequences sequences of --tokens tokens each into a
+// trace and reports: prompt-processing tokens/s, GFLOP/s of the matrix products
 // (weights and attention) against this machine's measured fp32 peak, this process's peak
 // resident memory, and the trace's size.
 #include <sys/resource.h>
@@ -43,9 +43,10 @@ double peak_rss_gib() {
 
 int main(int argc, char** argv) {
     CLI::App app{"capture throughput and memory of a synthetic 1B-shaped quantised model"};
-    int tokens = 4096, layers = 16;
+    int tokens = 4096, layers = 16, sequences = 1;
     std::string type_name = "Q4_K", store = "fp32", dir = std::filesystem::temp_directory_path().string();
     app.add_option("--tokens", tokens, "tokens captured (BOS included)")->check(CLI::Range(2, 1 << 20));
+    app.add_option("--sequences", sequences, "sequences captured, each of --tokens tokens")->check(CLI::Range(1, 1024));
     app.add_option("--type", type_name, "weight type")->check(CLI::IsMember({"F32", "Q8_0", "Q4_K", "Q6_K"}));
     app.add_option("--layers", layers, "blocks (16 for the 1B shape; fewer for a quick look)")->check(CLI::Range(1, 64));
     app.add_option("--store", store, "trace precision")->check(CLI::IsMember({"fp32", "fp16"}));
@@ -96,17 +97,22 @@ int main(int argc, char** argv) {
                     std::filesystem::file_size(model_path) / 1e9,
                     std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     }
+    const std::string separator = "\n@@@\n";
     {
-        // The toy vocabulary spells most characters as one token: enough words for the sequence.
+        // The toy vocabulary spells most characters as one token: enough words for each sequence,
+        // which the capture cuts at --tokens (with a warning), and sequences that differ.
         std::ofstream text(text_path);
-        for (int i = 0; i < tokens; ++i) text << "the cat " << i % 97 << " sat. ";
+        for (int s = 0; s < sequences; ++s) {
+            if (s > 0) text << separator;
+            for (int i = 0; i < tokens; ++i) text << "the cat " << (7 * i + s) % 97 << " sat. ";
+        }
     }
 
     const int threads = tbb::info::default_concurrency();
     const double peak = kvsim::bench::measure_fp32_peak_gflops(1) * threads;
 
     CaptureOptions options;
-    options.input = {model_path, text_path, "", tokens, 0};
+    options.input = {model_path, text_path, separator, tokens, 0};
     options.dtype = store == "fp16" ? TensorDtype::float16 : TensorDtype::float32;
     options.output_path = trace_path;
     const auto start = std::chrono::steady_clock::now();
@@ -116,13 +122,11 @@ int main(int argc, char** argv) {
     // Weight products per token, plus attention: q·k and weights·v over the positions seen. A
     // capture runs no classifier (it records Q, K and V, not logits), so its product is not counted.
     const double n = static_cast<double>(summary.tokens);
-    const double attention_flops = 2.0 * 2.0 * config.n_heads * config.head_dim * config.n_layers * (n * (n + 1) / 2);
-    const double classifier_flops = 2.0 * config.vocab_size * config.dim;
-    const double flops = (static_cast<double>(config.matmul_flops_per_token()) - classifier_flops) * n + attention_flops;
+    const double flops = config.chunk_flops(0, tokens, /*logits=*/false) * summary.sequences;
     std::printf("model %s: %d layers, %s weights, %.2f GB file\n", model_path.c_str(), layers, type_name.c_str(),
                 std::filesystem::file_size(model_path) / 1e9);
-    std::printf("captured %ld tokens in %.1f s (load, forward, trace writing): %.1f tokens/s\n", summary.tokens,
-                seconds, n / seconds);
+    std::printf("captured %d x %d tokens in %.1f s (load, forward, trace writing): %.1f tokens/s\n", summary.sequences,
+                tokens, seconds, n / seconds);
     std::printf("matrix products %.1f GFLOP/s = %.1f%% of the fp32 peak (%.1f GFLOP/s, %d threads)\n",
                 flops / seconds / 1e9, 100.0 * flops / seconds / 1e9 / peak, peak, threads);
     std::printf("peak resident memory %.2f GiB; trace (%s) %.2f GB\n", peak_rss_gib(), store.c_str(),

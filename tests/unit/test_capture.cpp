@@ -9,6 +9,7 @@
 #include "src/capture.h"
 #include "src/config.h"
 #include "src/eval.h"
+#include "src/progress.h"
 
 using namespace kvsim;
 
@@ -76,4 +77,12 @@ TEST_CASE("kvsim eval in chunks takes the same policy steps as token by token") 
         CHECK(b.retained_mass == doctest::Approx(a.retained_mass).epsilon(1e-4));
         if (std::isfinite(a.output_rel_error)) CHECK(b.output_rel_error == doctest::Approx(a.output_rel_error).epsilon(1e-3));
     }
+}
+
+TEST_CASE("progress bar: the time spent and left read as seconds, minutes or hours") {
+    CHECK(ProgressBar::duration(0.04) == "0.0 s");
+    CHECK(ProgressBar::duration(12.34) == "12.3 s");
+    CHECK(ProgressBar::duration(59.96) == "1 min 00 s");  // not "60.0 s"
+    CHECK(ProgressBar::duration(245.4) == "4 min 05 s");
+    CHECK(ProgressBar::duration(7620.0) == "2 h 07 min");
 }

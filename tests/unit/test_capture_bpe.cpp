@@ -52,3 +52,30 @@ TEST_CASE("capture: a random-weight llama GGUF with a gpt2 tokenizer captures en
         }
     }
 }
+
+TEST_CASE("capture --normalize nfc: a decomposed text is captured as its NFC tokens, and the trace says so") {
+    const std::string text_path = test::temp_dir() + "/nfc_capture_text.txt";
+    std::ofstream(text_path, std::ios::binary) << "the cafe\xCC\x81 then";  // e + U+0301
+    model::testing::BpeVocabulary vocabulary;
+    vocabulary.pre = "qwen2";
+    vocabulary.merges = {"Ġ t", "h e", "Ġt he", "Ã ©", "Ġ c", "a f", "Ġc af", "Ġcaf Ã©"};
+    model::GgufWriter writer = model::random_llama_writer(model::testing::tiny_config(), 17);
+    vocabulary.write_to(writer);
+    const std::string model_path = test::temp_dir() + "/nfc_capture.gguf";
+    writer.write(model_path);
+    const model::Tokenizer tokenizer = model::Tokenizer::load(model_path);
+
+    for (const model::TextNormalization normalize : {model::TextNormalization::none, model::TextNormalization::nfc}) {
+        CAPTURE(model::to_string(normalize));
+        CaptureOptions options;
+        options.input = {model_path, text_path, "", 0, 0, normalize};
+        options.output_path = test::temp_dir() + "/nfc_capture_" + model::to_string(normalize) + ".h5";
+        capture_trace(options);
+        TraceReader trace(options.output_path);
+        const std::vector<int32_t> stored = trace.read_tokens(0);
+        const bool nfc = normalize == model::TextNormalization::nfc;
+        const std::vector<int> expected = tokenizer.encode(nfc ? "the caf\xC3\xA9 then" : "the cafe\xCC\x81 then", true);
+        CHECK(std::vector<int>(stored.begin(), stored.end()) == expected);
+        CHECK(trace.metadata().source_text_normalization == (nfc ? "nfc" : ""));
+    }
+}
