@@ -2,6 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -123,6 +124,11 @@ std::string profile_json(const Profile& p) {
                           {"recent", p.streaming->recent},
                           {"heads", rows_of(heads, L, K)},
                           {"lambda", rows_of(p.streaming->lambda, L, K)}};
+        if (!p.streaming->stateless.empty()) {
+            std::vector<int> stateless(p.streaming->stateless.begin(), p.streaming->stateless.end());
+            j["streaming"]["stateless"] = rows_of(stateless, L, K);
+        }
+        if (!p.streaming->gates.empty()) j["streaming"]["gates"] = rows_of(p.streaming->gates, L, K);
     }
     if (p.tiers)
         j["tiers"] = {{"fp16", rows_of(p.tiers->fp16, L, K)},
@@ -196,6 +202,25 @@ Profile load_profile(const std::string& path) {
             heads.heads.push_back(static_cast<uint8_t>(g));
         }
         heads.lambda = r.table(r.at(s, "lambda", "streaming"), "streaming.lambda", p.model, 0, 1);
+        if (s.contains("stateless"))
+            for (double g : r.table(s["stateless"], "streaming.stateless", p.model, 0, 1)) {
+                if (g != 0 && g != 1) r.fail("streaming.stateless", "every entry must be 0 or 1");
+                heads.stateless.push_back(static_cast<uint8_t>(g));
+            }
+        if (s.contains("gates")) {
+            heads.gates = r.table(s["gates"], "streaming.gates", p.model, 0, 1);
+            // The gates rank the heads: the streaming ones below 0.5, the rest above, all distinct,
+            // so that DuoAttention's threshold picks the profile's heads.
+            for (std::size_t u = 0; u < heads.gates.size(); ++u)
+                if ((heads.gates[u] < 0.5) != (heads.heads[u] == 1) || heads.gates[u] == 0.5)
+                    r.fail("streaming.gates[" + std::to_string(u / p.model.num_kv_heads) + "][" +
+                               std::to_string(u % p.model.num_kv_heads) + "]",
+                           "a streaming head's gate must be below 0.5 and every other head's above");
+            std::vector<double> sorted = heads.gates;
+            std::sort(sorted.begin(), sorted.end());
+            if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
+                r.fail("streaming.gates", "two heads share a gate; the gates must rank every head");
+        }
         p.streaming = heads;
     }
     if (root.contains("tiers")) {

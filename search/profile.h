@@ -19,8 +19,12 @@ inline constexpr int kProfileVersion = 1;
 struct StreamingHeads {
     int sinks = 4;
     int recent = 64;
-    std::vector<uint8_t> heads;   // per (layer, KV head): 1 = streams (decayed linear state), 0 = full cache
-    std::vector<double> lambda;   // per (layer, KV head), in [0, 1]
+    std::vector<uint8_t> heads;      // per (layer, KV head): 1 = streams, 0 = full cache
+    std::vector<double> lambda;      // per (layer, KV head), in [0, 1]: the decay of its linear state
+    std::vector<uint8_t> stateless;  // per (layer, KV head): 1 = streams with no state; empty: none
+    // deploy duo: per (layer, KV head), in [0, 1]: the fitted ranking as DuoAttention gates (the
+    // lowest streams first; the streaming heads' below 0.5, the others' above); may be empty.
+    std::vector<double> gates;
 };
 
 struct Profile {

@@ -97,8 +97,14 @@ std::string budgets_text(const SearchRecord& r) {
     }
     if (r.streaming_heads.empty()) return join(r.layer_budgets, " ");
     const auto streaming = std::count(r.streaming_heads.begin(), r.streaming_heads.end(), uint8_t{1});
+    std::size_t stateless = 0;
+    for (std::size_t u = 0; u < r.stateless.size(); ++u) stateless += r.streaming_heads[u] && r.stateless[u];
+    const std::string kinds = r.stateless.empty()     ? ""
+                              : stateless == 0        ? ", each with a state"
+                              : stateless == static_cast<std::size_t>(streaming) ? ", none with a state"
+                                                      : ", " + std::to_string(stateless) + " without a state";
     return std::to_string(streaming) + " of " + std::to_string(r.streaming_heads.size()) + " heads stream (sinks " +
-           std::to_string(r.streaming_sinks) + ", recent " + std::to_string(r.streaming_recent) + ")";
+           std::to_string(r.streaming_sinks) + ", recent " + std::to_string(r.streaming_recent) + kinds + ")";
 }
 
 }  // namespace
@@ -620,7 +626,8 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
             p.policy = r.fit == "streaming" ? "streaming_attention" : "stratigraphic";
             p.params = r.replay_params;
             if (r.fit == "streaming")
-                p.streaming = StreamingHeads{r.streaming_sinks, r.streaming_recent, r.streaming_heads, r.lambda};
+                p.streaming = StreamingHeads{r.streaming_sinks, r.streaming_recent, r.streaming_heads, r.lambda,
+                                             r.stateless, r.gates};
             else
                 p.tiers = r.tiers;
         } else {
@@ -693,6 +700,8 @@ void write_search_outputs(const SearchOutcome& o, const std::string& dir) {
         if (!r.streaming_heads.empty()) {
             j["streaming_heads"] = std::vector<int>(r.streaming_heads.begin(), r.streaming_heads.end());
             j["lambda"] = r.lambda;
+            if (!r.stateless.empty()) j["stateless"] = std::vector<int>(r.stateless.begin(), r.stateless.end());
+            if (!r.gates.empty()) j["gates"] = r.gates;
         }
         if (r.fit == "ranks") {
             j["replay_policy"] = r.replay_policy;

@@ -466,7 +466,7 @@ void Harness::measure_values(const GroupStep& s) {
         double bytes = key_bytes_[0] + value_bytes_[0];  // the current token
         for (int32_t p : kept_) bytes += key_bytes_[key_tier_[p]] + value_bytes_[value_tier_[p]];
         if (state) bytes = state->bytes();  // its exact tokens at fp16 and the linear state
-        bytes += static_cast<double>(policy_->bytes_per_slot()) * (kept_.size() + 1);
+        if (options_.bookkeeping) bytes += static_cast<double>(policy_->bytes_per_slot()) * (kept_.size() + 1);
         bytes += values_.fixed_bytes;  // held at every step: amortised over the context
         metrics_.cache_bytes += bytes;
         metrics_.fp16_bytes += 4.0 * d * (t + 1);

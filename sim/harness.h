@@ -68,6 +68,9 @@ struct HarnessOptions {
     AttentionView view = AttentionView::raw;
     GroupReduce reduce = GroupReduce::mean;
     int prefill_tokens = 0;  // positions 0..N-1 enter unevicted; then one compression to budget
+    // Whether the memory metric counts the policy's bookkeeping per slot: kvsim's runtime holds it;
+    // an engine that keeps K and V alone (kvpress, DuoAttention) does not.
+    bool bookkeeping = true;
 };
 
 // The options a config names (its keys already checked): attention_view "raw", "renormalized",

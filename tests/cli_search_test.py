@@ -110,14 +110,14 @@ class Search(KvsimTestCase):
                 .replace("target: [2x, 3x]", "target: 2x"))
         result = self.search(text)
         self.assertEqual(result.returncode, 0, result.stderr)
-        self.assertIn("streaming heads, fitted lambdas", result.stdout)
+        self.assertIn("streaming heads, fitted lambda or stateless", result.stdout)
         profile_path = os.path.join(self.out, "profile-streaming-2x.json")
         profile = json.loads(read(profile_path))
         self.assertEqual(profile["policy"]["name"], "streaming_attention")
         self.assertEqual(profile["source"]["trace_sha256"], hashlib.sha256(open(TRACE, "rb").read()).hexdigest())
         self.assertEqual(len(profile["streaming"]["lambda"]), 5)
         record = [r for r in json.loads(read(os.path.join(self.out, "search.json")))["records"]
-                  if r["method"] == "streaming heads, fitted lambdas"][0]
+                  if r["method"] == "streaming heads, fitted lambda or stateless"][0]
         config = self.write("replay.yaml", "trace: {path: %s, sequences: [3, 4]}\npolicies: [{profile: %s}]\n"
                                            "metrics: [output_rel_error, bytes_per_token]\n" % (TRACE, profile_path))
         result = kvsim("run", config, "--out", self.path("run"), "-q")
@@ -142,7 +142,7 @@ class Search(KvsimTestCase):
         result = kvsim("search", self.write("pattern.yaml", with_pattern), "--out", self.path("pattern"), "-q")
         self.assertEqual(result.returncode, 0, result.stderr)
         duo_record = [r for r in json.loads(read(os.path.join(self.path("pattern"), "search.json")))["records"]
-                      if r["method"] == "streaming heads from the DuoAttention pattern, fitted lambdas"][0]
+                      if r["method"] == "streaming heads from the DuoAttention pattern, fitted lambda or stateless"][0]
         self.assertEqual(duo_record["heldout"], record["heldout"])
         self.assertEqual(duo_record["streaming_heads"], record["streaming_heads"])
 
