@@ -128,6 +128,9 @@ public:
     void evict_to(int32_t t, int keep);
     // Enables the value-level metrics; `values` must outlive the steps that use it.
     void set_values(const CacheValues& values);
+    // The prompt a prefill-time compressor (Policy::reads_prompt) reads at the prompt's end: its
+    // arrays must outlive that step. Its length is the harness's prefill_tokens.
+    void set_prompt(const PromptView& prompt);
 
     const StreamMetrics& metrics() const { return metrics_; }
     const Policy& policy() const { return *policy_; }
@@ -167,6 +170,7 @@ private:
     std::vector<uint8_t> key_tier_, value_tier_;
     bool tiered_ = false;
     CacheValues values_;
+    PromptView prompt_;
     double key_bytes_[3] = {}, value_bytes_[3] = {};
     std::vector<int32_t> attended_;  // kept_ plus the current token
     std::vector<float> last_outputs_;
