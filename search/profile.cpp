@@ -12,6 +12,7 @@
 #include "base/errors.h"
 #include "base/input_file.h"
 #include "base/json_file.h"
+#include "policies/prompt_press.h"
 #include "sim/experiment_spec.h"
 
 namespace kvsim {
@@ -116,6 +117,19 @@ std::string profile_json(const Profile& p) {
     j["policy"] = {{"name", p.policy}, {"params", params}};
     j["method"] = p.method;
     j["target"] = p.target;
+    j["deploy"] = p.deploy;
+    if (!p.prompt.empty())
+        j["prompt"] = p.prompt.tokens > 0 ? Json{{"tokens", p.prompt.tokens}} : Json{{"continuation", p.prompt.continuation}};
+    if (!p.prompt_ratios.empty()) {
+        j["prompt_ratios"] = p.prompt_ratios;
+        // What the ratios mean at the prompts they were measured on: kvpress's kept tokens per layer.
+        Json kept = Json::array();
+        std::vector<int64_t> prompts = p.measured_prompts;
+        std::sort(prompts.begin(), prompts.end());
+        prompts.erase(std::unique(prompts.begin(), prompts.end()), prompts.end());
+        for (int64_t prompt : prompts) kept.push_back({{"prompt", prompt}, {"tokens", profile_prompt_kept(p, prompt)}});
+        j["prompt_kept"] = kept;
+    }
     if (!p.layer_budgets.empty()) j["layer_budgets"] = p.layer_budgets;
     if (!p.head_budgets.empty()) j["head_budgets"] = rows_of(p.head_budgets, L, K);
     if (p.streaming) {
@@ -136,7 +150,21 @@ std::string profile_json(const Profile& p) {
                       {"int4", rows_of(p.tiers->int4, L, K)}};
     j["expected"] = {{"bytes_per_token", p.bytes_per_token}, {"compression_ratio", p.compression_ratio}};
     if (!p.layer_kept_fraction.empty()) j["expected"]["layer_kept_fraction"] = p.layer_kept_fraction;
+    if (!p.sparsity_curve.empty()) {
+        Json curve = Json::array();
+        for (const SparsityPoint& c : p.sparsity_curve)
+            curve.push_back({{"sparsity", c.sparsity},
+                             {"streaming_heads", c.streaming_heads},
+                             {"heldout", c.heldout},
+                             {"bytes_per_token", c.bytes_per_token},
+                             {"compression_ratio", c.compression_ratio}});
+        j["sparsity_curve"] = curve;
+    }
     j["heldout"] = {{"objective", p.objective}, {"value", p.heldout_value}, {"sequences", p.heldout_sequences}};
+    if (!p.measured_tokens.empty()) {
+        j["measured_on"] = {{"sequences", p.heldout_sequences}, {"tokens", p.measured_tokens}};
+        if (!p.measured_prompts.empty()) j["measured_on"]["prompts"] = p.measured_prompts;
+    }
     j["source"] = {{"trace", p.trace},
                    {"trace_sha256", p.trace_sha256},
                    {"config", p.config},
@@ -151,8 +179,8 @@ Profile load_profile(const std::string& path) {
     if (r.string(r.at(root, "format", ""), "format") != kProfileFormat)
         r.fail("format", "expected \"" + std::string(kProfileFormat) + "\"");
     const int64_t version = r.integer(r.at(root, "version", ""), "version", 0, 1 << 30);
-    if (version != kProfileVersion)
-        r.fail("version", std::to_string(version) + " is not supported (this kvsim reads version " +
+    if (version != 1 && version != kProfileVersion)
+        r.fail("version", std::to_string(version) + " is not supported (this kvsim reads versions 1 to " +
                               std::to_string(kProfileVersion) + ")");
     Profile p;
     p.name = r.string(r.at(root, "name", ""), "name");
@@ -174,8 +202,34 @@ Profile load_profile(const std::string& path) {
     if (root.contains("target")) p.target = r.string(root["target"], "target");
 
     const int L = p.model.num_layers;
-    // Budgets, unless the profile streams heads instead (then every other head keeps its cache).
-    if (root.contains("layer_budgets") || !(root.contains("streaming") || root.contains("tiers"))) {
+    if (root.contains("deploy")) {
+        p.deploy = r.string(root["deploy"], "deploy");
+        if (p.deploy != "kvsim" && p.deploy != "kvpress" && p.deploy != "duo")
+            r.fail("deploy", "\"" + p.deploy + "\" is not a target this kvsim knows (kvsim, kvpress, duo)");
+    }
+    if (p.deploy == "kvpress") {  // a share of each prompt per layer, and how sequences split
+        const Json& prompt = r.at(root, "prompt", "");
+        if (!prompt.is_object() || prompt.size() != 1 || !(prompt.contains("tokens") || prompt.contains("continuation")))
+            r.fail("prompt", "expected {\"tokens\": N} or {\"continuation\": N}");
+        if (prompt.contains("tokens"))
+            p.prompt.tokens = static_cast<int>(r.integer(prompt["tokens"], "prompt.tokens", 2, kMaxSequenceTokens));
+        else
+            p.prompt.continuation =
+                static_cast<int>(r.integer(prompt["continuation"], "prompt.continuation", 1, kMaxSequenceTokens));
+        const Json& ratios = r.list(r.at(root, "prompt_ratios", ""), "prompt_ratios", static_cast<std::size_t>(L));
+        for (int l = 0; l < L; ++l) {
+            const std::string key = "prompt_ratios[" + std::to_string(l) + "]";
+            const double v = r.number(ratios[l], key);
+            if (v < 0 || v >= 1) r.fail(key, ratios[l].dump() + " is outside [0, 1)");
+            p.prompt_ratios.push_back(v);
+        }
+    } else if (root.contains("prompt_ratios") || root.contains("prompt")) {
+        r.fail(root.contains("prompt") ? "prompt" : "prompt_ratios",
+               "is kvpress's, but the profile deploys to " + p.deploy + " (deploy)");
+    }
+    // Budgets, unless the profile streams heads, holds tiers or kvpress's ratios instead.
+    if (root.contains("layer_budgets") ||
+        !(root.contains("streaming") || root.contains("tiers") || !p.prompt_ratios.empty())) {
         const Json& layers = r.list(r.at(root, "layer_budgets", ""), "layer_budgets", static_cast<std::size_t>(L));
         for (int l = 0; l < L; ++l)
             p.layer_budgets.push_back(static_cast<int>(
@@ -218,8 +272,12 @@ Profile load_profile(const std::string& path) {
                            "a streaming head's gate must be below 0.5 and every other head's above");
             std::vector<double> sorted = heads.gates;
             std::sort(sorted.begin(), sorted.end());
-            if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
-                r.fail("streaming.gates", "two heads share a gate; the gates must rank every head");
+            // DuoAttention adds up to 1e-6 of noise to every gate before its threshold: closer gates
+            // could swap places there.
+            if (std::adjacent_find(sorted.begin(), sorted.end(), [](double a, double b) { return b - a <= 1e-6; }) !=
+                sorted.end())
+                r.fail("streaming.gates", "two heads' gates lie within 1e-6 (DuoAttention's tie-breaking noise); the "
+                                          "gates must rank every head");
         }
         p.streaming = heads;
     }
@@ -259,6 +317,58 @@ Profile load_profile(const std::string& path) {
                 p.heldout_sequences.push_back(r.string(h["sequences"][i], "heldout.sequences[" + std::to_string(i) + "]"));
         }
     }
+    if (p.deploy == "duo" && !p.streaming) r.fail("streaming", "missing: a profile for DuoAttention streams heads");
+    if (p.deploy == "duo" && p.streaming->gates.empty())
+        r.fail("streaming.gates", "missing: a profile for DuoAttention ranks its heads by gates");
+    if (p.deploy == "duo")  // DuoAttention's streaming heads hold their sinks and window alone
+        for (std::size_t u = 0; u < p.streaming->heads.size(); ++u)
+            if (p.streaming->heads[u] && (p.streaming->stateless.empty() || !p.streaming->stateless[u]))
+                r.fail("streaming.stateless", "every streaming head of a profile for DuoAttention keeps no state");
+    if (root.contains("sparsity_curve")) {
+        const Json& curve = root["sparsity_curve"];
+        if (!curve.is_array()) r.fail("sparsity_curve", "expected a list");
+        for (std::size_t i = 0; i < curve.size(); ++i) {
+            const std::string key = "sparsity_curve[" + std::to_string(i) + "]";
+            SparsityPoint c;
+            c.sparsity = r.number(r.at(curve[i], "sparsity", key), key + ".sparsity");
+            if (c.sparsity < 0 || c.sparsity > 1) r.fail(key + ".sparsity", "is outside [0, 1]");
+            c.streaming_heads = static_cast<int>(r.integer(r.at(curve[i], "streaming_heads", key), key + ".streaming_heads",
+                                                           0, static_cast<int64_t>(L) * p.model.num_kv_heads));
+            c.heldout = r.number(r.at(curve[i], "heldout", key), key + ".heldout");
+            c.bytes_per_token = r.number(r.at(curve[i], "bytes_per_token", key), key + ".bytes_per_token");
+            c.compression_ratio = r.number(r.at(curve[i], "compression_ratio", key), key + ".compression_ratio");
+            p.sparsity_curve.push_back(c);
+        }
+    }
+    if (root.contains("measured_on")) {
+        const Json& m = root["measured_on"];
+        const std::size_t n = r.at(m, "tokens", "measured_on").is_array() ? m["tokens"].size() : 0;
+        const Json& tokens = r.list(m["tokens"], "measured_on.tokens", n);
+        for (std::size_t i = 0; i < n; ++i)
+            p.measured_tokens.push_back(
+                r.integer(tokens[i], "measured_on.tokens[" + std::to_string(i) + "]", 1, kMaxSequenceTokens));
+        if (m.contains("prompts")) {
+            const Json& prompts = r.list(m["prompts"], "measured_on.prompts", n);
+            for (std::size_t i = 0; i < n; ++i)
+                p.measured_prompts.push_back(r.integer(prompts[i], "measured_on.prompts[" + std::to_string(i) + "]", 1,
+                                                       p.measured_tokens[i]));
+        }
+    }
+    if (root.contains("prompt_kept")) {  // derived from the ratios: refused where they disagree
+        const Json& kept = root["prompt_kept"];
+        if (!kept.is_array()) r.fail("prompt_kept", "expected a list");
+        for (std::size_t i = 0; i < kept.size(); ++i) {
+            const std::string key = "prompt_kept[" + std::to_string(i) + "]";
+            const int64_t prompt = r.integer(r.at(kept[i], "prompt", key), key + ".prompt", 1, kMaxSequenceTokens);
+            const Json& tokens = r.list(r.at(kept[i], "tokens", key), key + ".tokens", static_cast<std::size_t>(L));
+            const std::vector<int> planned = profile_prompt_kept(p, prompt);
+            for (int l = 0; l < L; ++l)
+                if (r.integer(tokens[l], key + ".tokens[" + std::to_string(l) + "]", 0, prompt) != planned[l])
+                    r.fail(key + ".tokens[" + std::to_string(l) + "]",
+                           "disagrees with prompt_ratios[" + std::to_string(l) + "], which keeps " +
+                               std::to_string(planned[l]) + " of " + std::to_string(prompt) + " tokens");
+        }
+    }
     if (root.contains("source")) {
         const Json& s = root["source"];
         if (!s.is_object()) r.fail("source", "expected an object");
@@ -274,7 +384,20 @@ Profile load_profile(const std::string& path) {
 }
 
 BudgetColumn profile_column(const Profile& p, const std::string& where) {
+    if (!p.prompt_ratios.empty()) {
+        BudgetColumn column;
+        column.label = p.name;
+        column.where = where;
+        column.prompt_ratios = p.prompt_ratios;
+        return column;
+    }
     return profile_budget_column(p.name, where, p.layer_budgets, p.head_budgets);
+}
+
+std::vector<int> profile_prompt_kept(const Profile& p, int64_t prompt_length) {
+    std::vector<int> kept;
+    for (double ratio : p.prompt_ratios) kept.push_back(kvpress_kept_tokens(prompt_length, ratio));
+    return kept;
 }
 
 void check_profile_shape(const ModelShape& profile_shape, const std::string& profile_where, const ModelShape& actual,

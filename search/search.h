@@ -37,6 +37,8 @@ struct SearchRecord {
     double compression_ratio = 0;  // measured on the held-out sequences
     double delta_ppl = std::numeric_limits<double>::quiet_NaN();  // with the model in the loop
     std::vector<int> layer_budgets;  // per layer (with head budgets, each layer's mean)
+    // deploy kvpress: per layer, the compression ratio of each sequence's prompt (kvpress's).
+    std::vector<double> prompt_ratios;
     std::vector<int> head_budgets;   // per (layer, KV head), empty for a layer allocation
     bool adakv = false;              // Ada-KV (floor kSearchAdaKvFloor) at layer_budgets' per-layer totals
     // Streaming heads (fit: streaming): which (layer, KV head) streams, its lambda, and which
@@ -59,14 +61,6 @@ struct SearchRecord {
     std::string replay_policy;
     std::vector<int> key_rank, value_rank;
     bool writes_profile = false;  // a fitted method: run_search writes its profile
-};
-
-// deploy duo: the held-out figure of the fitted ranking at one DuoAttention sparsity.
-struct SparsityPoint {
-    double sparsity = 0;       // what to pass DuoAttention: the share of heads that stream
-    int streaming_heads = 0;   // how many stream there (DuoAttention's threshold picks that many)
-    double heldout = 0;        // output error on the held-out sequences
-    double bytes_per_token = 0, compression_ratio = 0;
 };
 
 struct SearchOutcome {

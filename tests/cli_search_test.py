@@ -366,7 +366,7 @@ class Search(KvsimTestCase):
             (dict(layer_budgets=[-4, 5, 6, 7, 8]), "layer_budgets[0]: -4 is outside"),
             (dict(layer_budgets=[4, 5, 6]), "layer_budgets: expected 5 entries, got 3"),
             (dict(layer_budgets=[4, 5.5, 6, 7, 8]), "layer_budgets[1]: expected an integer"),
-            (dict(version=2), "version: 2 is not supported"),
+            (dict(version=3), "version: 3 is not supported"),
             (dict(format="other"), "format: expected \"kvsim-profile\""),
             (dict(head_budgets=[[4, 4, 4, 4]] * 4), "head_budgets: expected 5 entries"),
             (dict(streaming={"sinks": 4, "recent": 8, "heads": [[0, 1, 0, 0]] * 5, "lambda": [[1.5] * 4] * 5}),

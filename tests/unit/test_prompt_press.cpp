@@ -116,3 +116,37 @@ TEST_CASE("kvpress's presses keep what kvpress keeps: a prompt of stories260K's 
     REQUIRE(g["cases"].size() == 9);
     check_cases(g["cases"], prompt);
 }
+
+// A profile fitted by kvsim search with deploy: kvpress (tests/cli_search_test.py's), its exported
+// ratios given to kvpress's PerLayerCompressionPress on the prompts it was fitted for
+// (record_kvpress_per_layer.py): every layer's heads keep exactly kvpress's positions.
+TEST_CASE("kvpress's per-layer press at a fitted profile's ratios keeps what kvsim replays") {
+    const nlohmann::json g = load_json_file(std::string(KVSIM_SOURCE_DIR) + "/tests/goldens/kvpress_per_layer.json");
+    const TraceReader reader(std::string(KVSIM_SOURCE_DIR) + "/" + g["trace"].get<std::string>());
+    const TraceMetadata& m = reader.metadata();
+    const std::vector<double> ratios = g["ratios"];
+    REQUIRE(ratios.size() == static_cast<std::size_t>(m.num_layers));
+    REQUIRE(g["sequences"].size() == 2);
+    for (const nlohmann::json& s : g["sequences"]) {
+        for (int l = 0; l < static_cast<int>(m.num_layers); ++l) {
+            const QkvLayer layer = reader.read_qkv(s["sequence"], l);
+            PromptView prompt;
+            prompt.length = g["prompt"];
+            prompt.layer = l;
+            prompt.num_layers = static_cast<int>(m.num_layers);
+            prompt.num_query_heads = static_cast<int>(m.num_query_heads);
+            prompt.num_kv_heads = static_cast<int>(m.num_kv_heads);
+            prompt.head_dim = static_cast<int>(m.head_dim);
+            prompt.queries = layer.q.data();
+            prompt.keys = layer.k.data();
+            prompt.values = layer.v.data();
+            for (int kv = 0; kv < prompt.num_kv_heads; ++kv) {
+                INFO("sequence " << s["sequence"].get<int>() << ", layer " << l << ", KV head " << kv);
+                prompt.kv_head = kv;
+                const std::vector<int> kept = s["kept"][l][kv];
+                CHECK(kvpress_kept_tokens(prompt.length, ratios[l]) == static_cast<int>(kept.size()));
+                CHECK(kept_by(g["policy"], g["params"], ratios[l], prompt) == kept);
+            }
+        }
+    }
+}
