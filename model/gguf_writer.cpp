@@ -201,49 +201,132 @@ void write_random_llama(const std::string& path, const LlamaConfig& config, uint
     random_llama_writer(config, seed, weight_type, tied_output).write(path);
 }
 
+namespace {
+
+// general.file_type as llama.cpp's converter and llama-quantize name a file whose weight
+// matrices are all of one type (LlamaFileType in gguf-py; a k-quant file of one type is its "_S"
+// variant). Q8_K has no file type: ggml has no Q8_K weight kernels (it is only the activations'
+// format in k-quant dot products), so llama.cpp could not run such a file.
+uint32_t llama_file_type(TensorType weight_type) {
+    switch (weight_type) {
+        case TensorType::F32: return 0;   // ALL_F32
+        case TensorType::F16: return 1;   // MOSTLY_F16
+        case TensorType::Q4_0: return 2;  // MOSTLY_Q4_0
+        case TensorType::Q4_1: return 3;  // MOSTLY_Q4_1
+        case TensorType::Q8_0: return 7;  // MOSTLY_Q8_0
+        case TensorType::Q5_0: return 8;  // MOSTLY_Q5_0
+        case TensorType::Q5_1: return 9;  // MOSTLY_Q5_1
+        case TensorType::Q2_K: return 10;  // MOSTLY_Q2_K
+        case TensorType::Q3_K: return 11;  // MOSTLY_Q3_K_S
+        case TensorType::Q4_K: return 14;  // MOSTLY_Q4_K_S
+        case TensorType::Q5_K: return 16;  // MOSTLY_Q5_K_S
+        case TensorType::Q6_K: return 18;  // MOSTLY_Q6_K
+        case TensorType::BF16: return 32;  // MOSTLY_BF16
+        case TensorType::Q8_K: break;
+    }
+    throw std::invalid_argument(std::string("random_llama_writer: no llama.cpp file type holds ") +
+                                tensor_type_name(static_cast<uint32_t>(weight_type)) + " weights");
+}
+
+// What llama.cpp (the converter and its loader) can hold of a config; anything else would be a
+// file in a dialect only kvsim reads.
+void check_convertible(const LlamaConfig& c) {
+    const auto refuse = [&](const std::string& why) {
+        throw std::invalid_argument("random_llama_writer: " + c.architecture + ": " + why);
+    };
+    if (c.architecture != "llama" && c.architecture != "qwen2") refuse("not an architecture kvsim reads");
+    if (c.vocab_size < 3) refuse("a vocabulary needs at least <unk>, <s> and </s>");
+    if (c.architecture == "qwen2") {
+        if (!c.qkv_bias) refuse("Qwen2 has biases on Q, K and V (llama.cpp requires them)");
+        if (c.q_dim() != c.dim) refuse("llama.cpp's qwen2 needs head_count x head size = embedding_length");
+        if (c.rope_scaling.kind != RopeScaling::Kind::none)
+            refuse("the converter writes Qwen2's RoPE scaling only as YaRN, which kvsim does not read");
+    }
+}
+
+}  // namespace
+
+std::vector<float> llama3_rope_freq_divisors(const LlamaConfig& config) {
+    // The converter's LlamaModel.generate_extra_tensors, in its arithmetic: float32 tensors, the
+    // Python numbers they meet rounded to float32, and `number / tensor` computed by torch as
+    // reciprocal(tensor) * number. The divisors equal the converter's to the bit where the C
+    // library's powf agrees with torch's float32 pow (which can differ by an ulp).
+    const RopeScaling& r = config.rope_scaling;
+    const float base = config.rope_theta, factor = static_cast<float>(r.factor);
+    const float old_context = static_cast<float>(r.original_context);
+    const float low = static_cast<float>(r.low_freq_factor), blend_width = static_cast<float>(r.high_freq_factor - r.low_freq_factor);
+    const float low_wavelength = static_cast<float>(r.original_context / r.low_freq_factor);
+    const float high_wavelength = static_cast<float>(r.original_context / r.high_freq_factor);
+    const float two_pi = static_cast<float>(2.0 * 3.14159265358979323846);
+    const auto number_over = [](float number, float tensor) { return (1.0f / tensor) * number; };
+    std::vector<float> divisors;
+    for (int i = 0; i < config.head_dim; i += 2) {
+        const float frequency = number_over(1.0f, std::pow(base, static_cast<float>(i) / static_cast<float>(config.head_dim)));
+        const float wavelength = number_over(two_pi, frequency);
+        if (wavelength < high_wavelength) {
+            divisors.push_back(1.0f);
+        } else if (wavelength > low_wavelength) {
+            divisors.push_back(factor);
+        } else {
+            // Stored before the subtraction, so that no compiler fuses it into a multiply-add
+            // (-march=native allows that), which would round differently from torch.
+            const volatile float scaled_inverse = number_over(old_context, wavelength);
+            const float smooth = (scaled_inverse - low) / blend_width;
+            divisors.push_back(number_over(1.0f, (1.0f - smooth) / factor + smooth));
+        }
+    }
+    return divisors;
+}
+
 GgufWriter random_llama_writer(const LlamaConfig& config, uint64_t seed, TensorType weight_type, bool tied_output) {
     const LlamaConfig& c = config;
+    check_convertible(c);
     GgufWriter writer;
     const std::string p = c.architecture + ".";  // the model keys' prefix
     writer.set_string("general.architecture", c.architecture);
     writer.set_string("general.name", "kvsim synthetic " + c.architecture + " (random weights)");
+    // The keys convert_hf_to_gguf.py writes for every architecture (Model.set_gguf_parameters)...
+    writer.set_uint32(p + "block_count", static_cast<uint32_t>(c.n_layers));
     writer.set_uint32(p + "context_length", static_cast<uint32_t>(c.context_length));
     writer.set_uint32(p + "embedding_length", static_cast<uint32_t>(c.dim));
     writer.set_uint32(p + "feed_forward_length", static_cast<uint32_t>(c.hidden_dim));
-    writer.set_uint32(p + "block_count", static_cast<uint32_t>(c.n_layers));
     writer.set_uint32(p + "attention.head_count", static_cast<uint32_t>(c.n_heads));
     writer.set_uint32(p + "attention.head_count_kv", static_cast<uint32_t>(c.n_kv_heads));
-    if (c.head_dim * c.n_heads != c.dim) {
+    writer.set_float32(p + "rope.freq_base", c.rope_theta);
+    writer.set_float32(p + "attention.layer_norm_rms_epsilon", c.norm_eps);
+    if (c.head_dim * c.n_heads != c.dim) {  // the converter writes them when config.json has head_dim
         writer.set_uint32(p + "attention.key_length", static_cast<uint32_t>(c.head_dim));
         writer.set_uint32(p + "attention.value_length", static_cast<uint32_t>(c.head_dim));
     }
-    writer.set_uint32(p + "rope.dimension_count", static_cast<uint32_t>(c.head_dim));
-    writer.set_float32(p + "rope.freq_base", c.rope_theta);
-    writer.set_float32(p + "attention.layer_norm_rms_epsilon", c.norm_eps);
-    if (c.sliding_window > 0) writer.set_uint32(p + "attention.sliding_window", static_cast<uint32_t>(c.sliding_window));
-    const RopeScaling& scaling = c.rope_scaling;
-    if (scaling.kind == RopeScaling::Kind::linear) {
-        writer.set_string(p + "rope.scaling.type", "linear");
-        writer.set_float32(p + "rope.scaling.factor", static_cast<float>(scaling.factor));
-    } else if (scaling.kind == RopeScaling::Kind::llama3) {
-        writer.set_string(p + "rope.scaling.type", "llama3");
-        writer.set_float32(p + "rope.scaling.factor", static_cast<float>(scaling.factor));
-        writer.set_float32(p + "rope.scaling.low_freq_factor", static_cast<float>(scaling.low_freq_factor));
-        writer.set_float32(p + "rope.scaling.high_freq_factor", static_cast<float>(scaling.high_freq_factor));
-        writer.set_uint32(p + "rope.scaling.original_context_length", static_cast<uint32_t>(scaling.original_context));
+    writer.set_uint32("general.file_type", llama_file_type(weight_type));
+    // ... and those its LlamaModel adds. Llama 3.1's scaling is no key but the rope_freqs.weight
+    // tensor below; only linear scaling has keys. (Qwen2's converter adds nothing here.)
+    if (c.architecture == "llama") {
+        writer.set_uint32(p + "vocab_size", static_cast<uint32_t>(c.vocab_size));
+        writer.set_uint32(p + "rope.dimension_count", static_cast<uint32_t>(c.head_dim));
+        if (c.rope_scaling.kind == RopeScaling::Kind::linear) {
+            writer.set_string(p + "rope.scaling.type", "linear");
+            writer.set_float32(p + "rope.scaling.factor", static_cast<float>(c.rope_scaling.factor));
+        }
     }
+    // Not from the converter, which never writes a sliding window for llama or qwen2 (and
+    // llama.cpp reads none for them): a file made by other tools may record one.
+    if (c.sliding_window > 0) writer.set_uint32(p + "attention.sliding_window", static_cast<uint32_t>(c.sliding_window));
 
-    // A toy SentencePiece vocabulary: specials, byte fallback, printable ASCII, '▁' + letter,
-    // letter pairs, then filler pieces; scores fall with the id, as in real vocabularies.
-    if (c.vocab_size >= 259) {
+    // A toy SentencePiece vocabulary, written as the converter writes one (a tokenizer is what
+    // llama.cpp needs to load a file at all): specials, the 256 byte-fallback pieces when the
+    // vocabulary has room for them all, printable ASCII, '▁' + letter, letter pairs, then filler
+    // pieces; scores fall with the id, as in real vocabularies.
+    {
         std::vector<std::string> pieces = {"<unk>", "<s>", "</s>"};
         std::vector<int32_t> types = {2, 3, 3};
-        for (int byte = 0; byte < 256; ++byte) {
+        for (int byte = 0; byte < 256 && c.vocab_size >= 259; ++byte) {
             char name[8];
             std::snprintf(name, sizeof name, "<0x%02X>", byte);
             pieces.push_back(name);
             types.push_back(6);
         }
+        const size_t first_piece = pieces.size();
         std::vector<std::string> candidates = {"\xE2\x96\x81"};
         for (char ch = '!'; ch <= '~'; ++ch) candidates.emplace_back(1, ch);
         for (char ch = 'a'; ch <= 'z'; ++ch) candidates.push_back("\xE2\x96\x81" + std::string(1, ch));
@@ -254,14 +337,23 @@ GgufWriter random_llama_writer(const LlamaConfig& config, uint64_t seed, TensorT
             types.push_back(i < candidates.size() ? 1 : 5);
         }
         std::vector<float> scores(pieces.size(), 0.0f);
-        for (size_t i = 259; i < scores.size(); ++i) scores[i] = -static_cast<float>(i - 259);
+        for (size_t i = first_piece; i < scores.size(); ++i) scores[i] = -static_cast<float>(i - first_piece);
         writer.set_string("tokenizer.ggml.model", "llama");
+        writer.set_string("tokenizer.ggml.pre", "default");
         writer.set_string_array("tokenizer.ggml.tokens", pieces);
         writer.set_float32_array("tokenizer.ggml.scores", scores);
         writer.set_int32_array("tokenizer.ggml.token_type", types);
         writer.set_uint32("tokenizer.ggml.unknown_token_id", 0);
         writer.set_uint32("tokenizer.ggml.bos_token_id", 1);
         writer.set_uint32("tokenizer.ggml.eos_token_id", 2);
+    }
+    writer.set_uint32("general.quantization_version", 2);  // GGML_QUANT_VERSION, as the converter writes
+
+    // Llama 3.1's RoPE scaling as the converter stores it: the frequency divisors as an F32
+    // tensor, generated before (so written before) the checkpoint's tensors.
+    if (c.rope_scaling.kind == RopeScaling::Kind::llama3) {
+        const std::vector<float> divisors = llama3_rope_freq_divisors(c);
+        writer.add_tensor("rope_freqs.weight", {divisors.size()}, divisors, TensorType::F32);
     }
 
     SplitMix64 random(seed);

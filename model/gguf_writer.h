@@ -53,15 +53,26 @@ class GgufWriter {
     std::vector<PendingTensor> tensors_;
 };
 
-// A writer holding a GGUF of config.architecture (keys under its prefix; Q/K/V biases when
-// config.qkv_bias, the sliding window and RoPE scaling metadata when set) with the shapes of
-// `config` and deterministic pseudo-random
-// weights (uniform, variance 1/fan_in, so activations stay O(1)), RMSNorm weights 1, and a toy
-// SentencePiece vocabulary (<unk>, <s>, </s>, 256 byte tokens, then ASCII pieces) when
-// vocab_size >= 259. Without tied_output an output.weight tensor is added. Tests edit the writer
-// before writing it to make broken variants.
+// A writer holding a GGUF of config.architecture in the dialect llama.cpp's converter
+// (convert_hf_to_gguf.py) writes, so that llama.cpp loads it: the keys the converter writes for
+// that architecture, Llama 3.1's RoPE scaling as a rope_freqs.weight tensor of frequency divisors
+// (linear scaling as rope.scaling.type/factor), Q/K/V biases when config.qkv_bias (F32, as every
+// vector), the classifier omitted when tied_output (the converter writes output.weight only when
+// the checkpoint has one), plus the sliding window key when config.sliding_window is set (the
+// converter never writes one; llama.cpp ignores it). Shapes from `config`; deterministic
+// pseudo-random weights (uniform, variance 1/fan_in, so activations stay O(1)), RMSNorm weights
+// 1, and a toy SentencePiece vocabulary (<unk>, <s>, </s>, the 256 byte tokens when vocab_size >=
+// 259, then ASCII pieces). Throws std::invalid_argument for what llama.cpp could not load: qwen2
+// without biases, with head_count x head size != embedding_length or with RoPE scaling, a
+// vocabulary under 3 tokens, Q8_K weights. Tests edit the writer before writing it to make
+// broken variants.
 GgufWriter random_llama_writer(const LlamaConfig& config, uint64_t seed, TensorType weight_type = TensorType::F32,
                                bool tied_output = false);
+
+// The rope_freqs.weight values convert_hf_to_gguf.py writes for Llama 3.1's RoPE scaling
+// (config.rope_scaling, kind llama3): per RoPE pair, the divisor of its frequency, computed in
+// float32 as the converter computes it.
+std::vector<float> llama3_rope_freq_divisors(const LlamaConfig& config);
 
 // random_llama_writer(...).write(path).
 void write_random_llama(const std::string& path, const LlamaConfig& config, uint64_t seed,

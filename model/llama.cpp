@@ -288,15 +288,24 @@ LlamaConfig LlamaConfig::from_gguf(const GgufFile& file) {
     if (file.get_int(p + "rope.dimension_count", config.head_dim) != config.head_dim)
         fail(p + "rope.dimension_count", "partial rotary embedding is not supported (must equal the head size)");
 
-    // RoPE scaling: none, linear (every frequency divided by factor) or Llama 3.1's.
-    const std::string scaling_type = file.find(p + "rope.scaling.type") ? file.get_string(p + "rope.scaling.type") : "none";
+    // RoPE scaling: none, linear (every frequency divided by factor) or Llama 3.1's (the dialect
+    // kvsim's writer once wrote; llama.cpp's converter writes a rope_freqs.weight tensor instead,
+    // which LlamaModel::load reads). As in llama.cpp, a file without rope.scaling.type but with
+    // a factor (rope.scaling.factor, or the older rope.scale_linear) is scaled linearly.
+    const bool has_factor = file.find(p + "rope.scaling.factor") || file.find(p + "rope.scale_linear");
+    const std::string scaling_type = file.find(p + "rope.scaling.type") ? file.get_string(p + "rope.scaling.type")
+                                     : has_factor                       ? "linear"
+                                                                        : "none";
     RopeScaling& scaling = config.rope_scaling;
     const auto scaling_number = [&](const std::string& key, double fallback) -> double {
         return positive_float(file, p + "rope.scaling." + key, file.get_double(p + "rope.scaling." + key, fallback));
     };
     if (scaling_type == "linear") {
         scaling.kind = RopeScaling::Kind::linear;
-        scaling.factor = scaling_number("factor", 1.0);
+        const std::string factor_key = file.find(p + "rope.scaling.factor") ? p + "rope.scaling.factor"
+                                       : file.find(p + "rope.scale_linear") ? p + "rope.scale_linear"
+                                                                            : std::string();
+        scaling.factor = factor_key.empty() ? 1.0 : positive_float(file, factor_key, file.get_double(factor_key));
     } else if (scaling_type == "llama3") {
         scaling.kind = RopeScaling::Kind::llama3;
         scaling.factor = scaling_number("factor", 8.0);
@@ -405,15 +414,19 @@ LlamaModel LlamaModel::load(const GgufFile& file, int max_context) {
     model.output_norm_ = vector();
     if (!model.tied_output_) model.output_ = matrix();
 
-    // Per-pair frequencies from the metadata, or, when the file has a rope_freqs.weight tensor
-    // (llama.cpp's converter writes Llama 3.1's scaling so), the base frequencies divided by it.
+    // Per-pair frequencies from the metadata, further divided by a rope_freqs.weight tensor when
+    // the file has one (llama.cpp's converter writes Llama 3.1's scaling so). llama.cpp applies
+    // such divisors together with a linear factor; they replace kvsim's older llama3 metadata,
+    // which describes the same scaling.
     std::vector<double> frequencies = c.rope_frequencies();
     if (file.find_tensor("rope_freqs.weight")) {
         const WeightShape shape{"rope_freqs.weight", c.head_dim / 2, 0};
         const Eigen::VectorXf divisors = load_vector(file, c.architecture, shape);
-        LlamaConfig unscaled = c;
-        unscaled.rope_scaling = RopeScaling{};
-        frequencies = unscaled.rope_frequencies();
+        if (c.rope_scaling.kind == RopeScaling::Kind::llama3) {
+            LlamaConfig unscaled = c;
+            unscaled.rope_scaling = RopeScaling{};
+            frequencies = unscaled.rope_frequencies();
+        }
         for (int i = 0; i < c.head_dim / 2; ++i) {
             if (!(divisors[i] > 0.0f))
                 throw InputError(path + ": tensor 'rope_freqs.weight': element " + std::to_string(i) + " is " +

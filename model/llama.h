@@ -27,8 +27,9 @@ class GgufFile;
 
 using kvsim::RopePairing;  // cache_math/rope.h: which elements of a head RoPE rotates together
 
-// RoPE frequency scaling from the metadata (`<arch>.rope.scaling.*`); a `rope_freqs.weight`
-// tensor, as llama.cpp's converter writes for Llama 3.1, overrides it (LlamaModel::load).
+// RoPE frequency scaling from the metadata (`<arch>.rope.scaling.*`). A `rope_freqs.weight`
+// tensor, as llama.cpp's converter writes for Llama 3.1, divides the frequencies further
+// (LlamaModel::load), replacing llama3 metadata (kvsim's older dialect of the same scaling).
 struct RopeScaling {
     enum class Kind { none, linear, llama3 } kind = Kind::none;
     double factor = 1.0;            // rope.scaling.factor
@@ -54,7 +55,8 @@ struct LlamaConfig {
     RopeScaling rope_scaling;
     bool qkv_bias = false;  // blk.N.attn_{q,k,v}.bias present (required for qwen2)
     // llama.attention.sliding_window (Mistral): 0 when absent. Recorded, not applied: kvsim
-    // captures full attention, and the window goes into the trace's provenance.
+    // captures full attention (as llama.cpp runs such files), and the window goes into the
+    // trace's provenance.
     int sliding_window = 0;
 
     // Per RoPE pair i < head_dim/2: the rotation's angular frequency (radians per position),

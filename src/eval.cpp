@@ -282,6 +282,17 @@ std::vector<double> average_ranks(const std::vector<double>& v) {
 
 }  // namespace
 
+double perplexity_rise(double nll, double full_nll) {
+    const double ppl = std::exp(nll), full_ppl = std::exp(full_nll);
+    if (std::isfinite(ppl) && std::isfinite(full_ppl)) return ppl - full_ppl;
+    if (nll == full_nll) return 0.0;
+    // A perplexity passed a double (a random-weight model's mean NLL passes 709.8 nats):
+    // exp(a) - exp(b) = exp(a + log(1 - exp(b - a))) for the larger a.
+    const double larger = std::max(nll, full_nll), smaller = std::min(nll, full_nll);
+    const double magnitude = std::exp(larger + std::log1p(-std::exp(smaller - larger)));
+    return nll > full_nll ? magnitude : -magnitude;
+}
+
 double spearman(const std::vector<double>& x, const std::vector<double>& y) {
     const std::vector<double> rx = average_ranks(x), ry = average_ranks(y);
     const double n = static_cast<double>(x.size());
@@ -426,14 +437,16 @@ EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>&
     bar.finish();
     result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
-    result.full_ppl = std::exp(outcomes[0].nll / result.tokens);
+    result.full_nll = outcomes[0].nll / result.tokens;
+    result.full_ppl = std::exp(result.full_nll);
     // The full cache's record: the reference of every metric, so each is exact by definition.
-    auto full_record = [&](double ppl) {
+    auto full_record = [&](double nll) {
         ResultRecord full;
         full.policy = "full";
         full.label = "full";
         full.budget_label = "full";
-        full.ppl = ppl;
+        full.nll = nll;
+        full.ppl = std::exp(nll);
         full.delta_ppl = 0;
         full.retained_mass = 1.0;
         full.heavy_hitter_recall = 1.0;
@@ -443,11 +456,11 @@ EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>&
         full.compression_ratio = 1.0;
         return full;
     };
-    result.records.push_back(full_record(result.full_ppl));
+    result.records.push_back(full_record(result.full_nll));
 
     // A combination's record over the metrics given, its perplexity from `nll` over `tokens`
-    // against the full cache's `full_ppl`; sequence_length 0: pooled over every sequence.
-    auto combo_record = [&](std::size_t i, const StreamMetrics& metrics, double nll, long tokens, double full_ppl,
+    // against the full cache's mean NLL; sequence_length 0: pooled over every sequence.
+    auto combo_record = [&](std::size_t i, const StreamMetrics& metrics, double nll, long tokens, double full_nll,
                             int64_t sequence_length) {
         ResultRecord r;
         r.policy = combos[i].policy->name;
@@ -458,36 +471,37 @@ EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>&
         r.layer_budgets = combos[i].layer_budgets;
         set_measured(r, metrics);
         r.policy_bytes_per_slot = outcomes[i + 1].bytes_per_slot;
-        r.ppl = std::exp(nll / tokens);
-        r.delta_ppl = r.ppl - full_ppl;
+        r.nll = nll / tokens;
+        r.ppl = std::exp(r.nll);
+        r.delta_ppl = perplexity_rise(r.nll, full_nll);
         return r;
     };
-    std::vector<double> mass, recall, delta;
+    std::vector<double> mass, recall, nll;
     for (std::size_t i = 0; i < combos.size(); ++i) {
         const Outcome& out = outcomes[i + 1];
-        const ResultRecord r = combo_record(i, out.metrics, out.nll, result.tokens, result.full_ppl, 0);
+        const ResultRecord r = combo_record(i, out.metrics, out.nll, result.tokens, result.full_nll, 0);
         mass.push_back(r.retained_mass);
         recall.push_back(r.heavy_hitter_recall);
-        delta.push_back(r.delta_ppl);
+        nll.push_back(r.nll);
         result.records.push_back(r);
     }
     if (config.per_sequence)
         for (std::size_t s = 0; s < text.sequences.size(); ++s) {
             const long tokens = static_cast<long>(text.sequences[s].size()) - 1;
-            const double full_ppl = std::exp(outcomes[0].sequence_nll[s] / tokens);
+            const double full_nll = outcomes[0].sequence_nll[s] / tokens;
             auto in_sequence = [&](ResultRecord r) {
                 r.sequence = static_cast<int>(original[s]);
                 r.sequence_name = TokenizedText::trace_sequence_name(options.input.text_path, original[s]);
                 result.records.push_back(std::move(r));
             };
-            in_sequence(full_record(full_ppl));
+            in_sequence(full_record(full_nll));
             for (std::size_t i = 0; i < combos.size(); ++i)
                 in_sequence(combo_record(i, outcomes[i + 1].sequence_metrics[s], outcomes[i + 1].sequence_nll[s], tokens,
-                                         full_ppl, static_cast<int64_t>(text.sequences[s].size())));
+                                         full_nll, static_cast<int64_t>(text.sequences[s].size())));
         }
     result.configurations = combos.size();
-    result.spearman_retained_mass = spearman(mass, delta);
-    result.spearman_heavy_hitter_recall = spearman(recall, delta);
+    result.spearman_retained_mass = spearman(mass, nll);
+    result.spearman_heavy_hitter_recall = spearman(recall, nll);
     return result;
 }
 

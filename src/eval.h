@@ -34,12 +34,20 @@ struct EvalResult {
     // again for each sequence.
     std::vector<ResultRecord> records;
     std::size_t configurations = 0;          // combinations beside the full cache
-    double full_ppl = 0;
+    double full_ppl = 0;                     // infinite when it overflows a double (exp of full_nll)
+    double full_nll = 0;                     // mean negative log-likelihood per predicted token (nats)
     long tokens = 0;                         // predicted tokens per configuration
-    double spearman_retained_mass = 0;      // rank correlation with delta_ppl across configurations
+    // Rank correlations with the perplexity rise across configurations, computed on the mean NLL,
+    // which orders them as their perplexity does and never overflows.
+    double spearman_retained_mass = 0;
     double spearman_heavy_hitter_recall = 0;
     double seconds = 0;
 };
+
+// exp(nll) - exp(full_nll), the perplexity rise over the full cache from the mean NLLs. Where a
+// perplexity overflows a double it is computed without forming the overflowing terms: finite
+// where the difference fits, infinite with its sign where not, 0 for equal NLLs, never NaN.
+double perplexity_rise(double nll, double full_nll);
 
 EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>& extra_axes, const EvalOptions& options);
 

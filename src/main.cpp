@@ -328,13 +328,20 @@ int run_eval_command(const ReplayFlags& flags, const ModelInput& input, int chun
     std::vector<std::string> metrics = {"ppl", "delta_ppl"};
     for (const std::string& m : table_metrics(setup.config, /*values_known=*/true))
         if (std::find(metrics.begin(), metrics.end(), m) == metrics.end()) metrics.push_back(m);
+    // A perplexity beyond a double (a random-weight model's) is "inf", with the mean NLL beside it.
+    char full_ppl[64];
+    if (std::isinf(result.full_ppl))
+        std::snprintf(full_ppl, sizeof full_ppl, "inf (mean NLL %.4f nats)", result.full_nll);
+    else
+        std::snprintf(full_ppl, sizeof full_ppl, "%.4f", result.full_ppl);
     char title[512];
-    std::snprintf(title, sizeof title, "kvsim eval %s  |  %s, %ld predicted tokens per configuration, full cache PPL %.4f",
-                  flags.config.c_str(), result.description.c_str(), result.tokens, result.full_ppl);
+    std::snprintf(title, sizeof title, "kvsim eval %s  |  %s, %ld predicted tokens per configuration, full cache PPL %s",
+                  flags.config.c_str(), result.description.c_str(), result.tokens, full_ppl);
     emit_results(result.records, result.description, setup, metrics, title);
     const std::size_t configurations = result.configurations;
     nlohmann::ordered_json correlation;
-    correlation["full_ppl"] = result.full_ppl;
+    correlation["full_ppl"] = std::isinf(result.full_ppl) ? nlohmann::ordered_json("inf") : nlohmann::ordered_json(result.full_ppl);
+    correlation["full_nll"] = result.full_nll;
     correlation["predicted_tokens"] = result.tokens;
     correlation["configurations"] = configurations;
     correlation["spearman_retained_mass_vs_delta_ppl"] = result.spearman_retained_mass;
@@ -625,6 +632,22 @@ int main(int argc, char** argv) {
     std::string report_dir;
     CLI::App* report = app.add_subcommand("report", "plots (SVG, PNG, report.md) of a results folder, drawn by gnuplot");
     report->add_option("dir", report_dir, "folder with results.json, search.json or profile.json")->required();
+
+    // Each command's help ends with the page of docs/ that explains its task, start to finish.
+    app.footer("Guides, one per task, in the repository's docs/ folder: README.md links them all.");
+    const std::pair<CLI::App*, const char*> guides[] = {
+        {run, "docs/configs-and-policies.md, docs/metrics.md"}, {sweep, "docs/configs-and-policies.md"},
+        {merge, "docs/clusters.md"},          {trace, "docs/trace-format.md"},
+        {synth, "docs/configs-and-policies.md"}, {info, "docs/trace-format.md"},
+        {bases, "docs/lowrank.md"},           {policies, "docs/configs-and-policies.md"},
+        {capture, "docs/capture-and-models.md"}, {eval, "docs/capture-and-models.md"},
+        {search, "docs/search-and-export.md"}, {generate, "docs/runtime.md"},
+        {exporter, "docs/search-and-export.md, docs/profile-format.md"}, {report, "docs/metrics.md"},
+    };
+    for (const auto& [command, pages] : guides) {
+        const std::string before = command->get_footer();
+        command->footer((before.empty() ? "" : before + "\n\n") + "Guide: " + pages);
+    }
 
     try {
         app.parse(argc, argv);

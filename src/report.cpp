@@ -57,8 +57,11 @@ std::string metric_cell(const ResultRecord& r, const std::string& metric) {
     } else if (metric == "ppl" || metric == "delta_ppl") {
         // Four decimals where they fit; a huge perplexity (a random-weight model's reaches 1e200)
         // in six significant digits, where fixed notation overran the cell and was cut short.
+        // One that overflows a double is "inf", with the mean NLL it came from beside it.
         const bool huge = !(std::fabs(value) < 1e9);
-        if (metric == "ppl")
+        if (metric == "ppl" && std::isinf(value) && !std::isnan(r.nll))
+            std::snprintf(text, sizeof text, "inf (NLL %.4f)", r.nll);
+        else if (metric == "ppl")
             std::snprintf(text, sizeof text, huge ? "%.6g" : "%.4f", value);
         else
             std::snprintf(text, sizeof text, huge ? "%+.6g" : "%+.4f", value);
@@ -84,6 +87,25 @@ const char* metric_title(const std::string& metric) {
 }
 
 std::string optional_number(double x) { return std::isnan(x) ? std::string() : exact_number(x); }
+
+// A perplexity or its rise in CSV: empty when not measured, "inf" or "-inf" where it overflowed.
+std::string perplexity_field(double x) {
+    if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
+    return optional_number(x);
+}
+
+// ... and in JSON, where a number beyond a double cannot be written: the string "inf" or "-inf".
+nlohmann::ordered_json perplexity_json(double x) {
+    if (std::isinf(x)) return x > 0 ? "inf" : "-inf";
+    return x;
+}
+
+// Column widths: each at least its header (and `minimum`), widened to its longest cell.
+std::size_t column_width(std::size_t header, const std::vector<std::string>& cells, std::size_t minimum = 8) {
+    std::size_t width = std::max(header, minimum);
+    for (const std::string& cell : cells) width = std::max(width, cell.size());
+    return width;
+}
 
 // A configuration as one row names it: the policy's label, and its budget where it has one.
 std::string configuration_name(const ResultRecord& r) {
@@ -134,22 +156,25 @@ std::string format_table(const std::vector<ResultRecord>& records, const std::ve
     std::string out = title.empty() ? "" : title + "\n";
     for (const std::string& metric : metrics) {
         out += "\n" + std::string(metric_title(metric)) + "\n";
+        std::vector<std::vector<std::string>> values(columns.size());  // [column][row]
+        for (std::size_t i = 0; i < columns.size(); ++i)
+            for (const auto& row : rows) {
+                auto it = cell.find({row, columns[i]});
+                if (it == cell.end()) it = cell.find({row, kEveryBudget});  // a baseline fills its row
+                values[i].push_back(it == cell.end() ? "-" : metric_cell(*it->second, metric));
+            }
         std::string header = "  " + std::string("policy") + std::string(label_width - 6, ' ');
         std::vector<std::size_t> widths;
-        for (const std::string& column : columns) {
-            const std::string name = "B=" + column;
-            widths.push_back(std::max<std::size_t>(name.size(), 8));
+        for (std::size_t i = 0; i < columns.size(); ++i) {
+            const std::string name = "B=" + columns[i];
+            widths.push_back(column_width(name.size(), values[i]));
             header += "  " + std::string(widths.back() - name.size(), ' ') + name;
         }
         out += header + "\n  " + std::string(header.size() - 2, '-') + "\n";
-        for (const auto& row : rows) {
-            std::string line = "  " + row + std::string(label_width - row.size(), ' ');
-            for (std::size_t i = 0; i < columns.size(); ++i) {
-                auto it = cell.find({row, columns[i]});
-                if (it == cell.end()) it = cell.find({row, kEveryBudget});  // a baseline fills its row
-                const std::string value = it == cell.end() ? "-" : metric_cell(*it->second, metric);
-                line += "  " + std::string(widths[i] > value.size() ? widths[i] - value.size() : 0, ' ') + value;
-            }
+        for (std::size_t r = 0; r < rows.size(); ++r) {
+            std::string line = "  " + rows[r] + std::string(label_width - rows[r].size(), ' ');
+            for (std::size_t i = 0; i < columns.size(); ++i)
+                line += "  " + std::string(widths[i] - values[i][r].size(), ' ') + values[i][r];
             out += line + "\n";
         }
     }
@@ -173,20 +198,23 @@ std::string format_sequence_tables(const std::vector<ResultRecord>& records, con
     std::string out;
     for (const std::string& metric : metrics) {
         out += "\n" + std::string(metric_title(metric)) + ", by sequence\n";
+        std::vector<std::vector<std::string>> values(columns.size());  // [column][row]
+        for (std::size_t i = 0; i < columns.size(); ++i)
+            for (const auto& row : rows) {
+                const auto it = cell.find({row, columns[i]});
+                values[i].push_back(it == cell.end() ? "-" : metric_cell(*it->second, metric));
+            }
         std::string header = "  configuration" + std::string(label_width - 13, ' ');
         std::vector<std::size_t> widths;
-        for (const std::string& column : columns) {
-            widths.push_back(std::max<std::size_t>(column.size(), 8));
-            header += "  " + std::string(widths.back() - column.size(), ' ') + column;
+        for (std::size_t i = 0; i < columns.size(); ++i) {
+            widths.push_back(column_width(columns[i].size(), values[i]));
+            header += "  " + std::string(widths.back() - columns[i].size(), ' ') + columns[i];
         }
         out += header + "\n  " + std::string(header.size() - 2, '-') + "\n";
-        for (const auto& row : rows) {
-            std::string line = "  " + row + std::string(label_width - row.size(), ' ');
-            for (std::size_t i = 0; i < columns.size(); ++i) {
-                const auto it = cell.find({row, columns[i]});
-                const std::string value = it == cell.end() ? "-" : metric_cell(*it->second, metric);
-                line += "  " + std::string(widths[i] > value.size() ? widths[i] - value.size() : 0, ' ') + value;
-            }
+        for (std::size_t r = 0; r < rows.size(); ++r) {
+            std::string line = "  " + rows[r] + std::string(label_width - rows[r].size(), ' ');
+            for (std::size_t i = 0; i < columns.size(); ++i)
+                line += "  " + std::string(widths[i] - values[i][r].size(), ' ') + values[i][r];
             out += line + "\n";
         }
     }
@@ -208,20 +236,21 @@ std::string format_comparison(const std::vector<ResultRecord>& records, const st
     for (const ResultRecord* r : rows) width = std::max(width, name(r).size());
     std::string out = title.empty() ? "" : title + "\n";
     out += "\nconfigurations by memory held (bytes per token of context per layer and KV head)\n";
+    std::vector<std::vector<std::string>> values(metrics.size());  // [metric][row]
+    for (std::size_t i = 0; i < metrics.size(); ++i)
+        for (const ResultRecord* r : rows) values[i].push_back(metric_cell(*r, metrics[i]));
     std::string header = "  configuration" + std::string(width - 13, ' ');
     std::vector<std::size_t> widths;
-    for (const std::string& m : metrics) {
-        widths.push_back(std::max<std::size_t>(m.size(), 9));
-        header += "  " + std::string(widths.back() - m.size(), ' ') + m;
+    for (std::size_t i = 0; i < metrics.size(); ++i) {
+        widths.push_back(column_width(metrics[i].size(), values[i], 9));
+        header += "  " + std::string(widths.back() - metrics[i].size(), ' ') + metrics[i];
     }
     out += header + "\n  " + std::string(header.size() - 2, '-') + "\n";
-    for (const ResultRecord* r : rows) {
-        const std::string label = name(r);
+    for (std::size_t row = 0; row < rows.size(); ++row) {
+        const std::string label = name(rows[row]);
         std::string line = "  " + label + std::string(width - label.size(), ' ');
-        for (std::size_t i = 0; i < metrics.size(); ++i) {
-            const std::string value = metric_cell(*r, metrics[i]);
-            line += "  " + std::string(widths[i] > value.size() ? widths[i] - value.size() : 0, ' ') + value;
-        }
+        for (std::size_t i = 0; i < metrics.size(); ++i)
+            line += "  " + std::string(widths[i] - values[i][row].size(), ' ') + values[i][row];
         out += line + "\n";
     }
     return out + format_sequence_tables(records, metrics);
@@ -230,7 +259,7 @@ std::string format_comparison(const std::vector<ResultRecord>& records, const st
 std::string format_csv(const std::vector<ResultRecord>& records) {
     std::string out = "policy,label,params,budget,budget_label,layer,steps,retained_mass,heavy_hitter_recall,eviction_calls,"
                       "policy_bytes_per_slot,output_rel_error,output_cosine,bytes_per_token,compression_ratio,ppl,delta_ppl,"
-                      "sequence,sequence_name\n";
+                      "nll,sequence,sequence_name\n";
     for (const ResultRecord& r : records) {
         out += csv_field(r.policy) + "," + csv_field(r.label) + "," + csv_field(params_text(r.params)) + "," +
                (r.budget ? std::to_string(*r.budget) : std::string()) + "," + csv_field(r.budget_label) + "," + (r.layer < 0 ? std::string("all") : std::to_string(r.layer)) + "," +
@@ -238,8 +267,8 @@ std::string format_csv(const std::vector<ResultRecord>& records) {
                exact_number(r.heavy_hitter_recall) + "," + std::to_string(r.eviction_calls) + "," +
                std::to_string(r.policy_bytes_per_slot) + "," + optional_number(r.output_rel_error) + "," +
                optional_number(r.output_cosine) + "," + optional_number(r.bytes_per_token) + "," +
-               optional_number(r.compression_ratio) + "," + (std::isnan(r.ppl) ? "" : exact_number(r.ppl)) + "," +
-               (std::isnan(r.delta_ppl) ? "" : exact_number(r.delta_ppl)) + "," +
+               optional_number(r.compression_ratio) + "," + perplexity_field(r.ppl) + "," +
+               perplexity_field(r.delta_ppl) + "," + optional_number(r.nll) + "," +
                (r.sequence < 0 ? std::string("all") : std::to_string(r.sequence)) + "," + csv_field(r.sequence_name) +
                "\n";
     }
@@ -281,8 +310,9 @@ std::string format_json(const std::vector<ResultRecord>& records, const std::str
             record["compression_ratio"] = r.compression_ratio;
         }
         if (!std::isnan(r.ppl)) {
-            record["ppl"] = r.ppl;
-            record["delta_ppl"] = r.delta_ppl;
+            record["ppl"] = perplexity_json(r.ppl);
+            record["delta_ppl"] = perplexity_json(r.delta_ppl);
+            record["nll"] = r.nll;  // mean per predicted token, nats: ppl = exp(nll)
         }
         out += "  " + to_json_text(record) + (i + 1 < records.size() ? ",\n" : "\n");
     }

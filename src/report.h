@@ -36,8 +36,10 @@ struct ResultRecord {
     double output_cosine = NAN;      // ... and its mean cosine similarity with the full cache's
     double bytes_per_token = NAN;    // bytes held per token of context per (layer, KV head), K and V
     double compression_ratio = NAN;  // a full fp16 cache's bytes over these
-    double ppl = NAN;        // kvsim eval: perplexity with the policy in the loop
+    double ppl = NAN;        // kvsim eval: perplexity with the policy in the loop (exp(nll); infinite
+                             // where that overflows a double)
     double delta_ppl = NAN;  // kvsim eval: ppl minus the full cache's
+    double nll = NAN;        // kvsim eval: mean negative log-likelihood per predicted token (nats)
 };
 
 // round6 as the reference harness defines it: floor(x * 1e6 + 0.5) / 1e6.

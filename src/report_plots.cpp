@@ -57,6 +57,14 @@ double optional_number(const Json& object, const std::string& key, const std::st
     return it->get<double>();
 }
 
+// A metric to draw: a number, or the "inf" / "-inf" kvsim eval writes for a perplexity (or its
+// rise) beyond a double, which no axis holds: not drawn.
+double drawable_number(const Json& object, const std::string& key, const std::string& where) {
+    const auto it = object.find(key);
+    if (it != object.end() && it->is_string() && (*it == "inf" || *it == "-inf")) return NAN;
+    return optional_number(object, key, where);
+}
+
 std::string optional_string(const Json& object, const std::string& key, const std::string& where) {
     const auto it = object.find(key);
     if (it == object.end() || it->is_null()) return "";
@@ -304,7 +312,7 @@ Section results_figures(const std::string& path) {
         if (row.tag == kEveryBudget) row.tag.clear();  // a policy that keeps every token has no budget to name
         if (row.tag.empty()) row.tag = optional_string(r, "budget_profile", where);
         if (row.tag.empty() && row.budget > 0) row.tag = number(row.budget);  // null or 0: no budget
-        for (const char* m : metrics) row.values.push_back(optional_number(r, m, where));
+        for (const char* m : metrics) row.values.push_back(drawable_number(r, m, where));
         // Per-layer and per-sequence records would stack under their whole-trace record.
         if (layer >= 0 || r.contains("sequence")) continue;
         rows.push_back(std::move(row));

@@ -5,6 +5,8 @@ allocation or a trace with non-finite values in it.
 The models are tiny Llama GGUFs written here (a few KB), each broken in one way.
 Run by meson test as: python3 tests/cli_model_input_test.py build/kvsim
 """
+import csv
+import json
 import math
 import os
 import random
@@ -166,6 +168,36 @@ class ModelInput(KvsimTestCase):
         self.assertEqual(result.returncode, 0, result.stderr)
         self.assertIn("2 sequences", result.stdout)
         result = self.eval(model, "--format", "json")
+        self.assertEqual(result.returncode, 0, result.stderr)
+
+    def test_a_perplexity_beyond_a_double_is_inf_with_its_mean_nll(self):
+        # A classifier 5000 times too large: logits in the thousands, a mean NLL far beyond the
+        # 709.8 nats whose exp a double holds.
+        model = self.model(TinyLlama().scale("output.weight", 5000.0))
+        result = self.eval(model)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertRegex(result.stdout, r"full cache PPL inf \(mean NLL \d+\.\d{4} nats\)")
+        self.assertRegex(result.stdout, r"  full +inf \(NLL \d+\.\d{4}\)\n")
+        with open(self.path("o/results.json")) as f:
+            records = json.load(f)
+        full = records[0]
+        self.assertEqual(full["policy"], "full")
+        self.assertEqual(full["ppl"], "inf")
+        self.assertGreater(full["nll"], 709.8)
+        for r in records:  # numbers, or "inf" where a double cannot hold them; never null
+            self.assertIsInstance(r["nll"], float)
+            self.assertTrue(r["ppl"] == "inf" or isinstance(r["ppl"], float), r)
+            self.assertTrue(r["delta_ppl"] in ("inf", "-inf") or isinstance(r["delta_ppl"], float), r)
+        with open(self.path("o/results.csv")) as f:
+            rows = list(csv.DictReader(f))
+        self.assertEqual(rows[0]["ppl"], "inf")
+        self.assertEqual(float(rows[0]["nll"]), full["nll"])
+        with open(self.path("o/correlation.json")) as f:
+            correlation = json.load(f)
+        self.assertEqual(correlation["full_ppl"], "inf")
+        self.assertEqual(correlation["full_nll"], full["nll"])
+        # kvsim report reads the folder, leaving out of its figures what no axis holds.
+        result = kvsim("report", self.path("o"))
         self.assertEqual(result.returncode, 0, result.stderr)
 
     def test_capture_context_layers_and_store(self):

@@ -231,6 +231,33 @@ class Cli(KvsimTestCase):
         self.assertEqual(kvsim("--version").returncode, 0)
 
 
+class Help(KvsimTestCase):
+    def commands(self, *parent):
+        """The subcommands `kvsim [parent] --help` lists."""
+        out = kvsim(*parent, "--help").stdout
+        listed = out.split("Subcommands:", 1)[1] if "Subcommands:" in out else ""
+        return [line.split()[0] for line in listed.splitlines() if line.startswith("  ") and line.split()]
+
+    def test_every_command_points_to_an_existing_guide(self):
+        # A user who asks a command for help is sent to the page of docs/ for that task; a new
+        # command without one, or a page renamed under it, fails here.
+        root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+        top = self.commands()
+        self.assertIn("run", top)
+        self.assertIn("README.md links them all", kvsim("--help").stdout)
+        checked = 0
+        for command in top:
+            for path in [[command]] + [[command, sub] for sub in self.commands(command)]:
+                out = kvsim(*path, "--help")
+                self.assertEqual(out.returncode, 0, path)
+                guide = [line for line in out.stdout.splitlines() if line.startswith("Guide: ")]
+                self.assertEqual(len(guide), 1, f"kvsim {' '.join(path)} --help names no guide")
+                for page in guide[0][len("Guide: "):].split(", "):
+                    self.assertTrue(os.path.isfile(os.path.join(root, page)), f"{' '.join(path)}: {page}")
+                checked += 1
+        self.assertGreaterEqual(checked, 14)
+
+
 class HostileInput(KvsimTestCase):
     """Input an adversarial user gives: each gets one line naming the file and key, exit 2, and
     nothing half-written; none crashes, hangs, wraps an integer or is silently ignored."""

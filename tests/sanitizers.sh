@@ -1,21 +1,33 @@
 #!/usr/bin/env bash
 # The whole test suite built with AddressSanitizer and UndefinedBehaviorSanitizer in build-asan/,
 # halting at the first report. Run by .ci/run; by hand: tests/sanitizers.sh
+#   tests/sanitizers.sh [--build-only | --no-build]
 # clang, not gcc: the same two sanitizers, and a build under half the CPU time (gcc 12 spends most
 # of an instrumented build in UBSan's checks: 7,196 CPU-seconds for build-asan against clang 14's
 # 2,603; 58 s against 15 s for sim/replay.cpp alone).
+# The same build carries libFuzzer's coverage instrumentation (-Dfuzz=true), so tests/fuzz/run.sh
+# builds its fuzzers here too: CI compiles the project with clang once, not twice. In that build
+# the fuzz harnesses are fuzzers, not `meson test` cases; run.sh replays their seeds and
+# regressions as it starts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ -f build-asan/build.ninja ] && ! grep -q 'command = clang++' build-asan/build.ninja; then
-    rm -rf build-asan  # configured with another compiler, which meson cannot change in place
+mode=${1:-all}
+case "$mode" in all|--build-only|--no-build|--setup-only) ;; *) echo "usage: $0 [--build-only|--no-build]" >&2; exit 2;; esac
+
+if [ -f build-asan/build.ninja ] && { ! grep -q 'command = clang++' build-asan/build.ninja ||
+                                      ! grep -q 'fsanitize=fuzzer-no-link' build-asan/build.ninja; }; then
+    rm -rf build-asan  # configured with another compiler or without fuzzing, which meson cannot change in place
 fi
 if [ ! -f build-asan/build.ninja ]; then
     # CUDA off: nvcc is not built for the sanitizers, and no GPU would run its code here anyway.
     CC=clang CXX=clang++ meson setup build-asan --buildtype=debugoptimized -Db_sanitize=address,undefined \
-        -Db_lundef=false -Dcuda=disabled >/dev/null
+        -Db_lundef=false -Dcuda=disabled -Dfuzz=true >/dev/null
 fi
-# Only what the tests run: the benchmarks are built and run by hand, from the release build.
-mapfile -t targets < <(python3 - <<'PY'
+[ "$mode" = --setup-only ] && exit 0
+
+if [ "$mode" != --no-build ]; then
+    # Only what the tests run: the benchmarks are built and run by hand, from the release build.
+    mapfile -t targets < <(python3 - <<'PY'
 import json, os, subprocess
 build = os.path.abspath("build-asan")
 def introspect(what):
@@ -27,7 +39,13 @@ for test in introspect("--tests"):
             print(os.path.relpath(f, build))
 PY
 )
-ninja -C build-asan "${targets[@]}" >/dev/null
+    ninja -C build-asan "${targets[@]}" >/dev/null
+fi
+[ "$mode" = --build-only ] && exit 0
+
 export ASAN_OPTIONS=${ASAN_OPTIONS:-halt_on_error=1:abort_on_error=1:detect_leaks=1:allocator_may_return_null=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1}
+# The command-line tests read this to run their searches on shorter traces with fewer budgets: the
+# same code paths, sized for a build that runs several times slower.
+export KVSIM_SANITIZER_BUILD=1
 meson test -C build-asan --no-rebuild --print-errorlogs --timeout-multiplier 4

@@ -4,7 +4,8 @@
 //
 // Writes (once, in a child process, so its memory is not counted) a random-weight GGUF with
 // Llama 3.2 1B's shape (dim 2048, 16 layers, 32 query / 8 KV heads of 64, FFN 8192, vocab
-// 128256, tied classifier) in the given type, then captures one sequence of --tokens tokens
+// 128256, tied classifier, Llama 3.1 RoPE scaling with factor 32) in the given type, in the
+// dialect llama.cpp loads, then captures one sequence of --tokens tokens
 // into a trace and reports: prompt-processing tokens/s, GFLOP/s of the matrix products
 // (weights and attention) against this machine's measured fp32 peak, this process's peak
 // resident memory, and the trace's size.
@@ -24,6 +25,7 @@
 #include "bench/fp32_peak.h"
 #include "sim/trace_store.h"
 #include "src/capture.h"
+#include "model/gguf.h"
 #include "model/gguf_writer.h"
 #include "model/llama.h"
 
@@ -68,7 +70,16 @@ int main(int argc, char** argv) {
     const std::string stem = dir + "/kvsim_bench_1b_" + type_name + "_l" + std::to_string(layers);
     const std::string model_path = stem + ".gguf", text_path = stem + ".txt", trace_path = stem + ".h5";
 
-    if (!std::filesystem::exists(model_path)) {
+    // A file kept from before kvsim's writer wrote llama.cpp's dialect (Llama 3.1's scaling as
+    // metadata, which llama.cpp cannot load) is written again.
+    const auto written_by_this_writer = [&] {
+        try {
+            return model::GgufFile::open(model_path).find_tensor("rope_freqs.weight") != nullptr;
+        } catch (const std::exception&) {
+            return false;
+        }
+    };
+    if (!std::filesystem::exists(model_path) || !written_by_this_writer()) {
         const auto start = std::chrono::steady_clock::now();
         const pid_t child = fork();
         if (child == 0) {

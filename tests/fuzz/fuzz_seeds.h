@@ -44,7 +44,10 @@ inline void add_vocabulary(model::GgufWriter& writer, int vocab_size, bool with_
     writer.set_string("tokenizer.ggml.model", "llama");
     writer.set_string_array("tokenizer.ggml.tokens", pieces);
     writer.set_float32_array("tokenizer.ggml.scores", scores);
-    if (with_types) writer.set_int32_array("tokenizer.ggml.token_type", types);
+    if (with_types)
+        writer.set_int32_array("tokenizer.ggml.token_type", types);
+    else
+        writer.remove("tokenizer.ggml.token_type");  // random_llama_writer's vocabulary has them
     writer.set_uint32("tokenizer.ggml.unknown_token_id", 0);
     writer.set_uint32("tokenizer.ggml.bos_token_id", 1);
     writer.set_uint32("tokenizer.ggml.eos_token_id", 2);

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer harnesses with clang, AddressSanitizer and UndefinedBehaviorSanitizer into
-# build-fuzz/, and runs each for SECONDS (default 60). New inputs go to build-fuzz/corpus/NAME (the
+# Builds the libFuzzer harnesses with clang, AddressSanitizer and UndefinedBehaviorSanitizer in the
+# sanitizer build (build-asan/, set up by tests/sanitizers.sh with libFuzzer's coverage), and runs
+# each for SECONDS (default 60). New inputs go to build-fuzz/corpus/NAME (the
 # seeds in tests/fuzz/corpus/NAME stay as they are); a crash is saved under build-fuzz/crashes/ and
 # ends the run with status 1: copy it into tests/fuzz/regressions/NAME/ and fix it.
 #   tests/fuzz/run.sh [SECONDS] [NAME...]      e.g. tests/fuzz/run.sh 1800 gguf   (30 minutes)
@@ -10,17 +11,14 @@ cd "$(dirname "$0")/../.."
 seconds=${1:-60}
 shift || true
 
-if [ ! -f build-fuzz/build.ninja ]; then
-    CC=clang CXX=clang++ meson setup build-fuzz --buildtype=debugoptimized -Dfuzz=true -Dnative=false \
-        -Db_sanitize=address,undefined -Db_lundef=false -Dcuda=disabled >/dev/null
-fi
+tests/sanitizers.sh --setup-only
 names=("$@")
 if [ ${#names[@]} -eq 0 ]; then
     for f in tests/fuzz/fuzz_*.cpp; do n=$(basename "$f" .cpp); names+=("${n#fuzz_}"); done
 fi
 targets=()
 for n in "${names[@]}"; do targets+=("tests/fuzz/fuzz_$n"); done
-ninja -C build-fuzz "${targets[@]}" >/dev/null
+ninja -C build-asan "${targets[@]}" >/dev/null
 
 export ASAN_OPTIONS=${ASAN_OPTIONS:-abort_on_error=1:detect_leaks=1:allocator_may_return_null=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1}
@@ -35,7 +33,7 @@ for n in "${names[@]}"; do
     [ -f "tests/fuzz/$n.dict" ] && options+=(-dict="tests/fuzz/$n.dict")
     [ -n "${KVSIM_FUZZ_SEED:-}" ] && options+=(-seed="$KVSIM_FUZZ_SEED")
     echo "fuzz: $n for ${seconds}s"
-    if ! "build-fuzz/tests/fuzz/fuzz_$n" -max_total_time="$seconds" -rss_limit_mb=4096 -timeout=20 \
+    if ! "build-asan/tests/fuzz/fuzz_$n" -max_total_time="$seconds" -rss_limit_mb=4096 -timeout=20 \
             -print_final_stats=1 -artifact_prefix="build-fuzz/crashes/$n-" "${options[@]}" \
             "build-fuzz/corpus/$n" "$seeds" "${extra[@]}" > "build-fuzz/fuzz-$n.log" 2>&1; then
         echo "fuzz: $n FAILED; see build-fuzz/fuzz-$n.log and build-fuzz/crashes/"

@@ -194,7 +194,7 @@ TEST_CASE("architectures: Llama 3.2's tied embeddings (no output.weight) classif
     CHECK(relative_error(scratch.file("tied.gguf"), spec) < kTolerance);
 }
 
-TEST_CASE("architectures: Llama 3.1 RoPE scaling from metadata, and linear scaling") {
+TEST_CASE("architectures: Llama 3.1 RoPE scaling, as the writer stores it and from metadata, and linear scaling") {
     ScratchDir scratch;
     ReferenceSpec spec;
     spec.config = tiny_config();
@@ -206,17 +206,51 @@ TEST_CASE("architectures: Llama 3.1 RoPE scaling from metadata, and linear scali
     CHECK(spec.freq_divisors[1] > 1.0);
     CHECK(spec.freq_divisors[1] < 8.0);
     CHECK(spec.freq_divisors[3] == doctest::Approx(8.0));
+    // The writer stores the scaling as llama.cpp's converter does, a rope_freqs.weight tensor.
     write_random_llama(scratch.file("llama31.gguf"), spec.config, 23);
+    CHECK(GgufFile::open(scratch.file("llama31.gguf")).find_tensor("rope_freqs.weight") != nullptr);
     CHECK(relative_error(scratch.file("llama31.gguf"), spec) < kTolerance);
     // Ignoring the scaling would be caught: the unscaled reference is far off.
     ReferenceSpec unscaled = spec;
     unscaled.freq_divisors.clear();
     CHECK(relative_error(scratch.file("llama31.gguf"), unscaled) > 100 * kTolerance);
 
+    // The metadata kvsim's writer once wrote (rope.scaling.type "llama3", which llama.cpp
+    // cannot load) still reads as the same scaling.
+    GgufWriter metadata = random_llama_writer(spec.config, 23);
+    REQUIRE(metadata.remove_tensor("rope_freqs.weight"));
+    metadata.set_string("llama.rope.scaling.type", "llama3");
+    metadata.set_float32("llama.rope.scaling.factor", 8.0f);
+    metadata.set_float32("llama.rope.scaling.low_freq_factor", 1.0f);
+    metadata.set_float32("llama.rope.scaling.high_freq_factor", 4.0f);
+    metadata.set_uint32("llama.rope.scaling.original_context_length", 32);
+    metadata.write(scratch.file("llama31-metadata.gguf"));
+    CHECK(relative_error(scratch.file("llama31-metadata.gguf"), spec) < kTolerance);
+    // Both at once: the tensor replaces the metadata rather than scaling twice.
+    metadata.add_tensor("rope_freqs.weight", {8}, llama3_rope_freq_divisors(spec.config));
+    metadata.write(scratch.file("llama31-both.gguf"));
+    CHECK(relative_error(scratch.file("llama31-both.gguf"), spec) < kTolerance);
+
     spec.config.rope_scaling = {RopeScaling::Kind::linear, 4.0, 1.0, 4.0, 0};
     spec.freq_divisors.assign(static_cast<size_t>(spec.config.head_dim / 2), 4.0);
     write_random_llama(scratch.file("linear.gguf"), spec.config, 24);
     CHECK(relative_error(scratch.file("linear.gguf"), spec) < kTolerance);
+    // As in llama.cpp: a factor without rope.scaling.type (or the older rope.scale_linear) is
+    // linear scaling, and rope_freqs.weight divides on top of a linear factor.
+    GgufWriter untyped = random_llama_writer(spec.config, 24);
+    REQUIRE(untyped.remove("llama.rope.scaling.type"));
+    untyped.write(scratch.file("untyped.gguf"));
+    CHECK(relative_error(scratch.file("untyped.gguf"), spec) < kTolerance);
+    REQUIRE(untyped.remove("llama.rope.scaling.factor"));
+    untyped.set_float32("llama.rope.scale_linear", 4.0f);
+    untyped.write(scratch.file("scale_linear.gguf"));
+    CHECK(relative_error(scratch.file("scale_linear.gguf"), spec) < kTolerance);
+    GgufWriter both = random_llama_writer(spec.config, 24);
+    const std::vector<float> halves(8, 2.0f);
+    both.add_tensor("rope_freqs.weight", {8}, halves);
+    both.write(scratch.file("linear-freqs.gguf"));
+    spec.freq_divisors.assign(8, 8.0);
+    CHECK(relative_error(scratch.file("linear-freqs.gguf"), spec) < kTolerance);
 }
 
 TEST_CASE("architectures: a rope_freqs.weight tensor divides the frequencies (llama.cpp's Llama 3.1 files)") {

@@ -17,15 +17,16 @@ TEST_CASE("capture: a random-weight llama GGUF with a gpt2 tokenizer captures en
     const std::string text_path = test::temp_dir() + "/bpe_capture_text.txt";
     const std::string text = "Don't stop: 12345 steps.\n\nThe end.|na\xC3\xAFve \xE6\x97\xA5\xE6\x9C\xAC\xE8\xAA\x9E \xF0\x9F\x91\x8D";
     std::ofstream(text_path, std::ios::binary) << text;
-    const model::LlamaConfig config = model::testing::tiny_config();  // 300 embedding rows
-
     for (const std::string pre : {"llama-bpe", "qwen2", "gpt-2", "smollm"}) {
         CAPTURE(pre);
         model::testing::BpeVocabulary vocabulary;
         vocabulary.pre = pre;
         vocabulary.merges = {"Ġ t", "h e", "Ġt he", "e n", "Ġ s", "o n", "1 2"};
         vocabulary.specials = {{"<|eot_id|>", 3}};
-        REQUIRE(vocabulary.tokens().size() <= static_cast<size_t>(config.vocab_size));
+        // One embedding row per token, as in the files llama.cpp's converter writes (llama.cpp
+        // refuses an embedding whose rows differ from the token list).
+        model::LlamaConfig config = model::testing::tiny_config();
+        config.vocab_size = static_cast<int>(vocabulary.tokens().size());
         model::GgufWriter writer = model::random_llama_writer(config, 17);
         vocabulary.write_to(writer);
         const std::string model_path = test::temp_dir() + "/bpe_capture_" + pre + ".gguf";

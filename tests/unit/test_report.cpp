@@ -2,6 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "src/eval.h"
 #include "src/report.h"
 
 using namespace kvsim;
@@ -130,4 +131,50 @@ TEST_CASE("perplexity cells: four decimals, and a huge perplexity in six digits 
     CHECK(table.find("+0.0000") != std::string::npos);
     CHECK(table.find("3.25e+200") != std::string::npos);
     CHECK(table.find("+3.25e+200") != std::string::npos);
+}
+
+TEST_CASE("a perplexity beyond a double: \"inf\" with the mean NLL beside it, in the table, CSV and JSON") {
+    std::vector<ResultRecord> records;
+    auto add = [&](const std::string& label, double nll, double full_nll) {
+        ResultRecord r = at_budget_32(label);
+        r.nll = nll;
+        r.ppl = std::exp(nll);
+        r.delta_ppl = perplexity_rise(nll, full_nll);
+        records.push_back(r);
+    };
+    add("full", 812.25, 812.25);
+    add("h2o", 812.5, 812.25);
+    add("tova", 2.5, 812.25);
+    REQUIRE(std::isinf(records[0].ppl));
+    const std::string table = format_table(records, {"ppl", "delta_ppl"}, "");
+    // The cell widens its column: every row stays aligned.
+    CHECK(table.find("  policy                B=32\n") != std::string::npos);
+    CHECK(table.find("  full    inf (NLL 812.2500)\n") != std::string::npos);
+    CHECK(table.find("  h2o     inf (NLL 812.5000)\n") != std::string::npos);
+    CHECK(table.find("  tova               12.1825\n") != std::string::npos);
+    CHECK(table.find("  h2o         +inf\n") != std::string::npos);  // e^812.25 (e^0.25 - 1) overflows too
+    CHECK(table.find("  tova        -inf\n") != std::string::npos);
+    const std::string csv = format_csv(records);
+    CHECK(csv.find(",ppl,delta_ppl,nll,sequence,") != std::string::npos);
+    CHECK(csv.find(",inf,0,812.25,all,") != std::string::npos);
+    CHECK(csv.find(",inf,inf,812.5,all,") != std::string::npos);
+    const nlohmann::json parsed = nlohmann::json::parse(format_json(records, "t.h5"));
+    CHECK(parsed[0]["ppl"] == "inf");
+    CHECK(parsed[0]["delta_ppl"] == 0.0);
+    CHECK(parsed[0]["nll"] == 812.25);
+    CHECK(parsed[1]["delta_ppl"] == "inf");
+    CHECK(parsed[2]["ppl"] == doctest::Approx(std::exp(2.5)));
+    CHECK(parsed[2]["delta_ppl"] == "-inf");
+}
+
+TEST_CASE("the perplexity rise: exp(nll) - exp(full_nll) as before where both fit, never NaN where they do not") {
+    CHECK(perplexity_rise(1.5, 1.25) == std::exp(1.5) - std::exp(1.25));
+    CHECK(perplexity_rise(800.0, 800.0) == 0.0);  // inf - inf would be NaN
+    // Both perplexities overflow, their difference does not: e^709.9 (e^0.1 - 1).
+    const double rise = std::exp(709.0) * (std::exp(0.9) * std::expm1(0.1));  // e^709.9 itself overflows
+    CHECK(perplexity_rise(710.0, 709.9) == doctest::Approx(rise).epsilon(1e-12));
+    CHECK(perplexity_rise(709.9, 710.0) == doctest::Approx(-rise).epsilon(1e-12));
+    CHECK(perplexity_rise(900.0, 800.0) == INFINITY);
+    CHECK(perplexity_rise(800.0, 900.0) == -INFINITY);
+    CHECK(perplexity_rise(2.0, 900.0) == -INFINITY);
 }
