@@ -31,6 +31,7 @@ public:
     // The share of the context's tokens held at a budget (the current token counted as held).
     double kept_share(int budget) const;
     double full_fp16_bytes_per_token() const { return 4.0 * head_dim_; }  // the uncompressed cache
+    double slot_bytes() const { return slot_bytes_; }
 
 private:
     std::vector<int64_t> last_steps_;

@@ -164,6 +164,15 @@ std::string profile_json(const Profile& p) {
     if (!p.measured_tokens.empty()) {
         j["measured_on"] = {{"sequences", p.heldout_sequences}, {"tokens", p.measured_tokens}};
         if (!p.measured_prompts.empty()) j["measured_on"]["prompts"] = p.measured_prompts;
+        j["measured_on"]["bytes_per_token"] = p.bytes_per_token;
+        j["measured_on"]["compression_ratio"] = p.compression_ratio;
+        if (p.fitting_bytes_per_token > 0) {
+            Json fitting = {{"sequences", p.fitting_sequences}, {"tokens", p.fitting_tokens}};
+            if (!p.fitting_prompts.empty()) fitting["prompts"] = p.fitting_prompts;
+            fitting["bytes_per_token"] = p.fitting_bytes_per_token;
+            fitting["compression_ratio"] = p.fitting_compression_ratio;
+            j["measured_on"]["fitting"] = fitting;
+        }
     }
     j["source"] = {{"trace", p.trace},
                    {"trace_sha256", p.trace_sha256},
@@ -352,6 +361,30 @@ Profile load_profile(const std::string& path) {
             for (std::size_t i = 0; i < n; ++i)
                 p.measured_prompts.push_back(r.integer(prompts[i], "measured_on.prompts[" + std::to_string(i) + "]", 1,
                                                        p.measured_tokens[i]));
+        }
+        if (m.contains("fitting")) {  // the plan's bytes at the fitting sequences' lengths
+            const Json& f = m["fitting"];
+            const std::size_t count = r.at(f, "tokens", "measured_on.fitting").is_array() ? f["tokens"].size() : 0;
+            const Json& tokens = r.list(f["tokens"], "measured_on.fitting.tokens", count);
+            for (std::size_t i = 0; i < count; ++i)
+                p.fitting_tokens.push_back(r.integer(tokens[i], "measured_on.fitting.tokens[" + std::to_string(i) + "]",
+                                                     1, kMaxSequenceTokens));
+            if (f.contains("prompts")) {
+                const Json& prompts = r.list(f["prompts"], "measured_on.fitting.prompts", count);
+                for (std::size_t i = 0; i < count; ++i)
+                    p.fitting_prompts.push_back(r.integer(prompts[i], "measured_on.fitting.prompts[" +
+                                                                          std::to_string(i) + "]", 1, p.fitting_tokens[i]));
+            }
+            if (f.contains("sequences"))
+                for (std::size_t i = 0; i < f["sequences"].size(); ++i)
+                    p.fitting_sequences.push_back(
+                        r.string(f["sequences"][i], "measured_on.fitting.sequences[" + std::to_string(i) + "]"));
+            p.fitting_bytes_per_token = r.number(r.at(f, "bytes_per_token", "measured_on.fitting"),
+                                                 "measured_on.fitting.bytes_per_token");
+            p.fitting_compression_ratio = r.number(r.at(f, "compression_ratio", "measured_on.fitting"),
+                                                   "measured_on.fitting.compression_ratio");
+            if (!(p.fitting_bytes_per_token > 0))
+                r.fail("measured_on.fitting.bytes_per_token", "must be above 0");
         }
     }
     if (root.contains("prompt_kept")) {  // derived from the ratios: refused where they disagree

@@ -69,6 +69,11 @@ struct Profile {
     // (deploy kvpress) its prompt. A budget is a count of tokens: at other lengths the same
     // profile holds other bytes (kvsim run reports them).
     std::vector<int64_t> measured_tokens, measured_prompts;
+    // The same plan on the fitting sequences' lengths (budget and kvpress fits; 0 when not
+    // measured): a token budget sized for one set of lengths compresses another set differently.
+    std::vector<std::string> fitting_sequences;
+    std::vector<int64_t> fitting_tokens, fitting_prompts;
+    double fitting_bytes_per_token = 0, fitting_compression_ratio = 0;
     // Provenance.
     std::string trace;
     std::string trace_sha256;

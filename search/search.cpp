@@ -854,6 +854,11 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
             p.prompt = spec.prompt;
             p.prompt_ratios = r.prompt_ratios;
             p.measured_prompts = setup.heldout_prompts;
+            const PromptByteModel fitting(setup.fitting_prompts, setup.fitting_source->shape().last_steps, setup.head_dim);
+            for (double ratio : r.prompt_ratios)
+                p.fitting_bytes_per_token +=
+                    fitting.bytes_per_token(static_cast<int>(std::lround((1 - ratio) * 1000))) / L;
+            p.fitting_prompts = setup.fitting_prompts;
         } else if (r.fit == "streaming" || r.fit == "tiers") {
             p.policy = r.fit == "streaming" ? "streaming_attention" : "stratigraphic";
             p.params = r.replay_params;
@@ -877,6 +882,18 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
                 }
                 p.layer_kept_fraction.push_back(kept / K);
             }
+            const ByteModel fitting(setup.fitting_source->shape().last_steps, setup.head_dim,
+                                    heldout_bytes_model->slot_bytes());
+            for (int l = 0; l < L; ++l)
+                for (int kv = 0; kv < K; ++kv)
+                    p.fitting_bytes_per_token += fitting.bytes_per_token(
+                        r.head_budgets.empty() ? r.layer_budgets[l] : r.head_budgets[static_cast<std::size_t>(l) * K + kv]) /
+                        (L * K);
+        }
+        if (p.fitting_bytes_per_token > 0) {
+            p.fitting_sequences = out.fitting_sequences;
+            for (int64_t last : setup.fitting_source->shape().last_steps) p.fitting_tokens.push_back(last + 1);
+            p.fitting_compression_ratio = setup.full_fp16 / p.fitting_bytes_per_token;
         }
         p.name = meta.model_name + "-" + p.policy + "-" + r.fit + "-" + r.target;
         out.profiles.push_back(p);

@@ -104,6 +104,18 @@ class Search(KvsimTestCase):
         fitted = methods[("fitted head budgets", "2x")]
         self.assertEqual(replayed["output_rel_error"], fitted["heldout"])
         self.assertEqual(replayed["bytes_per_token"], fitted["bytes_per_token"])
+        # A budget is a count of tokens: on the shorter fitting sequences the same profile
+        # compresses less, as the profile says and kvsim run measures there.
+        on_fitting = profile["measured_on"]["fitting"]
+        self.assertEqual(on_fitting["tokens"], [374, 330, 223])
+        self.assertLess(on_fitting["compression_ratio"], profile["measured_on"]["compression_ratio"])
+        config = self.write("fitting.yaml", "trace: {path: %s, sequences: [0, 1, 2]}\n"
+                                            "policies: [{profile: %s}]\nmetrics: [bytes_per_token]\n"
+                                            % (TRACE, os.path.join(self.out, "profile.json")))
+        result = kvsim("run", config, "--out", self.path("fitting"), "-q")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertAlmostEqual(json.loads(read(os.path.join(self.path("fitting"), "results.json")))[0]["bytes_per_token"],
+                               on_fitting["bytes_per_token"], places=9)
 
         # Exports: per-layer ratios; a DuoAttention folder needs streaming heads.
         ratios = self.path("ratios.json")
@@ -165,6 +177,17 @@ class Search(KvsimTestCase):
         self.assertEqual(duo_record["heldout"], record["heldout"])
         self.assertEqual(duo_record["streaming_heads"], record["streaming_heads"])
 
+    def assert_replays_short(self, profile_path, record):
+        """kvsim run of a profile fitted on the 96-step trace reproduces the record's held-out figure and bytes."""
+        config = self.write("replay.yaml", "trace: {path: %s, sequences: [3, 4], max_steps: 96}\n"
+                                           "policies: [{profile: %s}]\nmetrics: [output_rel_error, bytes_per_token]\n"
+                                           % (TRACE, profile_path))
+        result = kvsim("run", config, "--out", self.path("run"), "-q")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        replayed = json.loads(read(os.path.join(self.path("run"), "results.json")))[0]
+        self.assertEqual(replayed["output_rel_error"], record["heldout"])
+        self.assertEqual(replayed["bytes_per_token"], record["bytes_per_token"])
+
     def test_kvpress_deploy(self):
         """deploy: kvpress fits per-layer ratios of the prompt; kvpress, given the exported file on the
         prompts the profile was fitted for, keeps the planned tokens per layer (goldens recorded by
@@ -186,18 +209,23 @@ class Search(KvsimTestCase):
         self.assertEqual(profile["prompt_ratios"], golden["ratios"])
         self.assertEqual(profile["measured_on"]["tokens"], [97, 97])  # 96 steps replayed, of 425 and 457 tokens
         self.assertEqual(profile["measured_on"]["prompts"], [64, 64])
+        # Where the bytes hold: the held-out lengths, and the same ratios on the fitting sequences,
+        # which kvsim run reproduces there.
+        self.assertEqual(profile["measured_on"]["bytes_per_token"], fitted["bytes_per_token"])
+        on_fitting = profile["measured_on"]["fitting"]
+        self.assertEqual((on_fitting["tokens"], on_fitting["prompts"]), ([97, 97, 97], [64, 64, 64]))
+        config = self.write("fitting.yaml", "trace: {path: %s, sequences: [0, 1, 2], max_steps: 96}\n"
+                                            "policies: [{profile: %s}]\nmetrics: [bytes_per_token]\n"
+                                            % (TRACE, profile_path))
+        result = kvsim("run", config, "--out", self.path("fitting"), "-q")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertAlmostEqual(json.loads(read(os.path.join(self.path("fitting"), "results.json")))[0]["bytes_per_token"],
+                               on_fitting["bytes_per_token"], places=9)
         kvpress_kept = [[len(head) for head in layer] for layer in golden["sequences"][0]["kept"]]
         self.assertEqual(profile["prompt_kept"], [{"prompt": 64, "tokens": [layer[0] for layer in kvpress_kept]}])
         self.assertTrue(all(len(set(layer)) == 1 for layer in kvpress_kept))
         # kvsim run replays the profile as kvpress runs it: the search's held-out figure and bytes.
-        config = self.write("replay.yaml", "trace: {path: %s, sequences: [3, 4], max_steps: 96}\n"
-                                           "policies: [{profile: %s}]\nmetrics: [output_rel_error, bytes_per_token]\n"
-                                           % (TRACE, profile_path))
-        result = kvsim("run", config, "--out", self.path("run"), "-q")
-        self.assertEqual(result.returncode, 0, result.stderr)
-        replayed = json.loads(read(os.path.join(self.path("run"), "results.json")))[0]
-        self.assertEqual(replayed["output_rel_error"], fitted["heldout"])
-        self.assertEqual(replayed["bytes_per_token"], fitted["bytes_per_token"])
+        self.assert_replays_short(profile_path, fitted)
         # The export is the list kvpress's per-layer press reads, and says what it keeps.
         ratios = self.path("ratios.json")
         result = kvsim("export", profile_path, "--format", "ratios", "-o", ratios)
@@ -246,14 +274,7 @@ class Search(KvsimTestCase):
         point = [c for c in profile["sparsity_curve"] if c["streaming_heads"] == streaming][0]
         self.assertEqual(point["heldout"], fitted["heldout"])  # the curve measures the profile's own plan there
         # kvsim run replays it as DuoAttention holds it: the search's figure and bytes.
-        config = self.write("replay.yaml", "trace: {path: %s, sequences: [3, 4], max_steps: 96}\n"
-                                           "policies: [{profile: %s}]\nmetrics: [output_rel_error, bytes_per_token]\n"
-                                           % (TRACE, profile_path))
-        result = kvsim("run", config, "--out", self.path("run"), "-q")
-        self.assertEqual(result.returncode, 0, result.stderr)
-        replayed = json.loads(read(os.path.join(self.path("run"), "results.json")))[0]
-        self.assertEqual(replayed["output_rel_error"], fitted["heldout"])
-        self.assertEqual(replayed["bytes_per_token"], fitted["bytes_per_token"])
+        self.assert_replays_short(profile_path, fitted)
         # The export is the folder the goldens were recorded from.
         duo = self.path("duo")
         result = kvsim("export", profile_path, "--format", "duo", "-o", duo)

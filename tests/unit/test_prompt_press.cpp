@@ -56,6 +56,21 @@ std::vector<int> kept_by(const std::string& name, const nlohmann::json& params, 
     return kept;
 }
 
+// The first `length` positions of one layer of a trace, as a press reads them.
+PromptView trace_prompt(const TraceMetadata& m, const QkvLayer& layer, int layer_index, int length) {
+    PromptView prompt;
+    prompt.length = length;
+    prompt.layer = layer_index;
+    prompt.num_layers = static_cast<int>(m.num_layers);
+    prompt.num_query_heads = static_cast<int>(m.num_query_heads);
+    prompt.num_kv_heads = static_cast<int>(m.num_kv_heads);
+    prompt.head_dim = static_cast<int>(m.head_dim);
+    prompt.queries = layer.q.data();
+    prompt.keys = layer.k.data();
+    prompt.values = layer.v.data();
+    return prompt;
+}
+
 void check_cases(const nlohmann::json& cases, PromptView prompt) {
     for (const nlohmann::json& c : cases) {
         const std::string name = c["policy"];
@@ -102,17 +117,7 @@ TEST_CASE("kvpress's presses keep what kvpress keeps: a prompt of stories260K's 
     const nlohmann::json& g = goldens["stories260K"];
     const TraceReader reader(std::string(KVSIM_SOURCE_DIR) + "/" + g["trace"].get<std::string>());
     const QkvLayer layer = reader.read_qkv(g["sequence"], g["layer"]);
-    const TraceMetadata& m = reader.metadata();
-    PromptView prompt;
-    prompt.length = g["prompt"];
-    prompt.layer = g["layer"];
-    prompt.num_layers = static_cast<int>(m.num_layers);
-    prompt.num_query_heads = static_cast<int>(m.num_query_heads);
-    prompt.num_kv_heads = static_cast<int>(m.num_kv_heads);
-    prompt.head_dim = static_cast<int>(m.head_dim);
-    prompt.queries = layer.q.data();
-    prompt.keys = layer.k.data();
-    prompt.values = layer.v.data();
+    const PromptView prompt = trace_prompt(reader.metadata(), layer, g["layer"], g["prompt"]);
     REQUIRE(g["cases"].size() == 9);
     check_cases(g["cases"], prompt);
 }
@@ -130,16 +135,7 @@ TEST_CASE("kvpress's per-layer press at a fitted profile's ratios keeps what kvs
     for (const nlohmann::json& s : g["sequences"]) {
         for (int l = 0; l < static_cast<int>(m.num_layers); ++l) {
             const QkvLayer layer = reader.read_qkv(s["sequence"], l);
-            PromptView prompt;
-            prompt.length = g["prompt"];
-            prompt.layer = l;
-            prompt.num_layers = static_cast<int>(m.num_layers);
-            prompt.num_query_heads = static_cast<int>(m.num_query_heads);
-            prompt.num_kv_heads = static_cast<int>(m.num_kv_heads);
-            prompt.head_dim = static_cast<int>(m.head_dim);
-            prompt.queries = layer.q.data();
-            prompt.keys = layer.k.data();
-            prompt.values = layer.v.data();
+            PromptView prompt = trace_prompt(m, layer, l, g["prompt"]);
             for (int kv = 0; kv < prompt.num_kv_heads; ++kv) {
                 INFO("sequence " << s["sequence"].get<int>() << ", layer " << l << ", KV head " << kv);
                 prompt.kv_head = kv;
