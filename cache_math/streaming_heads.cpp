@@ -199,6 +199,11 @@ bool StreamingPlan::is_streaming(int layer, int kv) const { return streaming[pla
 
 double StreamingPlan::lambda_of(int layer, int kv) const { return lambda[plan_index(*this, layer, kv)]; }
 
+bool StreamingPlan::is_stateless(int layer, int kv) const {
+    const std::size_t i = plan_index(*this, layer, kv);
+    return !stateless.empty() && stateless.at(i) != 0;
+}
+
 int64_t StreamingPlan::streaming_count() const {
     return std::count_if(streaming.begin(), streaming.end(), [](uint8_t s) { return s != 0; });
 }
@@ -230,18 +235,27 @@ StreamingPlan load_streaming_profile(const std::string& path, int num_layers, in
             fail(key + ": expected a number");
         return v;
     };
-    for (int l = 0; l < num_layers; ++l) {
-        const YAML::Node row = rows[l];
-        if (!row.IsSequence() || static_cast<int>(row.size()) != num_kv_heads)
-            fail("streaming[" + std::to_string(l) + "]: " + std::to_string(row.IsSequence() ? row.size() : 0) +
-                 " entries, but the trace has " + std::to_string(num_kv_heads) + " KV heads");
-        for (int g = 0; g < num_kv_heads; ++g) {
-            const std::string key = "streaming[" + std::to_string(l) + "][" + std::to_string(g) + "]";
-            const double v = number(row[g], key);
-            if (v != 0 && v != 1) fail(key + ": expected 0 or 1");
-            plan.streaming[static_cast<std::size_t>(l) * num_kv_heads + g] = static_cast<uint8_t>(v);
+    // One row of 0/1 per layer, `name` in messages.
+    auto gates = [&](const YAML::Node& table, const std::string& name, std::vector<uint8_t>& out) {
+        if (!table.IsSequence() || static_cast<int>(table.size()) != num_layers)
+            fail(name + ": " + std::to_string(table.IsSequence() ? table.size() : 0) + " rows, but the trace has " +
+                 std::to_string(num_layers) + " layers");
+        out.assign(static_cast<std::size_t>(num_layers) * num_kv_heads, 0);
+        for (int l = 0; l < num_layers; ++l) {
+            const YAML::Node row = table[l];
+            if (!row.IsSequence() || static_cast<int>(row.size()) != num_kv_heads)
+                fail(name + "[" + std::to_string(l) + "]: " + std::to_string(row.IsSequence() ? row.size() : 0) +
+                     " entries, but the trace has " + std::to_string(num_kv_heads) + " KV heads");
+            for (int g = 0; g < num_kv_heads; ++g) {
+                const std::string key = name + "[" + std::to_string(l) + "][" + std::to_string(g) + "]";
+                const double v = number(row[g], key);
+                if (v != 0 && v != 1) fail(key + ": expected 0 or 1");
+                out[static_cast<std::size_t>(l) * num_kv_heads + g] = static_cast<uint8_t>(v);
+            }
         }
-    }
+    };
+    gates(rows, "streaming", plan.streaming);
+    if (const YAML::Node stateless = root["stateless"]) gates(stateless, "stateless", plan.stateless);
     if (const YAML::Node lambda = root["lambda"]) {
         auto set = [&](std::size_t i, const YAML::Node& n, const std::string& key) {
             const double v = number(n, key);

@@ -95,15 +95,19 @@ private:
     mutable std::vector<double> scores_;
 };
 
-// Per-(layer, KV head) plan: which heads stream and each head's lambda, both indexed
-// [layer * num_kv_heads + kv]. Retrieval heads keep their full cache; their lambda is unused.
+// Per-(layer, KV head) plan: which heads stream, each head's lambda, and which streaming heads
+// keep no linear state at all (sinks and the recent window only, DuoAttention's own streaming
+// heads), all indexed [layer * num_kv_heads + kv]. Retrieval heads keep their full cache; their
+// lambda and stateless flag are unused, as a stateless head's lambda is.
 struct StreamingPlan {
     int num_layers = 0, num_kv_heads = 0;
     std::vector<uint8_t> streaming;
     std::vector<double> lambda;
+    std::vector<uint8_t> stateless;  // empty: every streaming head keeps its state
 
     bool is_streaming(int layer, int kv) const;
     double lambda_of(int layer, int kv) const;
+    bool is_stateless(int layer, int kv) const;
     int64_t streaming_count() const;
 };
 
@@ -115,6 +119,7 @@ struct StreamingPlan {
 // A streaming-head profile (YAML, what a search fits and exports):
 //   streaming: [[1, 0, ...], ...]   one row per layer, 1 = the KV head streams, 0 = it retrieves
 //   lambda: 0.95 | [[0.99, ...], ...]  one decay for all, or one per (layer, KV head); default default_lambda
+//   stateless: [[1, 0, ...], ...]   optional: 1 = the streaming head keeps no state (sinks and window only)
 // Throws kvsim::InputError, one line naming the file and the key, for a shape that disagrees with
 // the model, a value that is not 0/1, or a lambda outside [0, 1].
 StreamingPlan load_streaming_profile(const std::string& path, int num_layers, int num_kv_heads,

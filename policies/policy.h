@@ -23,6 +23,28 @@ namespace kvsim {
 class StreamingHeadState;  // cache_math/streaming_heads.h
 struct KvProjection;        // cache_math/lowrank.h
 
+// The prompt of one layer as a prefill-time compressor (kvpress's presses) reads it, once, at the
+// prompt's end: every query head's queries and every KV head's keys and values, after RoPE, as
+// the model computed them; position-major, as a trace stores them (cache_math/qkv_layer.h).
+struct PromptView {
+    int length = 0;  // prompt positions 0..length-1
+    int layer = 0, num_layers = 1;
+    int kv_head = 0;  // the KV head being compressed
+    int num_query_heads = 1, num_kv_heads = 1, head_dim = 0;
+    const float* queries = nullptr;  // [position][query head][head_dim]
+    const float* keys = nullptr;     // [position][KV head][head_dim]
+    const float* values = nullptr;   // [position][KV head][head_dim]
+
+    int group() const { return num_query_heads / num_kv_heads; }
+    const float* query(int64_t pos, int head) const {
+        return queries + (pos * num_query_heads + head) * static_cast<int64_t>(head_dim);
+    }
+    const float* key(int64_t pos, int kv) const { return keys + (pos * num_kv_heads + kv) * static_cast<int64_t>(head_dim); }
+    const float* value(int64_t pos, int kv) const {
+        return values + (pos * num_kv_heads + kv) * static_cast<int64_t>(head_dim);
+    }
+};
+
 // What a scored policy holds, slot by slot: for selection across the KV heads of a layer.
 struct HeldScores {
     std::vector<int32_t> position;  // ascending
@@ -65,6 +87,14 @@ public:
     // How the cache holds each token in fewer numbers (a low-rank latent, a KV-head group's shared
     // K and V), composed with eviction and tiers; nullptr for a cache of whole head vectors.
     virtual const KvProjection* projection() const { return nullptr; }
+
+    // --- Prefill-time compression (kvpress's presses, policies/prompt_press.h). ---
+
+    // A policy that compresses the prompt once, at its end, from the whole prompt, and never
+    // evicts again: decoding appends. The harness then calls score_prompt after the prompt's last
+    // token is admitted, just before the one eviction.
+    virtual bool reads_prompt() const { return false; }
+    virtual void score_prompt(const PromptView& prompt) { (void)prompt; }
 
     // --- Cross-head selection (Ada-KV, policies/adakv.h): scored eviction policies override these. ---
 
@@ -203,6 +233,9 @@ struct PolicyDescriptor {
     // A projection policy (lowrank, group_heads): how its cache holds each token, so that it can
     // wrap an eviction policy too ({evict: h2o, project: {lowrank: {...}}}).
     std::function<std::shared_ptr<const KvProjection>(const ParamValues&, const PolicyContext&)> projection = nullptr;
+    // A prefill-time compressor (kvpress's presses): it reads the prompt (Policy::reads_prompt),
+    // needs a prompt to compress, and holds every token decoded after it.
+    bool prompt_press = false;
 };
 
 // The quantisation composed with an eviction policy: {evict: h2o, quantize: {bits: 4, older_than: 128}}.

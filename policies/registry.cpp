@@ -21,6 +21,15 @@ PolicyDescriptor streaming_attention_descriptor();
 PolicyDescriptor stratigraphic_descriptor();
 PolicyDescriptor lowrank_descriptor();
 PolicyDescriptor group_heads_descriptor();
+PolicyDescriptor snapkv_press_descriptor();
+PolicyDescriptor tova_press_descriptor();
+PolicyDescriptor observed_attention_press_descriptor();
+PolicyDescriptor knorm_press_descriptor();
+PolicyDescriptor streaming_llm_press_descriptor();
+PolicyDescriptor keydiff_press_descriptor();
+PolicyDescriptor cur_press_descriptor();
+PolicyDescriptor lagkv_press_descriptor();
+PolicyDescriptor noncausal_press_descriptor();
 
 const std::vector<PolicyDescriptor>& policy_registry() {
     static const std::vector<PolicyDescriptor> registry = {
@@ -28,6 +37,10 @@ const std::vector<PolicyDescriptor>& policy_registry() {
         tova_descriptor(),           snapkv_descriptor(),        pyramidkv_descriptor(),       full_descriptor(),
         int8_descriptor(),           int4_descriptor(),          streaming_attention_descriptor(),
         stratigraphic_descriptor(),  lowrank_descriptor(),       group_heads_descriptor(),
+        // kvpress's presses: prefill-time compression of a prompt (prompt_press.h).
+        snapkv_press_descriptor(),   tova_press_descriptor(),    observed_attention_press_descriptor(),
+        knorm_press_descriptor(),    streaming_llm_press_descriptor(), keydiff_press_descriptor(),
+        cur_press_descriptor(),      lagkv_press_descriptor(),   noncausal_press_descriptor(),
     };
     return registry;
 }

@@ -152,7 +152,8 @@ public:
         drop_state(chosen_);
     }
 
-    std::size_t bytes_per_slot() const final {
+    // Its position and its state; a policy whose engine holds neither says so (prompt_press.h).
+    std::size_t bytes_per_slot() const override {
         return sizeof(int32_t) + state_bytes_per_slot();
     }
 

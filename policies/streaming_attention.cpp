@@ -1,6 +1,7 @@
 // Streaming heads: DuoAttention (Xiao et al. 2024) keeps a full cache for retrieval heads and only
-// sinks and a recent window for streaming heads; here a streaming head also folds every token it
-// lets go into a decayed linear-attention state (cache_math/streaming_heads.h) instead of dropping it.
+// sinks and a recent window for streaming heads; here a streaming head may also fold every token it
+// lets go into a decayed linear-attention state (cache_math/streaming_heads.h) instead of dropping
+// it, or keep no state at all (`stateless`), as DuoAttention's own streaming heads do.
 #include <cmath>
 #include <memory>
 
@@ -13,10 +14,11 @@ namespace {
 
 class StreamingAttention : public Policy {
 public:
-    StreamingAttention(bool streaming, const StreamingHeadParams& params, int head_dim, int capacity)
+    StreamingAttention(bool streaming, bool stateless, const StreamingHeadParams& params, int head_dim, int capacity)
         : streaming_(streaming), sinks_(params.sinks), recent_(params.recent),
           window_(static_cast<std::size_t>(std::max(capacity, 1))) {
-        if (streaming && head_dim > 0) state_ = std::make_unique<StreamingHeadState>(head_dim, params);
+        // A stateless head is attended like any cache, over the sinks and window it holds.
+        if (streaming && !stateless && head_dim > 0) state_ = std::make_unique<StreamingHeadState>(head_dim, params);
         if (sinks_ > 0)
             sinks_held_ = 1;
         else
@@ -59,6 +61,8 @@ PolicyDescriptor streaming_attention_descriptor() {
          {"recent", 64, true, 0, "most recent tokens a streaming head keeps exactly (0: the state holds every token)"},
          {"lambda", 0.99, false, 0, "per-step decay of the linear state"},
          {"gate_threshold", 0.5, false, 0, "pattern file: a gate above it keeps a retrieval head"},
+         {"stateless", 0, true, 0, "1: streaming heads keep no linear state, only sinks and the recent window "
+                                   "(DuoAttention's streaming heads); a profile may set it per head"},
          {"pattern", 0, false, 0, "DuoAttention full_attention_heads.tsv: one row per layer, a gate per KV head "
                                   "(default: every head streams)", false, true},
          {"profile", 0, false, 0, "YAML: streaming (0/1 per layer and KV head) and lambda (one, or per head)",
@@ -69,6 +73,7 @@ PolicyDescriptor streaming_attention_descriptor() {
             params.recent = param_int(p, "recent");
             params.lambda = p.at("lambda");
             bool streaming = true;
+            bool stateless = p.at("stateless") != 0;
             if (ctx.files && ctx.files->count("profile") && ctx.files->count("pattern"))
                 throw InputError(ctx.files->at("profile") + ": give streaming_attention a profile or a pattern, not both");
             if (ctx.files && ctx.files->count("profile")) {
@@ -76,6 +81,7 @@ PolicyDescriptor streaming_attention_descriptor() {
                     load_streaming_profile(ctx.files->at("profile"), ctx.num_layers, ctx.num_kv_heads, params.lambda);
                 streaming = plan.is_streaming(ctx.layer, ctx.kv_head);
                 params.lambda = plan.lambda_of(ctx.layer, ctx.kv_head);
+                stateless = stateless || plan.is_stateless(ctx.layer, ctx.kv_head);
             } else if (ctx.files && ctx.files->count("pattern")) {
                 // A few hundred bytes, read per (layer, KV head) when a run starts.
                 const StreamingPlan plan = load_duo_attention_pattern(ctx.files->at("pattern"), ctx.num_layers,
@@ -84,10 +90,11 @@ PolicyDescriptor streaming_attention_descriptor() {
                 streaming = plan.is_streaming(ctx.layer, ctx.kv_head);
                 params.lambda = plan.lambda_of(ctx.layer, ctx.kv_head);
             }
-            return std::make_unique<StreamingAttention>(streaming, params, ctx.head_dim, ctx.capacity);
+            return std::make_unique<StreamingAttention>(streaming, stateless, params, ctx.head_dim, ctx.capacity);
         },
         [](const ParamValues& p, int) -> std::string {
             if (p.at("lambda") > 1) return "lambda = " + std::to_string(p.at("lambda")) + " must be in [0, 1]";
+            if (p.at("stateless") > 1) return "stateless = " + std::to_string(p.at("stateless")) + " must be 0 or 1";
             return {};
         }};
     d.keeps_everything = true;

@@ -102,6 +102,9 @@ std::unique_ptr<kvsim_rt> plan(const char* profile_path, const kvsim_model_shape
             h.budget = policy->keeps_everything ? shape.max_context
                        : !p.head_budgets.empty() ? std::min(p.head_budgets[u], shape.max_context)
                                                  : std::min(p.layer_budgets.at(layer), shape.max_context);
+            // A stateless streaming head holds its sinks and window as slots, nothing more.
+            if (p.streaming && p.streaming->heads.at(u) && !p.streaming->stateless.empty() && p.streaming->stateless[u])
+                h.budget = std::min(p.streaming->sinks + std::max(p.streaming->recent, 1), shape.max_context);
             // What one head reserves at most: every slot at every tier, each tier's two int32 maps
             // between slots and rows, and the serving path's per-slot scores of the query group,
             // row means and indices (each query head's scores rounded up to 32 bytes, and aligned).

@@ -6,6 +6,8 @@
 #include <numeric>
 #include <stdexcept>
 
+#include "policies/prompt_press.h"
+
 namespace kvsim {
 
 ByteModel::ByteModel(std::vector<int64_t> last_steps, int head_dim, double slot_bytes)
@@ -27,13 +29,33 @@ double ByteModel::bytes_per_token(int budget) const {
     return (4.0 * head_dim_ + slot_bytes_) * kept_share(budget);
 }
 
+PromptByteModel::PromptByteModel(std::vector<int64_t> prompts, std::vector<int64_t> last_steps, int head_dim)
+    : prompts_(std::move(prompts)), last_steps_(std::move(last_steps)), head_dim_(head_dim) {
+    if (prompts_.size() != last_steps_.size()) throw std::invalid_argument("PromptByteModel: prompts and sequences differ");
+    for (std::size_t s = 0; s < prompts_.size(); ++s)
+        for (int64_t t = prompts_[s]; t <= last_steps_[s]; ++t) context_tokens_ += static_cast<double>(t + 1);
+    if (context_tokens_ <= 0) throw std::invalid_argument("PromptByteModel: no step after a prompt");
+}
+
+double PromptByteModel::bytes_per_token(int kept_thousandths) const {
+    const double ratio = kvpress_ratio(kept_thousandths);
+    double held = 0;  // at step t: the prompt's kept tokens, those decoded since, and t itself
+    for (std::size_t s = 0; s < prompts_.size(); ++s) {
+        const double kept = kvpress_kept_tokens(prompts_[s], ratio);
+        for (int64_t t = prompts_[s]; t <= last_steps_[s]; ++t) held += kept + static_cast<double>(t - prompts_[s] + 1);
+    }
+    return 4.0 * head_dim_ * held / context_tokens_;
+}
+
+double kvpress_ratio(int kept_thousandths) { return static_cast<double>(1000 - kept_thousandths) / 1000.0; }
+
 namespace {
 
 // Slack for comparing sums of bytes: far below one token's bytes, far above rounding.
 constexpr double kByteSlack = 1e-9;
 
 // Each grid budget's bytes per token.
-std::vector<double> grid_bytes(const std::vector<int>& grid, const ByteModel& bytes) {
+std::vector<double> grid_bytes(const std::vector<int>& grid, const UnitBytes& bytes) {
     std::vector<double> x(grid.size());
     for (std::size_t i = 0; i < grid.size(); ++i) x[i] = bytes.bytes_per_token(grid[i]);
     return x;
@@ -60,7 +82,7 @@ std::vector<std::size_t> falling_lower_hull(const std::vector<double>& x, const 
 
 }  // namespace
 
-CurveShape curve_shape(const UnitCurve& curve, const std::vector<int>& grid, const ByteModel& bytes) {
+CurveShape curve_shape(const UnitCurve& curve, const std::vector<int>& grid, const UnitBytes& bytes) {
     const std::vector<double> x = grid_bytes(grid, bytes);
     const std::vector<std::size_t> hull = falling_lower_hull(x, curve.error);
     CurveShape shape;
@@ -136,7 +158,7 @@ std::vector<std::size_t> choose_by_marginal_gain(const std::vector<UnitOptions>&
 }
 
 Allocation allocate_by_marginal_gain(const std::vector<UnitCurve>& curves, const std::vector<int>& grid,
-                                     const ByteModel& bytes, double target_bytes_per_token) {
+                                     const UnitBytes& bytes, double target_bytes_per_token) {
     const std::vector<double> x = grid_bytes(grid, bytes);
     std::vector<UnitOptions> units;
     for (const UnitCurve& c : curves) {
@@ -156,7 +178,7 @@ Allocation allocate_by_marginal_gain(const std::vector<UnitCurve>& curves, const
 }
 
 Allocation allocate_by_shape(const std::vector<double>& weights, const std::vector<int>& grid,
-                             const ByteModel& bytes, double target_bytes_per_token) {
+                             const UnitBytes& bytes, double target_bytes_per_token) {
     const std::size_t units = weights.size(), points = grid.size();
     const std::vector<double> x = grid_bytes(grid, bytes);
     const double capacity = target_bytes_per_token * static_cast<double>(units) * (1 + kByteSlack);

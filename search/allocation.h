@@ -14,15 +14,24 @@
 
 namespace kvsim {
 
-// Bytes per token of context of one unit at a budget, over a set of sequences.
-class ByteModel {
+// Bytes per token of context of one unit at a grid value (a budget, say), over a set of sequences:
+// what the allocators below trade error against.
+class UnitBytes {
+public:
+    virtual ~UnitBytes() = default;
+    virtual double bytes_per_token(int grid_value) const = 0;
+};
+
+// kvsim's decode-time eviction: a unit at budget B holds min(t, B) tokens and the current one.
+class ByteModel : public UnitBytes {
 public:
     // last_steps: per sequence, the last decode step replayed (steps 1..last are measured).
     ByteModel(std::vector<int64_t> last_steps, int head_dim, double slot_bytes);
-    double bytes_per_token(int budget) const;
+    double bytes_per_token(int budget) const override;
     // The share of the context's tokens held at a budget (the current token counted as held).
     double kept_share(int budget) const;
     double full_fp16_bytes_per_token() const { return 4.0 * head_dim_; }  // the uncompressed cache
+    double slot_bytes() const { return slot_bytes_; }
 
 private:
     std::vector<int64_t> last_steps_;
@@ -30,6 +39,27 @@ private:
     double slot_bytes_;
     double context_tokens_ = 0;  // sum over sequences and steps of t + 1
 };
+
+// kvpress's prefill-time compression: a layer keeps kvpress_kept_tokens(prompt, ratio) of each
+// sequence's prompt and appends every token after it; only the steps after the prompt are
+// measured, and K and V alone are held. Grid values are kept shares of the prompt in thousandths
+// (1000: the whole prompt); kvpress_ratio() gives the ratio a value stands for.
+class PromptByteModel : public UnitBytes {
+public:
+    // Per sequence: its prompt and the last decode step replayed (steps prompt..last measured).
+    PromptByteModel(std::vector<int64_t> prompts, std::vector<int64_t> last_steps, int head_dim);
+    double bytes_per_token(int kept_thousandths) const override;
+    double full_fp16_bytes_per_token() const { return 4.0 * head_dim_; }
+    const std::vector<int64_t>& prompts() const { return prompts_; }
+
+private:
+    std::vector<int64_t> prompts_, last_steps_;
+    int head_dim_;
+    double context_tokens_ = 0;  // sum over sequences and measured steps of t + 1
+};
+
+// The kvpress compression ratio a grid value of PromptByteModel stands for: 1 - value / 1000.
+double kvpress_ratio(int kept_thousandths);
 
 // One unit's objective (lower is better, summed over its measured steps) at each grid budget.
 struct UnitCurve {
@@ -47,7 +77,7 @@ struct Allocation {
 // grid budget everywhere, repeatedly take the hull step that cuts the most error per byte and
 // still fits; then spend what is left on any single upgrade that fits and cuts error.
 Allocation allocate_by_marginal_gain(const std::vector<UnitCurve>& curves, const std::vector<int>& grid,
-                                     const ByteModel& bytes, double target_bytes_per_token);
+                                     const UnitBytes& bytes, double target_bytes_per_token);
 
 // The same greedy over any options: per unit, options with their bytes per token and error (in
 // any order); returns each unit's chosen option, from its cheapest, so that the units' mean bytes
@@ -63,13 +93,13 @@ struct CurveShape {
     std::vector<int> above_hull;
     std::vector<int> rising;
 };
-CurveShape curve_shape(const UnitCurve& curve, const std::vector<int>& grid, const ByteModel& bytes);
+CurveShape curve_shape(const UnitCurve& curve, const std::vector<int>& grid, const UnitBytes& bytes);
 
 // The allocation that follows a shape (relative budgets per unit, e.g. PyramidKV's schedule):
 // budgets proportional to the weights, scaled as far as the target allows, each snapped down to
 // the grid; then units furthest below their share move up one grid step while the target allows.
 Allocation allocate_by_shape(const std::vector<double>& weights, const std::vector<int>& grid,
-                             const ByteModel& bytes, double target_bytes_per_token);
+                             const UnitBytes& bytes, double target_bytes_per_token);
 
 // The summed error of an allocation read off the curves (every budget must be a grid budget).
 double allocation_error(const std::vector<UnitCurve>& curves, const std::vector<int>& grid,

@@ -2,6 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -12,6 +13,7 @@
 #include "base/input_file.h"
 #include "base/json_file.h"
 #include "policies/policy.h"
+#include "policies/prompt_press.h"
 #include "sim/experiment_spec.h"
 
 namespace kvsim {
@@ -127,8 +129,14 @@ void check_profile_policy(const Profile& p, const ProfileReader& r) {
             r.fail("streaming", "missing: a streaming_attention profile names its streaming heads");
         return;
     }
+    // kvpress's ratios size a press's prompt instead of budgets.
+    if (!p.prompt_ratios.empty()) {
+        if (!policy->prompt_press)
+            r.fail("prompt_ratios", "per-layer prompt ratios are for a kvpress press, not " + p.policy);
+        return;
+    }
     // An eviction policy: its window (or other parameter) must leave room in the tightest budget.
-    if (!policy->check_budget) return;
+    if (!policy->check_budget || p.layer_budgets.empty()) return;
     const std::vector<int>& per = p.head_budgets.empty() ? p.layer_budgets : p.head_budgets;
     const auto tightest = std::min_element(per.begin(), per.end());
     const std::size_t at = static_cast<std::size_t>(tightest - per.begin());
@@ -162,6 +170,19 @@ std::string profile_json(const Profile& p) {
     j["policy"] = {{"name", p.policy}, {"params", params}};
     j["method"] = p.method;
     j["target"] = p.target;
+    j["deploy"] = p.deploy;
+    if (!p.prompt.empty())
+        j["prompt"] = p.prompt.tokens > 0 ? Json{{"tokens", p.prompt.tokens}} : Json{{"continuation", p.prompt.continuation}};
+    if (!p.prompt_ratios.empty()) {
+        j["prompt_ratios"] = p.prompt_ratios;
+        // What the ratios mean at the prompts they were measured on: kvpress's kept tokens per layer.
+        Json kept = Json::array();
+        std::vector<int64_t> prompts = p.measured_prompts;
+        std::sort(prompts.begin(), prompts.end());
+        prompts.erase(std::unique(prompts.begin(), prompts.end()), prompts.end());
+        for (int64_t prompt : prompts) kept.push_back({{"prompt", prompt}, {"tokens", profile_prompt_kept(p, prompt)}});
+        j["prompt_kept"] = kept;
+    }
     if (!p.layer_budgets.empty()) j["layer_budgets"] = p.layer_budgets;
     if (!p.head_budgets.empty()) j["head_budgets"] = rows_of(p.head_budgets, L, K);
     if (p.streaming) {
@@ -170,6 +191,11 @@ std::string profile_json(const Profile& p) {
                           {"recent", p.streaming->recent},
                           {"heads", rows_of(heads, L, K)},
                           {"lambda", rows_of(p.streaming->lambda, L, K)}};
+        if (!p.streaming->stateless.empty()) {
+            std::vector<int> stateless(p.streaming->stateless.begin(), p.streaming->stateless.end());
+            j["streaming"]["stateless"] = rows_of(stateless, L, K);
+        }
+        if (!p.streaming->gates.empty()) j["streaming"]["gates"] = rows_of(p.streaming->gates, L, K);
     }
     if (p.tiers)
         j["tiers"] = {{"fp16", rows_of(p.tiers->fp16, L, K)},
@@ -177,7 +203,30 @@ std::string profile_json(const Profile& p) {
                       {"int4", rows_of(p.tiers->int4, L, K)}};
     j["expected"] = {{"bytes_per_token", p.bytes_per_token}, {"compression_ratio", p.compression_ratio}};
     if (!p.layer_kept_fraction.empty()) j["expected"]["layer_kept_fraction"] = p.layer_kept_fraction;
+    if (!p.sparsity_curve.empty()) {
+        Json curve = Json::array();
+        for (const SparsityPoint& c : p.sparsity_curve)
+            curve.push_back({{"sparsity", c.sparsity},
+                             {"streaming_heads", c.streaming_heads},
+                             {"heldout", c.heldout},
+                             {"bytes_per_token", c.bytes_per_token},
+                             {"compression_ratio", c.compression_ratio}});
+        j["sparsity_curve"] = curve;
+    }
     j["heldout"] = {{"objective", p.objective}, {"value", p.heldout_value}, {"sequences", p.heldout_sequences}};
+    if (!p.measured_tokens.empty()) {
+        j["measured_on"] = {{"sequences", p.heldout_sequences}, {"tokens", p.measured_tokens}};
+        if (!p.measured_prompts.empty()) j["measured_on"]["prompts"] = p.measured_prompts;
+        j["measured_on"]["bytes_per_token"] = p.bytes_per_token;
+        j["measured_on"]["compression_ratio"] = p.compression_ratio;
+        if (p.fitting_bytes_per_token > 0) {
+            Json fitting = {{"sequences", p.fitting_sequences}, {"tokens", p.fitting_tokens}};
+            if (!p.fitting_prompts.empty()) fitting["prompts"] = p.fitting_prompts;
+            fitting["bytes_per_token"] = p.fitting_bytes_per_token;
+            fitting["compression_ratio"] = p.fitting_compression_ratio;
+            j["measured_on"]["fitting"] = fitting;
+        }
+    }
     j["source"] = {{"trace", p.trace},
                    {"trace_sha256", p.trace_sha256},
                    {"config", p.config},
@@ -192,8 +241,8 @@ Profile load_profile(const std::string& path) {
     if (r.string(r.at(root, "format", ""), "format") != kProfileFormat)
         r.fail("format", "expected \"" + std::string(kProfileFormat) + "\"");
     const int64_t version = r.integer(r.at(root, "version", ""), "version", 0, 1 << 30);
-    if (version != kProfileVersion)
-        r.fail("version", std::to_string(version) + " is not supported (this kvsim reads version " +
+    if (version != 1 && version != kProfileVersion)
+        r.fail("version", std::to_string(version) + " is not supported (this kvsim reads versions 1 to " +
                               std::to_string(kProfileVersion) + ")");
     Profile p;
     p.name = r.string(r.at(root, "name", ""), "name");
@@ -215,11 +264,37 @@ Profile load_profile(const std::string& path) {
     if (root.contains("target")) p.target = r.string(root["target"], "target");
 
     const int L = p.model.num_layers;
-    // Budgets, unless the policy keeps every token or the profile streams heads or holds tier shares
-    // instead (then every other head keeps its cache).
+    if (root.contains("deploy")) {
+        p.deploy = r.string(root["deploy"], "deploy");
+        if (p.deploy != "kvsim" && p.deploy != "kvpress" && p.deploy != "duo")
+            r.fail("deploy", "\"" + p.deploy + "\" is not a target this kvsim knows (kvsim, kvpress, duo)");
+    }
+    if (p.deploy == "kvpress") {  // a share of each prompt per layer, and how sequences split
+        const Json& prompt = r.at(root, "prompt", "");
+        if (!prompt.is_object() || prompt.size() != 1 || !(prompt.contains("tokens") || prompt.contains("continuation")))
+            r.fail("prompt", "expected {\"tokens\": N} or {\"continuation\": N}");
+        if (prompt.contains("tokens"))
+            p.prompt.tokens = static_cast<int>(r.integer(prompt["tokens"], "prompt.tokens", 2, kMaxSequenceTokens));
+        else
+            p.prompt.continuation =
+                static_cast<int>(r.integer(prompt["continuation"], "prompt.continuation", 1, kMaxSequenceTokens));
+        const Json& ratios = r.list(r.at(root, "prompt_ratios", ""), "prompt_ratios", static_cast<std::size_t>(L));
+        for (int l = 0; l < L; ++l) {
+            const std::string key = "prompt_ratios[" + std::to_string(l) + "]";
+            const double v = r.number(ratios[l], key);
+            if (v < 0 || v >= 1) r.fail(key, ratios[l].dump() + " is outside [0, 1)");
+            p.prompt_ratios.push_back(v);
+        }
+    } else if (root.contains("prompt_ratios") || root.contains("prompt")) {
+        r.fail(root.contains("prompt") ? "prompt" : "prompt_ratios",
+               "is kvpress's, but the profile deploys to " + p.deploy + " (deploy)");
+    }
+    // Budgets, unless the policy keeps every token or the profile streams heads, holds tier shares
+    // or kvpress's ratios instead (then every other head keeps its cache).
     const PolicyDescriptor* descriptor = find_policy(p.policy);
     const bool keeps_everything = descriptor && descriptor->keeps_everything;
-    if (root.contains("layer_budgets") || !(keeps_everything || root.contains("streaming") || root.contains("tiers"))) {
+    if (root.contains("layer_budgets") ||
+        !(keeps_everything || root.contains("streaming") || root.contains("tiers") || !p.prompt_ratios.empty())) {
         const Json& layers = r.list(r.at(root, "layer_budgets", ""), "layer_budgets", static_cast<std::size_t>(L));
         for (int l = 0; l < L; ++l)
             p.layer_budgets.push_back(static_cast<int>(
@@ -246,6 +321,29 @@ Profile load_profile(const std::string& path) {
             heads.heads.push_back(static_cast<uint8_t>(g));
         }
         heads.lambda = r.table(r.at(s, "lambda", "streaming"), "streaming.lambda", p.model, 0, 1);
+        if (s.contains("stateless"))
+            for (double g : r.table(s["stateless"], "streaming.stateless", p.model, 0, 1)) {
+                if (g != 0 && g != 1) r.fail("streaming.stateless", "every entry must be 0 or 1");
+                heads.stateless.push_back(static_cast<uint8_t>(g));
+            }
+        if (s.contains("gates")) {
+            heads.gates = r.table(s["gates"], "streaming.gates", p.model, 0, 1);
+            // The gates rank the heads: the streaming ones below 0.5, the rest above, all distinct,
+            // so that DuoAttention's threshold picks the profile's heads.
+            for (std::size_t u = 0; u < heads.gates.size(); ++u)
+                if ((heads.gates[u] < 0.5) != (heads.heads[u] == 1) || heads.gates[u] == 0.5)
+                    r.fail("streaming.gates[" + std::to_string(u / p.model.num_kv_heads) + "][" +
+                               std::to_string(u % p.model.num_kv_heads) + "]",
+                           "a streaming head's gate must be below 0.5 and every other head's above");
+            std::vector<double> sorted = heads.gates;
+            std::sort(sorted.begin(), sorted.end());
+            // DuoAttention adds up to 1e-6 of noise to every gate before its threshold: closer gates
+            // could swap places there.
+            if (std::adjacent_find(sorted.begin(), sorted.end(), [](double a, double b) { return b - a <= 1e-6; }) !=
+                sorted.end())
+                r.fail("streaming.gates", "two heads' gates lie within 1e-6 (DuoAttention's tie-breaking noise); the "
+                                          "gates must rank every head");
+        }
         p.streaming = heads;
     }
     if (root.contains("tiers")) {
@@ -284,6 +382,82 @@ Profile load_profile(const std::string& path) {
                 p.heldout_sequences.push_back(r.string(h["sequences"][i], "heldout.sequences[" + std::to_string(i) + "]"));
         }
     }
+    if (p.deploy == "duo" && !p.streaming) r.fail("streaming", "missing: a profile for DuoAttention streams heads");
+    if (p.deploy == "duo" && p.streaming->gates.empty())
+        r.fail("streaming.gates", "missing: a profile for DuoAttention ranks its heads by gates");
+    if (p.deploy == "duo")  // DuoAttention's streaming heads hold their sinks and window alone
+        for (std::size_t u = 0; u < p.streaming->heads.size(); ++u)
+            if (p.streaming->heads[u] && (p.streaming->stateless.empty() || !p.streaming->stateless[u]))
+                r.fail("streaming.stateless", "every streaming head of a profile for DuoAttention keeps no state");
+    if (root.contains("sparsity_curve")) {
+        const Json& curve = root["sparsity_curve"];
+        if (!curve.is_array()) r.fail("sparsity_curve", "expected a list");
+        for (std::size_t i = 0; i < curve.size(); ++i) {
+            const std::string key = "sparsity_curve[" + std::to_string(i) + "]";
+            SparsityPoint c;
+            c.sparsity = r.number(r.at(curve[i], "sparsity", key), key + ".sparsity");
+            if (c.sparsity < 0 || c.sparsity > 1) r.fail(key + ".sparsity", "is outside [0, 1]");
+            c.streaming_heads = static_cast<int>(r.integer(r.at(curve[i], "streaming_heads", key), key + ".streaming_heads",
+                                                           0, static_cast<int64_t>(L) * p.model.num_kv_heads));
+            c.heldout = r.number(r.at(curve[i], "heldout", key), key + ".heldout");
+            c.bytes_per_token = r.number(r.at(curve[i], "bytes_per_token", key), key + ".bytes_per_token");
+            c.compression_ratio = r.number(r.at(curve[i], "compression_ratio", key), key + ".compression_ratio");
+            p.sparsity_curve.push_back(c);
+        }
+    }
+    if (root.contains("measured_on")) {
+        const Json& m = root["measured_on"];
+        const std::size_t n = r.at(m, "tokens", "measured_on").is_array() ? m["tokens"].size() : 0;
+        const Json& tokens = r.list(m["tokens"], "measured_on.tokens", n);
+        for (std::size_t i = 0; i < n; ++i)
+            p.measured_tokens.push_back(
+                r.integer(tokens[i], "measured_on.tokens[" + std::to_string(i) + "]", 1, kMaxSequenceTokens));
+        if (m.contains("prompts")) {
+            const Json& prompts = r.list(m["prompts"], "measured_on.prompts", n);
+            for (std::size_t i = 0; i < n; ++i)
+                p.measured_prompts.push_back(r.integer(prompts[i], "measured_on.prompts[" + std::to_string(i) + "]", 1,
+                                                       p.measured_tokens[i]));
+        }
+        if (m.contains("fitting")) {  // the plan's bytes at the fitting sequences' lengths
+            const Json& f = m["fitting"];
+            const std::size_t count = r.at(f, "tokens", "measured_on.fitting").is_array() ? f["tokens"].size() : 0;
+            const Json& tokens = r.list(f["tokens"], "measured_on.fitting.tokens", count);
+            for (std::size_t i = 0; i < count; ++i)
+                p.fitting_tokens.push_back(r.integer(tokens[i], "measured_on.fitting.tokens[" + std::to_string(i) + "]",
+                                                     1, kMaxSequenceTokens));
+            if (f.contains("prompts")) {
+                const Json& prompts = r.list(f["prompts"], "measured_on.fitting.prompts", count);
+                for (std::size_t i = 0; i < count; ++i)
+                    p.fitting_prompts.push_back(r.integer(prompts[i], "measured_on.fitting.prompts[" +
+                                                                          std::to_string(i) + "]", 1, p.fitting_tokens[i]));
+            }
+            if (f.contains("sequences"))
+                for (std::size_t i = 0; i < f["sequences"].size(); ++i)
+                    p.fitting_sequences.push_back(
+                        r.string(f["sequences"][i], "measured_on.fitting.sequences[" + std::to_string(i) + "]"));
+            p.fitting_bytes_per_token = r.number(r.at(f, "bytes_per_token", "measured_on.fitting"),
+                                                 "measured_on.fitting.bytes_per_token");
+            p.fitting_compression_ratio = r.number(r.at(f, "compression_ratio", "measured_on.fitting"),
+                                                   "measured_on.fitting.compression_ratio");
+            if (!(p.fitting_bytes_per_token > 0))
+                r.fail("measured_on.fitting.bytes_per_token", "must be above 0");
+        }
+    }
+    if (root.contains("prompt_kept")) {  // derived from the ratios: refused where they disagree
+        const Json& kept = root["prompt_kept"];
+        if (!kept.is_array()) r.fail("prompt_kept", "expected a list");
+        for (std::size_t i = 0; i < kept.size(); ++i) {
+            const std::string key = "prompt_kept[" + std::to_string(i) + "]";
+            const int64_t prompt = r.integer(r.at(kept[i], "prompt", key), key + ".prompt", 1, kMaxSequenceTokens);
+            const Json& tokens = r.list(r.at(kept[i], "tokens", key), key + ".tokens", static_cast<std::size_t>(L));
+            const std::vector<int> planned = profile_prompt_kept(p, prompt);
+            for (int l = 0; l < L; ++l)
+                if (r.integer(tokens[l], key + ".tokens[" + std::to_string(l) + "]", 0, prompt) != planned[l])
+                    r.fail(key + ".tokens[" + std::to_string(l) + "]",
+                           "disagrees with prompt_ratios[" + std::to_string(l) + "], which keeps " +
+                               std::to_string(planned[l]) + " of " + std::to_string(prompt) + " tokens");
+        }
+    }
     if (root.contains("source")) {
         const Json& s = root["source"];
         if (!s.is_object()) r.fail("source", "expected an object");
@@ -300,7 +474,20 @@ Profile load_profile(const std::string& path) {
 }
 
 BudgetColumn profile_column(const Profile& p, const std::string& where) {
+    if (!p.prompt_ratios.empty()) {
+        BudgetColumn column;
+        column.label = p.name;
+        column.where = where;
+        column.prompt_ratios = p.prompt_ratios;
+        return column;
+    }
     return profile_budget_column(p.name, where, p.layer_budgets, p.head_budgets);
+}
+
+std::vector<int> profile_prompt_kept(const Profile& p, int64_t prompt_length) {
+    std::vector<int> kept;
+    for (double ratio : p.prompt_ratios) kept.push_back(kvpress_kept_tokens(prompt_length, ratio));
+    return kept;
 }
 
 void check_profile_shape(const ModelShape& profile_shape, const std::string& profile_where, const ModelShape& actual,

@@ -75,6 +75,13 @@ std::string join(const std::vector<int>& v, const char* sep) {
     return s;
 }
 
+// "0.58 0.8 0.4": per-layer ratios for tables.
+std::string ratios_text(const std::vector<double>& ratios) {
+    std::string text;
+    for (double r : ratios) text += (text.empty() ? "" : " ") + format_number(r);
+    return text;
+}
+
 // What a record keeps, for tables: its layer budgets, or how many heads stream.
 std::string budgets_text(const SearchRecord& r) {
     if (r.fit == "ranks") {
@@ -96,10 +103,17 @@ std::string budgets_text(const SearchRecord& r) {
                       e / n, q / n, static_cast<int>(r.replay_params.at("sinks")), static_cast<int>(r.replay_params.at("recent")));
         return text;
     }
+    if (!r.prompt_ratios.empty()) return "ratios " + ratios_text(r.prompt_ratios) + " of the prompt";
     if (r.streaming_heads.empty()) return join(r.layer_budgets, " ");
     const auto streaming = std::count(r.streaming_heads.begin(), r.streaming_heads.end(), uint8_t{1});
+    std::size_t stateless = 0;
+    for (std::size_t u = 0; u < r.stateless.size(); ++u) stateless += r.streaming_heads[u] && r.stateless[u];
+    const std::string kinds = r.stateless.empty()     ? ""
+                              : stateless == 0        ? ", each with a state"
+                              : stateless == static_cast<std::size_t>(streaming) ? ", none with a state"
+                                                      : ", " + std::to_string(stateless) + " without a state";
     return std::to_string(streaming) + " of " + std::to_string(r.streaming_heads.size()) + " heads stream (sinks " +
-           std::to_string(r.streaming_sinks) + ", recent " + std::to_string(r.streaming_recent) + ")";
+           std::to_string(r.streaming_sinks) + ", recent " + std::to_string(r.streaming_recent) + kinds + ")";
 }
 
 }  // namespace
@@ -109,6 +123,7 @@ std::string budgets_text(const SearchRecord& r) {
 // replay both begin here, so they refuse the same input and measure the same units.
 struct SearchSetup {
     SearchSetup(const SearchSpec& spec, const SearchRun& run);
+    void set_up_prompts(const SearchSpec& spec, const SearchRun& run);  // deploy kvpress
 
     TraceReader reader;
     SearchOutcome out;  // trace, objective, split, shape and grid filled in
@@ -121,6 +136,9 @@ struct SearchSetup {
     std::unique_ptr<AttentionSource> fitting_source, heldout_source;
     int num_layers = 0, num_kv_heads = 0, head_dim = 0;
     std::optional<ByteModel> heldout_bytes;
+    // deploy kvpress: each fitting and held-out sequence's prompt, and the held-out bytes.
+    std::vector<int64_t> fitting_prompts, heldout_prompts;
+    std::optional<PromptByteModel> prompt_bytes;
     HarnessOptions harness;
     ReplayOptions options;
     double full_fp16 = 0;  // bytes per token of the full fp16 cache on the held-out sequences
@@ -139,6 +157,33 @@ SearchSetup::SearchSetup(const SearchSpec& spec, const SearchRun& run) : reader(
     fit_tiers = fits("tiers");
     fit_budgets = fit_layers || fit_heads;
     fit_ranks = fits("ranks");
+    out.deploy = spec.deploy;
+    // What each deployment can run: kvpress's per-layer press takes one ratio per layer;
+    // DuoAttention streams whole heads, with no state.
+    for (const std::string& fit : spec.fits) {
+        if (spec.deploy == "kvpress" && fit != "layer_budgets")
+            throw InputError(spec.fits_where + ": deploy kvpress fits per-layer ratios (layer_budgets): kvpress's "
+                                               "per-layer press takes one compression ratio per layer, and runs no " +
+                             fit);
+        if (spec.deploy == "duo" && fit != "streaming")
+            throw InputError(spec.fits_where + ": deploy duo fits streaming heads (streaming): DuoAttention's pattern "
+                                               "says which heads stream, and holds no " + fit);
+    }
+    const PolicyDescriptor* named = spec.policy.name.empty() ? nullptr : find_policy(spec.policy.name);
+    if (named && spec.deploy == "kvpress" && !named->prompt_press)
+        throw InputError(spec.policy.where + ": deploy kvpress fits the ratios of a kvpress press, and " +
+                         spec.policy.name + " evicts while decoding (presses: snapkv_press, tova_press, "
+                         "observed_attention_press, knorm_press, streaming_llm_press, keydiff_press, cur_press, "
+                         "lagkv_press, noncausal_press)");
+    if (named && spec.deploy != "kvpress" && named->prompt_press)
+        throw InputError(spec.policy.where + ": " + spec.policy.name + " compresses a prompt once, as kvpress does: "
+                                             "give search.deploy: kvpress and search.prompt");
+    if (spec.deploy == "duo" && spec.streaming_recent < 2)
+        throw InputError(spec.streaming_where + ".recent: DuoAttention keeps recent_size = recent - 1 tokens before the "
+                                                "current one and needs at least 1: give recent >= 2");
+    if (spec.deploy != "kvsim" && !qkv)
+        throw InputError(spec.deploy_where + ": deploy " + spec.deploy + " is fitted by output error on queries, keys "
+                                             "and values, but " + run.trace_path + " records attention only");
     if (fit_ranks && (!qkv || !output_error))
         throw InputError(spec.fits_where + ": ranks are fitted by their output error on keys and values, which needs a "
                                            "Q/K/V trace and objective output_rel_error");
@@ -161,15 +206,6 @@ SearchSetup::SearchSetup(const SearchSpec& spec, const SearchRun& run) : reader(
     if (meta.head_dim <= 0)
         throw InputError(run.trace_path + ": the trace records no head size, and byte targets are counted from it");
 
-    // The policy whose budgets are fitted.
-    policy = find_policy(spec.policy.name);
-    if (!policy)
-        throw InputError(spec.policy.where + ": unknown policy '" + spec.policy.name + "' (known: " +
-                         known_policy_names() + ")");
-    if (policy->keeps_everything)
-        throw InputError(spec.policy.where + ": " + spec.policy.name + " keeps every token; search fits eviction budgets");
-    params = resolve_params(*policy, spec.policy.params, spec.policy.where);
-
     // The split.
     const int count = static_cast<int>(reader.sequences().size());
     heldout = search_heldout_indices(spec, count, run.trace_path);
@@ -187,6 +223,35 @@ SearchSetup::SearchSetup(const SearchSpec& spec, const SearchRun& run) : reader(
     head_dim = static_cast<int>(meta.head_dim);
     const int L = num_layers, K = num_kv_heads;
     out.shape = {meta.model_name, L, shape.num_query_heads, K, head_dim};
+    full_fp16 = 4.0 * head_dim;
+    harness = named_harness_options(run.attention_view, run.group_reduce, qkv, 0);
+    options.harness = harness;
+    options.output_error = output_error;
+    options.memory = qkv;
+
+    if (spec.deploy == "kvpress") {
+        set_up_prompts(spec, run);
+        return;
+    }
+    if (!fit_budgets && spec.policy.name.empty()) {  // streaming heads alone (DuoAttention's): no policy, no grid
+        for (const SearchTarget& target : spec.targets)
+            if (target.bytes(full_fp16) >= full_fp16) {
+                char detail[160];
+                std::snprintf(detail, sizeof detail, "%.4g bytes per token is at or above the %.4g of keeping every token",
+                              target.bytes(full_fp16), full_fp16);
+                throw InputError(target.where + ": " + target.label + " (" + detail + "): nothing to fit");
+            }
+        return;
+    }
+
+    // The policy whose budgets are fitted.
+    policy = find_policy(spec.policy.name);
+    if (!policy)
+        throw InputError(spec.policy.where + ": unknown policy '" + spec.policy.name + "' (known: " +
+                         known_policy_names() + ")");
+    if (policy->keeps_everything)
+        throw InputError(spec.policy.where + ": " + spec.policy.name + " keeps every token; search fits eviction budgets");
+    params = resolve_params(*policy, spec.policy.params, spec.policy.where);
 
     // The budget grid: from the smallest budget the policy accepts to the longest sequence.
     int64_t longest = 1;
@@ -210,11 +275,6 @@ SearchSetup::SearchSetup(const SearchSpec& spec, const SearchRun& run) : reader(
         policy->make(params, PolicyContext{out.grid.front(), out.grid.front() + 1, 0, L, 0, K, head_dim})->bytes_per_slot());
     heldout_bytes.emplace(heldout_source->shape().last_steps, head_dim, slot_bytes);
 
-    harness = named_harness_options(run.attention_view, run.group_reduce, qkv, 0);
-    options.harness = harness;
-    options.output_error = output_error;
-    options.memory = qkv;
-
     // Every target must lie between what the smallest grid budget holds and the full cache.
     full_fp16 = heldout_bytes->full_fp16_bytes_per_token();
     for (const SearchTarget& target : spec.targets) {
@@ -227,6 +287,58 @@ SearchSetup::SearchSetup(const SearchSpec& spec, const SearchRun& run) : reader(
                           bytes, floor_bytes, out.grid.front());
             throw InputError(target.where + ": " + target.label + " (" + detail + ": " + spec.policy.name +
                              "'s recent window, sinks and bookkeeping need at least that)");
+        }
+        if (bytes >= ceiling_bytes) {
+            std::snprintf(detail, sizeof detail, "%.4g bytes per token is at or above the %.4g of keeping every token",
+                          bytes, ceiling_bytes);
+            throw InputError(target.where + ": " + target.label + " (" + detail + "): nothing to fit");
+        }
+    }
+}
+
+// deploy kvpress: the press, each sequence's prompt (every one must leave a continuation), the
+// grid of kept shares and the targets' room between its ends.
+void SearchSetup::set_up_prompts(const SearchSpec& spec, const SearchRun& run) {
+    policy = find_policy(spec.policy.name);
+    if (!policy)
+        throw InputError(spec.policy.where + ": unknown policy '" + spec.policy.name + "' (known: " +
+                         known_policy_names() + ")");
+    params = resolve_params(*policy, spec.policy.params, spec.policy.where);
+    auto prompts_of = [&](const AttentionSource& source, const std::vector<int>& indices) {
+        std::vector<int64_t> prompts;
+        for (std::size_t i = 0; i < indices.size(); ++i) {
+            const int64_t length = source.shape().sequence_lengths[i];
+            const int64_t prompt = spec.prompt.prompt_length(length);
+            if (prompt < 2 || prompt > source.shape().last_steps[i])
+                throw InputError(spec.prompt_where + ": " + spec.prompt.describe() + " of sequence " +
+                                 source.shape().sequence_names[i] + " (" + std::to_string(length) + " tokens" +
+                                 (run.max_steps > 0 ? ", " + std::to_string(source.shape().last_steps[i]) + " steps replayed" : "") +
+                                 ") leave" + (spec.prompt.tokens > 0 ? "" : "s") + " no prompt of 2 tokens and a "
+                                 "continuation after it");
+            prompts.push_back(prompt);
+        }
+        return prompts;
+    };
+    fitting_prompts = prompts_of(*fitting_source, fitting);
+    heldout_prompts = prompts_of(*heldout_source, heldout);
+    prompt_bytes.emplace(heldout_prompts, heldout_source->shape().last_steps, head_dim);
+    if (spec.grid.empty())  // kept shares of 2% to 100% of the prompt
+        for (int kept = 20; kept <= 1000; kept += 20) out.grid.push_back(kept);
+    else
+        out.grid = spec.grid;
+    options.harness.bookkeeping = false;  // kvpress holds K and V alone
+    const double floor_bytes = prompt_bytes->bytes_per_token(out.grid.front());
+    const double ceiling_bytes = prompt_bytes->bytes_per_token(1000);
+    for (const SearchTarget& target : spec.targets) {
+        const double bytes = target.bytes(full_fp16);
+        char detail[200];
+        if (bytes < floor_bytes) {
+            std::snprintf(detail, sizeof detail,
+                          "%.4g bytes per token is below the %.4g that keeping %g%% of every prompt holds", bytes,
+                          floor_bytes, out.grid.front() / 10.0);
+            throw InputError(target.where + ": " + target.label + " (" + detail +
+                             " with its continuation, all of which kvpress keeps): give a longer prompt or a smaller "
+                             "target");
         }
         if (bytes >= ceiling_bytes) {
             std::snprintf(detail, sizeof detail, "%.4g bytes per token is at or above the %.4g of keeping every token",
@@ -263,6 +375,9 @@ std::vector<ComboResult> combine_grid_units(const SearchSetup& setup, const std:
 
 SearchGridReplay::SearchGridReplay(const SearchSpec& spec, const SearchRun& run)
     : setup_(std::make_unique<SearchSetup>(spec, run)), policy_(spec.policy), progress_(run.progress) {
+    if (spec.deploy != "kvsim")
+        throw InputError(spec.deploy_where + ": --shard divides the grid replay of kvsim's budget fits; a search that "
+                                             "deploys to " + spec.deploy + " runs on one machine (without --shard)");
     if (!setup_->fit_budgets)
         throw InputError(spec.fits_where + ": --shard divides the grid replay of the budget fits (layer_budgets, "
                                            "head_budgets), and this search has neither; run it without --shard");
@@ -328,6 +443,118 @@ std::vector<int> search_heldout_indices(const SearchSpec& spec, int count, const
     return heldout;
 }
 
+namespace {
+
+// deploy kvpress: per-layer compression ratios of each sequence's prompt for the search's press,
+// as kvpress's per-layer press applies them (each layer's heads keep int(prompt * (1 - ratio)) of
+// the prompt, then decoding appends), against one ratio everywhere and the depth schedules, all
+// at the same bytes on the held-out continuations. Per-layer curves come from one lockstep pass
+// over the fitting sequences, every grid ratio in every layer at once (layers are independent on
+// a trace); the allocators are the budget fits', over kept shares of the prompt.
+void fit_prompt_ratios(SearchSetup& setup, const SearchSpec& spec, const SearchRun& run,
+                       const std::function<void(double)>& progress, std::vector<std::string>& curve_notes) {
+    SearchOutcome& out = setup.out;
+    const bool output_error = setup.output_error;
+    const int L = setup.num_layers;
+    const std::vector<int>& grid = out.grid;
+    const PromptByteModel& bytes = *setup.prompt_bytes;
+    PolicyEntry press = spec.policy;
+    press.prompt = spec.prompt;
+    press.bookkeeping = false;
+    auto column = [&](std::string label, const std::vector<int>& kept) {
+        BudgetColumn c;
+        c.label = std::move(label);
+        c.where = spec.where;
+        for (int k : kept) c.prompt_ratios.push_back(kvpress_ratio(k));
+        c.budget = 0;
+        return c;
+    };
+    std::vector<BudgetColumn> grid_columns;
+    for (int g : grid) grid_columns.push_back(column("ratio " + format_number(kvpress_ratio(g)), std::vector<int>(L, g)));
+    ReplayOptions options = setup.options;
+    if (run.progress) options.progress = [&](double f) { progress(0.7 * f); };
+    const std::vector<ComboResult> measured = replay(*setup.fitting_source, expand_sweep({press}, {}, grid_columns), options);
+    std::vector<UnitCurve> curves(L);
+    for (int l = 0; l < L; ++l) {
+        curves[l].name = "layer " + std::to_string(l);
+        for (const ComboResult& r : measured) curves[l].error.push_back(error_sum(r.by_layer[l], output_error));
+    }
+    const double fitting_steps = step_count(measured.front().total, output_error);
+
+    struct RatioMethod {
+        const SearchTarget* target;
+        std::string name;
+        std::vector<int> kept;  // per layer, a grid value
+        bool fitted = false;
+    };
+    std::vector<RatioMethod> methods;
+    const int default_ratio =
+        static_cast<int>(resolve_params(*find_policy("pyramidkv"), {}, "pyramidkv").at("pyramid_ratio"));
+    for (const SearchTarget& target : spec.targets) {
+        const double wanted = target.bytes(setup.full_fp16);
+        auto best_shape = [&](auto weights_of, const std::vector<double>& candidates, double& best_value) {
+            Allocation best;
+            double best_error = std::numeric_limits<double>::infinity();
+            for (double c : candidates) {
+                const Allocation a = allocate_by_shape(weights_of(c), grid, bytes, wanted);
+                const double e = allocation_error(curves, grid, a.budgets);
+                if (e < best_error) best = a, best_error = e, best_value = c;
+            }
+            return best;
+        };
+        methods.push_back({&target, "uniform ratio", allocate_by_shape(std::vector<double>(L, 1.0), grid, bytes, wanted).budgets});
+        methods.push_back({&target, "PyramidKV schedule (ratio " + std::to_string(default_ratio) + ")",
+                           allocate_by_shape(pyramid_weights(L, default_ratio), grid, bytes, wanted).budgets});
+        double ratio = 0, slope = 0;
+        const Allocation pyramid = best_shape([&](double r) { return pyramid_weights(L, static_cast<int>(r)); },
+                                              {2, 3, 4, 6, 8, 12, 16, 20, 32, 64}, ratio);
+        methods.push_back({&target, "PyramidKV schedule (best ratio " + format_number(ratio) + ")", pyramid.budgets});
+        const Allocation inverted = best_shape([&](double x) { return inverted_weights(L, x); },
+                                               {0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9}, slope);
+        methods.push_back({&target, "inverted schedule (best slope " + format_number(slope) + ")", inverted.budgets});
+        methods.push_back({&target, "fitted layer ratios", allocate_by_marginal_gain(curves, grid, bytes, wanted).budgets,
+                           true});
+    }
+    std::size_t non_convex = 0, above = 0;
+    for (const UnitCurve& c : curves) {
+        const CurveShape shape = curve_shape(c, grid, bytes);
+        non_convex += !shape.above_hull.empty();
+        above += shape.above_hull.size();
+    }
+    char line[300];
+    std::snprintf(line, sizeof line,
+                  "%zu of %d per-layer curves of the press's error against the prompt's kept share are not convex "
+                  "(%zu of %zu grid points lie above their lower hull): the allocator follows each lower hull.",
+                  non_convex, L, above, curves.size() * grid.size());
+    curve_notes.push_back(line);
+
+    // One pass over the held-out sequences: every method at every target.
+    std::vector<BudgetColumn> method_columns;
+    for (const RatioMethod& m : methods) method_columns.push_back(column(m.name + " @ " + m.target->label, m.kept));
+    if (run.progress) options.progress = [&](double f) { progress(0.7 + 0.3 * f); };
+    const std::vector<ComboResult> confirmed =
+        replay(*setup.heldout_source, expand_sweep({press}, {}, method_columns), options);
+    for (std::size_t i = 0; i < methods.size(); ++i) {
+        const RatioMethod& m = methods[i];
+        const StreamMetrics& total = confirmed[i].total;
+        SearchRecord r;
+        r.method = m.name;
+        r.fit = "layer_budgets";
+        r.target = m.target->label;
+        r.objective = out.objective;
+        r.fitting = objective_value(allocation_error(curves, grid, m.kept), fitting_steps, output_error);
+        r.heldout = objective_value(error_sum(total, output_error), step_count(total, output_error), output_error);
+        r.bytes_per_token = total.cache_bytes / static_cast<double>(total.context_tokens);
+        r.compression_ratio = total.fp16_bytes / total.cache_bytes;
+        r.prompt_ratios = method_columns[i].prompt_ratios;
+        r.writes_profile = m.fitted;
+        out.records.push_back(r);
+    }
+    progress(1.0);
+}
+
+}  // namespace
+
 SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     const auto start = std::chrono::steady_clock::now();
     SearchSetup setup(spec, run);
@@ -342,7 +569,7 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     std::unique_ptr<AttentionSource>& fitting_source = setup.fitting_source;
     std::unique_ptr<AttentionSource>& heldout_source = setup.heldout_source;
     const int L = setup.num_layers, K = setup.num_kv_heads;
-    const ByteModel& heldout_bytes = *setup.heldout_bytes;
+    const ByteModel* heldout_bytes_model = setup.heldout_bytes ? &*setup.heldout_bytes : nullptr;
     const HarnessOptions& harness = setup.harness;
     ReplayOptions options = setup.options;
     const double full_fp16 = setup.full_fp16;
@@ -358,7 +585,10 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     // Budget fits: per-unit curves from one fitting pass, every method in one held-out pass.
     std::vector<std::string> curve_notes;
     PolicyEntry entry = spec.policy;
-    if (fit_budgets) {
+    if (spec.deploy == "kvpress") {
+        fit_prompt_ratios(setup, spec, run, [&](double f) { stage_progress(0, f); }, curve_notes);
+    } else if (fit_budgets) {
+        const ByteModel& heldout_bytes = *heldout_bytes_model;
         // One lockstep pass over the fitting set: every grid budget side by side.
         // Or its units' streams, measured by shards (kvsim search --shard) and summed as replay sums.
         std::vector<ComboResult> measured;
@@ -617,13 +847,28 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
         p.trace_sha256 = trace_sha;
         p.config = run.config_file;
         p.config_sha256 = config_sha;
-        if (r.fit == "streaming" || r.fit == "tiers") {
+        p.deploy = spec.deploy;
+        for (int64_t last : setup.heldout_source->shape().last_steps) p.measured_tokens.push_back(last + 1);
+        if (!r.prompt_ratios.empty()) {  // kvpress: the press and its per-layer ratios of the prompt
+            p.policy = policy->name;
+            p.params = params;
+            p.prompt = spec.prompt;
+            p.prompt_ratios = r.prompt_ratios;
+            p.measured_prompts = setup.heldout_prompts;
+            const PromptByteModel fitting(setup.fitting_prompts, setup.fitting_source->shape().last_steps, setup.head_dim);
+            for (double ratio : r.prompt_ratios)
+                p.fitting_bytes_per_token +=
+                    fitting.bytes_per_token(static_cast<int>(std::lround((1 - ratio) * 1000))) / L;
+            p.fitting_prompts = setup.fitting_prompts;
+        } else if (r.fit == "streaming" || r.fit == "tiers") {
             p.policy = r.fit == "streaming" ? "streaming_attention" : "stratigraphic";
             p.params = r.replay_params;
             if (r.fit == "streaming")
-                p.streaming = StreamingHeads{r.streaming_sinks, r.streaming_recent, r.streaming_heads, r.lambda};
+                p.streaming = StreamingHeads{r.streaming_sinks, r.streaming_recent, r.streaming_heads, r.lambda,
+                                             r.stateless, r.gates};
             else
                 p.tiers = r.tiers;
+            if (r.fit == "streaming" && spec.deploy == "duo") p.sparsity_curve = out.sparsity_curve;
         } else {
             p.policy = policy->name;
             p.params = params;
@@ -634,10 +879,22 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
                 for (int kv = 0; kv < K; ++kv) {
                     const int b = r.head_budgets.empty() ? r.layer_budgets[l]
                                                          : r.head_budgets[static_cast<std::size_t>(l) * K + kv];
-                    kept += heldout_bytes.kept_share(b);
+                    kept += heldout_bytes_model->kept_share(b);
                 }
                 p.layer_kept_fraction.push_back(kept / K);
             }
+            const ByteModel fitting(setup.fitting_source->shape().last_steps, setup.head_dim,
+                                    heldout_bytes_model->slot_bytes());
+            for (int l = 0; l < L; ++l)
+                for (int kv = 0; kv < K; ++kv)
+                    p.fitting_bytes_per_token += fitting.bytes_per_token(
+                        r.head_budgets.empty() ? r.layer_budgets[l] : r.head_budgets[static_cast<std::size_t>(l) * K + kv]) /
+                        (L * K);
+        }
+        if (p.fitting_bytes_per_token > 0) {
+            p.fitting_sequences = out.fitting_sequences;
+            for (int64_t last : setup.fitting_source->shape().last_steps) p.fitting_tokens.push_back(last + 1);
+            p.fitting_compression_ratio = setup.full_fp16 / p.fitting_bytes_per_token;
         }
         p.name = meta.model_name + "-" + p.policy + "-" + r.fit + "-" + r.target;
         out.profiles.push_back(p);
@@ -646,10 +903,38 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     return std::move(out);
 }
 
+namespace {
+
+// deploy duo: the held-out figure at each sparsity, for a user choosing DuoAttention's --sparsity.
+std::string sparsity_table(const SearchOutcome& o, bool markdown) {
+    if (o.sparsity_curve.empty()) return {};
+    std::string text = markdown ? "\n## DuoAttention sparsity\n\nThe fitted ranking (the profile's gates) at each "
+                                  "sparsity DuoAttention may be given (`--sparsity`), measured on the held-out "
+                                  "sequences:\n\n| sparsity | streaming heads | held-out " + o.objective +
+                                      " | bytes/token | compression |\n|---|---|---|---|---|\n"
+                                : "\nDuoAttention sparsity (the fitted ranking; held out)\n  sparsity  heads  " +
+                                      std::string(o.objective == "output_rel_error" ? "rel error" : "retained") +
+                                      "  bytes/token  compress\n";
+    char line[200];
+    for (const SparsityPoint& c : o.sparsity_curve) {
+        if (markdown)
+            std::snprintf(line, sizeof line, "| %.4g | %d | %.6f | %.3f | %.3fx |\n", c.sparsity, c.streaming_heads,
+                          c.heldout, c.bytes_per_token, c.compression_ratio);
+        else
+            std::snprintf(line, sizeof line, "  %8.4g  %5d  %9.6f  %11.3f  %7.3fx\n", c.sparsity, c.streaming_heads,
+                          c.heldout, c.bytes_per_token, c.compression_ratio);
+        text += line;
+    }
+    return text;
+}
+
+}  // namespace
+
 std::string format_search_table(const SearchOutcome& o) {
     std::string text = "kvsim search  |  trace " + o.trace + "  |  objective " + o.objective + " (held out: " +
                        std::to_string(o.heldout_sequences.size()) + " sequences; fitted on " +
-                       std::to_string(o.fitting_sequences.size()) + ")\n";
+                       std::to_string(o.fitting_sequences.size()) + ")" +
+                       (o.deploy == "kvsim" ? "" : "  |  deploy " + o.deploy) + "\n";
     std::string target;
     std::size_t width = 6;
     for (const SearchRecord& r : o.records) width = std::max(width, r.method.size());
@@ -669,7 +954,7 @@ std::string format_search_table(const SearchOutcome& o) {
                       budgets_text(r).c_str());
         text += line;
     }
-    return text;
+    return text + sparsity_table(o, false);
 }
 
 void write_search_outputs(const SearchOutcome& o, const std::string& dir) {
@@ -688,9 +973,12 @@ void write_search_outputs(const SearchOutcome& o, const std::string& dir) {
         j["delta_ppl"] = std::isfinite(r.delta_ppl) ? Json(r.delta_ppl) : Json(nullptr);
         j["layer_budgets"] = r.layer_budgets;
         if (!r.head_budgets.empty()) j["head_budgets"] = r.head_budgets;
+        if (!r.prompt_ratios.empty()) j["prompt_ratios"] = r.prompt_ratios;
         if (!r.streaming_heads.empty()) {
             j["streaming_heads"] = std::vector<int>(r.streaming_heads.begin(), r.streaming_heads.end());
             j["lambda"] = r.lambda;
+            if (!r.stateless.empty()) j["stateless"] = std::vector<int>(r.stateless.begin(), r.stateless.end());
+            if (!r.gates.empty()) j["gates"] = r.gates;
         }
         if (r.fit == "ranks") {
             j["replay_policy"] = r.replay_policy;
@@ -727,6 +1015,17 @@ void write_search_outputs(const SearchOutcome& o, const std::string& dir) {
                    {"notes", o.notes},
                    {"seconds", o.seconds},
                    {"records", records}};
+    if (o.deploy != "kvsim") search["deploy"] = o.deploy;  // kvsim's own searches read as before
+    if (!o.sparsity_curve.empty()) {
+        Json curve = Json::array();
+        for (const SparsityPoint& c : o.sparsity_curve)
+            curve.push_back({{"sparsity", c.sparsity},
+                             {"streaming_heads", c.streaming_heads},
+                             {"heldout", c.heldout},
+                             {"bytes_per_token", c.bytes_per_token},
+                             {"compression_ratio", c.compression_ratio}});
+        search["sparsity_curve"] = curve;
+    }
 
     std::string report = "# kvsim search\n\nTrace `" + o.trace + "`, objective `" + o.objective +
                          "`. Every figure below is measured on the held-out sequences (" +
@@ -734,6 +1033,13 @@ void write_search_outputs(const SearchOutcome& o, const std::string& dir) {
     for (std::size_t i = 0; i < o.heldout_sequences.size(); ++i) report += (i ? ", " : "") + o.heldout_sequences[i];
     report += "), at the same bytes per token within each target; the fits saw only the other " +
               std::to_string(o.fitting_sequences.size()) + ".\n";
+    if (o.deploy == "kvpress")
+        report += "\nDeployed in kvpress: each sequence's prompt is compressed once, at its end, by the press at each "
+                  "layer's ratio; decoding then appends. The figures and bytes (K and V alone) are those of the "
+                  "continuation after the prompt.\n";
+    if (o.deploy == "duo")
+        report += "\nDeployed in DuoAttention: streaming heads hold their sinks and recent window and nothing else; "
+                  "bytes are K and V alone.\n";
     std::string target;
     for (const SearchRecord& r : o.records) {
         if (r.target != target) {
@@ -748,6 +1054,7 @@ void write_search_outputs(const SearchOutcome& o, const std::string& dir) {
                       r.compression_ratio, delta);
         report += "| " + r.method + row + budgets_text(r) + " |\n";
     }
+    report += sparsity_table(o, true);
     if (!o.notes.empty()) {
         report += "\n## Notes\n\n";
         for (const std::string& n : o.notes) report += "- " + n + "\n";

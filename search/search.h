@@ -37,12 +37,19 @@ struct SearchRecord {
     double compression_ratio = 0;  // measured on the held-out sequences
     double delta_ppl = std::numeric_limits<double>::quiet_NaN();  // with the model in the loop
     std::vector<int> layer_budgets;  // per layer (with head budgets, each layer's mean)
+    // deploy kvpress: per layer, the compression ratio of each sequence's prompt (kvpress's).
+    std::vector<double> prompt_ratios;
     std::vector<int> head_budgets;   // per (layer, KV head), empty for a layer allocation
     bool adakv = false;              // Ada-KV (floor kSearchAdaKvFloor) at layer_budgets' per-layer totals
-    // Streaming heads (fit: streaming): which (layer, KV head) streams, and its lambda.
+    // Streaming heads (fit: streaming): which (layer, KV head) streams, its lambda, and which
+    // streaming heads keep no linear state (empty: every one keeps it).
     std::vector<uint8_t> streaming_heads;
     std::vector<double> lambda;
+    std::vector<uint8_t> stateless;
     int streaming_sinks = 0, streaming_recent = 0;
+    // deploy duo: every head's gate in [0, 1], lowest first in the order the fit streams them
+    // (streaming heads below 0.5, the rest above), for DuoAttention's quantile threshold.
+    std::vector<double> gates;
     // Tier profiles (fit: tiers): the per-head zone shares replayed (tiers.num_layers is 0 for
     // every other record).
     TierShares tiers;
@@ -58,6 +65,7 @@ struct SearchRecord {
 
 struct SearchOutcome {
     std::string trace;
+    std::string deploy = "kvsim";  // the target the search fitted for (SearchSpec::deploy)
     std::string objective;
     ModelShape shape;
     std::vector<std::string> fitting_sequences, heldout_sequences;
@@ -67,6 +75,7 @@ struct SearchOutcome {
     std::vector<Profile> profiles;     // one per fitted method and target
     std::shared_ptr<const KvBases> bases;  // fit: ranks: the bases fitted on the fitting sequences
     std::vector<std::string> notes;    // non-convex curves, the direction of the layer profile, ...
+    std::vector<SparsityPoint> sparsity_curve;  // deploy duo: the fitted ranking at each sparsity
     double seconds = 0;
 };
 

@@ -22,8 +22,25 @@ struct SearchTarget {
     }
 };
 
+// Where a fitted profile is deployed: what kvsim replays and fits it under, and the byte model.
+//   kvsim:   kvsim's runtime: decode-time eviction at every step, tiers, streaming heads with or
+//            without a linear state; bytes count the policy's bookkeeping.
+//   kvpress: NVIDIA's kvpress: the prompt compressed once, at its end, by a press keeping a share of
+//            each layer's prompt tokens (per-layer ratios); decoding then appends without eviction;
+//            the continuation is measured; bytes are K and V alone.
+//   duo:     DuoAttention: streaming heads hold their sinks and recent window only, every other head
+//            its whole cache; bytes are K and V alone.
+inline const std::vector<std::string>& known_deploy_targets() {
+    static const std::vector<std::string> targets = {"kvsim", "kvpress", "duo"};
+    return targets;
+}
+
 struct SearchSpec {
     std::string where;                  // "FILE:LINE: search"
+    std::string deploy = "kvsim";       // one of known_deploy_targets()
+    std::string deploy_where;
+    PromptSplit prompt;                 // deploy kvpress: each sequence's prompt and continuation
+    std::string prompt_where;
     PolicyEntry policy;                 // the eviction policy whose budgets are fitted
     // Held-out sequences by index, or a fraction of them drawn with a seed (deterministic).
     std::vector<int> heldout;

@@ -17,15 +17,19 @@ namespace kvsim {
 
 StreamingPlanFile::StreamingPlanFile(const std::string& folder, const std::string& name, int num_layers,
                                      int num_kv_heads, const std::vector<uint8_t>& streaming,
-                                     const std::vector<double>& lambda)
+                                     const std::vector<double>& lambda, const std::vector<uint8_t>& stateless)
     : path_(folder + "/" + name + ".yaml") {
-    std::string text = "streaming:\n";
-    for (int l = 0; l < num_layers; ++l) {
-        text += "  - [";
-        for (int kv = 0; kv < num_kv_heads; ++kv)
-            text += (kv ? ", " : "") + std::to_string(streaming[static_cast<std::size_t>(l) * num_kv_heads + kv]);
-        text += "]\n";
-    }
+    auto gate_rows = [&](const char* key, const std::vector<uint8_t>& gates) {
+        std::string text = std::string(key) + ":\n";
+        for (int l = 0; l < num_layers; ++l) {
+            text += "  - [";
+            for (int kv = 0; kv < num_kv_heads; ++kv)
+                text += (kv ? ", " : "") + std::to_string(gates[static_cast<std::size_t>(l) * num_kv_heads + kv]);
+            text += "]\n";
+        }
+        return text;
+    };
+    std::string text = gate_rows("streaming", streaming);
     text += "lambda:\n";
     char value[32];
     for (int l = 0; l < num_layers; ++l) {
@@ -36,6 +40,7 @@ StreamingPlanFile::StreamingPlanFile(const std::string& folder, const std::strin
         }
         text += "]\n";
     }
+    if (!stateless.empty()) text += gate_rows("stateless", stateless);
     write_file_atomically(path_, text);
 }
 
@@ -53,6 +58,7 @@ struct Plan {
     std::string name;
     std::vector<uint8_t> streaming;
     std::vector<double> lambda;
+    std::vector<uint8_t> stateless;  // empty: every streaming head keeps its state
 };
 
 struct PlanResult {
@@ -63,18 +69,20 @@ struct PlanResult {
 
 class PlanReplay {
 public:
-    PlanReplay(const FitInput& in, const ParamValues& params, int& passes) : in_(in), params_(params), passes_(passes) {}
+    // `passes`: how many replays the fit makes in all, for progress; `bookkeeping`: whether the
+    // bytes count the policy's bookkeeping (kvsim's runtime holds it, DuoAttention does not).
+    PlanReplay(const FitInput& in, const ParamValues& params, int& passes, int total_passes, bool bookkeeping)
+        : in_(in), params_(params), passes_(passes), total_passes_(total_passes), bookkeeping_(bookkeeping) {}
 
     // Every plan side by side in one lockstep pass over `source`.
     std::vector<PlanResult> run(AttentionSource& source, const std::vector<Plan>& plans) {
-        // Every pass counts alike: two golden-section searches of kGoldenSteps + 1 passes, then
-        // the bytes and the confirmation.
-        if (in_.progress) in_.progress(static_cast<double>(++passes_) / (2 * (kGoldenSteps + 1) + 2));
+        if (in_.progress) in_.progress(static_cast<double>(++passes_) / total_passes_);
         std::vector<std::unique_ptr<StreamingPlanFile>> files;
         std::vector<PolicyEntry> entries;
         for (const Plan& plan : plans) {
             files.push_back(std::make_unique<StreamingPlanFile>(in_.scratch_folder, plan.name, in_.shape.num_layers,
-                                                                in_.shape.num_kv_heads, plan.streaming, plan.lambda));
+                                                                in_.shape.num_kv_heads, plan.streaming, plan.lambda,
+                                                                plan.stateless));
             PolicyEntry e;
             e.name = "streaming_attention";
             e.params = {{"sinks", params_.at("sinks")}, {"recent", params_.at("recent")}};
@@ -84,6 +92,7 @@ public:
         }
         ReplayOptions options;
         options.harness = in_.harness;
+        options.harness.bookkeeping = bookkeeping_;
         options.output_error = true;
         options.memory = true;
         const std::vector<ReplayCombo> combos = expand_sweep(entries, {}, std::vector<int>{1});
@@ -107,6 +116,8 @@ private:
     const FitInput& in_;
     ParamValues params_;
     int& passes_;  // shared by the fit's replays, for progress
+    int total_passes_;
+    bool bookkeeping_;
 };
 
 std::string format_lambda(double x) {
@@ -114,10 +125,6 @@ std::string format_lambda(double x) {
     std::snprintf(text, sizeof text, "%.3f", x);
     return text;
 }
-
-}  // namespace
-
-namespace {
 
 struct LambdaFit {
     std::vector<double> lambda, error;  // per (layer, KV head): the lambda, and the error at it
@@ -131,7 +138,7 @@ LambdaFit fit_lambdas(PlanReplay& plans, AttentionSource& source, std::size_t un
     const std::vector<uint8_t> every_head(units, 1);
     std::vector<double> low(units, 0.0), high(units, 1.0);
     for (int step = 0; step < kGoldenSteps; ++step) {
-        Plan left{"probe-left", every_head, {}}, right{"probe-right", every_head, {}};
+        Plan left{"probe-left", every_head, {}, {}}, right{"probe-right", every_head, {}, {}};
         for (std::size_t u = 0; u < units; ++u) {
             left.lambda.push_back(high[u] - kGolden * (high[u] - low[u]));
             right.lambda.push_back(low[u] + kGolden * (high[u] - low[u]));
@@ -144,10 +151,10 @@ LambdaFit fit_lambdas(PlanReplay& plans, AttentionSource& source, std::size_t un
                 low[u] = left.lambda[u];
         }
     }
-    Plan middle{"probe-middle", every_head, {}};
+    Plan middle{"probe-middle", every_head, {}, {}};
     for (std::size_t u = 0; u < units; ++u) middle.lambda.push_back((low[u] + high[u]) / 2);
-    std::vector<Plan> last = {middle, Plan{"probe-zero", every_head, std::vector<double>(units, 0.0)},
-                              Plan{"probe-one", every_head, std::vector<double>(units, 1.0)}};
+    std::vector<Plan> last = {middle, Plan{"probe-zero", every_head, std::vector<double>(units, 0.0), {}},
+                              Plan{"probe-one", every_head, std::vector<double>(units, 1.0), {}}};
     last.insert(last.end(), extra.begin(), extra.end());
     const std::vector<PlanResult> ends = plans.run(source, last);
     extra_results.assign(ends.begin() + 3, ends.end());
@@ -162,17 +169,18 @@ LambdaFit fit_lambdas(PlanReplay& plans, AttentionSource& source, std::size_t un
     return fit;
 }
 
-// The heads that stream to bring the cache to `wanted` bytes per token, taken in `order`.
-std::vector<uint8_t> heads_for_target(const std::vector<std::size_t>& order, const PlanResult& streaming,
-                                      const PlanResult& full, double wanted, const SearchTarget& target,
+// The heads that stream to bring the cache to `wanted` bytes per token, taken in `order`; each
+// head holds `streaming` bytes when it streams and `full` when it keeps its cache.
+std::vector<uint8_t> heads_for_target(const std::vector<std::size_t>& order, const std::vector<double>& streaming,
+                                      const std::vector<double>& full, double wanted, const SearchTarget& target,
                                       const std::string& why) {
     const std::size_t units = order.size();
     std::vector<uint8_t> streams(units, 0);
-    double sum = std::accumulate(full.head_bytes.begin(), full.head_bytes.end(), 0.0);
+    double sum = std::accumulate(full.begin(), full.end(), 0.0);
     for (std::size_t u : order) {
         if (sum <= wanted * static_cast<double>(units)) break;
         streams[u] = 1;
-        sum += streaming.head_bytes[u] - full.head_bytes[u];
+        sum += streaming[u] - full[u];
     }
     if (sum > wanted * static_cast<double>(units) * (1 + 1e-9)) {
         char detail[200];
@@ -192,17 +200,195 @@ std::vector<std::size_t> ascending_order(const std::vector<double>& key) {
     return order;
 }
 
+// "layer 0: heads 1, 3; layer 2: head 0": the heads where `pick` holds.
+std::string list_heads(const std::vector<uint8_t>& pick, int num_kv_heads) {
+    std::string text;
+    int layer = -1;
+    for (std::size_t u = 0; u < pick.size(); ++u) {
+        if (!pick[u]) continue;
+        const int l = static_cast<int>(u) / num_kv_heads, kv = static_cast<int>(u) % num_kv_heads;
+        if (l != layer) {
+            text += (text.empty() ? "" : "; ") + std::string("layer ") + std::to_string(l) + ": " + std::to_string(kv);
+            layer = l;
+        } else {
+            text += ", " + std::to_string(kv);
+        }
+    }
+    return text.empty() ? "none" : text;
+}
+
+// A method's plan at one target, and what its fitting figure sums.
+struct Chosen {
+    Plan plan;
+    const SearchTarget* target;
+    std::string method;
+    std::vector<double> fitting_error;  // per head, on the fitting sequences, when it streams
+    bool writes_profile = false;
+};
+
+// Records of the chosen plans, confirmed in one pass over the held-out sequences.
+void confirm_plans(PlanReplay& plans, const FitInput& in, const ParamValues& params, const std::vector<Chosen>& chosen,
+                   SearchOutcome& out) {
+    std::vector<Plan> chosen_plans;
+    for (const Chosen& c : chosen) chosen_plans.push_back(c.plan);
+    const std::vector<PlanResult> confirmed = plans.run(*in.heldout, chosen_plans);
+    const std::size_t units = static_cast<std::size_t>(in.shape.num_layers) * in.shape.num_kv_heads;
+    for (std::size_t i = 0; i < chosen.size(); ++i) {
+        const Chosen& c = chosen[i];
+        SearchRecord r;
+        r.method = c.method;
+        r.fit = "streaming";
+        r.target = c.target->label;
+        r.objective = "output_rel_error";
+        double fitting = 0;
+        for (std::size_t u = 0; u < units; ++u)
+            if (c.plan.streaming[u]) fitting += c.fitting_error[u];
+        r.fitting = fitting / static_cast<double>(units);
+        r.heldout = confirmed[i].error;
+        r.bytes_per_token = confirmed[i].bytes_per_token;
+        r.compression_ratio = confirmed[i].compression_ratio;
+        r.streaming_heads = c.plan.streaming;
+        r.lambda = c.plan.lambda;
+        r.stateless = c.plan.stateless;
+        r.streaming_sinks = static_cast<int>(params.at("sinks"));
+        r.streaming_recent = static_cast<int>(params.at("recent"));
+        r.replay_params = params;
+        r.writes_profile = c.writes_profile;
+        out.records.push_back(r);
+    }
+}
+
+// deploy duo: every streaming head stateless, K and V alone; ranked by stateless error.
+void fit_duo_heads(const FitInput& in, SearchOutcome& out) {
+    const SearchSpec& spec = *in.spec;
+    const int L = in.shape.num_layers, K = in.shape.num_kv_heads;
+    const std::size_t units = static_cast<std::size_t>(L) * K;
+    const PolicyDescriptor* policy = find_policy("streaming_attention");
+    const ParamValues params =
+        resolve_params(*policy, {{"sinks", spec.streaming_sinks}, {"recent", spec.streaming_recent}, {"stateless", 1}},
+                       spec.streaming_where);
+    int passes = 0;
+    PlanReplay plans(in, params, passes, 4, /*bookkeeping=*/false);
+    const std::vector<uint8_t> every_head(units, 1), no_head(units, 0);
+    const std::vector<double> no_lambda(units, 0.0);
+
+    std::vector<std::size_t> pattern_order;
+    if (!spec.streaming_pattern.empty()) {
+        try {
+            pattern_order = ascending_order(load_duo_attention_gates(spec.streaming_pattern, L, K));
+        } catch (const InputError& e) {
+            throw InputError(spec.streaming_where + ".pattern: " + e.what());
+        }
+    }
+    // Bytes on the held-out sequences, each head streaming and not; a target no set of streaming
+    // heads reaches is refused before anything is fitted.
+    const std::vector<PlanResult> bytes = plans.run(
+        *in.heldout, {Plan{"bytes-streaming", every_head, no_lambda, every_head}, Plan{"bytes-full", no_head, no_lambda, {}}});
+    const double full_fp16 = 4.0 * in.shape.head_dim;
+    const std::string why = "; lower search.streaming.recent or drop streaming from search.fit";
+    std::vector<std::size_t> every_unit(units);
+    std::iota(every_unit.begin(), every_unit.end(), std::size_t{0});
+    for (const SearchTarget& target : spec.targets)
+        heads_for_target(every_unit, bytes[0].head_bytes, bytes[1].head_bytes, target.bytes(full_fp16), target, why);
+
+    // Each head's error when it streams, on the fitting sequences: the ranking.
+    const std::vector<double> error =
+        plans.run(*in.fitting, {Plan{"fit-stateless", every_head, no_lambda, every_head}})[0].head_error;
+    const std::vector<std::size_t> order = ascending_order(error);
+
+    std::vector<Chosen> chosen;
+    for (const SearchTarget& target : spec.targets) {
+        const double wanted = target.bytes(full_fp16);
+        const std::vector<uint8_t> streams =
+            heads_for_target(order, bytes[0].head_bytes, bytes[1].head_bytes, wanted, target, why);
+        chosen.push_back({{"fitted-" + target.label, streams, no_lambda, every_head}, &target,
+                          "streaming heads, fitted ranking", error, true});
+        // The same number of heads in every layer (each layer's lowest errors first): what the
+        // fit's freedom across layers buys.
+        const std::size_t count = static_cast<std::size_t>(std::count(streams.begin(), streams.end(), uint8_t{1}));
+        std::vector<uint8_t> per_layer(units, 0);
+        std::size_t placed = 0;
+        for (std::size_t round = 0; placed < count && round < static_cast<std::size_t>(K); ++round)
+            for (int l = 0; l < L && placed < count; ++l) {
+                std::vector<double> layer_error(error.begin() + static_cast<std::ptrdiff_t>(l) * K,
+                                                error.begin() + static_cast<std::ptrdiff_t>(l + 1) * K);
+                const std::size_t kv = ascending_order(layer_error)[round];
+                per_layer[static_cast<std::size_t>(l) * K + kv] = 1;
+                ++placed;
+            }
+        chosen.push_back({{"per-layer-" + target.label, per_layer, no_lambda, every_head}, &target,
+                          "streaming heads, the same number per layer", error, false});
+        if (!pattern_order.empty())
+            chosen.push_back({{"duo-" + target.label,
+                               heads_for_target(pattern_order, bytes[0].head_bytes, bytes[1].head_bytes, wanted, target, why),
+                               no_lambda, every_head},
+                              &target, "streaming heads from the DuoAttention pattern", error, false});
+    }
+    confirm_plans(plans, in, params, chosen, out);
+    // Each fitted record's gates: the ranking, with its own heads below 0.5.
+    for (SearchRecord& r : out.records)
+        if (r.fit == "streaming" && r.writes_profile)
+            r.gates = duo_gates(order, static_cast<std::size_t>(std::count(r.streaming_heads.begin(),
+                                                                            r.streaming_heads.end(), uint8_t{1})));
+
+    // The ranking at every 5% of sparsity: the table a user chooses DuoAttention's --sparsity from.
+    std::vector<std::size_t> counts;
+    for (int step = 0; step <= 20; ++step) {
+        const auto m = static_cast<std::size_t>(std::lround(step * 0.05 * static_cast<double>(units)));
+        if (counts.empty() || counts.back() != m) counts.push_back(m);
+    }
+    std::vector<Plan> curve;
+    for (std::size_t m : counts) {
+        std::vector<uint8_t> streams(units, 0);
+        for (std::size_t i = 0; i < m; ++i) streams[order[i]] = 1;
+        curve.push_back({"sparsity-" + std::to_string(m), streams, no_lambda, every_head});
+    }
+    const std::vector<PlanResult> measured = plans.run(*in.heldout, curve);
+    for (std::size_t i = 0; i < counts.size(); ++i)
+        out.sparsity_curve.push_back({duo_sparsity(counts[i], units), static_cast<int>(counts[i]), measured[i].error,
+                                      measured[i].bytes_per_token, measured[i].compression_ratio});
+
+    char line[400];
+    std::snprintf(line, sizeof line,
+                  "Streaming heads for DuoAttention (sinks %d, recent %d, no linear state; K and V bytes alone): "
+                  "each head's fitting-set error when it streams ranges %.4f to %.4f; heads stream in that order, "
+                  "and the gates written with the profile rank them so, for DuoAttention's --sparsity.",
+                  static_cast<int>(params.at("sinks")), static_cast<int>(params.at("recent")), error[order.front()],
+                  error[order.back()]);
+    out.notes.push_back(line);
+}
+
 }  // namespace
+
+std::vector<double> duo_gates(const std::vector<std::size_t>& order, std::size_t streaming) {
+    const std::size_t n = order.size();
+    if (streaming > n) throw std::logic_error("duo_gates: more streaming heads than heads");
+    std::vector<double> gates(n);
+    for (std::size_t i = 0; i < n; ++i) {
+        const bool streams = i < streaming;
+        const double rank = static_cast<double>(streams ? i + 1 : i - streaming + 1);
+        const double count = static_cast<double>(streams ? streaming + 1 : n - streaming + 1);
+        gates[order[i]] = (streams ? 0.0 : 0.5) + 0.5 * rank / count;
+    }
+    return gates;
+}
+
+double duo_sparsity(std::size_t streaming, std::size_t heads) {
+    return static_cast<double>(streaming) / static_cast<double>(heads);
+}
 
 void fit_streaming_heads(const FitInput& in, SearchOutcome& out) {
     const SearchSpec& spec = *in.spec;
+    if (spec.deploy == "duo") return fit_duo_heads(in, out);
     const int L = in.shape.num_layers, K = in.shape.num_kv_heads;
     const std::size_t units = static_cast<std::size_t>(L) * K;
     const PolicyDescriptor* policy = find_policy("streaming_attention");
     const ParamValues params = resolve_params(
         *policy, {{"sinks", spec.streaming_sinks}, {"recent", spec.streaming_recent}}, spec.streaming_where);
     int passes = 0;
-    PlanReplay plans(in, params, passes);
+    // Two golden-section searches of kGoldenSteps + 1 passes, then the bytes and the confirmation.
+    const int total_passes = 2 * (kGoldenSteps + 1) + 2;
+    PlanReplay plans(in, params, passes, total_passes, /*bookkeeping=*/true);
     const std::vector<uint8_t> every_head(units, 1), no_head(units, 0);
 
     // DuoAttention's gates rank its heads, the lowest gate streaming first: read before any pass.
@@ -215,88 +401,87 @@ void fit_streaming_heads(const FitInput& in, SearchOutcome& out) {
         }
     }
 
-    // What each head holds on the held-out sequences when it streams and when it keeps its cache:
-    // its sinks, window and state, whatever its lambda. Measured first, so that a target no set of
-    // streaming heads reaches is refused before the lambdas are fitted, not after.
+    // What each head holds on the held-out sequences when it streams (with its state, and with
+    // none) and when it keeps its cache: its sinks, window and state, whatever its lambda.
+    // Measured first, so that a target no set of streaming heads reaches is refused before the
+    // lambdas are fitted, not after.
     const std::vector<PlanResult> bytes =
-        plans.run(*in.heldout, {Plan{"bytes-streaming", every_head, std::vector<double>(units, 0.99)},
-                                Plan{"bytes-full", no_head, std::vector<double>(units, 0.99)}});
+        plans.run(*in.heldout, {Plan{"bytes-streaming", every_head, std::vector<double>(units, 0.99), {}},
+                                Plan{"bytes-full", no_head, std::vector<double>(units, 0.99), {}},
+                                Plan{"bytes-stateless", every_head, std::vector<double>(units, 0.99), every_head}});
+    const std::vector<double>& state_bytes = bytes[0].head_bytes;
+    const std::vector<double>& full_bytes = bytes[1].head_bytes;
+    const std::vector<double>& stateless_bytes = bytes[2].head_bytes;
     const double full_fp16 = 4.0 * in.shape.head_dim;
     const std::string why = "; lower search.streaming.recent or drop streaming from search.fit";
     std::vector<std::size_t> every_unit(units);
     std::iota(every_unit.begin(), every_unit.end(), std::size_t{0});
+    std::vector<double> cheapest(units);
+    for (std::size_t u = 0; u < units; ++u) cheapest[u] = std::min(state_bytes[u], stateless_bytes[u]);
     for (const SearchTarget& target : spec.targets)  // throws unless every head streaming reaches it
-        heads_for_target(every_unit, bytes[0], bytes[1], target.bytes(full_fp16), target, why);
+        heads_for_target(every_unit, cheapest, full_bytes, target.bytes(full_fp16), target, why);
 
     // The published calibration: each head's lambda fitted against the full softmax output with
     // nothing kept exactly (no sinks, no window: the state must reproduce every token), then
     // deployed with the sinks and window. Its lambdas are measured beside the fitted ones below.
     const ParamValues calibration_params = resolve_params(*policy, {{"sinks", 0}, {"recent", 0}}, spec.streaming_where);
-    PlanReplay calibration_plans(in, calibration_params, passes);
+    PlanReplay calibration_plans(in, calibration_params, passes, total_passes, /*bookkeeping=*/true);
     std::vector<PlanResult> unused;
     const LambdaFit calibrated = fit_lambdas(calibration_plans, *in.fitting, units, {}, unused);
 
-    // Each head's own lambda with its sinks and window, on the fitting sequences; 0.99 and the
-    // calibrated lambdas measured in the same last pass.
+    // Each head's own lambda with its sinks and window, on the fitting sequences; 0.99, the
+    // calibrated lambdas and no state at all measured in the same last pass.
     std::vector<PlanResult> baselines;
     const LambdaFit fitted = fit_lambdas(plans, *in.fitting, units,
-                                         {Plan{"probe-0.99", every_head, std::vector<double>(units, 0.99)},
-                                          Plan{"probe-calibrated", every_head, calibrated.lambda}},
+                                         {Plan{"probe-0.99", every_head, std::vector<double>(units, 0.99), {}},
+                                          Plan{"probe-calibrated", every_head, calibrated.lambda, {}},
+                                          Plan{"probe-stateless", every_head, std::vector<double>(units, 0.99), every_head}},
                                          baselines);
     const std::vector<double>& lambda = fitted.lambda;
     const std::vector<double>& fitted_error = fitted.error;
     const std::vector<double>& error_099 = baselines[0].head_error;
     const std::vector<double>& error_calibrated = baselines[1].head_error;
+    const std::vector<double>& error_stateless = baselines[2].head_error;
 
-    const std::vector<std::size_t> order = ascending_order(fitted_error);
-    struct Chosen {
-        Plan plan;
-        const SearchTarget* target;
-        std::string method;
-        const std::vector<double>* fitting_error;  // per head, on the fitting sequences
-    };
+    // Per head, the better of its fitted lambda and no state (no state when they tie: it holds less).
+    std::vector<uint8_t> chose_stateless(units, 0);
+    std::vector<double> chosen_error(units), chosen_bytes(units);
+    for (std::size_t u = 0; u < units; ++u) {
+        chose_stateless[u] = error_stateless[u] <= fitted_error[u];
+        chosen_error[u] = chose_stateless[u] ? error_stateless[u] : fitted_error[u];
+        chosen_bytes[u] = chose_stateless[u] ? stateless_bytes[u] : state_bytes[u];
+    }
+
+    const std::vector<std::size_t> order = ascending_order(chosen_error);
+    const std::vector<std::size_t> state_order = ascending_order(fitted_error);
+    const std::vector<std::size_t> stateless_order = ascending_order(error_stateless);
     std::vector<Chosen> chosen;
     for (const SearchTarget& target : spec.targets) {
         const double wanted = target.bytes(full_fp16);
-        const std::vector<uint8_t> streams = heads_for_target(order, bytes[0], bytes[1], wanted, target, why);
-        chosen.push_back({{"fitted-" + target.label, streams, lambda}, &target, "streaming heads, fitted lambdas",
-                          &fitted_error});
-        chosen.push_back({{"published-" + target.label, streams, std::vector<double>(units, 0.99)}, &target,
-                          "streaming heads, lambda 0.99", &error_099});
-        chosen.push_back({{"calibrated-" + target.label, streams, calibrated.lambda}, &target,
-                          "streaming heads, lambda calibrated on the full softmax", &error_calibrated});
+        const std::vector<uint8_t> streams = heads_for_target(order, chosen_bytes, full_bytes, wanted, target, why);
+        chosen.push_back({{"fitted-" + target.label, streams, lambda, chose_stateless}, &target,
+                          "streaming heads, fitted lambda or stateless", chosen_error, true});
+        // The baselines keep a state in every streaming head: the heads the fitted lambdas rank
+        // first, at the bytes a state holds.
+        const std::vector<uint8_t> state_streams =
+            heads_for_target(state_order, state_bytes, full_bytes, wanted, target, why);
+        chosen.push_back({{"published-" + target.label, state_streams, std::vector<double>(units, 0.99), {}}, &target,
+                          "streaming heads, lambda 0.99", error_099});
+        chosen.push_back({{"calibrated-" + target.label, state_streams, calibrated.lambda, {}}, &target,
+                          "streaming heads, lambda calibrated on the full softmax", error_calibrated});
+        // DuoAttention's own streaming heads: no state, ranked by that error.
+        chosen.push_back({{"stateless-" + target.label,
+                           heads_for_target(stateless_order, stateless_bytes, full_bytes, wanted, target, why),
+                           lambda, every_head},
+                          &target, "streaming heads, stateless", error_stateless});
         if (!duo_order.empty())
-            chosen.push_back({{"duo-" + target.label, heads_for_target(duo_order, bytes[0], bytes[1], wanted, target, why),
-                               lambda},
-                              &target, "streaming heads from the DuoAttention pattern, fitted lambdas", &fitted_error});
+            chosen.push_back({{"duo-" + target.label,
+                               heads_for_target(duo_order, chosen_bytes, full_bytes, wanted, target, why), lambda,
+                               chose_stateless},
+                              &target, "streaming heads from the DuoAttention pattern, fitted lambda or stateless",
+                              chosen_error});
     }
-    std::vector<Plan> chosen_plans;
-    for (const Chosen& c : chosen) chosen_plans.push_back(c.plan);
-    const std::vector<PlanResult> confirmed = plans.run(*in.heldout, chosen_plans);
-
-    for (std::size_t i = 0; i < chosen.size(); ++i) {
-        const Chosen& c = chosen[i];
-        const bool fitted_method = c.plan.name.rfind("fitted-", 0) == 0;
-        SearchRecord r;
-        r.method = c.method;
-        r.fit = "streaming";
-        r.target = c.target->label;
-        r.objective = "output_rel_error";
-        double fitting = 0;
-        for (std::size_t u = 0; u < units; ++u)
-            if (c.plan.streaming[u]) fitting += (*c.fitting_error)[u];
-        r.fitting = fitting / static_cast<double>(units);
-        r.heldout = confirmed[i].error;
-        r.bytes_per_token = confirmed[i].bytes_per_token;
-        r.compression_ratio = confirmed[i].compression_ratio;
-        r.streaming_heads = c.plan.streaming;
-        r.lambda = c.plan.lambda;
-        r.streaming_sinks = static_cast<int>(params.at("sinks"));
-        r.streaming_recent = static_cast<int>(params.at("recent"));
-        r.replay_params = params;
-        r.writes_profile = fitted_method;
-        out.records.push_back(r);
-    }
+    confirm_plans(plans, in, params, chosen, out);
 
     // What the fitted lambdas are, and what they buy against 0.99 head by head.
     double mean_fitted = 0, mean_099 = 0, mean_calibrated = 0;
@@ -323,6 +508,20 @@ void fit_streaming_heads(const FitInput& in, SearchOutcome& out) {
                   format_lambda(sorted_calibrated[sorted_calibrated.size() / 2]).c_str(), mean_fitted / units,
                   mean_calibrated / units, mean_099 / units, better, units);
     out.notes.push_back(line);
+    // Which heads chose no state, and which of them stream at each target.
+    const auto stateless_count = std::count(chose_stateless.begin(), chose_stateless.end(), uint8_t{1});
+    std::string choice = "Stateless streaming heads (sinks and window only) err less than, or as little as, the best "
+                         "lambda on " + std::to_string(stateless_count) + " of " + std::to_string(units) +
+                         " heads (" + list_heads(chose_stateless, K) + "), which the fit streams without a state.";
+    for (const SearchRecord& r : out.records) {
+        if (r.fit != "streaming" || !r.writes_profile) continue;
+        std::vector<uint8_t> with_state(units, 0), without(units, 0);
+        for (std::size_t u = 0; u < units; ++u)
+            if (r.streaming_heads[u]) (r.stateless[u] ? without : with_state)[u] = 1;
+        choice += " At " + r.target + ": stateless " + list_heads(without, K) + "; with a state " +
+                  list_heads(with_state, K) + ".";
+    }
+    out.notes.push_back(choice);
 }
 
 }  // namespace kvsim

@@ -28,6 +28,23 @@ struct ModelShape {
     }
 };
 
+// How each sequence divides into a prompt, which a prefill-time compressor (kvpress's presses)
+// compresses once at its end, and the continuation decoded after it: the steps measured. Either
+// the first `tokens` of every sequence, or all but its last `continuation`.
+struct PromptSplit {
+    int tokens = 0;
+    int continuation = 0;
+    bool empty() const { return tokens == 0 && continuation == 0; }
+    // The prompt of a sequence of `sequence_length` tokens (0 when no split is given).
+    int64_t prompt_length(int64_t sequence_length) const {
+        return tokens > 0 ? tokens : continuation > 0 ? sequence_length - continuation : 0;
+    }
+    std::string describe() const {  // "the first 300 tokens", "all but the last 64 tokens"
+        return tokens > 0 ? "the first " + std::to_string(tokens) + " tokens"
+                          : "all but the last " + std::to_string(continuation) + " tokens";
+    }
+};
+
 // A budget column: one budget for every layer, or a per-layer profile.
 struct BudgetColumn {
     std::string label;               // "256", or the profile's name
@@ -38,6 +55,9 @@ struct BudgetColumn {
     // Per (layer, KV head), index layer * num_kv_heads + kv, when a profile fits each head its own
     // budget; overrides layer_budgets (which then hold each layer's mean, for the tables).
     std::vector<int> head_budgets{};
+    // Per layer, kvpress's compression ratios: each (layer, KV head) keeps int(prompt * (1 -
+    // ratio)) of each sequence's prompt (policies/prompt_press.h); overrides the rest.
+    std::vector<double> prompt_ratios{};
 };
 
 // The column of a per-layer profile (non-empty layer_budgets), with per-(layer, KV head) budgets
@@ -72,6 +92,10 @@ struct PolicyEntry {
     // of the model it was fitted to.
     std::vector<BudgetColumn> profile_budgets{};  // empty, or the profile's one column
     ModelShape profile_shape{};
+    // Where the profile is deployed, when not in kvsim: its prompt split (kvpress: each sequence's
+    // prompt, compressed once) and whether its engine holds the policy's bookkeeping.
+    PromptSplit prompt{};
+    bool bookkeeping = true;
 };
 
 // One sweep axis: a policy parameter and the values it takes.

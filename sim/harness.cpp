@@ -375,6 +375,11 @@ Harness::Harness(std::unique_ptr<Policy> policy, int budget, int64_t sequence_le
         key_tier_.assign(sequence_length, 0);
         value_tier_.assign(sequence_length, 0);
     }
+    if (policy_->reads_prompt() && (options.prefill_tokens < 2 || options.prefill_tokens >= sequence_length))
+        throw InputError("policy " + label_ + where_ + " compresses a prompt once, at its end, but the prompt here is " +
+                         std::to_string(options.prefill_tokens) + " of " + std::to_string(sequence_length) +
+                         " tokens: give it a prompt of at least 2 tokens that leaves a continuation (prefill_tokens, "
+                         "or search.prompt)");
     kept_.reserve(std::min<int64_t>(std::max(budget, options.prefill_tokens), sequence_length) + 1);
     kept_.push_back(0);
     set_kept(0, true);
@@ -466,7 +471,7 @@ void Harness::measure_values(const GroupStep& s) {
         double bytes = key_bytes_[0] + value_bytes_[0];  // the current token
         for (int32_t p : kept_) bytes += key_bytes_[key_tier_[p]] + value_bytes_[value_tier_[p]];
         if (state) bytes = state->bytes();  // its exact tokens at fp16 and the linear state
-        bytes += static_cast<double>(policy_->bytes_per_slot()) * (kept_.size() + 1);
+        if (options_.bookkeeping) bytes += static_cast<double>(policy_->bytes_per_slot()) * (kept_.size() + 1);
         bytes += values_.fixed_bytes;  // held at every step: amortised over the context
         metrics_.cache_bytes += bytes;
         metrics_.fp16_bytes += 4.0 * d * (t + 1);
@@ -494,12 +499,30 @@ void Harness::fail(int32_t t, const std::string& what) const {
     throw PolicyError("policy " + label_ + " at step " + std::to_string(t) + where_ + ": " + what);
 }
 
+void Harness::set_prompt(const PromptView& prompt) {
+    prompt_ = prompt;
+    prompt_.length = options_.prefill_tokens;
+}
+
 void Harness::step(const GroupStep& s) {
     observe(s);
-    // During a prefill the cache grows freely; after its last token it is compressed once.
-    if (s.t + 1 >= options_.prefill_tokens &&
-        (kept_.size() > static_cast<std::size_t>(budget_) || policy_->sizes_itself()))
+    if (policy_->reads_prompt()) {
+        // A prefill-time compressor scores the whole prompt once, at its end, and compresses it;
+        // every token after the prompt is appended.
+        if (s.t + 1 == options_.prefill_tokens) {
+            if (!prompt_.keys) throw std::logic_error("a prompt press replayed without its prompt");
+            try {
+                policy_->score_prompt(prompt_);
+            } catch (const std::logic_error& e) {
+                fail(s.t, e.what());
+            }
+            evict(s.t, budget_, false);
+        }
+    } else if (s.t + 1 >= options_.prefill_tokens &&
+               (kept_.size() > static_cast<std::size_t>(budget_) || policy_->sizes_itself())) {
+        // During a prefill the cache grows freely; after its last token it is compressed once.
         evict(s.t, budget_, false);
+    }
     assign_tiers(s.t);
 }
 

@@ -68,6 +68,9 @@ struct HarnessOptions {
     AttentionView view = AttentionView::raw;
     GroupReduce reduce = GroupReduce::mean;
     int prefill_tokens = 0;  // positions 0..N-1 enter unevicted; then one compression to budget
+    // Whether the memory metric counts the policy's bookkeeping per slot: kvsim's runtime holds it;
+    // an engine that keeps K and V alone (kvpress, DuoAttention) does not.
+    bool bookkeeping = true;
 };
 
 // The options a config names (its keys already checked): attention_view "raw", "renormalized",
@@ -125,6 +128,9 @@ public:
     void evict_to(int32_t t, int keep);
     // Enables the value-level metrics; `values` must outlive the steps that use it.
     void set_values(const CacheValues& values);
+    // The prompt a prefill-time compressor (Policy::reads_prompt) reads at the prompt's end: its
+    // arrays must outlive that step. Its length is the harness's prefill_tokens.
+    void set_prompt(const PromptView& prompt);
 
     const StreamMetrics& metrics() const { return metrics_; }
     const Policy& policy() const { return *policy_; }
@@ -164,6 +170,7 @@ private:
     std::vector<uint8_t> key_tier_, value_tier_;
     bool tiered_ = false;
     CacheValues values_;
+    PromptView prompt_;
     double key_bytes_[3] = {}, value_bytes_[3] = {};
     std::vector<int32_t> attended_;  // kept_ plus the current token
     std::vector<float> last_outputs_;

@@ -83,6 +83,7 @@ public:
             const auto [s, layer] = order[at];
             std::vector<Harness> harnesses = make_harnesses(s, layer);
             if (options_.output_error || options_.memory) attach_values(s, layer, harnesses);
+            attach_prompt(s, layer, harnesses);
             replay_layer(s, layer, harnesses,
                          prefetch && at + 1 < order.size() ? std::optional(order[at + 1]) : std::nullopt);
             for (int kv = 0; kv < kv_heads_; ++kv)
@@ -182,10 +183,19 @@ private:
     // What a policy of combination c may know where it runs.
     PolicyContext context(const ReplayCombo& c, int s, int layer, int kv) const {
         const int64_t length = shape_.sequence_lengths[s];
-        const int budget = c.budget_for(layer, kv, kv_heads_, length);
-        const int most = c.capacity_budget(layer, kv, kv_heads_, length);
-        const int capacity = static_cast<int>(std::min<int64_t>(std::max(most, options_.harness.prefill_tokens), length)) + 1;
+        const int prompt = c.prompt_length(length, options_.harness.prefill_tokens);
+        const int budget = c.budget_for(layer, kv, kv_heads_, length, prompt);
+        const int most = c.capacity_budget(layer, kv, kv_heads_, length, prompt);
+        const int capacity = static_cast<int>(std::min<int64_t>(std::max(most, prompt), length)) + 1;
         return PolicyContext{budget, capacity, layer, shape_.num_layers, kv, kv_heads_, head_dim_};
+    }
+
+    // The harness options of combination c on sequence s: its own prompt and byte model.
+    HarnessOptions harness_options(const ReplayCombo& c, int s) const {
+        HarnessOptions options = options_.harness;
+        options.prefill_tokens = c.prompt_length(shape_.sequence_lengths[s], options_.harness.prefill_tokens);
+        options.bookkeeping = options.bookkeeping && c.bookkeeping;
+        return options;
     }
 
     // The config cannot know the trace's head size: every caller of replay (the program, search,
@@ -203,7 +213,8 @@ private:
         harnesses.reserve(kv_heads_ * combos_.size());
         for (int kv = 0; kv < kv_heads_; ++kv)
             for (const ReplayCombo& c : combos_) {
-                const int budget = c.budget_for(layer, kv, kv_heads_, length);
+                const HarnessOptions options = harness_options(c, s);
+                const int budget = c.budget_for(layer, kv, kv_heads_, length, options.prefill_tokens);
                 if (c.compression > 0 && c.policy->check_budget) {
                     const std::string problem = c.policy->check_budget(c.params, budget);
                     if (!problem.empty())
@@ -216,9 +227,31 @@ private:
                                           std::to_string(layer) + ", KV head " + std::to_string(kv) + ")";
                 std::unique_ptr<Policy> policy = c.make(ctx);
                 check_tier_format(c, *policy);
-                harnesses.emplace_back(std::move(policy), budget, length, options_.harness, c.label, where);
+                harnesses.emplace_back(std::move(policy), budget, length, options, c.label, where);
             }
         return harnesses;
+    }
+
+    // A prompt press reads the prompt's queries, keys and values: the layer's, from the trace.
+    void attach_prompt(int s, int layer, std::vector<Harness>& harnesses) {
+        for (std::size_t job = 0; job < harnesses.size(); ++job) {
+            if (!harnesses[job].policy().reads_prompt()) continue;
+            if (!qkv_)
+                throw InputError(source_.description() + ": " + combos_[job % combos_.size()].label +
+                                 " reads the prompt's queries, keys and values, which this trace does not record");
+            const QkvLayer& data = qkv_->layer_data(s, layer);
+            PromptView view;
+            view.layer = layer;
+            view.num_layers = shape_.num_layers;
+            view.kv_head = static_cast<int>(job / combos_.size());
+            view.num_query_heads = query_heads_;
+            view.num_kv_heads = kv_heads_;
+            view.head_dim = head_dim_;
+            view.queries = data.q.data();
+            view.keys = data.k.data();
+            view.values = data.v.data();
+            harnesses[job].set_prompt(view);
+        }
     }
 
     // The tiers each distinct precision format (and projection) serves for this layer, built once

@@ -17,6 +17,7 @@
 #include "base/size_limits.h"
 #include "policies/adakv.h"
 #include "policies/policy.h"
+#include "policies/prompt_press.h"
 #include "sim/attention_source.h"
 #include "sim/harness.h"
 #include "sim/experiment_spec.h"
@@ -44,6 +45,12 @@ struct ReplayCombo {
     ParamValues project_params;
     std::map<std::string, std::string> project_files;
     std::string project_where;
+    // A deployment's prompt split (kvpress): each sequence's prompt, compressed once at its end;
+    // empty: the replay's prefill_tokens. With prompt_ratios (per layer, kvpress's compression
+    // ratios), each (layer, KV head) keeps kvpress_kept_tokens(prompt, ratio) of its prompt.
+    PromptSplit prompt{};
+    std::vector<double> prompt_ratios{};
+    bool bookkeeping = true;  // the memory metric counts the policy's bookkeeping (HarnessOptions)
 
     // The config key of a parameter ("...policies[2].snapkv.obs_window", "--set snapkv.obs_window").
     std::string key_of(const std::string& param) const {
@@ -51,16 +58,25 @@ struct ReplayCombo {
         const auto it = param_where.find(param);
         return it != param_where.end() ? it->second : where + "." + param;
     }
+    // The prompt of a sequence: the combination's own split, or the replay's prefill_tokens.
+    int prompt_length(int64_t sequence_length, int prefill_tokens) const {
+        return prompt.empty() ? prefill_tokens
+                              : checked_narrow<int>(prompt.prompt_length(sequence_length), label + ": prompt length");
+    }
     // Tokens a (layer, KV head) may hold; a policy that keeps everything holds the whole sequence.
-    int budget_for(int layer, int kv, int num_kv_heads, int64_t sequence_length) const {
+    // `prompt_tokens`: the sequence's prompt, which prompt_ratios are shares of.
+    int budget_for(int layer, int kv, int num_kv_heads, int64_t sequence_length, int prompt_tokens = 0) const {
+        if (!prompt_ratios.empty()) return kvpress_kept_tokens(prompt_tokens, prompt_ratios.at(layer));
         if (policy->keeps_everything) return checked_narrow<int>(sequence_length, label + ": sequence length");
         if (compression > 0) return budget_for_compression(compression, sequence_length);
         if (!head_budgets.empty()) return head_budgets.at(static_cast<std::size_t>(layer) * num_kv_heads + kv);
         return layer_budgets.empty() ? budget : layer_budgets.at(layer);
     }
     // The most positions one KV head may hold: its budget, or with Ada-KV the layer's total.
-    int capacity_budget(int layer, int kv, int num_kv_heads, int64_t sequence_length) const {
-        if (!adakv) return budget_for(layer, kv, num_kv_heads, sequence_length);
+    int capacity_budget(int layer, int kv, int num_kv_heads, int64_t sequence_length, int prompt_tokens = 0) const {
+        // A prompt press holds every token decoded after its prompt.
+        if (policy->prompt_press) return checked_narrow<int>(sequence_length, label + ": sequence length");
+        if (!adakv) return budget_for(layer, kv, num_kv_heads, sequence_length, prompt_tokens);
         int64_t total = 0;
         for (int h = 0; h < num_kv_heads; ++h) total += budget_for(layer, h, num_kv_heads, sequence_length);
         return static_cast<int>(std::min<int64_t>(total, sequence_length));

@@ -90,6 +90,9 @@ std::vector<ReplayCombo> expand_sweep(const std::vector<PolicyEntry>& policies, 
             check_file_params(*policy, entry.files, axes.empty() ? entry.where : where, given);
             std::optional<QuantizeRule> quantize;
             if (entry.quantized) quantize = resolve_quantize(entry.quantize, entry.where + ".quantize");
+            if (policy->prompt_press && (entry.quantized || entry.adakv || !entry.project.empty()))
+                throw InputError(entry.where + ": " + entry.name + " compresses a prompt once, as kvpress does; it "
+                                               "composes with no quantisation, Ada-KV or projection");
             std::optional<AdaKvRule> adakv;
             if (entry.adakv) {
                 if (!policy->scored)
@@ -133,7 +136,7 @@ std::vector<ReplayCombo> expand_sweep(const std::vector<PolicyEntry>& policies, 
                 }
                 combos.push_back({policy, values, 0, {}, 0, kEveryBudget, label, quantize, entry.files, entry.where,
                                   param_where, {}, {}, project, project_values, entry.project_files,
-                                  entry.project_where});
+                                  entry.project_where, entry.prompt, {}, entry.bookkeeping});
             } else for (const BudgetColumn& column : columns) {
                 // A profile must suit its smallest layer budget.
                 const std::vector<int>& per = column.head_budgets.empty() ? column.layer_budgets : column.head_budgets;
@@ -145,10 +148,14 @@ std::vector<ReplayCombo> expand_sweep(const std::vector<PolicyEntry>& policies, 
                         throw InputError(entry.where + ": " + label + ": " + problem +
                                          (per.empty() ? "" : " (profile " + column.label + ")"));
                 }
+                if (!column.prompt_ratios.empty() && !policy->prompt_press)
+                    throw InputError(entry.where + ": " + label + ": per-layer compression ratios (" + column.label +
+                                     ") are kvpress's, for a press that compresses a prompt (snapkv_press, ...)");
                 combos.push_back({policy, values, column.budget, column.layer_budgets, column.compression,
                                   profile ? std::string("profile") : column.label, label, quantize, entry.files,
                                   entry.where, param_where, column.head_budgets, adakv, project, project_values,
-                                  entry.project_files, entry.project_where});
+                                  entry.project_files, entry.project_where, entry.prompt, column.prompt_ratios,
+                                  entry.bookkeeping});
             }
             std::size_t a = axes.size();
             while (a > 0 && ++index[a - 1] == axes[a - 1]->values.size()) index[--a] = 0;

@@ -105,7 +105,36 @@ public:
     SearchSpec search_spec(const YAML::Node& node) const {
         SearchSpec spec;
         spec.where = where(node, "search");
-        only_keys(node, "search", {"policy", "split", "target", "objective", "fit", "grid", "streaming", "tiers", "ranks"});
+        only_keys(node, "search", {"policy", "split", "target", "objective", "fit", "grid", "streaming", "tiers", "ranks",
+                                   "deploy", "prompt"});
+        spec.deploy_where = spec.where;
+        if (const YAML::Node deploy = node["deploy"]) {
+            spec.deploy = string(deploy, "search.deploy");
+            spec.deploy_where = where(deploy, "search.deploy");
+            const auto& known = known_deploy_targets();
+            if (std::find(known.begin(), known.end(), spec.deploy) == known.end())
+                fail(deploy, "search.deploy", "unknown target '" + spec.deploy + "' (kvsim, kvpress or duo)");
+            if (spec.deploy == "kvpress") spec.fits = {"layer_budgets"};
+            if (spec.deploy == "duo") spec.fits = {"streaming"};
+        }
+        spec.prompt_where = spec.where;
+        if (const YAML::Node prompt = node["prompt"]) {
+            spec.prompt_where = where(prompt, "search.prompt");
+            if (spec.deploy != "kvpress")
+                fail(prompt, "search.prompt",
+                     "splits each sequence into a prompt compressed once and its continuation, for deploy: kvpress; "
+                     "this search deploys to " + spec.deploy);
+            if (!prompt.IsMap() || prompt.size() != 1 || !(prompt["tokens"] || prompt["continuation"]))
+                fail(prompt, "search.prompt", "expected {tokens: N} (the first N of every sequence) or {continuation: N} "
+                                              "(all but the last N)");
+            if (prompt["tokens"])
+                spec.prompt.tokens = int32(prompt["tokens"], "search.prompt.tokens", 2, kMaxSequenceTokens);
+            else
+                spec.prompt.continuation = int32(prompt["continuation"], "search.prompt.continuation", 1, kMaxSequenceTokens);
+        } else if (spec.deploy == "kvpress") {
+            fail(node, "search", "deploy: kvpress needs key 'prompt': how each sequence splits into the prompt kvpress "
+                                 "compresses and the continuation measured, e.g. prompt: {continuation: 64}");
+        }
         if (const YAML::Node ranks = node["ranks"]) {  // fit: ranks: {pre_rope: true} fits keys before RoPE
             if (!ranks.IsMap()) fail(ranks, "search.ranks", "expected a map, e.g. {pre_rope: true}");
             only_keys(ranks, "search.ranks", {"pre_rope", "pre_rope_theta"});
@@ -140,8 +169,18 @@ public:
                 spec.streaming_recent = int32(streaming["recent"], "search.streaming.recent", 1, kMaxBudgetTokens);
         }
         const YAML::Node policy = node["policy"];
-        if (!policy) fail(node, "search", "missing key 'policy' (the eviction policy whose budgets are fitted)");
-        auto [name, params] = named_item(policy, "search.policy");
+        // Streaming heads alone (DuoAttention's, say) evict by no policy: then it may be left out.
+        const bool streaming_only = spec.deploy == "duo" || (node["fit"] && node["fit"].IsSequence() &&
+                                                             node["fit"].size() == 1 && node["fit"][0].IsScalar() &&
+                                                             node["fit"][0].Scalar() == "streaming");
+        if (!policy && !streaming_only)
+            fail(node, "search", spec.deploy == "kvpress"
+                                     ? "missing key 'policy' (the kvpress press whose per-layer ratios are fitted, e.g. "
+                                       "{snapkv_press: {window_size: 64}})"
+                                     : "missing key 'policy' (the eviction policy whose budgets are fitted)");
+        auto [name, params] = policy ? named_item(policy, "search.policy") : std::pair<std::string, YAML::Node>{};
+        spec.policy.where = spec.where + ".policy";
+        if (policy) {
         spec.policy.name = name;
         spec.policy.where = where(policy, "search.policy." + name);
         if (params && !params.IsNull()) {
@@ -150,6 +189,7 @@ public:
                 const std::string param = string(kv.first, "search.policy." + name);
                 spec.policy.params[param] = number(kv.second, "search.policy." + name + "." + param);
             }
+        }
         }
         if (const YAML::Node split = node["split"]) {
             spec.split_where = where(split, "search.split");
@@ -249,7 +289,26 @@ public:
                 spec.fits.push_back(name);
             }
         }
-        if (const YAML::Node grid = node["grid"]) {
+        if (const YAML::Node grid = node["grid"]; grid && spec.deploy == "kvpress") {
+            // kvpress's ratios, each a share of the prompt removed, to a thousandth: the grid holds
+            // the shares kept, in thousandths, ascending.
+            spec.grid_where = where(grid, "search.grid");
+            if (!grid.IsSequence() || grid.size() < 2)
+                fail(grid, "search.grid", "expected a list of at least two compression ratios in [0, 1)");
+            for (std::size_t i = 0; i < grid.size(); ++i) {
+                const std::string key = "search.grid[" + std::to_string(i) + "]";
+                const double ratio = number(grid[i], key);
+                const double kept = (1 - ratio) * 1000;
+                if (!(ratio >= 0 && ratio < 1) || std::abs(kept - std::round(kept)) > 1e-6 || std::round(kept) < 1)
+                    fail(grid[i], key, "expected a compression ratio in [0, 1) to a thousandth (e.g. 0.25), got " +
+                                           grid[i].Scalar());
+                const int thousandths = static_cast<int>(std::round(kept));
+                if (std::find(spec.grid.begin(), spec.grid.end(), thousandths) != spec.grid.end())
+                    fail(grid[i], key, "ratio " + grid[i].Scalar() + " is listed twice");
+                spec.grid.push_back(thousandths);
+            }
+            std::sort(spec.grid.begin(), spec.grid.end());
+        } else if (grid) {
             spec.grid_where = where(grid, "search.grid");
             if (!grid.IsSequence() || grid.size() < 2) fail(grid, "search.grid", "expected a list of at least two budgets");
             for (std::size_t i = 0; i < grid.size(); ++i) {
@@ -416,8 +475,17 @@ ExperimentConfig load_config(const std::string& path) {
             entry.params = profile.params;
             entry.where = p.where(policies[i], key + ".profile") + " (" + file + ")";
             entry.profile_shape = profile.model;
-            // load_profile checked what the profile asks of its policy (search/profile.h).
-            if (profile.streaming || profile.tiers) {  // the policy reads its heads or shares from the file itself
+            // load_profile checked what the profile asks of its policy (search/profile.h). Replayed as
+            // the engine it was fitted for runs it: kvpress's prompt and byte model, DuoAttention's bytes.
+            entry.bookkeeping = profile.deploy == "kvsim";
+            if (!profile.prompt_ratios.empty()) {  // kvpress: a press at per-layer ratios of each prompt
+                const PolicyDescriptor* press = find_policy(profile.policy);
+                if (!press || !press->prompt_press)
+                    p.fail(item, key + ".profile", file + ": per-layer prompt ratios are for a kvpress press, not " +
+                                                       profile.policy);
+                entry.prompt = profile.prompt;
+                entry.profile_budgets.push_back(profile_column(profile, entry.where));
+            } else if (profile.streaming || profile.tiers) {  // the policy reads its heads or shares from the file itself
                 entry.files["profile"] = file;
             } else if (!profile.layer_budgets.empty()) {
                 entry.profile_budgets.push_back(profile_column(profile, entry.where));

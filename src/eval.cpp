@@ -75,7 +75,12 @@ public:
                                   "model " + llama_.path());
         const Policy& probe = harnesses_.front().policy();
         const KvProjection* projection = probe.projection();
-        simulated_ = probe.tier_format() != nullptr || probe.linear_state() != nullptr || projection != nullptr;
+        // Any head that changes values (a streaming profile's first head may keep its cache while
+        // later heads stream) makes the whole cache simulated: the model's own attention cannot
+        // hold it, and a simulated full head attends to everything, as the model does.
+        simulated_ = probe.tier_format() != nullptr || projection != nullptr ||
+                     std::any_of(harnesses_.begin(), harnesses_.end(),
+                                 [](const Harness& h) { return h.policy().linear_state() != nullptr; });
         // Every (layer, KV head) measures its memory; simulated caches also their output error
         // against the model's own full-cache attention at the same step.
         for (int layer = 0; layer < config_.n_layers; ++layer) {

@@ -435,11 +435,9 @@ int run_search_command(const ReplayFlags& flags, const ModelInput& confirm) {
 
 int run_export(const std::string& profile_path, const std::string& format, const std::string& out) {
     const Profile profile = load_profile(profile_path);
-    if (format == "duo")
-        export_duo_pattern(profile, profile_path, out);
-    else
-        export_layer_ratios(profile, profile_path, out);
-    std::printf("wrote %s (%s)\n", out.c_str(), format.c_str());
+    const std::string note = format == "duo" ? export_duo_pattern(profile, profile_path, out)
+                                             : export_layer_ratios(profile, profile_path, out);
+    std::printf("wrote %s (%s): %s\n", out.c_str(), format.c_str(), note.c_str());
     return 0;
 }
 

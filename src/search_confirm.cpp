@@ -96,7 +96,8 @@ void confirm_in_the_loop(SearchOutcome& outcome, const SearchSpec& spec, const M
         if (!r.streaming_heads.empty()) {
             const std::string name = "confirm-" + std::to_string(i);
             plans.push_back(std::make_unique<StreamingPlanFile>(scratch.path(), name, outcome.shape.num_layers,
-                                                                outcome.shape.num_kv_heads, r.streaming_heads, r.lambda));
+                                                                outcome.shape.num_kv_heads, r.streaming_heads, r.lambda,
+                                                                r.stateless));
             PolicyEntry entry;
             entry.name = "streaming_attention";
             entry.params = {{"sinks", r.streaming_sinks}, {"recent", r.streaming_recent}};

@@ -49,6 +49,25 @@ search:
   fit: [layer_budgets, head_budgets]
 """ % TRACE
 
+# deploy kvpress on a short trace (96 steps): the prompt is each sequence's first 64 tokens, ratios
+# up to 0.7 so that SnapKV keeps more than its window in every layer.
+KVPRESS_SEARCH = """trace: {path: %s, max_steps: 96}
+search:
+  deploy: kvpress
+  policy: {snapkv_press: {window_size: 16}}
+  prompt: {tokens: 64}
+  split: {heldout: [3, 4]}
+  target: 2x
+  grid: [0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]
+""" % TRACE
+# deploy duo on a short trace (96 steps), one target.
+DUO_SEARCH = """trace: {path: %s, max_steps: 96}
+search:
+  deploy: duo
+  split: {heldout: [3, 4]}
+  target: 1.5x
+  streaming: {sinks: 4, recent: 16}
+""" % TRACE
 
 def sized(text):
     """A search config sized for the build under test: the cut trace, and one target under the sanitizers."""
@@ -118,6 +137,18 @@ class Search(KvsimTestCase):
         fitted = methods[("fitted head budgets", "2x")]
         self.assertEqual(replayed["output_rel_error"], fitted["heldout"])
         self.assertEqual(replayed["bytes_per_token"], fitted["bytes_per_token"])
+        # A budget is a count of tokens: on the shorter fitting sequences the same profile
+        # compresses less, as the profile says and kvsim run measures there.
+        on_fitting = profile["measured_on"]["fitting"]
+        self.assertEqual(on_fitting["tokens"], [374, 330, 223])
+        self.assertLess(on_fitting["compression_ratio"], profile["measured_on"]["compression_ratio"])
+        config = self.write("fitting.yaml", "trace: {path: %s, sequences: [0, 1, 2]}\n"
+                                            "policies: [{profile: %s}]\nmetrics: [bytes_per_token]\n"
+                                            % (TRACE, os.path.join(self.out, "profile.json")))
+        result = kvsim("run", config, "--out", self.path("fitting"), "-q")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertAlmostEqual(json.loads(read(os.path.join(self.path("fitting"), "results.json")))[0]["bytes_per_token"],
+                               on_fitting["bytes_per_token"], places=9)
 
         # Exports: per-layer ratios; a DuoAttention folder needs streaming heads.
         ratios = self.path("ratios.json")
@@ -147,14 +178,14 @@ class Search(KvsimTestCase):
                 .replace("target: [2x, 3x]", "target: 2x"))
         result = self.search(text)
         self.assertEqual(result.returncode, 0, result.stderr)
-        self.assertIn("streaming heads, fitted lambdas", result.stdout)
+        self.assertIn("streaming heads, fitted lambda or stateless", result.stdout)
         profile_path = os.path.join(self.out, "profile-streaming-2x.json")
         profile = json.loads(read(profile_path))
         self.assertEqual(profile["policy"]["name"], "streaming_attention")
         self.assertEqual(profile["source"]["trace_sha256"], TRACE_SHA256)
         self.assertEqual(len(profile["streaming"]["lambda"]), 5)
         record = [r for r in json.loads(read(os.path.join(self.out, "search.json")))["records"]
-                  if r["method"] == "streaming heads, fitted lambdas"][0]
+                  if r["method"] == "streaming heads, fitted lambda or stateless"][0]
         config = self.write("replay.yaml", "trace: %s\npolicies: [{profile: %s}]\n"
                                            "metrics: [output_rel_error, bytes_per_token]\n" % (trace_at([3, 4]), profile_path))
         result = kvsim("run", config, "--out", self.path("run"), "-q")
@@ -179,9 +210,141 @@ class Search(KvsimTestCase):
         result = kvsim("search", self.write("pattern.yaml", sized(with_pattern)), "--out", self.path("pattern"), "-q")
         self.assertEqual(result.returncode, 0, result.stderr)
         duo_record = [r for r in json.loads(read(os.path.join(self.path("pattern"), "search.json")))["records"]
-                      if r["method"] == "streaming heads from the DuoAttention pattern, fitted lambdas"][0]
+                      if r["method"] == "streaming heads from the DuoAttention pattern, fitted lambda or stateless"][0]
         self.assertEqual(duo_record["heldout"], record["heldout"])
         self.assertEqual(duo_record["streaming_heads"], record["streaming_heads"])
+
+    def assert_replays_short(self, profile_path, record):
+        """kvsim run of a profile fitted on the 96-step trace reproduces the record's held-out figure and bytes."""
+        config = self.write("replay.yaml", "trace: {path: %s, sequences: [3, 4], max_steps: 96}\n"
+                                           "policies: [{profile: %s}]\nmetrics: [output_rel_error, bytes_per_token]\n"
+                                           % (TRACE, profile_path))
+        result = kvsim("run", config, "--out", self.path("run"), "-q")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        replayed = json.loads(read(os.path.join(self.path("run"), "results.json")))[0]
+        self.assertEqual(replayed["output_rel_error"], record["heldout"])
+        self.assertEqual(replayed["bytes_per_token"], record["bytes_per_token"])
+
+    def test_kvpress_deploy(self):
+        """deploy: kvpress fits per-layer ratios of the prompt; kvpress, given the exported file on the
+        prompts the profile was fitted for, keeps the planned tokens per layer (goldens recorded by
+        hand from kvpress's own PerLayerCompressionPress: tests/goldens/record_kvpress_per_layer.py)."""
+        golden = json.loads(read(os.path.join(os.path.dirname(os.path.abspath(__file__)), "goldens",
+                                              "kvpress_per_layer.json")))
+        result = self.search(KVPRESS_SEARCH)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("deploy kvpress", result.stdout)
+        records = json.loads(read(os.path.join(self.out, "search.json")))["records"]
+        fitted = [r for r in records if r["method"] == "fitted layer ratios"][0]
+        uniform = [r for r in records if r["method"] == "uniform ratio"][0]
+        self.assertLessEqual(fitted["heldout"], uniform["heldout"])
+        profile_path = os.path.join(self.out, "profile.json")
+        profile = json.loads(read(profile_path))
+        self.assertEqual(profile["deploy"], "kvpress")
+        self.assertEqual(profile["policy"]["name"], "snapkv_press")
+        self.assertEqual(profile["prompt"], {"tokens": 64})
+        self.assertEqual(profile["prompt_ratios"], golden["ratios"])
+        self.assertEqual(profile["measured_on"]["tokens"], [97, 97])  # 96 steps replayed, of 425 and 457 tokens
+        self.assertEqual(profile["measured_on"]["prompts"], [64, 64])
+        # Where the bytes hold: the held-out lengths, and the same ratios on the fitting sequences,
+        # which kvsim run reproduces there.
+        self.assertEqual(profile["measured_on"]["bytes_per_token"], fitted["bytes_per_token"])
+        on_fitting = profile["measured_on"]["fitting"]
+        self.assertEqual((on_fitting["tokens"], on_fitting["prompts"]), ([97, 97, 97], [64, 64, 64]))
+        config = self.write("fitting.yaml", "trace: {path: %s, sequences: [0, 1, 2], max_steps: 96}\n"
+                                            "policies: [{profile: %s}]\nmetrics: [bytes_per_token]\n"
+                                            % (TRACE, profile_path))
+        result = kvsim("run", config, "--out", self.path("fitting"), "-q")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertAlmostEqual(json.loads(read(os.path.join(self.path("fitting"), "results.json")))[0]["bytes_per_token"],
+                               on_fitting["bytes_per_token"], places=9)
+        kvpress_kept = [[len(head) for head in layer] for layer in golden["sequences"][0]["kept"]]
+        self.assertEqual(profile["prompt_kept"], [{"prompt": 64, "tokens": [layer[0] for layer in kvpress_kept]}])
+        self.assertTrue(all(len(set(layer)) == 1 for layer in kvpress_kept))
+        # kvsim run replays the profile as kvpress runs it: the search's held-out figure and bytes.
+        self.assert_replays_short(profile_path, fitted)
+        # The export is the list kvpress's per-layer press reads, and says what it keeps.
+        ratios = self.path("ratios.json")
+        result = kvsim("export", profile_path, "--format", "ratios", "-o", ratios)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertEqual(json.loads(read(ratios)), golden["ratios"])
+        self.assertIn("prompt 64: " + " ".join(str(layer[0]) for layer in kvpress_kept), result.stdout)
+        # A profile whose kept counts disagree with its ratios is refused.
+        profile["prompt_kept"][0]["tokens"][1] += 1
+        bad = self.write("bad.json", json.dumps(profile))
+        self.assert_input_error(kvsim("export", bad, "--format", "ratios", "-o", self.path("bad-ratios.json")),
+                                "prompt_kept[0].tokens[1]: disagrees with prompt_ratios[1]")
+        # Bad input.
+        for old, new, fragment in [
+            ("  prompt: {tokens: 64}\n", "", "deploy: kvpress needs key 'prompt'"),
+            ("  deploy: kvpress\n", "", "search.prompt: splits each sequence"),
+            ("  policy: {snapkv_press: {window_size: 16}}\n", "  policy: {h2o: {recent_window: 8}}\n",
+             "deploy kvpress fits the ratios of a kvpress press"),
+            ("  deploy: kvpress\n", "  deploy: vllm\n", "search.deploy: unknown target 'vllm'"),
+            ("  prompt: {tokens: 64}\n", "  prompt: {tokens: 200}\n", "leave no prompt of 2 tokens"),
+        ]:
+            with self.subTest(new=new):
+                self.assertIn(old, KVPRESS_SEARCH)
+                self.assert_input_error(self.search(KVPRESS_SEARCH.replace(old, new)), fragment)
+
+    def test_duo_deploy(self):
+        """deploy: duo fits stateless streaming heads and exports gates that DuoAttention's own loader
+        and threshold (goldens recorded by hand: tests/goldens/record_duo_loader.py) turn into
+        exactly kvsim's heads at the stated sparsity, and into the ranking's prefix at every other."""
+        golden = json.loads(read(os.path.join(os.path.dirname(os.path.abspath(__file__)), "goldens",
+                                              "duo_loader.json")))
+        result = self.search(DUO_SEARCH)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("deploy duo", result.stdout)
+        self.assertIn("DuoAttention sparsity", result.stdout)
+        search = json.loads(read(os.path.join(self.out, "search.json")))
+        fitted = [r for r in search["records"] if r["method"] == "streaming heads, fitted ranking"][0]
+        profile_path = os.path.join(self.out, "profile.json")
+        profile = json.loads(read(profile_path))
+        self.assertEqual(profile["deploy"], "duo")
+        heads = [h for row in profile["streaming"]["heads"] for h in row]
+        self.assertEqual(heads, fitted["streaming_heads"])
+        self.assertTrue(all(h == 1 for row in profile["streaming"]["stateless"] for h in row))  # no state anywhere
+        gates = [g for row in profile["streaming"]["gates"] for g in row]
+        ranking = sorted(range(len(gates)), key=lambda u: gates[u])
+        streaming = sum(heads)
+        point = [c for c in profile["sparsity_curve"] if c["streaming_heads"] == streaming][0]
+        self.assertEqual(point["heldout"], fitted["heldout"])  # the curve measures the profile's own plan there
+        # kvsim run replays it as DuoAttention holds it: the search's figure and bytes.
+        self.assert_replays_short(profile_path, fitted)
+        # The export is the folder the goldens were recorded from.
+        duo = self.path("duo")
+        result = kvsim("export", profile_path, "--format", "duo", "-o", duo)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertEqual(read(os.path.join(duo, "full_attention_heads.tsv")), golden["full_attention_heads.tsv"])
+        config = json.loads(read(os.path.join(duo, "config.json")))
+        self.assertEqual((config["sink_size"], config["recent_size"]), (golden["sink_size"], golden["recent_size"]))
+        self.assertEqual(config["recent_size"], profile["streaming"]["recent"] - 1)  # the current token aside
+        self.assertIn("pass --sparsity %s for the %d of %d heads" % (repr(config["sparsity"]), streaming, len(heads)),
+                      result.stdout)
+        # DuoAttention's loader at the stated sparsity streams exactly kvsim's heads; at each other
+        # sparsity of the curve, the first heads of kvsim's ranking.
+        loads = {load["sparsity"]: load for load in golden["loads"]}
+        duo_heads = [1 - g for row in loads[config["sparsity"]]["matrix"] for g in row]
+        self.assertEqual(duo_heads, heads)
+        self.assertEqual([c["sparsity"] for c in profile["sparsity_curve"]], list(loads))
+        for c in profile["sparsity_curve"]:
+            with self.subTest(sparsity=c["sparsity"]):
+                chosen = set(ranking[:c["streaming_heads"]])
+                loaded = [1 - g for row in loads[c["sparsity"]]["matrix"] for g in row]
+                self.assertEqual({u for u, h in enumerate(loaded) if h}, chosen)
+        # Bad input.
+        for old, new, fragment in [
+            ("  streaming: {sinks: 4, recent: 16}\n", "  streaming: {sinks: 4, recent: 1}\n",
+             "DuoAttention keeps recent_size = recent - 1"),
+            ("  deploy: duo\n", "  deploy: duo\n  fit: [layer_budgets]\n", "deploy duo fits streaming heads"),
+        ]:
+            with self.subTest(new=new):
+                self.assertIn(old, DUO_SEARCH)
+                self.assert_input_error(self.search(DUO_SEARCH.replace(old, new)), fragment)
+        profile["streaming"]["stateless"][0] = [0, 0, 0, 0]
+        self.assert_input_error(kvsim("export", self.write("bad.json", json.dumps(profile)), "--format", "duo", "-o",
+                                      self.path("bad-duo")), "streaming.stateless")
 
     def test_tier_profile_replays_exactly(self):
         text = SEARCH.replace("fit: [layer_budgets, head_budgets]", "fit: [tiers]\n  tiers: {recent: 16}")
@@ -403,7 +566,7 @@ class Search(KvsimTestCase):
             (dict(layer_budgets=[-4, 5, 6, 7, 8]), "layer_budgets[0]: -4 is outside"),
             (dict(layer_budgets=[4, 5, 6]), "layer_budgets: expected 5 entries, got 3"),
             (dict(layer_budgets=[4, 5.5, 6, 7, 8]), "layer_budgets[1]: expected an integer"),
-            (dict(version=2), "version: 2 is not supported"),
+            (dict(version=3), "version: 3 is not supported"),
             (dict(format="other"), "format: expected \"kvsim-profile\""),
             (dict(head_budgets=[[4, 4, 4, 4]] * 4), "head_budgets: expected 5 entries"),
             (dict(streaming={"sinks": 4, "recent": 8, "heads": [[0, 1, 0, 0]] * 5, "lambda": [[1.5] * 4] * 5}),

@@ -91,6 +91,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     options.reduce = static_cast<kvsim::GroupReduce>(view / 2 % 3);
     options.prefill_tokens = prefill;
     for (const kvsim::PolicyDescriptor& policy : kvsim::policy_registry()) {
+        if (policy.prompt_press) continue;  // reads a prompt's Q/K/V, not rows (test_prompt_press.cpp)
         try {
             // Small integer parameters the bytes pick where a policy takes them (then its budget
             // check decides, as a config's would).

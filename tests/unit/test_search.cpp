@@ -277,12 +277,13 @@ TEST_CASE("streaming heads: the fitted lambda follows how fast a head's attentio
     for (float rate : {3.0f / 64, 8.0f / 64}) {
         const std::string path = write_memory_trace("memory", {160, 140, 150}, rate);
         const SearchOutcome o = run_search(spec, run_on(path));
-        const SearchRecord& fitted = record(o, "streaming heads, fitted lambdas", "2");
+        const SearchRecord& fitted = record(o, "streaming heads, fitted lambda or stateless", "2");
         const SearchRecord& published = record(o, "streaming heads, lambda 0.99", "2");
         REQUIRE(fitted.lambda.size() == 2);
         INFO("rate " << rate << ": lambdas " << fitted.lambda[0] << " " << fitted.lambda[1]);
         CHECK(fitted.lambda[0] > 0.99);  // uniform attention: the state must remember everything
         CHECK(fitted.lambda[1] == doctest::Approx(std::exp(-rate)).epsilon(0.03));  // the head's own decay
+        CHECK(fitted.stateless == std::vector<uint8_t>{0, 0});  // both heads need what they fold
         CHECK(fitted.heldout <= published.heldout);
         CHECK(fitted.bytes_per_token == published.bytes_per_token);  // the same heads stream
         REQUIRE(o.profiles.size() == 1);
@@ -291,6 +292,30 @@ TEST_CASE("streaming heads: the fitted lambda follows how fast a head's attentio
         decayed.push_back(fitted.lambda[1]);
     }
     CHECK(decayed[1] < decayed[0]);  // faster decay, smaller lambda
+}
+
+TEST_CASE("streaming heads: a head whose attention stays in its window streams without a state") {
+    // Head 1's attention falls by e^-2 a step: past its window of 4 almost nothing is left, and
+    // any state, even at lambda 0 (the last token folded), adds weight the softmax would not.
+    SearchSpec spec = streaming_llm_search({"streaming"}, {"1.2"});
+    spec.streaming_sinks = 1;
+    spec.streaming_recent = 4;
+    spec.streaming_where = "test: search.streaming";
+    const SearchOutcome o = run_search(spec, run_on(write_memory_trace("local", {160, 140, 150}, 2.0f)));
+    const SearchRecord& fitted = record(o, "streaming heads, fitted lambda or stateless", "1.2");
+    CHECK(fitted.stateless == std::vector<uint8_t>{0, 1});  // uniform head: a state; local head: none
+    CHECK(fitted.streaming_heads == std::vector<uint8_t>{0, 1});  // and the local head streams
+    const SearchRecord& published = record(o, "streaming heads, lambda 0.99", "1.2");
+    CHECK(fitted.heldout < published.heldout);
+    CHECK(fitted.bytes_per_token < published.bytes_per_token);  // a stateless head holds no state
+    const SearchRecord& stateless = record(o, "streaming heads, stateless", "1.2");
+    CHECK(stateless.stateless == std::vector<uint8_t>{1, 1});
+    REQUIRE(o.profiles.size() == 1);
+    REQUIRE(o.profiles[0].streaming);
+    CHECK(o.profiles[0].streaming->stateless == fitted.stateless);
+    bool said = false;
+    for (const std::string& n : o.notes) said |= contains(n, "At 1.2: stateless layer 0: 1; with a state none.");
+    CHECK(said);
 }
 
 TEST_CASE("search refuses what it cannot fit, naming the key") {

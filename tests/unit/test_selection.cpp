@@ -210,6 +210,7 @@ TEST_CASE("every policy keeps the harness contract on rows of NaN, infinities an
         if (d.check_context &&
             !d.check_context(resolve_params(d, {}, "test"), PolicyContext{6, 7, 0, 1, 0, 1, 0}).second.empty())
             continue;
+        if (d.prompt_press) continue;  // reads the prompt's Q/K/V, not rows: test_prompt_press.cpp
         for (const auto& pattern : patterns)
             for (AttentionView view : {AttentionView::raw, AttentionView::renormalized}) {
                 std::map<std::string, double> params;
@@ -235,7 +236,7 @@ TEST_CASE("the renormalized view stays finite when a head's kept and own weights
     // (H2O's sum, TOVA's last weight) could never be evicted and the cache would outgrow its budget.
     const int steps = 40, budget = 4;
     for (const PolicyDescriptor& d : policy_registry()) {
-        if (d.keeps_everything) continue;
+        if (d.keeps_everything || d.prompt_press) continue;  // a prompt press reads no rows
         std::map<std::string, double> params;
         for (const ParamSpec& s : d.params)
             if (s.name == "recent_window" || s.name == "recent") params[s.name] = 1;
