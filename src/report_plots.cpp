@@ -93,7 +93,7 @@ int required_count(const Json& object, const std::string& key, const std::string
     return static_cast<int>(it->get<int64_t>());
 }
 
-// The "format" and "version" header of search.json and profile.json.
+// The "format" and "version" header of search.json.
 void require_format(const Json& file, const std::string& format, const std::string& path) {
     if (!file.is_object()) throw InputError(path + ": not a JSON object");
     if (optional_string(file, "format", path) != format)
@@ -407,10 +407,10 @@ std::vector<std::vector<double>> per_head(const Json& value, const std::string& 
 }
 
 Section profile_figures(const std::string& path) {
-    // A profile is plotted only if it is one every other command would take (search/profile.h).
+    // A profile is plotted only if it is one every other command would take (search/profile.h):
+    // its format and every version this kvsim reads are checked there, once.
     (void)load_profile(path);
     const Json file = read_json(path);
-    require_format(file, "kvsim-profile", path);
     const std::string name = optional_string(file, "name", path);
     const auto model = file.find("model");
     if (model == file.end() || !model->is_object()) throw InputError(path + ": 'model' is not an object");
