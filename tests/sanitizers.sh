@@ -39,7 +39,8 @@ for test in introspect("--tests"):
             print(os.path.relpath(f, build))
 PY
 )
-    ninja -C build-asan "${targets[@]}" >/dev/null
+    # Quiet on success; on a failure, the compiler's or linker's own lines.
+    ninja -C build-asan "${targets[@]}" > build-asan/ninja.log 2>&1 || { grep -E -A8 '^FAILED' build-asan/ninja.log | head -60; exit 1; }
 fi
 [ "$mode" = --build-only ] && exit 0
 

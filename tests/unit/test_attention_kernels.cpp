@@ -264,7 +264,10 @@ TEST_CASE("attention kernels: a head's serving attention within 1e-5 of the orac
         for (const int value_group : {32, 8})
             for (const int tokens : {1, 2, 31, 33, 97, 300})
                 for (const int group : {1, 4, 5, 9})
-                    for (const auto& [name, share] : mixes) {
+                    for (const auto& mix : mixes) {
+                        // Not a structured binding: clang 14 cannot capture one in INFO's lambda.
+                        const char* name = mix.first;
+                        const std::vector<double>& share = mix.second;
                         INFO(name << ", head size " << d << ", scale group " << value_group << ", " << tokens
                                   << " tokens, " << group << " query heads");
                         const ParamValues params = resolve_params(*stratigraphic, {{"value_group", value_group}}, "test");
