@@ -74,17 +74,10 @@ struct KeptMask : model::ForwardHooks {
         const ParamValues params = resolve_params(*press, {{"window_size", 8}}, "test");
         for (int layer = 0; layer < c.n_layers; ++layer)
             for (int kv = 0; kv < c.n_kv_heads; ++kv) {
-                PromptView view;
-                view.length = kPrompt;
-                view.layer = layer;
-                view.num_layers = c.n_layers;
-                view.kv_head = kv;
-                view.num_query_heads = c.n_heads;
-                view.num_kv_heads = c.n_kv_heads;
-                view.head_dim = c.head_dim;
-                view.queries = prompt.q[layer].data();
-                view.keys = prompt.k[layer].data();
-                view.values = prompt.v[layer].data();
+                const PromptView view{.length = kPrompt, .layer = layer, .num_layers = c.n_layers, .kv_head = kv,
+                                      .num_query_heads = c.n_heads, .num_kv_heads = c.n_kv_heads,
+                                      .head_dim = c.head_dim, .queries = prompt.q[layer].data(),
+                                      .keys = prompt.k[layer].data(), .values = prompt.v[layer].data()};
                 const int budget = kvpress_kept_tokens(kPrompt, ratios[layer]);
                 std::unique_ptr<Policy> policy =
                     press->make(params, {budget, kPrompt + 1, layer, c.n_layers, kv, c.n_kv_heads, c.head_dim});
