@@ -718,7 +718,8 @@ void LlamaModel::attention(int layer, int n, int start_pos, ForwardHooks* hooks)
 // ---------------------------------------------------------------------------------------------
 // Teacher-forced likelihood
 
-double LlamaModel::sequence_nll(const std::vector<int>& tokens, ForwardHooks* hooks, int chunk_size) {
+double LlamaModel::sequence_nll(const std::vector<int>& tokens, ForwardHooks* hooks, int chunk_size,
+                                std::vector<double>* token_nll) {
     if (chunk_size < 1) throw std::invalid_argument("LlamaModel::sequence_nll: chunk_size must be at least 1");
     for (const int token : tokens) {
         if (token < 0 || token >= config_.vocab_size)
@@ -726,6 +727,7 @@ double LlamaModel::sequence_nll(const std::vector<int>& tokens, ForwardHooks* ho
                                     " is not in the vocabulary");
     }
     reset();
+    if (token_nll) token_nll->clear();
     double total_nll = 0.0;
     const int predicted = static_cast<int>(tokens.size()) - 1;  // the last token is never input
     for (int start = 0; start < predicted; start += chunk_size) {
@@ -737,7 +739,9 @@ double LlamaModel::sequence_nll(const std::vector<int>& tokens, ForwardHooks* ho
             const double max_logit = *std::max_element(row, row + config_.vocab_size);
             double sum = 0.0;
             for (int t = 0; t < config_.vocab_size; ++t) sum += std::exp(static_cast<double>(row[t]) - max_logit);
-            total_nll += max_logit + std::log(sum) - row[tokens[start + i + 1]];
+            const double nll = max_logit + std::log(sum) - row[tokens[start + i + 1]];
+            total_nll += nll;
+            if (token_nll) token_nll->push_back(nll);
         }
     }
     return total_nll;

@@ -186,8 +186,11 @@ class LlamaModel {
 
     // Teacher-forced summed negative log-likelihood (nats) of tokens[1..] given their prefixes,
     // tokens[0] being BOS; log-softmax in double. Resets the cache first and runs chunks of
-    // chunk_size tokens through forward_batch (chunk_size 1: strictly token by token).
-    double sequence_nll(const std::vector<int>& tokens, ForwardHooks* hooks = nullptr, int chunk_size = 128);
+    // chunk_size tokens through forward_batch (chunk_size 1: strictly token by token). With
+    // token_nll, each predicted token's NLL too (tokens.size() - 1 of them, tokens[1] first): a
+    // part of the sequence (a prompt's continuation) is scored from them.
+    double sequence_nll(const std::vector<int>& tokens, ForwardHooks* hooks = nullptr, int chunk_size = 128,
+                        std::vector<double>* token_nll = nullptr);
 
     // The cached key / value (head_dim floats) of a layer, KV head and position already stored:
     // inside forward_batch, a hook may read the chunk's earlier positions of the current layer.

@@ -46,18 +46,49 @@ public:
         : llama_(llama), config_(llama.config()), heavy_k_(heavy_hitter_k),
           group_(config_.n_heads / config_.n_kv_heads), chunk_(chunk), query_(config_.n_layers),
           key_(config_.n_layers), value_(config_.n_layers), admitted_(config_.n_layers, 0) {
+        // The combination's own prompt (a kvpress profile's split) and byte model, as a replay's.
+        HarnessOptions own = options;
+        own.prefill_tokens = prompt_ = combo.prompt_length(length, options.prefill_tokens);
+        own.bookkeeping = options.bookkeeping && combo.bookkeeping;
         for (int layer = 0; layer < config_.n_layers; ++layer) {
             query_[layer].resize(static_cast<std::size_t>(chunk) * config_.q_dim());
             key_[layer].resize(static_cast<std::size_t>(chunk) * config_.kv_dim());
             value_[layer].resize(static_cast<std::size_t>(chunk) * config_.kv_dim());
             for (int kv = 0; kv < config_.n_kv_heads; ++kv) {
-                const int budget = combo.budget_for(layer, kv, config_.n_kv_heads, length);
-                const int most = combo.capacity_budget(layer, kv, config_.n_kv_heads, length);
-                const int capacity = std::min(std::max(most, options.prefill_tokens), length) + 1;
+                const int budget = combo.budget_for(layer, kv, config_.n_kv_heads, length, prompt_);
+                const int most = combo.capacity_budget(layer, kv, config_.n_kv_heads, length, prompt_);
+                const int capacity = std::min(std::max(most, prompt_), length) + 1;
                 harnesses_.emplace_back(
                     combo.make({budget, capacity, layer, config_.n_layers, kv, config_.n_kv_heads, config_.head_dim}),
-                    budget, length, options, combo.label,
+                    budget, length, own, combo.label,
                     " (layer " + std::to_string(layer) + ", KV head " + std::to_string(kv) + ")");
+            }
+        }
+        // A prefill-time compressor (kvpress's press) reads the whole prompt's Q, K and V of its
+        // layer at the prompt's end, as the replay gives it the trace's: kept here from after_qkv.
+        if (std::any_of(harnesses_.begin(), harnesses_.end(), [](const Harness& h) { return h.policy().reads_prompt(); })) {
+            prompt_query_.resize(config_.n_layers);
+            prompt_key_.resize(config_.n_layers);
+            prompt_value_.resize(config_.n_layers);
+            for (int layer = 0; layer < config_.n_layers; ++layer) {
+                prompt_query_[layer].resize(static_cast<std::size_t>(prompt_) * config_.q_dim());
+                prompt_key_[layer].resize(static_cast<std::size_t>(prompt_) * config_.kv_dim());
+                prompt_value_[layer].resize(static_cast<std::size_t>(prompt_) * config_.kv_dim());
+                for (int kv = 0; kv < config_.n_kv_heads; ++kv) {
+                    Harness& h = harnesses_[layer * config_.n_kv_heads + kv];
+                    if (!h.policy().reads_prompt()) continue;
+                    PromptView view;
+                    view.layer = layer;
+                    view.num_layers = config_.n_layers;
+                    view.kv_head = kv;
+                    view.num_query_heads = config_.n_heads;
+                    view.num_kv_heads = config_.n_kv_heads;
+                    view.head_dim = config_.head_dim;
+                    view.queries = prompt_query_[layer].data();
+                    view.keys = prompt_key_[layer].data();
+                    view.values = prompt_value_[layer].data();
+                    h.set_prompt(view);
+                }
             }
         }
         if (combo.adakv) {  // the heads of a layer step together: the model calls them in order, per position
@@ -110,6 +141,11 @@ public:
         std::copy(q, q + config_.q_dim(), query_row(layer, pos));
         std::copy(k, k + config_.kv_dim(), key_row(layer, pos));
         std::copy(v, v + config_.kv_dim(), value_row(layer, pos));
+        if (!prompt_query_.empty() && pos < prompt_) {
+            std::copy(q, q + config_.q_dim(), prompt_query_[layer].data() + static_cast<std::size_t>(pos) * config_.q_dim());
+            std::copy(k, k + config_.kv_dim(), prompt_key_[layer].data() + static_cast<std::size_t>(pos) * config_.kv_dim());
+            std::copy(v, v + config_.kv_dim(), prompt_value_[layer].data() + static_cast<std::size_t>(pos) * config_.kv_dim());
+        }
     }
 
     const uint8_t* attention_mask(int layer, int kv, int pos) override {
@@ -252,6 +288,9 @@ private:
     GroupReduce reduce_ = GroupReduce::mean;
     // Per layer: the chunk's Q (all heads), K and V (all KV heads), position p in row p % chunk.
     std::vector<std::vector<float>> query_, key_, value_;
+    int prompt_ = 0;  // the combination's prompt: its positions enter unevicted
+    // A prompt press's: per layer, the prompt's Q, K and V, position-major as PromptView reads them.
+    std::vector<std::vector<float>> prompt_query_, prompt_key_, prompt_value_;
     std::vector<int> admitted_;              // per layer: positions given to tiers_
     std::vector<std::unique_ptr<IncrementalTiers>> tiers_;  // per layer: K/V as each tier holds them
     std::vector<Harness> harnesses_;         // [layer][kv head]
@@ -357,6 +396,19 @@ EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>&
                                 ModelShape{options.input.model_path, mc.n_layers, mc.n_heads, mc.n_kv_heads, mc.head_dim},
                                 "model " + options.input.model_path);
 
+    // A combination with its own prompt split (a kvpress profile) compresses each sequence's prompt
+    // once, at its end, and is scored on the continuation after it.
+    for (const ReplayCombo& c : combos)
+        if (!c.prompt.empty())
+            for (std::size_t i = 0; i < text.sequences.size(); ++i) {
+                const int64_t length = static_cast<int64_t>(text.sequences[i].size());
+                const int64_t prompt = c.prompt.prompt_length(length);
+                if (prompt < 2 || prompt >= length)
+                    throw InputError(c.where + ": " + c.prompt.describe() + " of sequence " +
+                                     std::to_string(original[i]) + " of " + options.input.text_path + " (" +
+                                     std::to_string(length) + " tokens) leave" + (c.prompt.tokens > 0 ? "" : "s") +
+                                     " no prompt of 2 tokens and a continuation after it");
+            }
     for (std::size_t i = 0; i < text.sequences.size(); ++i)
         if (config.prefill_tokens >= static_cast<int>(text.sequences[i].size()))
             throw InputError(config.file + ": prefill_tokens = " + std::to_string(config.prefill_tokens) +
@@ -383,11 +435,15 @@ EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>&
         std::size_t bytes_per_slot = 0;
         std::vector<double> sequence_nll;          // per sequence, summed into nll in order
         std::vector<StreamMetrics> sequence_metrics;
+        // The full cache, and a combination with its own prompt split: each predicted token's NLL
+        // per sequence, from which a continuation is scored.
+        std::vector<std::vector<double>> token_nll;
     };
     std::vector<Outcome> outcomes(combos.size() + 1);
     for (Outcome& out : outcomes) {
         out.sequence_nll.resize(text.sequences.size());
         out.sequence_metrics.resize(text.sequences.size());
+        out.token_nll.resize(text.sequences.size());
     }
     // Each worker thread runs on its own copy of the model (sharing its weights: a copy is its KV
     // cache and RoPE tables), with a policy's simulated cache for a sequence: every layer's K and V
@@ -419,11 +475,12 @@ EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>&
             const std::vector<int>& tokens = text.sequences[s];
             try {
                 if (i == 0) {
-                    out.sequence_nll[s] = llama.sequence_nll(tokens, nullptr, options.chunk);
+                    out.sequence_nll[s] = llama.sequence_nll(tokens, nullptr, options.chunk, &out.token_nll[s]);
                 } else {
                     PolicyInTheLoop hooks(llama, combos[i - 1], harness, config.heavy_hitter_k,
                                           static_cast<int>(tokens.size()), options.chunk);
-                    out.sequence_nll[s] = llama.sequence_nll(tokens, &hooks, options.chunk);
+                    out.sequence_nll[s] = llama.sequence_nll(tokens, &hooks, options.chunk,
+                                                             combos[i - 1].prompt.empty() ? nullptr : &out.token_nll[s]);
                     out.sequence_metrics[s] = hooks.metrics();
                     out.metrics.add(hooks.metrics());
                     out.bytes_per_slot = hooks.bytes_per_slot();
@@ -478,13 +535,50 @@ EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>&
         r.delta_ppl = perplexity_rise(r.nll, full_nll);
         return r;
     };
+    // A combination with its own prompt split is scored on the continuation after each prompt (the
+    // tokens the model predicts once the prompt is compressed, and the first one, predicted from
+    // the whole prompt), against the full cache's NLL of the same tokens, summed in the same order.
+    struct Scored {
+        double nll = 0, full_nll = 0;
+        long tokens = 0;
+    };
+    auto continuation = [&](std::size_t i, std::size_t s) {
+        Scored scored;
+        const int64_t length = static_cast<int64_t>(text.sequences[s].size());
+        const int64_t prompt = combos[i].prompt.prompt_length(length);
+        const std::vector<double>& own = outcomes[i + 1].token_nll[s];
+        const std::vector<double>& full = outcomes[0].token_nll[s];
+        for (int64_t token = prompt; token < length; ++token) {  // token j's NLL is entry j - 1
+            scored.nll += own[static_cast<std::size_t>(token - 1)];
+            scored.full_nll += full[static_cast<std::size_t>(token - 1)];
+        }
+        scored.tokens = static_cast<long>(length - prompt);
+        return scored;
+    };
+    const bool any_split = std::any_of(combos.begin(), combos.end(), [](const ReplayCombo& c) { return !c.prompt.empty(); });
     std::vector<double> mass, recall, nll;
     for (std::size_t i = 0; i < combos.size(); ++i) {
         const Outcome& out = outcomes[i + 1];
-        const ResultRecord r = combo_record(i, out.metrics, out.nll, result.tokens, result.full_nll, 0);
+        ResultRecord r;
+        double reference = result.full_nll;
+        if (combos[i].prompt.empty()) {
+            r = combo_record(i, out.metrics, out.nll, result.tokens, result.full_nll, 0);
+        } else {
+            Scored total;
+            for (std::size_t s = 0; s < text.sequences.size(); ++s) {
+                const Scored one = continuation(i, s);
+                total.nll += one.nll;
+                total.full_nll += one.full_nll;
+                total.tokens += one.tokens;
+            }
+            reference = total.full_nll / total.tokens;
+            r = combo_record(i, out.metrics, total.nll, total.tokens, reference, 0);
+        }
         mass.push_back(r.retained_mass);
         recall.push_back(r.heavy_hitter_recall);
-        nll.push_back(r.nll);
+        // Ranked by the rise in mean NLL over each one's own reference where some are scored on a
+        // continuation (the same order as the NLL where every one is scored on the whole text).
+        nll.push_back(any_split ? r.nll - reference : r.nll);
         result.records.push_back(r);
     }
     if (config.per_sequence)
@@ -497,9 +591,17 @@ EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>&
                 result.records.push_back(std::move(r));
             };
             in_sequence(full_record(full_nll));
-            for (std::size_t i = 0; i < combos.size(); ++i)
-                in_sequence(combo_record(i, outcomes[i + 1].sequence_metrics[s], outcomes[i + 1].sequence_nll[s], tokens,
-                                         full_nll, static_cast<int64_t>(text.sequences[s].size())));
+            for (std::size_t i = 0; i < combos.size(); ++i) {
+                const int64_t length = static_cast<int64_t>(text.sequences[s].size());
+                if (combos[i].prompt.empty()) {
+                    in_sequence(combo_record(i, outcomes[i + 1].sequence_metrics[s], outcomes[i + 1].sequence_nll[s],
+                                             tokens, full_nll, length));
+                } else {
+                    const Scored one = continuation(i, s);
+                    in_sequence(combo_record(i, outcomes[i + 1].sequence_metrics[s], one.nll, one.tokens,
+                                             one.full_nll / one.tokens, length));
+                }
+            }
         }
     result.configurations = combos.size();
     result.spearman_retained_mass = spearman(mass, nll);

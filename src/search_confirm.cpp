@@ -103,6 +103,7 @@ void confirm_in_the_loop(SearchOutcome& outcome, const SearchSpec& spec, const M
             entry.params = {{"sinks", r.streaming_sinks}, {"recent", r.streaming_recent}};
             entry.files = {{"profile", plans.back()->path()}};
             entry.where = spec.streaming_where;
+            entry.bookkeeping = outcome.deploy == "kvsim";  // DuoAttention holds K and V alone
             config.policies.push_back(entry);
             record_of["profile=" + name + ".yaml"] = i;
             continue;
@@ -116,6 +117,20 @@ void confirm_in_the_loop(SearchOutcome& outcome, const SearchSpec& spec, const M
             entry.where = spec.tiers_where;
             config.policies.push_back(entry);
             record_of["profile=" + name + ".json"] = i;
+            continue;
+        }
+        if (!r.prompt_ratios.empty()) {  // deploy kvpress: the press at its ratios of each prompt, once
+            PolicyEntry entry = spec.policy;
+            BudgetColumn column;
+            column.label = r.method + " @ " + r.target;
+            column.where = spec.where;
+            column.prompt_ratios = r.prompt_ratios;
+            entry.profile_budgets = {column};
+            entry.profile_shape = outcome.shape;
+            entry.prompt = spec.prompt;
+            entry.bookkeeping = false;  // kvpress holds K and V alone
+            config.policies.push_back(entry);
+            record_of[column.label] = i;
             continue;
         }
         PolicyEntry entry = spec.policy;
@@ -149,7 +164,13 @@ void confirm_in_the_loop(SearchOutcome& outcome, const SearchSpec& spec, const M
         outcome.records[it->second].delta_ppl = r.delta_ppl;
     }
 
-    // Per target: did the proxy order the methods as the model's own perplexity does?
+    // Per target: did the proxy order the methods as the model's own perplexity does? With deploy
+    // kvpress every method is scored on the held-out continuations, and so is the full cache.
+    const bool continuations = outcome.deploy == "kvpress";
+    double full_ppl = result.full_ppl;
+    if (continuations)
+        for (const ResultRecord& r : result.records)
+            if (r.label != "full") full_ppl = std::exp(r.nll) - r.delta_ppl;
     std::vector<std::string> lines;
     for (const SearchTarget& target : spec.targets) {
         std::vector<double> proxy, delta;
@@ -165,10 +186,12 @@ void confirm_in_the_loop(SearchOutcome& outcome, const SearchSpec& spec, const M
         const double rho = spearman(proxy, delta);
         char line[600];
         std::snprintf(line, sizeof line,
-                      "At %s with %s in the loop (full-cache PPL %.4f on the held-out sequences): the proxy's best is "
+                      "At %s with %s in the loop (full-cache PPL %.4f on the held-out %s): the proxy's best is "
                       "%s (ΔPPL %+.4f), the model's best is %s (ΔPPL %+.4f); Spearman rank correlation between held-out "
                       "%s and ΔPPL across the %zu methods %+.3f: the proxy's ranking %s.",
-                      target.label.c_str(), input.model_path.c_str(), result.full_ppl, best_proxy->method.c_str(),
+                      target.label.c_str(), input.model_path.c_str(), full_ppl,
+                      continuations ? ("sequences' continuations; prompt: " + spec.prompt.describe()).c_str() : "sequences",
+                      best_proxy->method.c_str(),
                       best_proxy->delta_ppl, best_delta->method.c_str(), best_delta->delta_ppl, outcome.objective.c_str(),
                       proxy.size(), rho,
                       best_proxy == best_delta && rho >= 0.8 ? "held"

@@ -478,6 +478,34 @@ class Search(KvsimTestCase):
         self.out = out
 
     @unittest.skipUnless(os.path.exists(MODEL), "../shared/models/stories260K is not present")
+    def test_confirmation_in_the_loop_per_target(self):
+        # Each deployment's methods run in the model as that engine runs them: kvpress compresses
+        # each held-out prompt once and is scored on the continuation, DuoAttention's streaming heads
+        # hold sinks and recent tokens alone. Every record gets its rise in perplexity.
+        for name, text in (("kvpress", KVPRESS_SEARCH), ("duo", DUO_SEARCH)):
+            with self.subTest(deploy=name):
+                self.out = self.path("confirm-" + name)
+                result = self.search(text, "--model", MODEL, "--text", STORIES, "--split-on", "<|endoftext|>",
+                                     "--context", "512")
+                self.assertEqual(result.returncode, 0, result.stderr)
+                records = json.loads(read(os.path.join(self.out, "search.json")))["records"]
+                self.assertGreater(len(records), 1)
+                for r in records:
+                    self.assertIsInstance(r["delta_ppl"], float, r["method"])
+                self.assertIn("the proxy's ranking", result.stdout)
+                if name == "kvpress":
+                    self.assertIn("continuations; prompt: the first 64 tokens", result.stdout)
+                    # kvsim eval runs the profile as kvpress does, on every story of the text.
+                    config = self.write("eval-kvpress.yaml", "policies: [{profile: %s}]\nmetrics: [ppl, delta_ppl]\n"
+                                        % os.path.join(self.out, "profile.json"))
+                    evaluated = kvsim("eval", config, "--model", MODEL, "--text", STORIES, "--split-on",
+                                      "<|endoftext|>", "--context", "512", "--format", "json", "-q",
+                                      "--out", self.path("eval-kvpress"))
+                    self.assertEqual(evaluated.returncode, 0, evaluated.stderr)
+                    row = [r for r in json.loads(evaluated.stdout) if r["label"] != "full"][0]
+                    self.assertGreater(row["delta_ppl"], 0)  # it was refused before
+
+    @unittest.skipUnless(os.path.exists(MODEL), "../shared/models/stories260K is not present")
     def test_adakv_in_the_loop(self):
         # The model calls a layer's KV heads in order, so Ada-KV steps them together in the loop too;
         # at floor 1 it is H2O exactly, with or without quantised tiers.
