@@ -140,11 +140,12 @@ class Search(KvsimTestCase):
         # A budget is a count of tokens: on the shorter fitting sequences the same profile
         # compresses less, as the profile says and kvsim run measures there.
         on_fitting = profile["measured_on"]["fitting"]
-        self.assertEqual(on_fitting["tokens"], [374, 330, 223])
-        self.assertLess(on_fitting["compression_ratio"], profile["measured_on"]["compression_ratio"])
-        config = self.write("fitting.yaml", "trace: {path: %s, sequences: [0, 1, 2]}\n"
+        self.assertEqual(on_fitting["tokens"], [min(n, MAX_STEPS + 1) if MAX_STEPS else n for n in (374, 330, 223)])
+        if not MAX_STEPS:  # cut to MAX_STEPS, every sequence has the same length
+            self.assertLess(on_fitting["compression_ratio"], profile["measured_on"]["compression_ratio"])
+        config = self.write("fitting.yaml", "trace: %s\n"
                                             "policies: [{profile: %s}]\nmetrics: [bytes_per_token]\n"
-                                            % (TRACE, os.path.join(self.out, "profile.json")))
+                                            % (trace_at([0, 1, 2]), os.path.join(self.out, "profile.json")))
         result = kvsim("run", config, "--out", self.path("fitting"), "-q")
         self.assertEqual(result.returncode, 0, result.stderr)
         self.assertAlmostEqual(json.loads(read(os.path.join(self.path("fitting"), "results.json")))[0]["bytes_per_token"],
@@ -201,7 +202,8 @@ class Search(KvsimTestCase):
         # Baselines: lambdas calibrated on the full softmax, and a DuoAttention pattern's heads.
         records = json.loads(read(os.path.join(self.out, "search.json")))["records"]
         calibrated = [r for r in records if r["method"] == "streaming heads, lambda calibrated on the full softmax"][0]
-        self.assertEqual(calibrated["streaming_heads"], record["streaming_heads"])
+        if not MAX_STEPS:  # on the whole trace the fitted heads are the calibrated ones (not so on 128 steps)
+            self.assertEqual(calibrated["streaming_heads"], record["streaming_heads"])
         self.assertNotEqual(calibrated["lambda"], record["lambda"])
         self.assertTrue(all(0 <= x <= 1 for x in calibrated["lambda"]))
         # The pattern exported from the fitted profile picks the same heads, so the same figure.
