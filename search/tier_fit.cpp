@@ -71,7 +71,8 @@ struct TierResult {
 };
 
 // Every plan side by side in one lockstep pass; `output_error` false measures bytes only.
-// progress_done: the share of the fit done before this pass (each of its three passes is a third).
+// progress_done: the share of the fit done before this pass (each of its three passes is a third);
+// negative: the pass reports no progress.
 std::vector<TierResult> replay_plans(const FitInput& in, const ParamValues& params, AttentionSource& source,
                                      const std::vector<TierShares>& plans, bool output_error, double progress_done) {
     std::vector<PolicyEntry> entries;
@@ -87,7 +88,7 @@ std::vector<TierResult> replay_plans(const FitInput& in, const ParamValues& para
     options.harness = in.harness;
     options.output_error = output_error;
     options.memory = true;
-    if (in.progress) options.progress = [&in, done = progress_done](double f) { in.progress(done + f / 3); };
+    if (in.progress && progress_done >= 0) options.progress = [&in, done = progress_done](double f) { in.progress(done + f / 3); };
     const std::vector<ComboResult> results = replay(source, expand_sweep(entries, {}, std::vector<int>{1}), options);
     std::vector<TierResult> out;
     for (const ComboResult& r : results) {
@@ -132,7 +133,30 @@ void fit_tier_profiles(const FitInput& in, SearchOutcome& out) {
     for (double s : scales) plans.push_back(published_shares(params, s, L, K));
 
     // Bytes on the held-out sequences (what the target holds them to), errors on the fitting ones.
-    const std::vector<TierResult> bytes = replay_plans(in, params, *in.heldout, plans, false, 0.0);
+    // The first candidate (every share 0) is each head's cheapest, since a zone only adds tokens
+    // kept: it alone decides whether a target is reachable, so an unreachable one is refused
+    // before the pass over every plan.
+    std::vector<TierResult> bytes = replay_plans(in, params, *in.heldout, {plans.front()}, false, -1.0);
+    double cheapest = 0;
+    for (const double b : bytes.front().head_bytes) cheapest += b;
+    cheapest /= static_cast<double>(units);
+    for (const SearchTarget& target : spec.targets) {
+        const double wanted = target.bytes(full_fp16);
+        if (cheapest > wanted * (1 + 1e-9)) {
+            char detail[240];
+            std::snprintf(detail, sizeof detail,
+                          "%.4g bytes per token is below the %.4g stratigraphic holds with every share 0 (its sinks, "
+                          "recent window and anchors at FP16)",
+                          wanted, cheapest);
+            throw InputError(target.where + ": " + target.label + " for fit: tiers (" + detail +
+                             "); lower search.tiers.recent or drop tiers from search.fit");
+        }
+    }
+    {
+        const std::vector<TierShares> rest(plans.begin() + 1, plans.end());
+        std::vector<TierResult> more = replay_plans(in, params, *in.heldout, rest, false, 0.0);
+        bytes.insert(bytes.end(), std::make_move_iterator(more.begin()), std::make_move_iterator(more.end()));
+    }
     const std::vector<TierShares> candidate_plans(plans.begin(), plans.begin() + static_cast<std::ptrdiff_t>(candidates.size()));
 
     struct Chosen {
@@ -147,21 +171,6 @@ void fit_tier_profiles(const FitInput& in, SearchOutcome& out) {
     std::vector<std::string> lines;
     for (const SearchTarget& target : spec.targets) {
         const double wanted = target.bytes(full_fp16);
-        double cheapest = 0;
-        for (std::size_t u = 0; u < units; ++u) {
-            double least = bytes[0].head_bytes[u];
-            for (std::size_t c = 1; c < candidates.size(); ++c) least = std::min(least, bytes[c].head_bytes[u]);
-            cheapest += least;
-        }
-        if (cheapest > wanted * static_cast<double>(units) * (1 + 1e-9)) {
-            char detail[240];
-            std::snprintf(detail, sizeof detail,
-                          "%.4g bytes per token is below the %.4g stratigraphic holds with every share 0 (its sinks, "
-                          "recent window and anchors at FP16)",
-                          wanted, cheapest / static_cast<double>(units));
-            throw InputError(target.where + ": " + target.label + " for fit: tiers (" + detail +
-                             "); lower search.tiers.recent or drop tiers from search.fit");
-        }
         // The published shape: the scale whose bytes meet the target, between two measured ones.
         const std::size_t first_scale = candidates.size();
         std::size_t below = scales.size();
