@@ -944,7 +944,7 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
             for (int64_t last : setup.fitting_source->shape().last_steps) p.fitting_tokens.push_back(last + 1);
             p.fitting_compression_ratio = setup.full_fp16 / p.fitting_bytes_per_token;
         }
-        p.name = meta.model_name + "-" + p.policy + "-" + r.fit + "-" + r.target;
+        p.name = meta.model_name + "-" + (r.fit == "mixed" ? "mixed" : p.policy + "-" + r.fit) + "-" + r.target;
         out.profiles.push_back(p);
     }
     out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -500,13 +500,14 @@ class Search(KvsimTestCase):
     @unittest.skipUnless(os.path.exists(MODEL), "../shared/models/stories260K is not present")
     def test_confirmation_in_the_loop(self):
         one_target = (SEARCH.replace("target: [2x, 3x]", "target: 2x")
-                      .replace("fit: [layer_budgets, head_budgets]", "fit: [layer_budgets, head_budgets, tiers]\n"
+                      .replace("fit: [layer_budgets, head_budgets]", "fit: [layer_budgets, head_budgets, tiers, mixed]\n"
                                "  tiers: {recent: 16}"))
         result = self.search(one_target, "--model", MODEL, "--text", STORIES, "--split-on", "<|endoftext|>",
                              "--context", "512")
         self.assertEqual(result.returncode, 0, result.stderr)
         records = json.loads(read(os.path.join(self.out, "search.json")))["records"]
-        self.assertEqual(len(records), 9)  # Ada-KV's row too: it runs in the loop as well
+        # Ada-KV's row too, and the mixed ones (the fitted mix, and eviction with tiers): each runs in the loop.
+        self.assertEqual(len(records), 11)
         for r in records:
             self.assertIsInstance(r["delta_ppl"], float, r["method"])
         # The fitted profiles lose less perplexity than uniform at the same bytes.
