@@ -306,13 +306,18 @@ PolicyDescriptor mixed_descriptor() {
         {{"profile", 0, false, 0, "a profile.json (or plan) with a 'mixed' key: each head's method and its level",
           false, true}},
         [](const ParamValues&, const PolicyContext& ctx) -> std::unique_ptr<Policy> {
-            if (!ctx.files || !ctx.files->count("profile"))
-                throw InputError("policy mixed: needs its profile (a profile.json with a 'mixed' key)");
+            if (!ctx.files || !ctx.files->count("profile"))  // check_context refuses this with the key
+                throw std::logic_error("policy mixed made without its profile");
             // A few kilobytes, read per (layer, KV head) when a run starts, as stratigraphic's shares are.
             const MixedPlan plan = load_mixed_plan(ctx.files->at("profile"), ctx.num_layers, ctx.num_kv_heads);
             return make_mixed_head(plan, ctx);
         },
         nullptr};
+    d.check_context = [](const ParamValues&, const PolicyContext& ctx) -> std::pair<std::string, std::string> {
+        if (!ctx.files || !ctx.files->count("profile"))
+            return {"profile", "missing: policy mixed runs the per-head methods of a profile.json with a 'mixed' key"};
+        return {};
+    };
     d.keeps_everything = true;  // each head sizes itself: its own budget, shares or window
     d.changes_values = true;
     return d;

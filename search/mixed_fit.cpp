@@ -167,17 +167,8 @@ void fit_mixed_heads(const FitInput& in, const MixedTables& t, SearchOutcome& ou
 
     for (std::size_t i = 0; i < chosen.size(); ++i) {
         const Chosen& c = chosen[i];
-        const StreamMetrics& total = heldout[i].total;
-        const double fitting_steps = static_cast<double>(fitting[i].total.output_steps);
-        SearchRecord r;
-        r.method = c.method;
-        r.fit = "mixed";
-        r.target = c.target->label;
-        r.objective = "output_rel_error";
-        r.fitting = fitting_steps > 0 ? c.fitting_error / fitting_steps : 0.0;
-        r.heldout = total.output_steps > 0 ? total.output_rel_error / static_cast<double>(total.output_steps) : 0.0;
-        r.bytes_per_token = total.cache_bytes / static_cast<double>(total.context_tokens);
-        r.compression_ratio = total.fp16_bytes / total.cache_bytes;
+        SearchRecord r = output_error_record(c.method, "mixed", c.target->label, c.fitting_error,
+                                             static_cast<double>(fitting[i].total.output_steps), heldout[i].total);
         r.mixed = c.plan;
         r.writes_profile = c.fitted;
         out.records.push_back(r);

@@ -434,6 +434,20 @@ void SearchGridReplay::run_units(const std::vector<std::size_t>& units, const La
     }
 }
 
+SearchRecord output_error_record(std::string method, std::string fit, const std::string& target,
+                                 double fitting_errors, double fitting_steps, const StreamMetrics& heldout) {
+    SearchRecord r;
+    r.method = std::move(method);
+    r.fit = std::move(fit);
+    r.target = target;
+    r.objective = "output_rel_error";
+    r.fitting = fitting_steps > 0 ? fitting_errors / fitting_steps : 0.0;
+    r.heldout = heldout.output_steps > 0 ? heldout.output_rel_error / static_cast<double>(heldout.output_steps) : 0.0;
+    r.bytes_per_token = heldout.cache_bytes / static_cast<double>(heldout.context_tokens);
+    r.compression_ratio = heldout.fp16_bytes / heldout.cache_bytes;
+    return r;
+}
+
 // The held-out indices: as listed, or a seeded draw of a fraction (Fisher-Yates on mt19937_64,
 // whose output the C++ standard fixes, so the split is the same on every platform).
 std::vector<int> search_heldout_indices(const SearchSpec& spec, int count, const std::string& trace) {

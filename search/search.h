@@ -99,6 +99,11 @@ struct SearchRun {
 
 SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run);
 
+// A record of a method fitted by output error: its held-out figure, bytes and compression from the
+// held-out replay's totals, and its fitting figure from its errors summed over the fitting steps.
+SearchRecord output_error_record(std::string method, std::string fit, const std::string& target,
+                                 double fitting_errors, double fitting_steps, const StreamMetrics& heldout);
+
 // The held-out sequences' indices (ascending) that run_search chooses on a trace of `count`
 // sequences: the split's list, or its seeded draw. InputError naming `trace` for a split it
 // cannot give.

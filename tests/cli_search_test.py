@@ -85,6 +85,17 @@ class Search(KvsimTestCase):
         """A search as the tests run it: sized() for the build (the error cases check the config as written)."""
         return kvsim("search", self.write("search.yaml", sized(text)), "--out", self.out, "-q", *extra)
 
+    def assert_replays_exactly(self, max_steps, policies, record):
+        """kvsim run of `policies` on the held-out sequences, cut to max_steps, gives the record's figure and bytes."""
+        config = self.write("replay.yaml", "trace: {path: %s, sequences: [3, 4], max_steps: %d}\n%s\n"
+                                           "metrics: [output_rel_error, bytes_per_token]\n" % (TRACE, max_steps, policies))
+        run = self.path("run")
+        result = kvsim("run", config, "--out", run, "-q")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        replayed = json.loads(read(os.path.join(run, "results.json")))[0]
+        self.assertEqual(replayed["output_rel_error"], record["heldout"])
+        self.assertEqual(replayed["bytes_per_token"], record["bytes_per_token"])
+
     def search_as_written(self, text, *extra):
         return kvsim("search", self.write("search.yaml", text), "--out", self.out, "-q", *extra)
 
@@ -218,14 +229,7 @@ class Search(KvsimTestCase):
 
     def assert_replays_short(self, profile_path, record):
         """kvsim run of a profile fitted on the 96-step trace reproduces the record's held-out figure and bytes."""
-        config = self.write("replay.yaml", "trace: {path: %s, sequences: [3, 4], max_steps: 128}\n"
-                                           "policies: [{profile: %s}]\nmetrics: [output_rel_error, bytes_per_token]\n"
-                                           % (TRACE, profile_path))
-        result = kvsim("run", config, "--out", self.path("run"), "-q")
-        self.assertEqual(result.returncode, 0, result.stderr)
-        replayed = json.loads(read(os.path.join(self.path("run"), "results.json")))[0]
-        self.assertEqual(replayed["output_rel_error"], record["heldout"])
-        self.assertEqual(replayed["bytes_per_token"], record["bytes_per_token"])
+        self.assert_replays_exactly(96, "policies: [{profile: %s}]" % profile_path, record)
 
     def test_kvpress_deploy(self):
         """deploy: kvpress fits per-layer ratios of the prompt; kvpress, given the exported file on the
@@ -409,16 +413,9 @@ class Search(KvsimTestCase):
             self.assertIn(u["key_rank"][0] - u["value_rank"][0], (0, 1), u["method"])
             self.assertLessEqual(u["bytes_per_token"], 16 * (1 + 1e-9), u["method"])
         # The written bases and ranks replay the held-out figures exactly.
-        config = self.write("replay.yaml", "trace: {path: %s, sequences: [3, 4], max_steps: 96}\nbudgets: [8]\n"
-                                           "policies: [{lowrank: {bases: %s, ranks: %s}}]\n"
-                                           "metrics: [output_rel_error, bytes_per_token]\n"
-                            % (TRACE, os.path.join(self.out, "bases.json"), os.path.join(self.out, "ranks-heads-2x.json")))
-        run = self.path("run")
-        result = kvsim("run", config, "--out", run, "-q")
-        self.assertEqual(result.returncode, 0, result.stderr)
-        replayed = json.loads(read(os.path.join(run, "results.json")))[0]
-        self.assertEqual(replayed["output_rel_error"], fitted["heldout"])
-        self.assertEqual(replayed["bytes_per_token"], fitted["bytes_per_token"])
+        self.assert_replays_exactly(96, "budgets: [8]\npolicies: [{lowrank: {bases: %s, ranks: %s}}]"
+                                    % (os.path.join(self.out, "bases.json"), os.path.join(self.out, "ranks-heads-2x.json")),
+                                    fitted)
         # Ranks fitted per layer are not ranks per KV head.
         config = self.write("joint.yaml", "trace: {path: %s, sequences: [3]}\nbudgets: [8]\n"
                                           "policies: [{lowrank: {bases: %s, ranks: %s}}]\n"
@@ -459,15 +456,7 @@ class Search(KvsimTestCase):
         self.assertEqual((profile["version"], profile["policy"]["name"]), (3, "mixed"))
         self.assertEqual(profile["mixed"], fitted["mixed"])
         self.assertEqual(json.loads(read(os.path.join(self.out, "profile-tiers-2x.json")))["version"], 2)
-        config = self.write("replay.yaml", "trace: {path: %s, sequences: [3, 4], max_steps: 128}\n"
-                                           "policies: [{profile: %s}]\nmetrics: [output_rel_error, bytes_per_token]\n"
-                            % (TRACE, profile_path))
-        run = self.path("run")
-        result = kvsim("run", config, "--out", run, "-q")
-        self.assertEqual(result.returncode, 0, result.stderr)
-        replayed = json.loads(read(os.path.join(run, "results.json")))[0]
-        self.assertEqual(replayed["output_rel_error"], fitted["heldout"])
-        self.assertEqual(replayed["bytes_per_token"], fitted["bytes_per_token"])
+        self.assert_replays_exactly(128, "policies: [{profile: %s}]" % profile_path, fitted)
         # Every new key is checked: one line naming the file and the key.
         def bad(name, change):
             broken = json.loads(json.dumps(profile))
@@ -627,6 +616,10 @@ class Search(KvsimTestCase):
              "search.ranks.pre_rope_theta: must be a positive number"),
             ("  fit: [layer_budgets, head_budgets]\n", "  fit: [ranks]\n  objective: retained_mass\n",
              "search.fit: ranks are fitted by their output error"),
+            ("  fit: [layer_budgets, head_budgets]\n", "  fit: [head_budgets, mixed]\n  objective: retained_mass\n",
+             "search.fit: a mixed profile is fitted by each head's output error"),
+            ("  fit: [layer_budgets, head_budgets]\n", "  fit: [ranks, mixed]\n",
+             "search.fit: mixed chooses per head among the families fitted beside it"),
         ]
         for old, new, fragment in cases:
             with self.subTest(new=new):
@@ -668,7 +661,7 @@ class Search(KvsimTestCase):
             (dict(layer_budgets=[-4, 5, 6, 7, 8]), "layer_budgets[0]: -4 is outside"),
             (dict(layer_budgets=[4, 5, 6]), "layer_budgets: expected 5 entries, got 3"),
             (dict(layer_budgets=[4, 5.5, 6, 7, 8]), "layer_budgets[1]: expected an integer"),
-            (dict(version=3), "version: 3 is not supported"),
+            (dict(version=4), "version: 4 is not supported"),
             (dict(format="other"), "format: expected \"kvsim-profile\""),
             (dict(head_budgets=[[4, 4, 4, 4]] * 4), "head_budgets: expected 5 entries"),
             (dict(streaming={"sinks": 4, "recent": 8, "heads": [[0, 1, 0, 0]] * 5, "lambda": [[1.5] * 4] * 5}),
