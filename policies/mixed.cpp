@@ -74,12 +74,13 @@ private:
 
 struct PlanReader {
     std::string where;
+    // `key` below the plan ("evict.budgets[0][1]"); empty: the plan itself.
     [[noreturn]] void fail(const std::string& key, const std::string& what) const {
-        throw InputError(where + "." + key + ": " + what);
+        throw InputError(where + (key.empty() ? "" : "." + key) + ": " + what);
     }
     const Json& at(const Json& j, const std::string& name, const std::string& parent) const {
         if (!j.is_object()) fail(parent, "expected an object");
-        if (!j.contains(name)) fail(parent + "." + name, "missing");
+        if (!j.contains(name)) fail(parent.empty() ? name : parent + "." + name, "missing");
         return j.at(name);
     }
     // A table of num_layers rows of num_kv_heads numbers in [lo, hi].
