@@ -29,6 +29,7 @@ struct Chosen {
     MixedPlan plan;
     double fitting_error = 0;  // the options' errors summed: what the allocation read
     std::vector<double> head_error;  // ... per head
+    std::vector<double> head_bytes;  // each head's option's bytes per token
     double estimated_bytes = 0;      // the options' bytes, averaged over heads
     bool fitted = false;
 };
@@ -105,7 +106,7 @@ void fit_mixed_heads(const FitInput& in, const MixedTables& t, SearchOutcome& ou
                 continue;
             }
             const std::vector<std::size_t> pick = choose_by_marginal_gain(options, wanted);
-            Chosen c{set.name, &target, MixedPlan{}, 0, {}, 0, set.name == sets.front().name};
+            Chosen c{set.name, &target, MixedPlan{}, 0, {}, {}, 0, set.name == sets.front().name};
             MixedPlan& plan = c.plan;
             plan.num_layers = L;
             plan.num_kv_heads = K;
@@ -117,6 +118,7 @@ void fit_mixed_heads(const FitInput& in, const MixedTables& t, SearchOutcome& ou
                 const HeadOption o = meaning[u][pick[u]];
                 plan.method.push_back(o.method);
                 c.head_error.push_back(options[u].error[pick[u]]);
+                c.head_bytes.push_back(options[u].bytes[pick[u]]);
                 c.fitting_error += options[u].error[pick[u]];
                 c.estimated_bytes += options[u].bytes[pick[u]] / static_cast<double>(units);
                 if (o.method == HeadMethod::evict) plan.budgets[u] = t.grid[o.index];
@@ -198,10 +200,27 @@ void fit_mixed_heads(const FitInput& in, const MixedTables& t, SearchOutcome& ou
             line += " Evicting heads keep " + format_share(mean / static_cast<double>(p.count(HeadMethod::evict))) +
                     " tokens on average.";
         }
+        // Why: where the bytes went, and where the error that remains sits.
+        double bytes_of[kHeadMethods] = {}, error_of[kHeadMethods] = {}, bytes_sum = 0;
+        for (std::size_t u = 0; u < units; ++u) {
+            bytes_of[static_cast<int>(p.method[u])] += c.head_bytes[u];
+            error_of[static_cast<int>(p.method[u])] += c.head_error[u];
+            bytes_sum += c.head_bytes[u];
+        }
+        std::string shares;
+        for (int m = 0; m < kHeadMethods; ++m) {
+            if (!p.count(static_cast<HeadMethod>(m))) continue;
+            char part[160];
+            std::snprintf(part, sizeof part, "%s%s heads %.0f%% of the bytes and %.0f%% of the fitting error",
+                          shares.empty() ? "" : "; ", std::string(head_method_name(static_cast<HeadMethod>(m))).c_str(),
+                          100 * bytes_of[m] / bytes_sum, c.fitting_error > 0 ? 100 * error_of[m] / c.fitting_error : 0.0);
+            shares += part;
+        }
         char bytes[200];
         std::snprintf(bytes, sizeof bytes, " The options' bytes sum to %.4g per token; the replay holds %.4g.",
                       c.estimated_bytes, r.bytes_per_token);
-        out.notes.push_back(line + bytes);
+        out.notes.push_back(line + " Each head took the option that cut the most error per byte: " + shares + "." +
+                            bytes);
     }
     char line[500];
     if (worst == 0)
