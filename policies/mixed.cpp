@@ -307,8 +307,8 @@ PolicyDescriptor mixed_descriptor() {
         {{"profile", 0, false, 0, "a profile.json (or plan) with a 'mixed' key: each head's method and its level",
           false, true}},
         [](const ParamValues&, const PolicyContext& ctx) -> std::unique_ptr<Policy> {
-            if (!ctx.files || !ctx.files->count("profile"))  // check_context refuses this with the key
-                throw std::logic_error("policy mixed made without its profile");
+            if (!ctx.files || !ctx.files->count("profile"))  // check_context refuses this with the key first
+                throw InputError("policy mixed: missing its profile (a profile.json with a 'mixed' key)");
             // A few kilobytes, read per (layer, KV head) when a run starts, as stratigraphic's shares are.
             const MixedPlan plan = load_mixed_plan(ctx.files->at("profile"), ctx.num_layers, ctx.num_kv_heads);
             return make_mixed_head(plan, ctx);
