@@ -597,6 +597,14 @@ std::string kv_bases_hdf5(const KvBases& bases) {
     return image;
 }
 
+int64_t kv_bases_numbers(const KvBases& bases) {
+    int64_t numbers = 0;
+    for (const auto* list : {&bases.key, &bases.value, &bases.joint_key, &bases.joint_value})
+        for (const PcaBasis& b : *list) numbers += b.vectors.size() + b.energy.size() + b.mean.size();
+    for (const Eigen::MatrixXd& m : bases.head_distance) numbers += m.size();
+    return numbers;
+}
+
 std::string kv_bases_file(const KvBases& bases, KvBasesFormat format) {
     return format == KvBasesFormat::hdf5 ? kv_bases_hdf5(bases) : kv_bases_json(bases);
 }

@@ -85,6 +85,11 @@ void write_kv_bases(const std::string& path, const KvBases& bases);
 std::string kv_bases_json(const KvBases& bases);  // the JSON form's text
 std::string kv_bases_hdf5(const KvBases& bases);  // the HDF5 form's bytes
 std::string kv_bases_file(const KvBases& bases, KvBasesFormat format);
+// The numbers a bases file holds (vectors, energies, means and distances).
+int64_t kv_bases_numbers(const KvBases& bases);
+// Where a search (search.ranks.bases_format: auto) writes HDF5 rather than JSON: past a million
+// numbers, about 20 MB of JSON (stories260K's bases hold 17 thousand; the 1B shape's 33.6 million).
+inline constexpr int64_t kAutoHdf5BasesNumbers = 1000000;
 std::shared_ptr<const KvBases> load_kv_bases(const std::string& path, int num_layers, int num_kv_heads, int head_dim);
 // The file read and checked as load_kv_bases reads it, every time (no cache), with its own shape.
 std::shared_ptr<const KvBases> read_kv_bases(const std::string& path);
