@@ -398,32 +398,52 @@ std::string basis_dataset(bool joint, bool key, const char* field) {
 
 // A float64 dataset, contiguous: eigenvectors do not compress (deflate saves a few percent), and
 // no modification times, so that the same bases give the same bytes.
-void write_doubles(hid_t file, const std::string& name, const std::vector<hsize_t>& shape, const double* data) {
+Hdf5Handle create_doubles(hid_t file, const std::string& name, const std::vector<hsize_t>& shape) {
     Hdf5Handle space = hdf5_space(H5Screate_simple(static_cast<int>(shape.size()), shape.data(), nullptr));
     Hdf5Handle dcpl = hdf5_plist(H5Pcreate(H5P_DATASET_CREATE));
     H5Pset_obj_track_times(dcpl.get(), 0);
     Hdf5Handle dataset = hdf5_dataset(
         H5Dcreate2(file, name.c_str(), H5T_IEEE_F64LE, space.get(), H5P_DEFAULT, dcpl.get(), H5P_DEFAULT));
-    if (!dataset.valid() || H5Dwrite(dataset.get(), H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) < 0)
+    if (!dataset.valid()) throw std::runtime_error("cannot create dataset " + name + " of the bases");
+    return dataset;
+}
+
+// Entry u (of the leading `leading` dimensions, flattened) of a dataset of `shape`: the block of
+// the trailing dimensions, written from `data` as it lies in memory.
+void write_entry(const Hdf5Handle& dataset, const std::string& name, const std::vector<hsize_t>& shape,
+                 std::size_t leading, hsize_t u, const double* data) {
+    std::vector<hsize_t> start(shape.size(), 0), count = shape;
+    for (std::size_t d = leading; d-- > 0;) {
+        start[d] = u % shape[d];
+        u /= shape[d];
+        count[d] = 1;
+    }
+    hsize_t elements = 1;
+    for (hsize_t c : count) elements *= c;
+    Hdf5Handle file_space = hdf5_space(H5Dget_space(dataset.get()));
+    Hdf5Handle memory = hdf5_space(H5Screate_simple(1, &elements, nullptr));
+    if (H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, start.data(), nullptr, count.data(), nullptr) < 0 ||
+        H5Dwrite(dataset.get(), H5T_NATIVE_DOUBLE, memory.get(), file_space.get(), H5P_DEFAULT, data) < 0)
         throw std::runtime_error("cannot write dataset " + name + " of the bases");
 }
 
-// Bases of n-vectors, `units` of them, as three datasets [units..., n, n], [units..., n], [units..., n].
+// Bases of n-vectors, `units` of them, as three datasets [units..., n, n], [units..., n], [units..., n],
+// basis by basis (no copy of them all: the joint bases are 134 MB a kind at the 1B shape).
 void write_bases(hid_t file, bool joint, bool key, const std::vector<PcaBasis>& bases, std::vector<hsize_t> units) {
-    const std::size_t n = bases.empty() ? 0 : static_cast<std::size_t>(bases[0].energy.size());
-    std::vector<double> vectors, energy, mean;
-    vectors.reserve(bases.size() * n * n);
-    for (const PcaBasis& b : bases) {
-        // Column-major: vector j's n elements in a row, as the JSON form's "vectors" lists them.
-        vectors.insert(vectors.end(), b.vectors.data(), b.vectors.data() + n * n);
-        energy.insert(energy.end(), b.energy.data(), b.energy.data() + n);
-        mean.insert(mean.end(), b.mean.data(), b.mean.data() + n);
+    const std::size_t leading = units.size();
+    const hsize_t n = bases.empty() ? 0 : static_cast<hsize_t>(bases[0].energy.size());
+    units.push_back(n);
+    const std::string energy = basis_dataset(joint, key, "energy"), mean = basis_dataset(joint, key, "mean");
+    const Hdf5Handle energy_set = create_doubles(file, energy, units), mean_set = create_doubles(file, mean, units);
+    for (std::size_t u = 0; u < bases.size(); ++u) {
+        write_entry(energy_set, energy, units, leading, u, bases[u].energy.data());
+        write_entry(mean_set, mean, units, leading, u, bases[u].mean.data());
     }
     units.push_back(n);
-    write_doubles(file, basis_dataset(joint, key, "energy"), units, energy.data());
-    write_doubles(file, basis_dataset(joint, key, "mean"), units, mean.data());
-    units.push_back(n);
-    write_doubles(file, basis_dataset(joint, key, "vectors"), units, vectors.data());
+    const std::string vectors = basis_dataset(joint, key, "vectors");
+    const Hdf5Handle vectors_set = create_doubles(file, vectors, units);
+    // Column-major: vector j's n elements in a row, as the JSON form's "vectors" lists them.
+    for (std::size_t u = 0; u < bases.size(); ++u) write_entry(vectors_set, vectors, units, leading, u, bases[u].vectors.data());
 }
 
 Hdf5Handle untimed_group(hid_t file, const char* name) {
@@ -530,6 +550,35 @@ std::shared_ptr<const KvBases> read_kv_bases_hdf5(const std::string& path) {
     return bases;
 }
 
+// The HDF5 form's attributes and datasets, into a new file.
+void write_kv_bases_hdf5(hid_t root, const KvBases& bases) {
+    write_string_attr(root, "format", kBasesFormat);
+    write_int_attr(root, "version", 1);
+    write_int_attr(root, "num_layers", bases.num_layers);
+    write_int_attr(root, "num_kv_heads", bases.num_kv_heads);
+    write_int_attr(root, "head_dim", bases.head_dim);
+    write_string_attr(root, "keys", bases.keys);
+    write_int_array_attr(root, "fitted_sequences", {bases.fitted_sequences.begin(), bases.fitted_sequences.end()});
+    if (bases.rope.known()) {
+        write_string_attr(root, "rope_pairing", to_string(bases.rope.pairing));
+        write_double_array_attr(root, "rope_frequencies", bases.rope.frequencies);
+    }
+    const hsize_t L = bases.num_layers, K = bases.num_kv_heads;
+    untimed_group(root, "/heads");
+    write_bases(root, false, true, bases.key, {L, K});
+    write_bases(root, false, false, bases.value, {L, K});
+    if (!bases.joint_key.empty()) {
+        untimed_group(root, "/joint");
+        write_bases(root, true, true, bases.joint_key, {L});
+        write_bases(root, true, false, bases.joint_value, {L});
+    }
+    const Hdf5Handle distance = create_doubles(root, "/head_distance", {L, K, K});
+    for (std::size_t layer = 0; layer < bases.head_distance.size(); ++layer) {
+        const Eigen::MatrixXd rows = bases.head_distance[layer].transpose();  // [a][b] row-major
+        write_entry(distance, "/head_distance", {L, K, K}, 1, layer, rows.data());
+    }
+}
+
 }  // namespace
 
 std::shared_ptr<const KvBases> read_kv_bases(const std::string& path) {
@@ -554,45 +603,19 @@ KvBasesFormat kv_bases_format_of(const std::string& path) {
 
 std::string kv_bases_hdf5(const KvBases& bases) {
     silence_hdf5_here();
-    // Built in memory (HDF5's core driver, no backing file) and returned as the file's bytes: written
-    // whole and atomically as the JSON form is, or added to a search's folder commit.
+    // Built in memory (HDF5's core driver, no backing file) and returned as the file's bytes, for a
+    // search's folder commit, which writes its files together.
     static std::atomic<uint64_t> serial{0};
     const std::string name = "kvsim-bases-" + std::to_string(serial++);
     Hdf5Handle fapl = hdf5_plist(H5Pcreate(H5P_FILE_ACCESS));
     H5Pset_fapl_core(fapl.get(), 1 << 20, 0);
     Hdf5Handle file(H5Fcreate(name.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl.get()), H5Fclose);
     if (!file.valid()) throw std::runtime_error("cannot create the HDF5 image of the bases");
-    const hid_t root = file.get();
-    write_string_attr(root, "format", kBasesFormat);
-    write_int_attr(root, "version", 1);
-    write_int_attr(root, "num_layers", bases.num_layers);
-    write_int_attr(root, "num_kv_heads", bases.num_kv_heads);
-    write_int_attr(root, "head_dim", bases.head_dim);
-    write_string_attr(root, "keys", bases.keys);
-    write_int_array_attr(root, "fitted_sequences", {bases.fitted_sequences.begin(), bases.fitted_sequences.end()});
-    if (bases.rope.known()) {
-        write_string_attr(root, "rope_pairing", to_string(bases.rope.pairing));
-        write_double_array_attr(root, "rope_frequencies", bases.rope.frequencies);
-    }
-    const hsize_t L = bases.num_layers, K = bases.num_kv_heads;
-    untimed_group(root, "/heads");
-    write_bases(root, false, true, bases.key, {L, K});
-    write_bases(root, false, false, bases.value, {L, K});
-    if (!bases.joint_key.empty()) {
-        untimed_group(root, "/joint");
-        write_bases(root, true, true, bases.joint_key, {L});
-        write_bases(root, true, false, bases.joint_value, {L});
-    }
-    std::vector<double> distance;
-    for (const Eigen::MatrixXd& m : bases.head_distance) {
-        const Eigen::MatrixXd rows = m.transpose();  // [a][b] row-major
-        distance.insert(distance.end(), rows.data(), rows.data() + rows.size());
-    }
-    write_doubles(root, "/head_distance", {L, K, K}, distance.data());
-    if (H5Fflush(root, H5F_SCOPE_LOCAL) < 0) throw std::runtime_error("cannot flush the HDF5 image of the bases");
-    const ssize_t size = H5Fget_file_image(root, nullptr, 0);
+    write_kv_bases_hdf5(file.get(), bases);
+    if (H5Fflush(file.get(), H5F_SCOPE_LOCAL) < 0) throw std::runtime_error("cannot flush the HDF5 image of the bases");
+    const ssize_t size = H5Fget_file_image(file.get(), nullptr, 0);
     std::string image(size > 0 ? static_cast<std::size_t>(size) : 0, '\0');
-    if (size <= 0 || H5Fget_file_image(root, image.data(), image.size()) != size)
+    if (size <= 0 || H5Fget_file_image(file.get(), image.data(), image.size()) != size)
         throw std::runtime_error("cannot read back the HDF5 image of the bases");
     return image;
 }
@@ -644,7 +667,16 @@ std::string kv_bases_json(const KvBases& bases) {
 }
 
 void write_kv_bases(const std::string& path, const KvBases& bases) {
-    write_file_atomically(path, kv_bases_file(bases, kv_bases_format_of(path)));
+    if (kv_bases_format_of(path) == KvBasesFormat::json) return write_file_atomically(path, kv_bases_json(bases));
+    // Straight into the file (no image in memory: 303 MB at the 1B shape), published whole.
+    silence_hdf5_here();
+    AtomicFile out(path);
+    {
+        Hdf5Handle file(H5Fcreate(out.temp_path().c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), H5Fclose);
+        if (!file.valid()) throw InputError(path + ": cannot create HDF5 file");
+        write_kv_bases_hdf5(file.get(), bases);
+    }
+    out.commit();
 }
 
 std::shared_ptr<const KvBases> load_kv_bases(const std::string& path, int num_layers, int num_kv_heads, int head_dim) {
