@@ -70,7 +70,7 @@ struct SearchSpec {
     bool ranks_pre_rope = false;
     double ranks_pre_rope_theta = 0;
     // The form of the bases file the search writes: "json", "hdf5", or "auto": HDF5 when the bases
-    // hold more than kAutoHdf5BasesNumbers numbers (JSON spends about 20 bytes a number, HDF5 8).
+    // hold more than kAutoHdf5BasesNumbers numbers (JSON spends about 24 bytes a number, HDF5 9).
     std::string ranks_bases_format = "auto";
 };
 

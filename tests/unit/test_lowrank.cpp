@@ -439,6 +439,9 @@ std::string read_error(const std::string& path) {
 TEST_CASE("HDF5 bases: the same numbers and attributes as JSON, bit for bit, read whatever the file's name") {
     TinyTrace tiny;
     const KvBases fitted = fit_kv_bases(tiny.trace, {0});
+    // What a search's bases_format: auto weighs: 3 layers x 2 heads x (16 x 16 + 2 x 16) per K and V,
+    // 3 joint layers x (32 x 32 + 2 x 32) per K and V, 3 distance matrices of 2 x 2.
+    CHECK(kv_bases_numbers(fitted) == 3 * 2 * (256 + 32) * 2 + 3 * (1024 + 64) * 2 + 3 * 4);
     for (const bool joint : {true, false}) {
         KeyFrame keys{true, 10000};  // pre-RoPE keys: the RoPE attributes go through too
         keys.joint = joint;
