@@ -30,6 +30,7 @@ PolicyDescriptor keydiff_press_descriptor();
 PolicyDescriptor cur_press_descriptor();
 PolicyDescriptor lagkv_press_descriptor();
 PolicyDescriptor noncausal_press_descriptor();
+PolicyDescriptor mixed_descriptor();
 
 const std::vector<PolicyDescriptor>& policy_registry() {
     static const std::vector<PolicyDescriptor> registry = {
@@ -41,6 +42,8 @@ const std::vector<PolicyDescriptor>& policy_registry() {
         snapkv_press_descriptor(),   tova_press_descriptor(),    observed_attention_press_descriptor(),
         knorm_press_descriptor(),    streaming_llm_press_descriptor(), keydiff_press_descriptor(),
         cur_press_descriptor(),      lagkv_press_descriptor(),   noncausal_press_descriptor(),
+        // kvsim's per-head mix of the above (policies/mixed.h).
+        mixed_descriptor(),
     };
     return registry;
 }

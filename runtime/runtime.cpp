@@ -85,7 +85,8 @@ std::unique_ptr<kvsim_rt> plan(const char* profile_path, const kvsim_model_shape
     const PolicyDescriptor* policy = find_policy(p.policy);
     if (!policy) throw InputError(std::string(profile_path) + ": policy.name: unknown policy '" + p.policy + "'");
     rt->params = resolve_params(*policy, p.params, std::string(profile_path) + ": policy.params");
-    if (p.streaming || p.tiers) rt->files["profile"] = profile_path;  // the policy reads its heads' plan itself
+    // The policy reads its heads' plan itself.
+    if (p.streaming || p.tiers || p.mixed) rt->files["profile"] = profile_path;
 
     const int L = shape.num_layers, K = shape.num_kv_heads;
     uint64_t reserved = 0;
@@ -105,6 +106,12 @@ std::unique_ptr<kvsim_rt> plan(const char* profile_path, const kvsim_model_shape
             // A stateless streaming head holds its sinks and window as slots, nothing more.
             if (p.streaming && p.streaming->heads.at(u) && !p.streaming->stateless.empty() && p.streaming->stateless[u])
                 h.budget = std::min(p.streaming->sinks + std::max(p.streaming->recent, 1), shape.max_context);
+            // A mixed cache's evicting head holds its own budget, a stateless streaming head its
+            // sinks and window; the rest (tiers, a state, the full cache) every position.
+            if (p.mixed && p.mixed->method[u] == HeadMethod::evict)
+                h.budget = std::min(p.mixed->budgets[u], shape.max_context);
+            if (p.mixed && p.mixed->method[u] == HeadMethod::streaming && p.mixed->stateless[u])
+                h.budget = std::min(p.mixed->sinks + std::max(p.mixed->recent, 1), shape.max_context);
             // What one head reserves at most: every slot at every tier, each tier's two int32 maps
             // between slots and rows, and the serving path's per-slot scores of the query group,
             // row means and indices (each query head's scores rounded up to 32 bytes, and aligned).

@@ -112,6 +112,10 @@ void check_profile_policy(const Profile& p, const ProfileReader& r) {
     for (const ParamSpec& spec : policy->params)
         if (spec.file && p.params.count(spec.name))
             r.fail("policy.params." + spec.name, "is a file parameter; a profile's parameters are numbers");
+    if (p.mixed && p.policy != "mixed") r.fail("mixed", "per-head methods are for policy mixed, not " + p.policy);
+    if (p.policy == "mixed" && !p.mixed) r.fail("mixed", "missing: a mixed profile names each head's method");
+    if (p.mixed && (p.streaming || p.tiers))
+        r.fail(p.streaming ? "streaming" : "tiers", "beside mixed: a mixed profile holds each head's level under mixed");
     if (p.streaming && p.tiers) r.fail("streaming", "beside tiers: a profile holds streaming heads or tier shares, not both");
     if (p.streaming && p.policy != "streaming_attention")
         r.fail("streaming", "streaming heads are for policy streaming_attention, not " + p.policy);
@@ -158,7 +162,7 @@ std::string profile_json(const Profile& p) {
     const int L = p.model.num_layers, K = p.model.num_kv_heads;
     Json j;
     j["format"] = kProfileFormat;
-    j["version"] = kProfileVersion;
+    j["version"] = p.mixed ? kMixedProfileVersion : 2;  // the lowest version that holds its keys
     j["name"] = p.name;
     j["model"] = {{"name", p.model.name},
                   {"num_layers", L},
@@ -197,6 +201,7 @@ std::string profile_json(const Profile& p) {
         }
         if (!p.streaming->gates.empty()) j["streaming"]["gates"] = rows_of(p.streaming->gates, L, K);
     }
+    if (p.mixed) j["mixed"] = mixed_plan_json(*p.mixed);
     if (p.tiers)
         j["tiers"] = {{"fp16", rows_of(p.tiers->fp16, L, K)},
                       {"int8", rows_of(p.tiers->int8, L, K)},
@@ -241,7 +246,7 @@ Profile load_profile(const std::string& path) {
     if (r.string(r.at(root, "format", ""), "format") != kProfileFormat)
         r.fail("format", "expected \"" + std::string(kProfileFormat) + "\"");
     const int64_t version = r.integer(r.at(root, "version", ""), "version", 0, 1 << 30);
-    if (version != 1 && version != kProfileVersion)
+    if (version < 1 || version > kProfileVersion)
         r.fail("version", std::to_string(version) + " is not supported (this kvsim reads versions 1 to " +
                               std::to_string(kProfileVersion) + ")");
     Profile p;
@@ -356,6 +361,11 @@ Profile load_profile(const std::string& path) {
         shares.int4 = r.table(r.at(t, "int4", "tiers"), "tiers.int4", p.model, 0, 1);
         check_tier_shares(shares, path + ": tiers");
         p.tiers = shares;
+    }
+    if (root.contains("mixed")) {  // version 3: each head's method and level
+        if (version < kMixedProfileVersion)
+            r.fail("mixed", "is a version 3 key, but the profile says version " + std::to_string(version));
+        p.mixed = parse_mixed_plan(root["mixed"], L, p.model.num_kv_heads, path + ": mixed");
     }
     if (root.contains("expected")) {
         const Json& e = root["expected"];

@@ -10,14 +10,17 @@
 
 #include "sim/experiment_spec.h"
 #include "cache_math/tier_shares.h"
+#include "policies/mixed.h"
 
 namespace kvsim {
 
 inline constexpr const char* kProfileFormat = "kvsim-profile";
 // Version 2 adds where the profile is deployed (deploy, kvpress's prompt_ratios), stateless
 // streaming heads and DuoAttention gates, and the lengths its bytes were measured on; a version 1
-// profile reads as one deployed in kvsim.
-inline constexpr int kProfileVersion = 2;
+// profile reads as one deployed in kvsim. Version 3 adds a method per head (mixed); a profile is
+// written at the lowest version that holds its keys, so every other profile is still version 2.
+inline constexpr int kProfileVersion = 3;
+inline constexpr int kMixedProfileVersion = 3;
 
 // deploy duo: the fitted ranking's held-out figure at one DuoAttention sparsity.
 struct SparsityPoint {
@@ -49,6 +52,7 @@ struct Profile {
     std::vector<int> head_budgets;           // per (layer, KV head), layer * num_kv_heads + kv; may be empty
     std::optional<StreamingHeads> streaming;
     std::optional<TierShares> tiers;         // per-head zone shares of a tiered cache (stratigraphic)
+    std::optional<MixedPlan> mixed;          // per head, its method and level (policy mixed; version 3)
     // Where the profile is deployed (search.deploy): "kvsim", "kvpress" or "duo".
     std::string deploy = "kvsim";
     // deploy kvpress: how each sequence splits into the prompt compressed once and its

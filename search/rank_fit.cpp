@@ -304,16 +304,8 @@ void fit_ranks(const FitInput& in, SearchOutcome& out) {
 
     for (std::size_t i = 0; i < methods.size(); ++i) {
         const RankMethod& m = methods[i];
-        const StreamMetrics& total = confirmed[row_of[i]].total;
-        SearchRecord r;
-        r.method = m.name;
-        r.fit = "ranks";
-        r.target = m.target->label;
-        r.objective = "output_rel_error";
-        r.fitting = fitting_steps > 0 ? m.fitting_error / fitting_steps : 0.0;
-        r.heldout = total.output_steps > 0 ? total.output_rel_error / static_cast<double>(total.output_steps) : 0.0;
-        r.bytes_per_token = total.cache_bytes / static_cast<double>(total.context_tokens);
-        r.compression_ratio = total.fp16_bytes / total.cache_bytes;
+        SearchRecord r = output_error_record(m.name, "ranks", m.target->label, m.fitting_error, fitting_steps,
+                                             confirmed[row_of[i]].total);
         r.replay_policy = m.policy;
         r.replay_params = m.params;
         r.key_rank = m.ranks.key_rank;

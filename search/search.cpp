@@ -20,6 +20,7 @@
 #include "search/streaming_fit.h"
 #include "search/rank_fit.h"
 #include "search/tier_fit.h"
+#include "search/mixed_fit.h"
 #include "sim/qkv_attention.h"
 #include "sim/replay.h"
 #include "sim/shard_plan.h"
@@ -84,6 +85,12 @@ std::string ratios_text(const std::vector<double>& ratios) {
 
 // What a record keeps, for tables: its layer budgets, or how many heads stream.
 std::string budgets_text(const SearchRecord& r) {
+    if (r.mixed) {
+        const MixedPlan& m = *r.mixed;
+        return std::to_string(m.count(HeadMethod::evict)) + " evict, " + std::to_string(m.count(HeadMethod::tiers)) +
+               " tiers, " + std::to_string(m.count(HeadMethod::streaming)) + " stream, " +
+               std::to_string(m.count(HeadMethod::full)) + " full of " + std::to_string(m.method.size()) + " heads";
+    }
     if (r.fit == "ranks") {
         if (r.replay_policy == "group_heads")
             return "groups of " + std::to_string(static_cast<int>(r.replay_params.at("group"))) + " KV heads";
@@ -129,7 +136,7 @@ struct SearchSetup {
     SearchOutcome out;  // trace, objective, split, shape and grid filled in
     bool qkv = false, output_error = false;
     bool fit_layers = false, fit_heads = false, fit_streaming = false, fit_tiers = false, fit_budgets = false,
-         fit_ranks = false;
+         fit_ranks = false, fit_mixed = false;
     const PolicyDescriptor* policy = nullptr;
     ParamValues params;
     std::vector<int> heldout, fitting;  // indices into the trace
@@ -157,6 +164,7 @@ SearchSetup::SearchSetup(const SearchSpec& spec, const SearchRun& run) : reader(
     fit_tiers = fits("tiers");
     fit_budgets = fit_layers || fit_heads;
     fit_ranks = fits("ranks");
+    fit_mixed = fits("mixed");
     out.deploy = spec.deploy;
     // What each deployment can run: kvpress's per-layer press takes one ratio per layer;
     // DuoAttention streams whole heads, with no state.
@@ -187,6 +195,12 @@ SearchSetup::SearchSetup(const SearchSpec& spec, const SearchRun& run) : reader(
     if (fit_ranks && (!qkv || !output_error))
         throw InputError(spec.fits_where + ": ranks are fitted by their output error on keys and values, which needs a "
                                            "Q/K/V trace and objective output_rel_error");
+    if (fit_mixed && (!qkv || !output_error))
+        throw InputError(spec.fits_where + ": a mixed profile is fitted by each head's output error, which needs a "
+                                           "Q/K/V trace and objective output_rel_error");
+    if (fit_mixed && !fit_budgets && !fit_tiers && !fit_streaming)
+        throw InputError(spec.fits_where + ": mixed chooses per head among the families fitted beside it: give at "
+                                           "least one of head_budgets, layer_budgets, tiers or streaming");
     if (output_error && !qkv)
         throw InputError(spec.objective_where + ": output_rel_error needs a Q/K/V trace, but " + run.trace_path +
                          " records attention only (use objective: retained_mass)");
@@ -420,6 +434,20 @@ void SearchGridReplay::run_units(const std::vector<std::size_t>& units, const La
     }
 }
 
+SearchRecord output_error_record(std::string method, std::string fit, const std::string& target,
+                                 double fitting_errors, double fitting_steps, const StreamMetrics& heldout) {
+    SearchRecord r;
+    r.method = std::move(method);
+    r.fit = std::move(fit);
+    r.target = target;
+    r.objective = "output_rel_error";
+    r.fitting = fitting_steps > 0 ? fitting_errors / fitting_steps : 0.0;
+    r.heldout = heldout.output_steps > 0 ? heldout.output_rel_error / static_cast<double>(heldout.output_steps) : 0.0;
+    r.bytes_per_token = heldout.cache_bytes / static_cast<double>(heldout.context_tokens);
+    r.compression_ratio = heldout.fp16_bytes / heldout.cache_bytes;
+    return r;
+}
+
 // The held-out indices: as listed, or a seeded draw of a fraction (Fisher-Yates on mt19937_64,
 // whose output the C++ standard fixes, so the split is the same on every platform).
 std::vector<int> search_heldout_indices(const SearchSpec& spec, int count, const std::string& trace) {
@@ -563,6 +591,9 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     const bool output_error = setup.output_error;
     const bool fit_layers = setup.fit_layers, fit_heads = setup.fit_heads, fit_streaming = setup.fit_streaming;
     const bool fit_tiers = setup.fit_tiers, fit_budgets = setup.fit_budgets, fit_ranks_ = setup.fit_ranks;
+    const bool fit_mixed = setup.fit_mixed;
+    MixedTables mixed_tables;  // fit: mixed: each family's per-head options, as the families measure them
+    MixedTables* mixed = fit_mixed ? &mixed_tables : nullptr;
     const PolicyDescriptor* policy = setup.policy;
     const ParamValues& params = setup.params;
     const std::vector<int>& fitting = setup.fitting;
@@ -575,12 +606,14 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     const double full_fp16 = setup.full_fp16;
 
     // Progress on a terminal: each fit (budgets, streaming, tiers) an equal share of the bar.
-    const int stages = (fit_budgets ? 1 : 0) + (fit_streaming ? 1 : 0) + (fit_tiers ? 1 : 0) + (fit_ranks_ ? 1 : 0);
+    const int stages = (fit_budgets ? 1 : 0) + (fit_streaming ? 1 : 0) + (fit_tiers ? 1 : 0) + (fit_ranks_ ? 1 : 0) +
+                       (fit_mixed ? 1 : 0);
     auto stage_progress = [&](int stage, double f) {
         if (run.progress) run.progress((stage + std::min(f, 1.0)) / std::max(stages, 1));
     };
     const int streaming_stage = fit_budgets ? 1 : 0, tiers_stage = streaming_stage + (fit_streaming ? 1 : 0);
     const int ranks_stage = tiers_stage + (fit_tiers ? 1 : 0);
+    const int mixed_stage = ranks_stage + (fit_ranks_ ? 1 : 0);
 
     // Budget fits: per-unit curves from one fitting pass, every method in one held-out pass.
     std::vector<std::string> curve_notes;
@@ -612,6 +645,17 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
             for (std::size_t u = 0; u < head_curves.size(); ++u) head_curves[u].error.push_back(error_sum(r.by_head[u], output_error));
         }
         const double fitting_steps = step_count(measured.front().total, output_error);
+        if (mixed) {  // fit: mixed: each head's curve, a grid budget an option, at the byte model's bytes
+            mixed->evict_policy = policy->name;
+            mixed->evict_params = params;
+            mixed->grid = out.grid;
+            for (const UnitCurve& c : head_curves) {
+                UnitOptions o;
+                for (int b : out.grid) o.bytes.push_back(heldout_bytes.bytes_per_token(b));
+                o.error = c.error;
+                mixed->evict.push_back(o);
+            }
+        }
 
         // The methods, per target, all at the same bytes on the held-out sequences.
         const int default_ratio =
@@ -745,22 +789,34 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     if (fit_streaming) {
         const TempFolder scratch("search");  // the probe plans streaming_attention reads
         FitInput input{&spec, fitting_source.get(), heldout_source.get(), out.shape, harness, scratch.path(),
-                       [&](double f) { stage_progress(streaming_stage, f); }, run.trace_path, fitting};
+                       [&](double f) { stage_progress(streaming_stage, f); }, run.trace_path, fitting, mixed};
         fit_streaming_heads(input, out);
     }
     // Tier profiles for stratigraphic, at the same targets.
     if (fit_tiers) {
         const TempFolder scratch("search");  // the plans stratigraphic reads
         FitInput input{&spec, fitting_source.get(), heldout_source.get(), out.shape, harness, scratch.path(),
-                       [&](double f) { stage_progress(tiers_stage, f); }, run.trace_path, fitting};
+                       [&](double f) { stage_progress(tiers_stage, f); }, run.trace_path, fitting, mixed};
         fit_tier_profiles(input, out);
     }
     // Ranks of low-rank K/V latents, with grouping at the same bytes.
     if (fit_ranks_) {
         const TempFolder scratch("search");  // the bases and rank plans lowrank reads
         FitInput input{&spec, fitting_source.get(), heldout_source.get(), out.shape, harness, scratch.path(),
-                       [&](double f) { stage_progress(ranks_stage, f); }, run.trace_path, fitting};
+                       [&](double f) { stage_progress(ranks_stage, f); }, run.trace_path, fitting, mixed};
         fit_ranks(input, out);
+    }
+    // One method per head, across the families above, at the same targets.
+    if (fit_mixed) {
+        const TempFolder scratch("search");  // the mixed plans the replays read
+        FitInput input{&spec, fitting_source.get(), heldout_source.get(), out.shape, harness, scratch.path(),
+                       [&](double f) { stage_progress(mixed_stage, f); }, run.trace_path, fitting, mixed};
+        // The full cache's bytes on the held-out sequences: every token at fp16, with what keeping
+        // every token books per slot, as the byte model counts it.
+        mixed_tables.full_bytes = ByteModel(heldout_source->shape().last_steps, setup.head_dim,
+                                            static_cast<double>(make_keep_all()->bytes_per_slot()))
+                                      .bytes_per_token(kMaxBudgetTokens);
+        fit_mixed_heads(input, mixed_tables, out);
     }
 
     // One block per target in the tables: the targets in the config's order, methods as they came.
@@ -785,7 +841,8 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
         auto same = std::find_if(off_target.begin(), off_target.end(), [&](const auto& o) {
             const SearchRecord& f = out.records[o.first];
             return f.target == r.target && f.bytes_per_token == r.bytes_per_token &&
-                   f.streaming_heads.empty() == r.streaming_heads.empty() && (f.fit == "ranks") == (r.fit == "ranks");
+                   f.streaming_heads.empty() == r.streaming_heads.empty() && (f.fit == "ranks") == (r.fit == "ranks") &&
+                   (f.fit == "mixed") == (r.fit == "mixed");
         });
         if (same == off_target.end())
             off_target.push_back({i, r.method});
@@ -801,7 +858,9 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
         std::snprintf(line, sizeof line, " at %s hold%s %.4g bytes per token, %.1f%% from the target's %.4g: %s",
                       r.target.c_str(), names.find("; ") == std::string::npos ? "s" : "", r.bytes_per_token,
                       100 * (r.bytes_per_token / wanted - 1), wanted,
-                      r.fit == "ranks" ? "a rank moves the bytes in steps of a number per token plus its share of "
+                      r.fit == "mixed" ? "each head's option moves the bytes in its own steps (a whole head streams "
+                                         "or keeps its cache), and the next step would pass the target."
+                      : r.fit == "ranks" ? "a rank moves the bytes in steps of a number per token plus its share of "
                                          "the bases, and the next step would pass the target."
                       : r.streaming_heads.empty()
                           ? "at budgets this small one token of one unit is more than 1% of the bytes."
@@ -860,6 +919,9 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
                 p.fitting_bytes_per_token +=
                     fitting.bytes_per_token(static_cast<int>(std::lround((1 - ratio) * 1000))) / L;
             p.fitting_prompts = setup.fitting_prompts;
+        } else if (r.fit == "mixed") {  // the policy builds each head's method from the plan
+            p.policy = "mixed";
+            p.mixed = r.mixed;
         } else if (r.fit == "streaming" || r.fit == "tiers") {
             p.policy = r.fit == "streaming" ? "streaming_attention" : "stratigraphic";
             p.params = r.replay_params;
@@ -896,7 +958,7 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
             for (int64_t last : setup.fitting_source->shape().last_steps) p.fitting_tokens.push_back(last + 1);
             p.fitting_compression_ratio = setup.full_fp16 / p.fitting_bytes_per_token;
         }
-        p.name = meta.model_name + "-" + p.policy + "-" + r.fit + "-" + r.target;
+        p.name = meta.model_name + "-" + (r.fit == "mixed" ? "mixed" : p.policy + "-" + r.fit) + "-" + r.target;
         out.profiles.push_back(p);
     }
     out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -987,6 +1049,7 @@ void write_search_outputs(const SearchOutcome& o, const std::string& dir) {
             j["replay_params"] = params;
             if (!r.key_rank.empty()) j["key_rank"] = r.key_rank, j["value_rank"] = r.value_rank;
         }
+        if (r.mixed) j["mixed"] = mixed_plan_json(*r.mixed);
         if (r.tiers.num_layers > 0) {
             j["tiers"] = Json::parse(tier_shares_json(r.tiers));
             Json params = Json::object();
@@ -1070,7 +1133,7 @@ void write_search_outputs(const SearchOutcome& o, const std::string& dir) {
     // profile.json: the first target's finest fit (per head when fitted, else per layer).
     const Profile* primary = nullptr;
     for (const Profile& p : o.profiles) {
-        const std::string fit = p.streaming ? "streaming" : p.tiers ? "tiers" : p.head_budgets.empty() ? "layer_budgets" : "head_budgets";
+        const std::string fit = p.mixed ? "mixed" : p.streaming ? "streaming" : p.tiers ? "tiers" : p.head_budgets.empty() ? "layer_budgets" : "head_budgets";
         std::string name = "profile-" + fit + "-" + p.target + ".json";
         std::replace(name.begin(), name.end(), '/', '_');
         add(name, profile_json(p));

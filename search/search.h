@@ -8,9 +8,11 @@
 // read off these curves. Allocations are fitted by marginal gain (search/allocation.h), baselines
 // are scaled to the same bytes, and one more replay of the held-out set measures them all.
 #pragma once
+#include <array>
 #include <functional>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -20,6 +22,8 @@
 #include "sim/attention_source.h"
 #include "sim/harness.h"
 #include "cache_math/lowrank.h"
+#include "policies/mixed.h"
+#include "search/allocation.h"
 
 namespace kvsim {
 
@@ -60,6 +64,8 @@ struct SearchRecord {
     // lowrank, its ranks per (layer, KV head), or per layer for a joint latent (joint in replay_params).
     std::string replay_policy;
     std::vector<int> key_rank, value_rank;
+    // Mixed records (fit: mixed): each head's method and level.
+    std::optional<MixedPlan> mixed;
     bool writes_profile = false;  // a fitted method: run_search writes its profile
 };
 
@@ -93,6 +99,11 @@ struct SearchRun {
 };
 
 SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run);
+
+// A record of a method fitted by output error: its held-out figure, bytes and compression from the
+// held-out replay's totals, and its fitting figure from its errors summed over the fitting steps.
+SearchRecord output_error_record(std::string method, std::string fit, const std::string& target,
+                                 double fitting_errors, double fitting_steps, const StreamMetrics& heldout);
 
 // The held-out sequences' indices (ascending) that run_search chooses on a trace of `count`
 // sequences: the split's list, or its seeded draw. InputError naming `trace` for a split it
@@ -131,6 +142,29 @@ private:
     std::function<void(double)> progress_;
 };
 
+// What each family measured per (layer, KV head), for fit: mixed: per head, the family's options
+// with their bytes per token on the held-out sequences and their output error summed over the
+// fitting steps. Filled by the fits as they run (a family that did not run leaves its table
+// empty), so the mixed fit replays nothing a family already measured.
+struct MixedTables {
+    // Eviction: the budget fit's per-head curves over the grid (options: grid budgets).
+    std::string evict_policy;
+    ParamValues evict_params;
+    std::vector<int> grid;
+    std::vector<UnitOptions> evict;
+    // Tiers: stratigraphic's candidate share triples (options: candidates).
+    ParamValues tier_params;
+    std::vector<std::array<double, 3>> tier_candidates;
+    std::vector<UnitOptions> tiers;
+    // Streaming: one option per head, its fitted lambda or no state, whichever erred less.
+    int sinks = 0, recent = 0;
+    std::vector<double> lambda;
+    std::vector<uint8_t> stateless;
+    std::vector<UnitOptions> streaming;
+    // The full cache: its bytes per token (every head the same; error 0).
+    double full_bytes = 0;
+};
+
 // What a fit beside the budget fits (streaming heads, tier profiles) replays with.
 struct FitInput {
     const SearchSpec* spec = nullptr;
@@ -142,6 +176,7 @@ struct FitInput {
     std::function<void(double)> progress;  // the fit's share done, 0..1; may be empty
     std::string trace_path;      // the trace, and the fitting sequences' indices in it (fit: ranks)
     std::vector<int> fitting_indices;
+    MixedTables* mixed = nullptr;  // fit: mixed: where the fit leaves its per-head options
 };
 
 // The held-out table for a terminal: one block per target, one row per method.

@@ -75,7 +75,7 @@ struct SearchSpec {
 };
 
 inline const std::vector<std::string>& known_search_fits() {
-    static const std::vector<std::string> fits = {"layer_budgets", "head_budgets", "streaming", "tiers", "ranks"};
+    static const std::vector<std::string> fits = {"layer_budgets", "head_budgets", "streaming", "tiers", "ranks", "mixed"};
     return fits;
 }
 

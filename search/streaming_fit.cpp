@@ -63,6 +63,7 @@ struct Plan {
 
 struct PlanResult {
     std::vector<double> head_error;  // mean output error per (layer, KV head)
+    std::vector<double> head_error_sum;  // ... summed over its steps
     std::vector<double> head_bytes;  // bytes per token of context per (layer, KV head)
     double error = 0, bytes_per_token = 0, compression_ratio = 0;  // over every head
 };
@@ -102,6 +103,7 @@ public:
             PlanResult p;
             for (const StreamMetrics& m : r.by_head) {
                 p.head_error.push_back(m.output_steps ? m.output_rel_error / m.output_steps : 0.0);
+                p.head_error_sum.push_back(m.output_rel_error);
                 p.head_bytes.push_back(m.context_tokens ? m.cache_bytes / m.context_tokens : 0.0);
             }
             p.error = r.total.output_steps ? r.total.output_rel_error / r.total.output_steps : 0.0;
@@ -128,6 +130,7 @@ std::string format_lambda(double x) {
 
 struct LambdaFit {
     std::vector<double> lambda, error;  // per (layer, KV head): the lambda, and the error at it
+    std::vector<double> error_sum;      // ... summed over its steps
 };
 
 // Golden-section search of every head's lambda at once, every head streaming under `plans`' sinks
@@ -158,13 +161,14 @@ LambdaFit fit_lambdas(PlanReplay& plans, AttentionSource& source, std::size_t un
     last.insert(last.end(), extra.begin(), extra.end());
     const std::vector<PlanResult> ends = plans.run(source, last);
     extra_results.assign(ends.begin() + 3, ends.end());
-    LambdaFit fit{std::vector<double>(units), std::vector<double>(units)};
+    LambdaFit fit{std::vector<double>(units), std::vector<double>(units), std::vector<double>(units)};
     for (std::size_t u = 0; u < units; ++u) {
         std::size_t best = 0;
         for (std::size_t c = 1; c < 3; ++c)
             if (ends[c].head_error[u] < ends[best].head_error[u]) best = c;
         fit.lambda[u] = last[best].lambda[u];
         fit.error[u] = ends[best].head_error[u];
+        fit.error_sum[u] = ends[best].head_error_sum[u];
     }
     return fit;
 }
@@ -452,6 +456,16 @@ void fit_streaming_heads(const FitInput& in, SearchOutcome& out) {
         chosen_bytes[u] = chose_stateless[u] ? stateless_bytes[u] : state_bytes[u];
     }
 
+    if (in.mixed) {  // fit: mixed: each head streaming as chosen here, with its bytes and summed error
+        in.mixed->sinks = static_cast<int>(params.at("sinks"));
+        in.mixed->recent = static_cast<int>(params.at("recent"));
+        in.mixed->lambda = lambda;
+        in.mixed->stateless = chose_stateless;
+        in.mixed->streaming.assign(units, {});
+        for (std::size_t u = 0; u < units; ++u)
+            in.mixed->streaming[u] = {{chosen_bytes[u]},
+                                      {chose_stateless[u] ? baselines[2].head_error_sum[u] : fitted.error_sum[u]}};
+    }
     const std::vector<std::size_t> order = ascending_order(chosen_error);
     const std::vector<std::size_t> state_order = ascending_order(fitted_error);
     const std::vector<std::size_t> stateless_order = ascending_order(error_stateless);

@@ -202,14 +202,20 @@ void fit_tier_profiles(const FitInput& in, SearchOutcome& out) {
     for (std::size_t b = 0; b < baselines.size(); ++b)
         chosen[baseline_of[b]].fitting_error = errors[candidates.size() + b].error_sum;
 
+    // Every head's options: each candidate's held-out bytes and fitting error.
+    std::vector<UnitOptions> options(units);
+    for (std::size_t u = 0; u < units; ++u)
+        for (std::size_t c = 0; c < candidates.size(); ++c) {
+            options[u].bytes.push_back(bytes[c].head_bytes[u]);
+            options[u].error.push_back(errors[c].head_error[u]);
+        }
+    if (in.mixed) {  // fit: mixed chooses among them beside the other families'
+        in.mixed->tier_params = params;
+        in.mixed->tier_candidates = candidates;
+        in.mixed->tiers = options;
+    }
     // The fitted profile per target: one candidate per head by marginal gain.
     for (const SearchTarget& target : spec.targets) {
-        std::vector<UnitOptions> options(units);
-        for (std::size_t u = 0; u < units; ++u)
-            for (std::size_t c = 0; c < candidates.size(); ++c) {
-                options[u].bytes.push_back(bytes[c].head_bytes[u]);
-                options[u].error.push_back(errors[c].head_error[u]);
-            }
         const std::vector<std::size_t> pick = choose_by_marginal_gain(options, target.bytes(full_fp16));
         TierShares shares{L, K, {}, {}, {}};
         double fitting_error = 0;

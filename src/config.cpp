@@ -491,7 +491,7 @@ ExperimentConfig load_config(const std::string& path) {
                                                        profile.policy);
                 entry.prompt = profile.prompt;
                 entry.profile_budgets.push_back(profile_column(profile, entry.where));
-            } else if (profile.streaming || profile.tiers) {  // the policy reads its heads or shares from the file itself
+            } else if (profile.streaming || profile.tiers || profile.mixed) {  // the policy reads its heads or shares from the file itself
                 entry.files["profile"] = file;
             } else if (!profile.layer_budgets.empty()) {
                 entry.profile_budgets.push_back(profile_column(profile, entry.where));

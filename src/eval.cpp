@@ -106,16 +106,21 @@ public:
                                   "model " + llama_.path());
         const Policy& probe = harnesses_.front().policy();
         const KvProjection* projection = probe.projection();
+        // The tiers' format: every tiered head of a cache shares one (a mixed profile's first head
+        // may hold no tiers while its tier heads do; the others hold every token at fp16).
+        const TierFormat* tier_format = probe.tier_format();
+        for (const Harness& h : harnesses_)
+            if (!tier_format) tier_format = h.policy().tier_format();
         // Any head that changes values (a streaming profile's first head may keep its cache while
         // later heads stream) makes the whole cache simulated: the model's own attention cannot
         // hold it, and a simulated full head attends to everything, as the model does.
-        simulated_ = probe.tier_format() != nullptr || projection != nullptr ||
+        simulated_ = tier_format != nullptr || projection != nullptr ||
                      std::any_of(harnesses_.begin(), harnesses_.end(),
                                  [](const Harness& h) { return h.policy().linear_state() != nullptr; });
         // Every (layer, KV head) measures its memory; simulated caches also their output error
         // against the model's own full-cache attention at the same step.
         for (int layer = 0; layer < config_.n_layers; ++layer) {
-            tiers_.emplace_back(std::make_unique<IncrementalTiers>(probe.tier_format(), length, config_.n_kv_heads,
+            tiers_.emplace_back(std::make_unique<IncrementalTiers>(tier_format, length, config_.n_kv_heads,
                                                                    config_.head_dim, projection, layer));
             for (int kv = 0; kv < config_.n_kv_heads; ++kv) {
                 CacheValues values{&tiers_[layer]->arrays(), kv, config_.n_kv_heads, config_.head_dim, simulated_, true};

@@ -273,6 +273,54 @@ Figure heat_map(const std::string& name, const std::string& key, const std::vect
     return f;
 }
 
+// A mixed profile's heads as one map: each cell coloured by its method, its level written in it
+// (an eviction head's budget, a tier head's FP16/INT8/INT4 shares in percent, a streaming head's
+// lambda or "no state"). The labels are kvsim's own text, and reach gnuplot as data strings.
+Figure method_map(const std::string& name, const MixedPlan& plan, const std::string& caption) {
+    Figure f;
+    f.name = name;
+    f.caption = caption;
+    f.data = "# kvsim report: mixed.method from profile.json, per (layer, KV head)\n"
+             "# columns: KV head, layer, method (0 evict, 1 tiers, 2 streaming, 3 full), its level; a blank line "
+             "after each layer\n";
+    char level[64];
+    for (int layer = 0; layer < plan.num_layers; ++layer) {
+        for (int kv = 0; kv < plan.num_kv_heads; ++kv) {
+            const std::size_t u = plan.index(layer, kv);
+            switch (plan.method[u]) {
+                case HeadMethod::evict: std::snprintf(level, sizeof level, "%d tokens", plan.budgets[u]); break;
+                case HeadMethod::tiers:
+                    std::snprintf(level, sizeof level, "%.0f/%.0f/%.0f%%", 100 * plan.fp16[u], 100 * plan.int8[u],
+                                  100 * plan.int4[u]);
+                    break;
+                case HeadMethod::streaming:
+                    if (plan.stateless[u])
+                        std::snprintf(level, sizeof level, "no state");
+                    else
+                        std::snprintf(level, sizeof level, "lambda %.3g", plan.lambda[u]);
+                    break;
+                case HeadMethod::full: std::snprintf(level, sizeof level, "fp16"); break;
+            }
+            f.data += std::to_string(kv) + " " + std::to_string(layer) + " " +
+                      std::to_string(static_cast<int>(plan.method[u])) + " " + data_string(level) + "\n";
+        }
+        f.data += "\n";
+    }
+    const std::string data = "\"" + name + ".dat\"";
+    f.plot = "set xlabel \"KV head\"\nset ylabel \"layer\"\nset xtics 1\nset ytics 1\n"
+             "set xrange [-0.5:" + std::to_string(plan.num_kv_heads) + " - 0.5]\n"
+             "set yrange [" + std::to_string(plan.num_layers) + " - 0.5:-0.5]  # layer 0 at the top, as in the file\n"
+             "set palette defined (0 \"#9ecae1\", 1 \"#fdae6b\", 2 \"#a1d99b\", 3 \"#d9d9d9\")\n"
+             "set palette maxcolors 4\nset cbrange [-0.5:3.5]\n"
+             "set cbtics (\"evict\" 0, \"tiers\" 1, \"streaming\" 2, \"full\" 3)\n"
+             "plot " + data + " using 1:2:(0.5):(0.5):3 with boxxyerror fillstyle solid noborder linecolor palette "
+             "notitle";
+    if (static_cast<std::size_t>(plan.num_layers) * plan.num_kv_heads <= 256)
+        f.plot += ", \\\n     " + data + " using 1:2:4 with labels textcolor rgb \"black\" notitle";
+    f.plot += "\n";
+    return f;
+}
+
 // The wrapper every .gp file shares: the figure drawn once as SVG, then again as PNG.
 std::string figure_script(const Figure& f) {
     const std::string size = "size 960,540";
@@ -409,7 +457,7 @@ std::vector<std::vector<double>> per_head(const Json& value, const std::string& 
 Section profile_figures(const std::string& path) {
     // A profile is plotted only if it is one every other command would take (search/profile.h):
     // its format and every version this kvsim reads are checked there, once.
-    (void)load_profile(path);
+    const Profile profile = load_profile(path);
     const Json file = read_json(path);
     const std::string name = optional_string(file, "name", path);
     const auto model = file.find("model");
@@ -448,6 +496,13 @@ Section profile_figures(const std::string& path) {
     };
     if (const auto budgets = file.find("head_budgets"); budgets != file.end() && !budgets->is_null())
         add_heat_map(*budgets, "head_budgets", false, "Tokens kept (head_budgets)");
+    if (profile.mixed) {  // checked by load_profile: every head's method and level
+        section.figures.push_back(method_map(prefix + "-mixed-method", *profile.mixed,
+                                             "Each head's method (colour) and level (text: an eviction head's budget, "
+                                             "a tier head's FP16/INT8/INT4 shares, a streaming head's lambda; "
+                                             "mixed.method) per (layer, KV head)" + of + "."));
+        section.figures.back().title = "mixed.method" + of;
+    }
     if (const auto streaming = file.find("streaming"); streaming != file.end() && !streaming->is_null()) {
         if (!streaming->is_object()) throw InputError(path + ": 'streaming' is not an object");
         if (const auto h = streaming->find("heads"); h != streaming->end() && !h->is_null())

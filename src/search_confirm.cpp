@@ -10,6 +10,7 @@
 #include "base/errors.h"
 #include "search/streaming_fit.h"
 #include "search/tier_fit.h"
+#include "search/mixed_fit.h"
 #include "cache_math/lowrank.h"
 #include "sim/trace_store.h"
 #include "src/eval.h"
@@ -72,6 +73,16 @@ void confirm_in_the_loop(SearchOutcome& outcome, const SearchSpec& spec, const M
     }
     for (std::size_t i = 0; i < outcome.records.size(); ++i) {
         const SearchRecord& r = outcome.records[i];
+        if (r.mixed) {  // a mixed plan: the mixed policy reads each head's method from it
+            const std::string name = "confirm-" + std::to_string(i);
+            PolicyEntry entry;
+            entry.name = "mixed";
+            entry.files = {{"profile", write_mixed_plan(scratch.path(), name, *r.mixed)}};
+            entry.where = spec.fits_where;
+            config.policies.push_back(entry);
+            record_of["profile=" + name + ".json"] = i;
+            continue;
+        }
         if (r.fit == "ranks") {  // lowrank reads its ranks from a plan; a grouping is its parameters
             const std::string name = "confirm-" + std::to_string(i) + ".json";
             PolicyEntry entry;

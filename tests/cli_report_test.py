@@ -88,6 +88,17 @@ for fixture in (STREAMING_PROFILE, TIERS_PROFILE):
     for key in [k for k, v in fixture.items() if v is None]:
         del fixture[key]
 
+# A mixed profile (version 3): each head its own method and level, on a 2-layer, 2-head shape.
+MIXED_PROFILE = {"format": "kvsim-profile", "version": 3, "name": "tiny-mixed-2x",
+                 "model": {"name": "tiny", "num_layers": 2, "num_query_heads": 2, "num_kv_heads": 2, "head_dim": 8},
+                 "policy": {"name": "mixed", "params": {}},
+                 "mixed": {"method": [["evict", "tiers"], ["streaming", "full"]],
+                           "evict": {"policy": "h2o", "params": {"recent_window": 8}, "budgets": [[64, 0], [0, 0]]},
+                           "tiers": {"params": {"recent": 16}, "fp16": [[0, 0.1], [0, 0]], "int8": [[0, 0.3], [0, 0]],
+                                     "int4": [[0, 0.2], [0, 0]]},
+                           "streaming": {"sinks": 4, "recent": 16, "lambda": [[0, 0], [0.5, 0]],
+                                         "stateless": [[0, 0], [0, 0]]}}}
+
 PROFILE_FIGURES = ["profile-layer_budgets", "profile-head_budgets"]
 STREAMING_FIGURES = ["profile-streaming-2x-streaming-heads", "profile-streaming-2x-streaming-lambda"]
 
@@ -213,6 +224,21 @@ class Report(KvsimTestCase):
         self.assertIn("\n3 0 0.35\n", read(os.path.join(plots, "profile-tiers-2x-tiers-fp16.dat")))
         self.assertIn("\n1 0 1\n", read(os.path.join(plots, "profile-streaming-2x-streaming-heads.dat")))
         self.assertIn("stories260K-stratigraphic-tiers-2x", read(os.path.join(plots, "report.md")))
+
+    @NEEDS_GNUPLOT
+    def test_a_mixed_profile_is_one_map_of_methods(self):
+        folder = self.results_folder(profile=MIXED_PROFILE)
+        result = kvsim("report", folder)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        plots = os.path.join(folder, "plots")
+        self.assert_figure(plots, "profile-mixed-method")
+        # One cell per head: KV head, layer, the method's colour index, its level as a data string.
+        cells = [line for line in read(os.path.join(plots, "profile-mixed-method.dat")).splitlines()
+                 if line and not line.startswith("#")]
+        self.assertEqual(cells, ['0 0 0 "64 tokens"', '1 0 1 "10/30/20%"', '0 1 2 "lambda 0.5"', '1 1 3 "fp16"'])
+        script = read(os.path.join(plots, "profile-mixed-method.gp"))
+        self.assertIn('set cbtics ("evict" 0, "tiers" 1, "streaming" 2, "full" 3)', script)
+        self.assertIn("set title 'mixed.method of tiny-mixed-2x'", script)
 
     @NEEDS_GNUPLOT
     def test_the_scripts_redraw_by_hand_and_a_new_report_replaces_the_old(self):

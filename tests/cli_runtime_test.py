@@ -3,7 +3,8 @@ KV cache under a profile, and the perplexity it reports against kvsim eval's wit
 
 The runtime stores real fp16 and shows the policy the attention of its own cache, where eval keeps
 the model's fp32 keys and shows the policy the model's full-precision attention; so the two
-perplexities agree within a stated bound (1%; measured: H2O 0.003%, streaming heads 0, tiers 0.43%),
+perplexities agree within a stated bound (1%; measured: H2O 0.003%, streaming heads 0, tiers 0.43%,
+a mixed profile 0.054%),
 not to the last digit. (The runtime matches
 the simulator bit for bit in tests/unit/test_runtime.cpp, where both see the same numbers.)
 
@@ -39,6 +40,15 @@ PROFILES = {
                                     "lambda": [[0.0, 0.5, 0.2, 0.9]] * 5}),
     "tiers": profile("stratigraphic", {"recent": 16},
                      tiers={"fp16": [[0.1] * 4] * 5, "int8": [[0.2, 0.3, 0.4, 0.1]] * 5, "int4": [[0.1] * 4] * 5}),
+    # Each head its own method (fit: mixed): in every layer one head evicts, one holds tiers, one
+    # streams (with a state in even layers, without one in odd) and one keeps its full cache.
+    "mixed": profile("mixed", {}, version=3, mixed={
+        "method": [["evict", "tiers", "streaming", "full"]] * 5,
+        "evict": {"policy": "h2o", "params": {"recent_window": 8}, "budgets": [[30 + 10 * l, 0, 0, 0] for l in range(5)]},
+        "tiers": {"params": {"recent": 16}, "fp16": [[0, 0.1, 0, 0]] * 5, "int8": [[0, 0.3, 0, 0]] * 5,
+                  "int4": [[0, 0.1, 0, 0]] * 5},
+        "streaming": {"sinks": 4, "recent": 16, "lambda": [[0, 0, 0.5, 0]] * 5,
+                      "stateless": [[0, 0, l % 2, 0] for l in range(5)]}}),
 }
 
 

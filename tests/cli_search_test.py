@@ -85,6 +85,17 @@ class Search(KvsimTestCase):
         """A search as the tests run it: sized() for the build (the error cases check the config as written)."""
         return kvsim("search", self.write("search.yaml", sized(text)), "--out", self.out, "-q", *extra)
 
+    def assert_replays_exactly(self, max_steps, policies, record):
+        """kvsim run of `policies` on the held-out sequences, cut to max_steps, gives the record's figure and bytes."""
+        config = self.write("replay.yaml", "trace: {path: %s, sequences: [3, 4], max_steps: %d}\n%s\n"
+                                           "metrics: [output_rel_error, bytes_per_token]\n" % (TRACE, max_steps, policies))
+        run = self.path("run")
+        result = kvsim("run", config, "--out", run, "-q")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        replayed = json.loads(read(os.path.join(run, "results.json")))[0]
+        self.assertEqual(replayed["output_rel_error"], record["heldout"])
+        self.assertEqual(replayed["bytes_per_token"], record["bytes_per_token"])
+
     def search_as_written(self, text, *extra):
         return kvsim("search", self.write("search.yaml", text), "--out", self.out, "-q", *extra)
 
@@ -218,14 +229,7 @@ class Search(KvsimTestCase):
 
     def assert_replays_short(self, profile_path, record):
         """kvsim run of a profile fitted on the 96-step trace reproduces the record's held-out figure and bytes."""
-        config = self.write("replay.yaml", "trace: {path: %s, sequences: [3, 4], max_steps: 96}\n"
-                                           "policies: [{profile: %s}]\nmetrics: [output_rel_error, bytes_per_token]\n"
-                                           % (TRACE, profile_path))
-        result = kvsim("run", config, "--out", self.path("run"), "-q")
-        self.assertEqual(result.returncode, 0, result.stderr)
-        replayed = json.loads(read(os.path.join(self.path("run"), "results.json")))[0]
-        self.assertEqual(replayed["output_rel_error"], record["heldout"])
-        self.assertEqual(replayed["bytes_per_token"], record["bytes_per_token"])
+        self.assert_replays_exactly(96, "policies: [{profile: %s}]" % profile_path, record)
 
     def test_kvpress_deploy(self):
         """deploy: kvpress fits per-layer ratios of the prompt; kvpress, given the exported file on the
@@ -409,16 +413,9 @@ class Search(KvsimTestCase):
             self.assertIn(u["key_rank"][0] - u["value_rank"][0], (0, 1), u["method"])
             self.assertLessEqual(u["bytes_per_token"], 16 * (1 + 1e-9), u["method"])
         # The written bases and ranks replay the held-out figures exactly.
-        config = self.write("replay.yaml", "trace: {path: %s, sequences: [3, 4], max_steps: 96}\nbudgets: [8]\n"
-                                           "policies: [{lowrank: {bases: %s, ranks: %s}}]\n"
-                                           "metrics: [output_rel_error, bytes_per_token]\n"
-                            % (TRACE, os.path.join(self.out, "bases.json"), os.path.join(self.out, "ranks-heads-2x.json")))
-        run = self.path("run")
-        result = kvsim("run", config, "--out", run, "-q")
-        self.assertEqual(result.returncode, 0, result.stderr)
-        replayed = json.loads(read(os.path.join(run, "results.json")))[0]
-        self.assertEqual(replayed["output_rel_error"], fitted["heldout"])
-        self.assertEqual(replayed["bytes_per_token"], fitted["bytes_per_token"])
+        self.assert_replays_exactly(96, "budgets: [8]\npolicies: [{lowrank: {bases: %s, ranks: %s}}]"
+                                    % (os.path.join(self.out, "bases.json"), os.path.join(self.out, "ranks-heads-2x.json")),
+                                    fitted)
         # Ranks fitted per layer are not ranks per KV head.
         config = self.write("joint.yaml", "trace: {path: %s, sequences: [3]}\nbudgets: [8]\n"
                                           "policies: [{lowrank: {bases: %s, ranks: %s}}]\n"
@@ -449,16 +446,80 @@ class Search(KvsimTestCase):
         self.assertEqual(replayed["output_rel_error"], fitted["heldout"])
         self.assertEqual(replayed["bytes_per_token"], fitted["bytes_per_token"])
 
+    def test_mixed_profile_replays_exactly(self):
+        # Every family beside mixed, on a short trace (128 steps) at one target.
+        text = (SEARCH.replace("trace: %s" % TRACE, "trace: {path: %s, max_steps: 128}" % TRACE)
+                .replace("target: [2x, 3x]", "target: [2x]")
+                .replace("fit: [layer_budgets, head_budgets]",
+                         "fit: [head_budgets, streaming, tiers, mixed]\n  streaming: {sinks: 4, recent: 16}\n"
+                         "  tiers: {recent: 16}"))
+        result = self.search(text)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        search = json.loads(read(os.path.join(self.out, "search.json")))
+        records = {r["method"]: r for r in search["records"]}
+        fitted = records["fitted mix per head"]
+        self.assertEqual(fitted["fit"], "mixed")
+        for name in ("mix of eviction and tiers per head", "mix of eviction and streaming per head",
+                     "mix of tiers and streaming per head"):
+            self.assertEqual(records[name]["fit"], "mixed")
+        for r in search["records"]:  # never above the target's bytes
+            if r["fit"] == "mixed":
+                self.assertLessEqual(r["bytes_per_token"], 16 * 1.001, r["method"])
+        # Heads are independent on the trace: the plans replayed on the fitting sequences err head by
+        # head exactly as the options they were chosen by (the eviction heads at their own budgets, the
+        # tier and streaming heads as their families measured them).
+        self.assertTrue(any(n.startswith("Heads are independent on the trace") for n in search["notes"]),
+                        search["notes"])
+        self.assertTrue(any(n.startswith("At 2x the fitted mix per head chose:") for n in search["notes"]))
+        # More than one method: a mix that chose one family for every head fitted nothing new.
+        self.assertGreater(len({m for row in fitted["mixed"]["method"] for m in row}), 1)
+        # The profile, version 3, replays the held-out figure and bytes exactly through kvsim run.
+        profile_path = os.path.join(self.out, "profile-mixed-2x.json")
+        profile = json.loads(read(profile_path))
+        self.assertEqual((profile["version"], profile["policy"]["name"]), (3, "mixed"))
+        self.assertEqual(profile["mixed"], fitted["mixed"])
+        self.assertEqual(json.loads(read(os.path.join(self.out, "profile-tiers-2x.json")))["version"], 2)
+        self.assert_replays_exactly(128, "policies: [{profile: %s}]" % profile_path, fitted)
+        # Every new key is checked: one line naming the file and the key.
+        def bad(name, change):
+            broken = json.loads(json.dumps(profile))
+            change(broken)
+            path = self.write(name, json.dumps(broken))
+            return kvsim("run", self.write(name + ".yaml", "trace: %s\npolicies: [{profile: %s}]\n" % (TRACE, path)),
+                         "--out", self.path("bad-run"), "-q"), path
+        def method(p, value):
+            p["mixed"]["method"][1][2] = value
+        result, path = bad("method.json", lambda p: method(p, "prune"))
+        self.assert_input_error(result, path + ": mixed.method[1][2]: \"prune\" is not a method")
+        result, path = bad("old.json", lambda p: p.update(version=2))
+        self.assert_input_error(result, path + ": mixed: is a version 3 key")
+        result, path = bad("missing.json", lambda p: p.pop("mixed"))
+        self.assert_input_error(result, path + ": mixed: missing")
+        def evict_head(p, budget):
+            p["mixed"]["method"][0][0] = "evict"
+            p["mixed"]["evict"]["budgets"][0][0] = budget
+        result, path = bad("budget.json", lambda p: evict_head(p, 8))
+        self.assert_input_error(result, path + ": mixed.evict.budgets[0][0]: recent_window")
+        def share(p):
+            p["mixed"]["tiers"]["fp16"][0][0] = 1.5
+        result, path = bad("share.json", share)
+        self.assert_input_error(result, path + ": mixed.tiers.fp16[0][0]: 1.5 is outside [0, 1]")
+        def lam(p):
+            p["mixed"]["streaming"]["lambda"][0][0] = -1
+        result, path = bad("lambda.json", lam)
+        self.assert_input_error(result, path + ": mixed.streaming.lambda[0][0]: -1 is outside [0, 1]")
+
     @unittest.skipUnless(os.path.exists(MODEL), "../shared/models/stories260K is not present")
     def test_confirmation_in_the_loop(self):
         one_target = (SEARCH.replace("target: [2x, 3x]", "target: 2x")
-                      .replace("fit: [layer_budgets, head_budgets]", "fit: [layer_budgets, head_budgets, tiers]\n"
+                      .replace("fit: [layer_budgets, head_budgets]", "fit: [layer_budgets, head_budgets, tiers, mixed]\n"
                                "  tiers: {recent: 16}"))
         result = self.search(one_target, "--model", MODEL, "--text", STORIES, "--split-on", "<|endoftext|>",
                              "--context", "512")
         self.assertEqual(result.returncode, 0, result.stderr)
         records = json.loads(read(os.path.join(self.out, "search.json")))["records"]
-        self.assertEqual(len(records), 9)  # Ada-KV's row too: it runs in the loop as well
+        # Ada-KV's row too, and the mixed ones (the fitted mix, and eviction with tiers): each runs in the loop.
+        self.assertEqual(len(records), 11)
         for r in records:
             self.assertIsInstance(r["delta_ppl"], float, r["method"])
         # The fitted profiles lose less perplexity than uniform at the same bytes.
@@ -578,6 +639,10 @@ class Search(KvsimTestCase):
              "search.ranks.pre_rope_theta: must be a positive number"),
             ("  fit: [layer_budgets, head_budgets]\n", "  fit: [ranks]\n  objective: retained_mass\n",
              "search.fit: ranks are fitted by their output error"),
+            ("  fit: [layer_budgets, head_budgets]\n", "  fit: [head_budgets, mixed]\n  objective: retained_mass\n",
+             "search.fit: a mixed profile is fitted by each head's output error"),
+            ("  fit: [layer_budgets, head_budgets]\n", "  fit: [ranks, mixed]\n",
+             "search.fit: mixed chooses per head among the families fitted beside it"),
         ]
         for old, new, fragment in cases:
             with self.subTest(new=new):
@@ -619,7 +684,7 @@ class Search(KvsimTestCase):
             (dict(layer_budgets=[-4, 5, 6, 7, 8]), "layer_budgets[0]: -4 is outside"),
             (dict(layer_budgets=[4, 5, 6]), "layer_budgets: expected 5 entries, got 3"),
             (dict(layer_budgets=[4, 5.5, 6, 7, 8]), "layer_budgets[1]: expected an integer"),
-            (dict(version=3), "version: 3 is not supported"),
+            (dict(version=4), "version: 4 is not supported"),
             (dict(format="other"), "format: expected \"kvsim-profile\""),
             (dict(head_budgets=[[4, 4, 4, 4]] * 4), "head_budgets: expected 5 entries"),
             (dict(streaming={"sinks": 4, "recent": 8, "heads": [[0, 1, 0, 0]] * 5, "lambda": [[1.5] * 4] * 5}),

@@ -332,6 +332,25 @@ class SearchShards(KvsimTestCase):
         self.assertEqual(merged.returncode, 0, merged.stderr)
         self.assertEqual(self.search_outputs(self.path("resumed")), expected)
 
+    def test_a_mixed_search_in_2_shards_merges_to_the_one_machine_outputs(self):
+        # The shards divide the grid replay; the merge fits the rest (tiers, then the mix across
+        # eviction and tiers per head) as one machine does, byte for byte.
+        config = self.write("search.yaml", SEARCH.replace("fit: [layer_budgets, head_budgets]",
+                                                          "fit: [head_budgets, tiers, mixed]\n  tiers: {sinks: 2, recent: 8}"))
+        whole = self.path("whole")
+        one = kvsim("search", config, "--out", whole, "-q", cwd=ROOT)
+        self.assertEqual(one.returncode, 0, one.stderr)
+        expected = self.search_outputs(whole)
+        self.assertIn("profile-mixed-2x.json", expected)
+        out = self.path("shards")
+        for i in range(2):
+            ran = self.search_shard(config, "%d/2" % i, out)
+            self.assertEqual(ran.returncode, 0, ran.stderr)
+        merged = kvsim("merge", out, "--out", self.path("merged"), "-q", cwd=ROOT)
+        self.assertEqual(merged.returncode, 0, merged.stderr)
+        self.assertEqual(merged.stdout, one.stdout)
+        self.assertEqual(self.search_outputs(self.path("merged")), expected)
+
     def test_bad_search_shards_are_refused_in_one_line(self):
         config = self.write("search.yaml", SEARCH)
         out = self.path("s")
