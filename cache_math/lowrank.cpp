@@ -4,8 +4,10 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -14,8 +16,10 @@
 
 #include "base/atomic_file.h"
 #include "base/errors.h"
+#include "base/hdf5_file.h"
 #include "base/input_file.h"
 #include "base/json_file.h"
+#include "base/size_limits.h"
 #include "cache_math/tiers.h"
 
 namespace kvsim {
@@ -161,15 +165,6 @@ Json basis_json(const PcaBasis& b) {
     return Json{{"vectors", std::move(vectors)}, {"energy", std::move(energy)}, {"mean", std::move(mean)}};
 }
 
-// A number the cache can compute with in float: finite and within float's range.
-double float_range_number(const Json& j, const std::string& where) {
-    if (!j.is_number()) throw InputError(where + ": not a number");
-    const double v = j.get<double>();
-    if (!(std::fabs(v) <= std::numeric_limits<float>::max()))
-        throw InputError(where + ": " + j.dump() + " is outside float's range (the cache computes in float)");
-    return v;
-}
-
 // An integer in [lo, hi], checked before it is narrowed (2^32 + 5 is not 5).
 int64_t bounded_integer(const Json& j, const std::string& where, int64_t lo, int64_t hi) {
     if (!j.is_number_integer()) throw InputError(where + ": not an integer");
@@ -185,6 +180,59 @@ void require_version_1(const Json& root, const std::string& path) {
     if (it == root.end()) throw InputError(path + ": 'version' missing");
     if (bounded_integer(*it, path + ": 'version'", 0, 1 << 30) != 1)
         throw InputError(path + ": 'version' " + it->dump() + " is not 1, the only version this kvsim reads");
+}
+
+// Names one number of a basis in a message: field "vectors", "energy" or "mean"; j its index (the
+// vector's, for vectors), i the vector's element or -1.
+using BasisPlace = std::function<std::string(const char* field, int j, int i)>;
+
+std::string float_text(double v) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%g", v);
+    return text;
+}
+
+// What every bases file must hold, whatever its form: numbers the cache can compute with in float,
+// unit basis vectors, and the eigenvalues of a covariance (at least zero up to rounding, strongest
+// first: ranks keep the first).
+void check_basis(const PcaBasis& b, const BasisPlace& at) {
+    const int n = static_cast<int>(b.energy.size());
+    auto in_float = [&](double v, const char* field, int j, int i) {
+        if (!(std::fabs(v) <= std::numeric_limits<float>::max()))
+            throw InputError(at(field, j, i) + ": " + float_text(v) + " is outside float's range (the cache computes in float)");
+    };
+    for (int j = 0; j < n; ++j) in_float(b.mean[j], "mean", j, -1);
+    for (int j = 0; j < n; ++j) {
+        for (int i = 0; i < n; ++i) in_float(b.vectors(i, j), "vectors", j, i);
+        // A principal direction has unit length: a zero (or scaled) column projects every token to
+        // nothing (or more than it is) and its errors come out NaN or wrong, not refused.
+        const double length = b.vectors.col(j).norm();
+        if (!(std::fabs(length - 1) <= 1e-3))
+            throw InputError(at("vectors", j, -1) + ": has length " + std::to_string(length) + "; a basis vector has length 1");
+        in_float(b.energy[j], "energy", j, -1);
+    }
+    const double scale = std::max(1.0, b.energy.cwiseAbs().maxCoeff());
+    for (int j = 0; j < n; ++j) {
+        if (b.energy[j] < -1e-6 * scale) throw InputError(at("energy", j, -1) + ": " + std::to_string(b.energy[j]) + " is negative");
+        if (j > 0 && b.energy[j] > b.energy[j - 1] + 1e-9 * scale)
+            throw InputError(at("energy", j, -1) + ": energies must descend (the strongest direction first)");
+    }
+}
+
+// A layer's head distances: in float's range and at least 0.
+void check_head_distance(const Eigen::MatrixXd& m, const std::function<std::string(int a, int b)>& at) {
+    for (int a = 0; a < m.rows(); ++a)
+        for (int b = 0; b < m.cols(); ++b) {
+            if (!(std::fabs(m(a, b)) <= std::numeric_limits<float>::max()))
+                throw InputError(at(a, b) + ": " + float_text(m(a, b)) + " is outside float's range (the cache computes in float)");
+            if (m(a, b) < 0) throw InputError(at(a, b) + ": a distance is at least 0");
+        }
+}
+
+// A JSON number as a double ("not a number" naming where otherwise).
+double json_number(const Json& j, const std::string& where) {
+    if (!j.is_number()) throw InputError(where + ": not a number");
+    return j.get<double>();
 }
 
 // One basis: `vectors`, n lists of n numbers, and `energy`, n numbers.
@@ -205,32 +253,22 @@ PcaBasis basis_from_json(const Json& node, int n, const std::string& where) {
     if (energy->size() != static_cast<std::size_t>(n))
         throw InputError(where + ".energy: " + std::to_string(energy->size()) + " values, expected " +
                          std::to_string(n));
+    const BasisPlace at = [&where](const char* field, int j, int i) {
+        return where + "." + field + "[" + std::to_string(j) + "]" + (i >= 0 ? "[" + std::to_string(i) + "]" : "");
+    };
     PcaBasis b;
     b.vectors.resize(n, n);
     b.energy.resize(n);
     b.mean.resize(n);
-    for (int j = 0; j < n; ++j) b.mean[j] = float_range_number((*mean)[j], where + ".mean[" + std::to_string(j) + "]");
+    for (int j = 0; j < n; ++j) b.mean[j] = json_number((*mean)[j], at("mean", j, -1));
     for (int j = 0; j < n; ++j) {
         const Json& column = (*vectors)[j];
-        const std::string at = where + ".vectors[" + std::to_string(j) + "]";
         if (!column.is_array() || column.size() != static_cast<std::size_t>(n))
-            throw InputError(at + ": expected a list of " + std::to_string(n) + " numbers");
-        for (int i = 0; i < n; ++i) b.vectors(i, j) = float_range_number(column[i], at + "[" + std::to_string(i) + "]");
-        // A principal direction has unit length: a zero (or scaled) column projects every token to
-        // nothing (or more than it is) and its errors come out NaN or wrong, not refused.
-        const double length = b.vectors.col(j).norm();
-        if (!(std::fabs(length - 1) <= 1e-3))
-            throw InputError(at + ": has length " + std::to_string(length) + "; a basis vector has length 1");
-        b.energy[j] = float_range_number((*energy)[j], where + ".energy[" + std::to_string(j) + "]");
+            throw InputError(at("vectors", j, -1) + ": expected a list of " + std::to_string(n) + " numbers");
+        for (int i = 0; i < n; ++i) b.vectors(i, j) = json_number(column[i], at("vectors", j, i));
+        b.energy[j] = json_number((*energy)[j], at("energy", j, -1));
     }
-    // Eigenvalues of a covariance: at least zero up to rounding, strongest first (ranks keep the first).
-    const double scale = std::max(1.0, b.energy.cwiseAbs().maxCoeff());
-    for (int j = 0; j < n; ++j) {
-        const std::string at = where + ".energy[" + std::to_string(j) + "]";
-        if (b.energy[j] < -1e-6 * scale) throw InputError(at + ": " + std::to_string(b.energy[j]) + " is negative");
-        if (j > 0 && b.energy[j] > b.energy[j - 1] + 1e-9 * scale)
-            throw InputError(at + ": energies must descend (the strongest direction first)");
-    }
+    check_basis(b, at);
     return b;
 }
 
@@ -250,9 +288,7 @@ const Json& list_field(const Json& root, const char* key, std::size_t size, cons
     return *it;
 }
 
-}  // namespace
-
-std::shared_ptr<const KvBases> read_kv_bases(const std::string& path) {
+std::shared_ptr<const KvBases> read_kv_bases_json(const std::string& path) {
     const Json root = load_ordered_json_file(path);
     if (!root.is_object() || !root.contains("format") || root["format"] != "kvsim-kv-bases")
         throw InputError(path + ": 'format' is not kvsim-kv-bases (write the file with kvsim trace bases)");
@@ -296,6 +332,12 @@ std::shared_ptr<const KvBases> read_kv_bases(const std::string& path) {
             }
         }
     }
+    if (const auto fitted = root.find("fitted_sequences"); fitted != root.end()) {
+        if (!fitted->is_array()) throw InputError(path + ": 'fitted_sequences' is not a list");
+        for (std::size_t i = 0; i < fitted->size(); ++i)
+            bases->fitted_sequences.push_back(static_cast<int>(
+                bounded_integer((*fitted)[i], path + ": 'fitted_sequences[" + std::to_string(i) + "]'", 0, INT32_MAX)));
+    }
     const Json& per_head = list_field(root, "heads", static_cast<std::size_t>(layers) * heads, path);
     for (std::size_t u = 0; u < per_head.size(); ++u) {
         const std::string where = path + ": heads[" + std::to_string(u) + "]";
@@ -334,15 +376,260 @@ std::shared_ptr<const KvBases> read_kv_bases(const std::string& path) {
         for (int a = 0; a < heads; ++a) {
             if (!rows[a].is_array() || rows[a].size() != static_cast<std::size_t>(heads))
                 throw InputError(at + "[" + std::to_string(a) + "]: expected " + std::to_string(heads) + " numbers");
-            for (int b = 0; b < heads; ++b) {
-                const std::string cell = at + "[" + std::to_string(a) + "][" + std::to_string(b) + "]";
-                m(a, b) = float_range_number(rows[a][b], cell);
-                if (m(a, b) < 0) throw InputError(cell + ": a distance is at least 0");
-            }
+            for (int b = 0; b < heads; ++b)
+                m(a, b) = json_number(rows[a][b], at + "[" + std::to_string(a) + "][" + std::to_string(b) + "]");
         }
+        check_head_distance(m, [&at](int a, int b) { return at + "[" + std::to_string(a) + "][" + std::to_string(b) + "]"; });
         bases->head_distance.push_back(m);
     }
     return bases;
+}
+
+
+// ---- The HDF5 form (docs/lowrank.md, "The bases file"): the JSON form's fields as root attributes
+// and float64 datasets, one per kind of number, layer-major.
+
+constexpr const char* kBasesFormat = "kvsim-kv-bases";
+
+// The per (layer, KV head) and per layer (joint) datasets of one kind, key or value.
+std::string basis_dataset(bool joint, bool key, const char* field) {
+    return std::string(joint ? "/joint/" : "/heads/") + (key ? "key_" : "value_") + field;
+}
+
+// A float64 dataset, contiguous: eigenvectors do not compress (deflate saves a few percent), and
+// no modification times, so that the same bases give the same bytes.
+Hdf5Handle create_doubles(hid_t file, const std::string& name, const std::vector<hsize_t>& shape) {
+    Hdf5Handle space = hdf5_space(H5Screate_simple(static_cast<int>(shape.size()), shape.data(), nullptr));
+    Hdf5Handle dcpl = hdf5_plist(H5Pcreate(H5P_DATASET_CREATE));
+    H5Pset_obj_track_times(dcpl.get(), 0);
+    Hdf5Handle dataset = hdf5_dataset(
+        H5Dcreate2(file, name.c_str(), H5T_IEEE_F64LE, space.get(), H5P_DEFAULT, dcpl.get(), H5P_DEFAULT));
+    if (!dataset.valid()) throw std::runtime_error("cannot create dataset " + name + " of the bases");
+    return dataset;
+}
+
+// Entry u (of the leading `leading` dimensions, flattened) of a dataset of `shape`: the block of
+// the trailing dimensions, written from `data` as it lies in memory.
+void write_entry(const Hdf5Handle& dataset, const std::string& name, const std::vector<hsize_t>& shape,
+                 std::size_t leading, hsize_t u, const double* data) {
+    std::vector<hsize_t> start(shape.size(), 0), count = shape;
+    for (std::size_t d = leading; d-- > 0;) {
+        start[d] = u % shape[d];
+        u /= shape[d];
+        count[d] = 1;
+    }
+    hsize_t elements = 1;
+    for (hsize_t c : count) elements *= c;
+    Hdf5Handle file_space = hdf5_space(H5Dget_space(dataset.get()));
+    Hdf5Handle memory = hdf5_space(H5Screate_simple(1, &elements, nullptr));
+    if (H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, start.data(), nullptr, count.data(), nullptr) < 0 ||
+        H5Dwrite(dataset.get(), H5T_NATIVE_DOUBLE, memory.get(), file_space.get(), H5P_DEFAULT, data) < 0)
+        throw std::runtime_error("cannot write dataset " + name + " of the bases");
+}
+
+// Bases of n-vectors, `units` of them, as three datasets [units..., n, n], [units..., n], [units..., n],
+// basis by basis (no copy of them all: the joint bases are 134 MB a kind at the 1B shape).
+void write_bases(hid_t file, bool joint, bool key, const std::vector<PcaBasis>& bases, std::vector<hsize_t> units) {
+    const std::size_t leading = units.size();
+    const hsize_t n = bases.empty() ? 0 : static_cast<hsize_t>(bases[0].energy.size());
+    units.push_back(n);
+    const std::string energy = basis_dataset(joint, key, "energy"), mean = basis_dataset(joint, key, "mean");
+    const Hdf5Handle energy_set = create_doubles(file, energy, units), mean_set = create_doubles(file, mean, units);
+    for (std::size_t u = 0; u < bases.size(); ++u) {
+        write_entry(energy_set, energy, units, leading, u, bases[u].energy.data());
+        write_entry(mean_set, mean, units, leading, u, bases[u].mean.data());
+    }
+    units.push_back(n);
+    const std::string vectors = basis_dataset(joint, key, "vectors");
+    const Hdf5Handle vectors_set = create_doubles(file, vectors, units);
+    // Column-major: vector j's n elements in a row, as the JSON form's "vectors" lists them.
+    for (std::size_t u = 0; u < bases.size(); ++u) write_entry(vectors_set, vectors, units, leading, u, bases[u].vectors.data());
+}
+
+Hdf5Handle untimed_group(hid_t file, const char* name) {
+    Hdf5Handle gcpl = hdf5_plist(H5Pcreate(H5P_GROUP_CREATE));
+    H5Pset_obj_track_times(gcpl.get(), 0);
+    Hdf5Handle group = hdf5_group(H5Gcreate2(file, name, H5P_DEFAULT, gcpl.get(), H5P_DEFAULT));
+    if (!group.valid()) throw std::runtime_error(std::string("cannot create group ") + name + " of the bases");
+    return group;
+}
+
+// The whole dataset `name` of the expected shape, as doubles: any floating-point type (kvsim writes
+// float64), its data in this file, within the memory limit.
+std::vector<double> read_doubles(const Hdf5Reader& r, const std::string& name, const std::vector<hsize_t>& shape) {
+    const Hdf5Handle dataset = r.open_dataset(name, H5T_FLOAT, shape);
+    r.check_stored(name, dataset, shape);
+    uint64_t elements = 1;
+    for (hsize_t d : shape) elements = checked_mul(elements, d, r.path() + ": dataset '" + name + "'");
+    check_memory(checked_mul(elements, sizeof(double), r.path()), r.path() + ": dataset '" + name + "' " + show_shape(shape));
+    std::vector<double> out(elements);
+    r.read_all(name, dataset, H5T_NATIVE_DOUBLE, out.data());
+    return out;
+}
+
+// `count` bases of n-vectors from the three datasets of one kind; `unit` names entry u in messages.
+std::vector<PcaBasis> read_bases(const Hdf5Reader& r, bool joint, bool key, std::vector<hsize_t> units, int n,
+                                 const std::function<std::string(std::size_t)>& unit) {
+    std::size_t count = 1;
+    for (hsize_t d : units) count *= d;
+    const std::size_t nn = static_cast<std::size_t>(n);
+    units.push_back(nn);
+    const std::vector<double> energy = read_doubles(r, basis_dataset(joint, key, "energy"), units);
+    const std::vector<double> mean = read_doubles(r, basis_dataset(joint, key, "mean"), units);
+    units.push_back(nn);
+    const std::vector<double> vectors = read_doubles(r, basis_dataset(joint, key, "vectors"), units);
+    std::vector<PcaBasis> out(count);
+    for (std::size_t u = 0; u < count; ++u) {
+        PcaBasis& b = out[u];
+        b.vectors = Eigen::Map<const Eigen::MatrixXd>(vectors.data() + u * nn * nn, n, n);
+        b.energy = Eigen::Map<const Eigen::VectorXd>(energy.data() + u * nn, n);
+        b.mean = Eigen::Map<const Eigen::VectorXd>(mean.data() + u * nn, n);
+        check_basis(b, [&](const char* field, int j, int i) {
+            return r.path() + ": dataset '" + basis_dataset(joint, key, field) + "' [" + unit(u) + ", " +
+                   (std::string(field) == "vectors" ? "vector " : "element ") + std::to_string(j) +
+                   (i >= 0 ? ", element " + std::to_string(i) : "") + "]";
+        });
+    }
+    return out;
+}
+
+std::shared_ptr<const KvBases> read_kv_bases_hdf5(const std::string& path) {
+    const Hdf5Reader r(path);
+    const hid_t root = r.file();
+    if (H5Aexists(root, "format") <= 0) r.fail("not a kvsim bases file (no root attribute 'format')");
+    const std::string format = r.string_attr(root, "", "format");
+    if (format != kBasesFormat)
+        r.fail("root attribute 'format' is '" + format + "', not kvsim-kv-bases (write the file with kvsim trace bases)");
+    const int64_t version = r.int_attr(root, "", "version", 0);
+    if (version != 1) r.fail("root attribute 'version' is " + std::to_string(version) + "; this kvsim reads version 1");
+    auto bases = std::make_shared<KvBases>();
+    bases->num_layers = static_cast<int>(r.int_attr(root, "", "num_layers", 1, 4096));
+    bases->num_kv_heads = static_cast<int>(r.int_attr(root, "", "num_kv_heads", 1, 4096));
+    bases->head_dim = static_cast<int>(r.int_attr(root, "", "head_dim", 1, 4096));
+    const int layers = bases->num_layers, heads = bases->num_kv_heads, dim = bases->head_dim;
+    bases->keys = r.string_attr(root, "", "keys");
+    if (bases->keys != "post_rope" && bases->keys != "pre_rope")
+        r.fail("root attribute 'keys' is '" + bases->keys + "' (expected post_rope or pre_rope)");
+    if (bases->keys == "pre_rope") {
+        if (dim % 2 != 0) r.fail("pre_rope keys need an even head_dim");
+        const std::string pairing = r.string_attr(root, "", "rope_pairing");
+        if (!parse_rope_pairing(pairing, bases->rope.pairing))
+            r.fail("root attribute 'rope_pairing' is '" + pairing + "' (expected adjacent or halves)");
+        bases->rope.frequencies = r.double_array_attr(root, "rope_frequencies", static_cast<std::size_t>(dim / 2), "head_dim / 2");
+        for (std::size_t i = 0; i < bases->rope.frequencies.size(); ++i)
+            if (!(bases->rope.frequencies[i] > 0) || !std::isfinite(bases->rope.frequencies[i]))
+                r.fail("root attribute 'rope_frequencies': element " + std::to_string(i) + " is " +
+                       float_text(bases->rope.frequencies[i]) + "; frequencies must be positive and finite");
+    } else if (H5Aexists(root, "rope_pairing") > 0 || H5Aexists(root, "rope_frequencies") > 0) {
+        r.fail("root attributes 'rope_pairing' and 'rope_frequencies' are for pre_rope keys, but 'keys' is post_rope");
+    }
+    for (int64_t s : r.int_array_attr(root, "fitted_sequences", 1 << 20, 0, INT32_MAX))
+        bases->fitted_sequences.push_back(static_cast<int>(s));
+    const hsize_t L = layers, K = heads;
+    auto head_unit = [heads](std::size_t u) {
+        return "layer " + std::to_string(u / heads) + ", KV head " + std::to_string(u % heads);
+    };
+    auto layer_unit = [](std::size_t u) { return "layer " + std::to_string(u); };
+    bases->key = read_bases(r, false, true, {L, K}, dim, head_unit);
+    bases->value = read_bases(r, false, false, {L, K}, dim, head_unit);
+    // Joint bases are optional (kvsim trace bases --no-joint): a joint lowrank policy refuses a file without.
+    if (r.has_link("/joint")) {
+        bases->joint_key = read_bases(r, true, true, {L}, heads * dim, layer_unit);
+        bases->joint_value = read_bases(r, true, false, {L}, heads * dim, layer_unit);
+    }
+    const std::vector<double> distance = read_doubles(r, "/head_distance", {L, K, K});
+    for (int layer = 0; layer < layers; ++layer) {
+        // Stored [a][b], row-major: the transpose of Eigen's column-major map, and symmetric anyway.
+        Eigen::MatrixXd m = Eigen::Map<const Eigen::MatrixXd>(distance.data() + layer * K * K, heads, heads).transpose();
+        check_head_distance(m, [&](int a, int b) {
+            return path + ": dataset '/head_distance' [layer " + std::to_string(layer) + ", " + std::to_string(a) + ", " +
+                   std::to_string(b) + "]";
+        });
+        bases->head_distance.push_back(std::move(m));
+    }
+    return bases;
+}
+
+// The HDF5 form's attributes and datasets, into a new file.
+void write_kv_bases_hdf5(hid_t root, const KvBases& bases) {
+    write_string_attr(root, "format", kBasesFormat);
+    write_int_attr(root, "version", 1);
+    write_int_attr(root, "num_layers", bases.num_layers);
+    write_int_attr(root, "num_kv_heads", bases.num_kv_heads);
+    write_int_attr(root, "head_dim", bases.head_dim);
+    write_string_attr(root, "keys", bases.keys);
+    write_int_array_attr(root, "fitted_sequences", {bases.fitted_sequences.begin(), bases.fitted_sequences.end()});
+    if (bases.rope.known()) {
+        write_string_attr(root, "rope_pairing", to_string(bases.rope.pairing));
+        write_double_array_attr(root, "rope_frequencies", bases.rope.frequencies);
+    }
+    const hsize_t L = bases.num_layers, K = bases.num_kv_heads;
+    untimed_group(root, "/heads");
+    write_bases(root, false, true, bases.key, {L, K});
+    write_bases(root, false, false, bases.value, {L, K});
+    if (!bases.joint_key.empty()) {
+        untimed_group(root, "/joint");
+        write_bases(root, true, true, bases.joint_key, {L});
+        write_bases(root, true, false, bases.joint_value, {L});
+    }
+    const Hdf5Handle distance = create_doubles(root, "/head_distance", {L, K, K});
+    for (std::size_t layer = 0; layer < bases.head_distance.size(); ++layer) {
+        const Eigen::MatrixXd rows = bases.head_distance[layer].transpose();  // [a][b] row-major
+        write_entry(distance, "/head_distance", {L, K, K}, 1, layer, rows.data());
+    }
+}
+
+}  // namespace
+
+std::shared_ptr<const KvBases> read_kv_bases(const std::string& path) {
+    require_regular_file(path);
+    // By the file's own signature, whatever its name: a JSON file named .h5 reads as JSON.
+    if (has_hdf5_signature(path)) return read_kv_bases_hdf5(path);
+    if (kv_bases_format_of(path) == KvBasesFormat::json) return read_kv_bases_json(path);
+    try {
+        return read_kv_bases_json(path);
+    } catch (const InputError& e) {  // named .h5, and neither form: say both
+        std::string why = e.what();
+        if (why.rfind(path + ": ", 0) == 0) why = why.substr(path.size() + 2);
+        throw InputError(path + ": not an HDF5 file (no HDF5 signature), and not a JSON bases file: " + why);
+    }
+}
+
+KvBasesFormat kv_bases_format_of(const std::string& path) {
+    const auto dot = path.rfind('.');
+    const std::string extension = dot == std::string::npos ? "" : path.substr(dot);
+    return extension == ".h5" || extension == ".hdf5" ? KvBasesFormat::hdf5 : KvBasesFormat::json;
+}
+
+std::string kv_bases_hdf5(const KvBases& bases) {
+    silence_hdf5_here();
+    // Built in memory (HDF5's core driver, no backing file) and returned as the file's bytes, for a
+    // search's folder commit, which writes its files together.
+    static std::atomic<uint64_t> serial{0};
+    const std::string name = "kvsim-bases-" + std::to_string(serial++);
+    Hdf5Handle fapl = hdf5_plist(H5Pcreate(H5P_FILE_ACCESS));
+    H5Pset_fapl_core(fapl.get(), 1 << 20, 0);
+    Hdf5Handle file(H5Fcreate(name.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl.get()), H5Fclose);
+    if (!file.valid()) throw std::runtime_error("cannot create the HDF5 image of the bases");
+    write_kv_bases_hdf5(file.get(), bases);
+    if (H5Fflush(file.get(), H5F_SCOPE_LOCAL) < 0) throw std::runtime_error("cannot flush the HDF5 image of the bases");
+    const ssize_t size = H5Fget_file_image(file.get(), nullptr, 0);
+    std::string image(size > 0 ? static_cast<std::size_t>(size) : 0, '\0');
+    if (size <= 0 || H5Fget_file_image(file.get(), image.data(), image.size()) != size)
+        throw std::runtime_error("cannot read back the HDF5 image of the bases");
+    return image;
+}
+
+int64_t kv_bases_numbers(const KvBases& bases) {
+    int64_t numbers = 0;
+    for (const auto* list : {&bases.key, &bases.value, &bases.joint_key, &bases.joint_value})
+        for (const PcaBasis& b : *list) numbers += b.vectors.size() + b.energy.size() + b.mean.size();
+    for (const Eigen::MatrixXd& m : bases.head_distance) numbers += m.size();
+    return numbers;
+}
+
+std::string kv_bases_file(const KvBases& bases, KvBasesFormat format) {
+    return format == KvBasesFormat::hdf5 ? kv_bases_hdf5(bases) : kv_bases_json(bases);
 }
 
 
@@ -379,7 +666,18 @@ std::string kv_bases_json(const KvBases& bases) {
     return root.dump() + "\n";
 }
 
-void write_kv_bases(const std::string& path, const KvBases& bases) { write_file_atomically(path, kv_bases_json(bases)); }
+void write_kv_bases(const std::string& path, const KvBases& bases) {
+    if (kv_bases_format_of(path) == KvBasesFormat::json) return write_file_atomically(path, kv_bases_json(bases));
+    // Straight into the file (no image in memory: 303 MB at the 1B shape), published whole.
+    silence_hdf5_here();
+    AtomicFile out(path);
+    {
+        Hdf5Handle file(H5Fcreate(out.temp_path().c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), H5Fclose);
+        if (!file.valid()) throw InputError(path + ": cannot create HDF5 file");
+        write_kv_bases_hdf5(file.get(), bases);
+    }
+    out.commit();
+}
 
 std::shared_ptr<const KvBases> load_kv_bases(const std::string& path, int num_layers, int num_kv_heads, int head_dim) {
     // Every stream of a run reads the same file: parse it once per process.

@@ -1142,7 +1142,8 @@ void write_search_outputs(const SearchOutcome& o, const std::string& dir) {
     }
     if (primary) add("profile.json", profile_json(*primary));
     // fit: ranks: the bases and each fitted method's ranks, for the lowrank policy to read.
-    if (o.bases) add("bases.json", kv_bases_json(*o.bases));
+    if (o.bases)
+        add(o.bases_format == KvBasesFormat::hdf5 ? "bases.h5" : "bases.json", kv_bases_file(*o.bases, o.bases_format));
     for (const SearchRecord& r : o.records) {
         if (r.fit != "ranks" || r.key_rank.empty() || r.method.rfind("fitted", 0) != 0) continue;
         const bool joint = r.replay_params.at("joint") == 1;

@@ -80,6 +80,7 @@ struct SearchOutcome {
     std::vector<SearchRecord> records;
     std::vector<Profile> profiles;     // one per fitted method and target
     std::shared_ptr<const KvBases> bases;  // fit: ranks: the bases fitted on the fitting sequences
+    KvBasesFormat bases_format = KvBasesFormat::json;  // the form they are written in (search.ranks.bases_format)
     std::vector<std::string> notes;    // non-convex curves, the direction of the layer profile, ...
     std::vector<SparsityPoint> sparsity_curve;  // deploy duo: the fitted ranking at each sparsity
     double seconds = 0;

@@ -69,6 +69,9 @@ struct SearchSpec {
     // pre_rope_theta (which implies pre_rope) gives the base for a trace that records none.
     bool ranks_pre_rope = false;
     double ranks_pre_rope_theta = 0;
+    // The form of the bases file the search writes: "json", "hdf5", or "auto": HDF5 when the bases
+    // hold more than kAutoHdf5BasesNumbers numbers (JSON spends about 24 bytes a number, HDF5 9).
+    std::string ranks_bases_format = "auto";
 };
 
 inline const std::vector<std::string>& known_search_fits() {

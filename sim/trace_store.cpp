@@ -23,58 +23,19 @@
 #include "cache_math/numerics.h"
 #include "base/atomic_file.h"
 #include "base/errors.h"
+#include "base/hdf5_file.h"
 #include "base/input_file.h"
 #include "base/size_limits.h"
 
 namespace kvsim {
 namespace {
 
-// HDF5 prints its error stack to stderr by default; kvsim reports one line of its own instead.
-// Debian's HDF5 is a thread-safe build, which keeps that setting per thread: the main thread's is
-// set at startup, and a thread that reads a layer beside the replay (QkvSource::prefetch) sets its
-// own (silence_hdf5_here).
-struct SilenceHdf5 {
-    SilenceHdf5() { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); }
-};
-const SilenceHdf5 silence_hdf5;
-void silence_hdf5_here() {
-    thread_local const SilenceHdf5 silenced;
-    (void)silenced;
-}
-
-// Owns one HDF5 identifier and closes it with the matching function.
-class Handle {
-public:
-    using Closer = herr_t (*)(hid_t);
-    Handle() = default;
-    Handle(hid_t id, Closer close) : id_(id), close_(close) {}
-    Handle(Handle&& o) noexcept : id_(o.id_), close_(o.close_) { o.id_ = -1; }
-    Handle& operator=(Handle&& o) noexcept {
-        reset();
-        id_ = o.id_;
-        close_ = o.close_;
-        o.id_ = -1;
-        return *this;
-    }
-    ~Handle() { reset(); }
-    hid_t get() const { return id_; }
-    bool valid() const { return id_ >= 0; }
-    void reset() {
-        if (id_ >= 0 && close_) close_(id_);
-        id_ = -1;
-    }
-
-private:
-    hid_t id_ = -1;
-    Closer close_ = nullptr;
-};
-
-Handle group_handle(hid_t id) { return Handle(id, H5Gclose); }
-Handle dataset_handle(hid_t id) { return Handle(id, H5Dclose); }
-Handle space_handle(hid_t id) { return Handle(id, H5Sclose); }
-Handle type_handle(hid_t id) { return Handle(id, H5Tclose); }
-Handle attr_handle(hid_t id) { return Handle(id, H5Aclose); }
-Handle plist_handle(hid_t id) { return Handle(id, H5Pclose); }
+using Handle = Hdf5Handle;
+Handle group_handle(hid_t id) { return hdf5_group(id); }
+Handle dataset_handle(hid_t id) { return hdf5_dataset(id); }
+Handle space_handle(hid_t id) { return hdf5_space(id); }
+Handle type_handle(hid_t id) { return hdf5_type(id); }
+Handle plist_handle(hid_t id) { return hdf5_plist(id); }
 
 // IEEE binary16 as an HDF5 type: sign bit 15, exponent bits 10..14 (bias 15), mantissa 0..9.
 Handle float16_type() {
@@ -296,32 +257,6 @@ std::string qkv_path(int sequence, int layer, const char* tensor) {
     return sequence_group(sequence) + "/qkv/" + layer_name(layer) + "/" + tensor;
 }
 
-void write_string_attr(hid_t obj, const char* name, const std::string& value) {
-    Handle type = type_handle(H5Tcopy(H5T_C_S1));
-    H5Tset_size(type.get(), std::max<size_t>(1, value.size()));
-    H5Tset_strpad(type.get(), H5T_STR_NULLPAD);
-    Handle space = space_handle(H5Screate(H5S_SCALAR));
-    Handle attr = attr_handle(H5Acreate2(obj, name, type.get(), space.get(), H5P_DEFAULT, H5P_DEFAULT));
-    std::string padded = value.empty() ? std::string(1, '\0') : value;
-    if (!attr.valid() || H5Awrite(attr.get(), type.get(), padded.data()) < 0)
-        throw std::runtime_error(std::string("cannot write attribute ") + name);
-}
-
-void write_int_attr(hid_t obj, const char* name, int64_t value) {
-    Handle space = space_handle(H5Screate(H5S_SCALAR));
-    Handle attr = attr_handle(H5Acreate2(obj, name, H5T_STD_I64LE, space.get(), H5P_DEFAULT, H5P_DEFAULT));
-    if (!attr.valid() || H5Awrite(attr.get(), H5T_NATIVE_INT64, &value) < 0)
-        throw std::runtime_error(std::string("cannot write attribute ") + name);
-}
-
-void write_double_array_attr(hid_t obj, const char* name, const std::vector<double>& values) {
-    const hsize_t n = values.size();
-    Handle space = space_handle(H5Screate_simple(1, &n, nullptr));
-    Handle attr = attr_handle(H5Acreate2(obj, name, H5T_IEEE_F64LE, space.get(), H5P_DEFAULT, H5P_DEFAULT));
-    if (!attr.valid() || H5Awrite(attr.get(), H5T_NATIVE_DOUBLE, values.data()) < 0)
-        throw std::runtime_error(std::string("cannot write attribute ") + name);
-}
-
 // Creates every missing group along `path` (like mkdir -p).
 Handle ensure_group(hid_t file, const std::string& path) {
     std::string partial;
@@ -407,7 +342,6 @@ bool write_chunks_in_parallel(hid_t dataset, const void* data, hsize_t first_row
 }
 
 constexpr hsize_t kAttentionChunk = 1 << 16;  // floats: 256 KiB
-constexpr size_t kMaxStringAttribute = 1 << 16;  // an object header holds at most 64 KiB
 
 // A row of attention may sum to this much over 1 (its own weight, not stored, makes up the rest):
 // float rounding of a softmax, float16 storage included, stays far below it.
@@ -458,12 +392,6 @@ std::string format_float(double x) {
     char text[32];
     std::snprintf(text, sizeof text, "%g", x);
     return text;
-}
-
-std::string show_shape(const std::vector<hsize_t>& d) {
-    std::string s = "[";
-    for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-    return s + "]";
 }
 
 }  // namespace
@@ -664,83 +592,13 @@ void TraceWriter::commit() {
 // ---------------------------------------------------------------------------------------------
 // Reader
 
-struct TraceReader::Impl {
-    std::string path;
-    Handle h5;
+struct TraceReader::Impl : Hdf5Reader {
     TraceMetadata metadata;
     std::vector<SequenceInfo> sequences;
-    // Access lists that follow no soft or external link: a trace cannot make kvsim open another
-    // file, nor loop through links; its objects are reached by hard links only.
-    Handle lapl = hard_links_only(H5P_LINK_ACCESS), gapl = hard_links_only(H5P_GROUP_ACCESS),
-           dapl = hard_links_only(H5P_DATASET_ACCESS);
     // Q/K/V datasets read_stored_chunks served (a layer loads beside the replay: atomic).
     mutable std::atomic<uint64_t> from_chunks{0};
 
-    static Handle hard_links_only(hid_t list_class) {
-        Handle list = plist_handle(H5Pcreate(list_class));
-        H5Pset_nlinks(list.get(), 0);
-        return list;
-    }
-
-    [[noreturn]] void fail(const std::string& what) const { throw InputError(path + ": " + what); }
-
-    Handle open_attr(hid_t obj, const std::string& obj_name, const char* name) const {
-        if (H5Aexists(obj, name) <= 0) fail(obj_name + "missing attribute '" + name + "'");
-        Handle attr = attr_handle(H5Aopen(obj, name, H5P_DEFAULT));
-        if (!attr.valid()) fail(obj_name + "cannot read attribute '" + name + "'");
-        return attr;
-    }
-
-    std::string string_attr(hid_t obj, const std::string& obj_name, const char* name) const {
-        Handle attr = open_attr(obj, obj_name, name);
-        Handle type = type_handle(H5Aget_type(attr.get()));
-        Handle space = space_handle(H5Aget_space(attr.get()));
-        if (H5Tget_class(type.get()) != H5T_STRING || H5Tis_variable_str(type.get()) > 0)
-            fail(obj_name + "attribute '" + std::string(name) + "' is not a fixed-length string");
-        // One string, of a size an attribute can hold: H5Aread writes every element of the
-        // attribute's dataspace into the buffer, which holds one.
-        const size_t size = H5Tget_size(type.get());
-        if (H5Sget_simple_extent_npoints(space.get()) != 1 || size == 0 || size > kMaxStringAttribute)
-            fail(obj_name + "attribute '" + std::string(name) + "' is not one string of at most " +
-                 std::to_string(kMaxStringAttribute) + " bytes");
-        std::string value(size, '\0');
-        if (H5Aread(attr.get(), type.get(), value.data()) < 0) fail(obj_name + "cannot read attribute '" + name + "'");
-        value.resize(std::strlen(value.c_str()));
-        return value;
-    }
-
-    int64_t int_attr(hid_t obj, const std::string& obj_name, const char* name, int64_t min_value,
-                     int64_t max_value = INT64_MAX, const char* why = "") const {
-        Handle attr = open_attr(obj, obj_name, name);
-        Handle type = type_handle(H5Aget_type(attr.get()));
-        Handle space = space_handle(H5Aget_space(attr.get()));
-        if (H5Tget_class(type.get()) != H5T_INTEGER || H5Sget_simple_extent_npoints(space.get()) != 1)
-            fail(obj_name + "attribute '" + std::string(name) + "' is not an integer");
-        int64_t value = 0;
-        if (H5Aread(attr.get(), H5T_NATIVE_INT64, &value) < 0) fail(obj_name + "cannot read attribute '" + name + "'");
-        if (value < min_value)
-            fail(obj_name + "attribute '" + name + "' = " + std::to_string(value) + " must be >= " +
-                 std::to_string(min_value));
-        if (value > max_value)
-            fail(obj_name + "attribute '" + name + "' = " + std::to_string(value) + " must be <= " +
-                 std::to_string(max_value) + why);
-        return value;
-    }
-
-    // A one-dimensional floating-point attribute of exactly `size` elements, as doubles.
-    std::vector<double> double_array_attr(hid_t obj, const char* name, std::size_t size) const {
-        Handle attr = open_attr(obj, "", name);
-        Handle type = type_handle(H5Aget_type(attr.get()));
-        Handle space = space_handle(H5Aget_space(attr.get()));
-        const hssize_t points = H5Sget_simple_extent_npoints(space.get());
-        if (H5Tget_class(type.get()) != H5T_FLOAT || H5Sget_simple_extent_ndims(space.get()) != 1 ||
-            points != static_cast<hssize_t>(size))
-            fail("root attribute '" + std::string(name) + "' must be " + std::to_string(size) +
-                 " floating-point numbers (head_dim / 2)");
-        std::vector<double> values(size);
-        if (H5Aread(attr.get(), H5T_NATIVE_DOUBLE, values.data()) < 0) fail(std::string("cannot read attribute '") + name + "'");
-        return values;
-    }
+    explicit Impl(const std::string& path) : Hdf5Reader(path) {}
 
     // One layer's Q, K, V or pre-RoPE K ([tokens][heads][head_dim]) into out, every value checked.
     void read_tensor(int sequence, int layer, const char* tensor, std::vector<float>& out, int64_t heads) const {
@@ -767,93 +625,11 @@ struct TraceReader::Impl {
                  format_float(out[bad]) + "; Q, K and V must be finite");
         }
     }
-
-    // Opens a dataset and checks its element class and shape.
-    Handle open_dataset(const std::string& name, H5T_class_t element_class, const std::vector<hsize_t>& shape) const {
-        if (H5Lexists(h5.get(), name.c_str(), lapl.get()) <= 0) fail("missing dataset '" + name + "'");
-        H5L_info_t link{};
-        if (H5Lget_info(h5.get(), name.c_str(), &link, lapl.get()) < 0 || link.type != H5L_TYPE_HARD)
-            fail("'" + name + "' is a soft or external link; a trace holds its datasets itself");
-        if (H5Oexists_by_name(h5.get(), name.c_str(), lapl.get()) <= 0) fail("missing dataset '" + name + "'");
-        Handle dataset = dataset_handle(H5Dopen2(h5.get(), name.c_str(), dapl.get()));
-        if (!dataset.valid()) fail("cannot open dataset '" + name + "'");
-        Handle type = type_handle(H5Dget_type(dataset.get()));
-        if (H5Tget_class(type.get()) != element_class)
-            fail("dataset '" + name + "' has the wrong element type");
-        Handle space = space_handle(H5Dget_space(dataset.get()));
-        const int rank = H5Sget_simple_extent_ndims(space.get());
-        std::vector<hsize_t> dims(std::max(rank, 0));
-        if (rank > 0) H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr);
-        if (dims != shape) fail("dataset '" + name + "' has shape " + show_shape(dims) + ", expected " + show_shape(shape));
-        return dataset;
-    }
-
-    // The data a dataset's shape implies must be in this file: HDF5 reads a chunk that was never
-    // written, or contiguous storage never allocated, as zeros, so a few bytes of header can claim
-    // a sequence of 2^30 tokens. External and virtual storage (other files) are refused too.
-    void check_stored(const std::string& name, const Handle& dataset, const std::vector<hsize_t>& shape) const {
-        Handle plist = plist_handle(H5Dget_create_plist(dataset.get()));
-        Handle type = type_handle(H5Dget_type(dataset.get()));
-        if (!plist.valid() || !type.valid()) fail("cannot read the layout of dataset '" + name + "'");
-        const std::string what = path + ": dataset '" + name + "' " + show_shape(shape);
-        const uint64_t element_bytes = H5Tget_size(type.get());
-        const uint64_t buffer_bytes = std::max<uint64_t>(element_bytes, sizeof(float));  // as read
-        uint64_t elements = 1;
-        for (hsize_t d : shape) elements = checked_mul(elements, d, what);
-        const uint64_t raw = checked_mul(elements, element_bytes, what);
-        const std::string claims = "dataset '" + name + "' " + show_shape(shape) + " (" + format_bytes(raw) + ")";
-        if (H5Pget_external_count(plist.get()) != 0) fail(claims + " is stored in external files");
-        switch (H5Pget_layout(plist.get())) {
-            case H5D_COMPACT:
-                return;  // in the object header itself
-            case H5D_CONTIGUOUS: {
-                const uint64_t stored = H5Dget_storage_size(dataset.get());
-                if (stored < raw)
-                    fail(claims + " has " + format_bytes(stored) + " of storage allocated");
-                return;
-            }
-            case H5D_CHUNKED: {
-                const int rank = static_cast<int>(shape.size());
-                std::vector<hsize_t> chunk(std::max(rank, 1));
-                if (H5Pget_chunk(plist.get(), rank, chunk.data()) != rank)
-                    fail("cannot read the chunk shape of dataset '" + name + "'");
-                uint64_t chunk_elements = 1, chunks = 1;
-                for (int i = 0; i < rank; ++i) {
-                    if (chunk[i] == 0) fail("dataset '" + name + "' has an empty chunk shape");
-                    chunk_elements = checked_mul(chunk_elements, chunk[i], what);
-                    chunks = checked_mul(chunks, shape[i] / chunk[i] + (shape[i] % chunk[i] != 0), what);
-                }
-                // A reader inflates a whole chunk to read any part of it.
-                check_memory(checked_mul(chunk_elements, buffer_bytes, what),
-                             what + " in chunks of " + show_shape({chunk.begin(), chunk.end()}));
-                hsize_t stored = 0;
-                const Handle space = space_handle(H5Dget_space(dataset.get()));  // 1.10 refuses H5S_ALL here
-                if (H5Dget_num_chunks(dataset.get(), space.get(), &stored) < 0)
-                    fail("cannot read the chunk index of dataset '" + name + "'");
-                if (stored < chunks)
-                    fail(claims + " stores " + std::to_string(stored) + " of its " + std::to_string(chunks) +
-                         " chunks: the file does not hold the data its shape implies");
-                return;
-            }
-            default:
-                fail(claims + " has a layout kvsim does not read (virtual or unknown)");
-        }
-    }
-
-    void read_all(const std::string& name, const Handle& dataset, hid_t mem_type, void* out) const {
-        if (H5Dread(dataset.get(), mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, out) < 0)
-            fail("cannot read dataset '" + name + "' (truncated or corrupt)");
-    }
 };
 
-TraceReader::TraceReader(const std::string& path) : impl_(std::make_unique<Impl>()) {
+TraceReader::TraceReader(const std::string& path) : impl_(std::make_unique<Impl>(path)) {
     Impl& r = *impl_;
-    r.path = path;
-    require_regular_file(path);  // a directory or FIFO: one line, never a hang inside HDF5
-    if (H5Fis_hdf5(path.c_str()) <= 0) r.fail("not an HDF5 file");
-    r.h5 = Handle(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
-    if (!r.h5.valid()) r.fail("cannot open as HDF5 (truncated or corrupt)");
-    const hid_t root = r.h5.get();
+    const hid_t root = r.file();
     if (H5Aexists(root, "format") <= 0) r.fail("not a kvsim trace (no root attribute 'format')");
     const std::string format = r.string_attr(root, "", "format");
     if (format != kTraceFormat) r.fail("not a kvsim trace (root attribute 'format' is '" + format + "')");
@@ -905,7 +681,7 @@ TraceReader::TraceReader(const std::string& path) : impl_(std::make_unique<Impl>
             r.fail("root attribute 'rope_pairing' is '" + pairing + "' (expected adjacent or halves)");
         if (m.kind != TraceKind::qkv || m.head_dim % 2 != 0)
             r.fail("root attribute 'rope_frequencies': RoPE is recorded only for a qkv trace of even head_dim");
-        m.rope.frequencies = r.double_array_attr(root, "rope_frequencies", static_cast<std::size_t>(m.head_dim / 2));
+        m.rope.frequencies = r.double_array_attr(root, "rope_frequencies", static_cast<std::size_t>(m.head_dim / 2), "head_dim / 2");
         for (std::size_t i = 0; i < m.rope.frequencies.size(); ++i)
             if (!(m.rope.frequencies[i] > 0) || !std::isfinite(m.rope.frequencies[i]))
                 r.fail("root attribute 'rope_frequencies': element " + std::to_string(i) + " is " +
@@ -921,9 +697,9 @@ TraceReader::TraceReader(const std::string& path) : impl_(std::make_unique<Impl>
     const int64_t num_sequences = r.int_attr(root, "", "num_sequences", 1, kInt);
     for (int s = 0; s < num_sequences; ++s) {
         const std::string group_name = sequence_group(s);
-        if (H5Lexists(root, "/sequences", r.lapl.get()) <= 0 || H5Lexists(root, group_name.c_str(), r.lapl.get()) <= 0)
+        if (H5Lexists(root, "/sequences", r.link_access()) <= 0 || H5Lexists(root, group_name.c_str(), r.link_access()) <= 0)
             r.fail("missing group '" + group_name + "'");
-        Handle group = group_handle(H5Gopen2(root, group_name.c_str(), r.gapl.get()));
+        Handle group = group_handle(H5Gopen2(root, group_name.c_str(), r.group_access()));
         if (!group.valid()) r.fail("'" + group_name + "' is not a group");
         SequenceInfo info;
         info.name = r.string_attr(group.get(), group_name + ": ", "name");
@@ -949,7 +725,7 @@ TraceReader::TraceReader(const std::string& path) : impl_(std::make_unique<Impl>
             }
         }
         const std::string tokens = group_name + "/tokens";
-        if (H5Lexists(root, tokens.c_str(), r.lapl.get()) > 0) {
+        if (H5Lexists(root, tokens.c_str(), r.link_access()) > 0) {
             const std::vector<hsize_t> shape = {static_cast<hsize_t>(info.length)};
             r.check_stored(tokens, r.open_dataset(tokens, H5T_INTEGER, shape), shape);
         }
@@ -957,7 +733,7 @@ TraceReader::TraceReader(const std::string& path) : impl_(std::make_unique<Impl>
 }
 
 TraceReader::~TraceReader() = default;
-const std::string& TraceReader::path() const { return impl_->path; }
+const std::string& TraceReader::path() const { return impl_->path(); }
 const TraceMetadata& TraceReader::metadata() const { return impl_->metadata; }
 const std::vector<SequenceInfo>& TraceReader::sequences() const { return impl_->sequences; }
 
@@ -968,7 +744,7 @@ void TraceReader::read_attention_rows(int sequence, int layer, int head, int64_t
     if (first_step < 1 || end_step < first_step || end_step > length)
         throw std::out_of_range("read_attention_rows: steps [" + std::to_string(first_step) + ", " +
                                 std::to_string(end_step) + ") outside [1, " + std::to_string(length) + ")");
-    Handle dataset = dataset_handle(H5Dopen2(impl_->h5.get(), name.c_str(), impl_->dapl.get()));
+    Handle dataset = dataset_handle(H5Dopen2(impl_->file(), name.c_str(), impl_->dataset_access()));
     const hsize_t offset = static_cast<hsize_t>(attention_row_offset(first_step));
     const hsize_t count = static_cast<hsize_t>(attention_row_offset(end_step)) - offset;
     out.resize(count);
@@ -1012,10 +788,10 @@ void TraceReader::read_qkv(int sequence, int layer, QkvLayer& data) const {
     const hsize_t t = data.tokens, d = m.head_dim;
     // Sizes were checked at open against what the file stores; the layer must also fit in memory.
     const std::string layer_group = sequence_group(sequence) + "/qkv/" + layer_name(layer);
-    const uint64_t floats = checked_mul(checked_mul(t, checked_add(m.num_query_heads, 2 * m.num_kv_heads, impl_->path), impl_->path),
-                                        d, impl_->path + ": " + layer_group);
-    check_memory(checked_mul(floats, sizeof(float), impl_->path),
-                 impl_->path + ": '" + layer_group + "' (q, k and v of " + std::to_string(t) + " tokens x " +
+    const uint64_t floats = checked_mul(checked_mul(t, checked_add(m.num_query_heads, 2 * m.num_kv_heads, impl_->path()), impl_->path()),
+                                        d, impl_->path() + ": " + layer_group);
+    check_memory(checked_mul(floats, sizeof(float), impl_->path()),
+                 impl_->path() + ": '" + layer_group + "' (q, k and v of " + std::to_string(t) + " tokens x " +
                      std::to_string(m.num_query_heads) + "+2x" + std::to_string(m.num_kv_heads) + " heads x " +
                      std::to_string(d) + ")");
     impl_->read_tensor(sequence, layer, "q", data.q, m.num_query_heads);
@@ -1028,19 +804,19 @@ void TraceReader::read_pre_rope_keys(int sequence, int layer, std::vector<float>
     if (!m.pre_rope_keys)
         impl_->fail("records no keys before RoPE (capture with --pre-rope-keys to record them)");
     const uint64_t floats = checked_mul(checked_mul(static_cast<uint64_t>(impl_->sequences.at(sequence).length),
-                                                    static_cast<uint64_t>(m.num_kv_heads), impl_->path),
-                                        static_cast<uint64_t>(m.head_dim), impl_->path);
-    check_memory(checked_mul(floats, sizeof(float), impl_->path),
-                 impl_->path + ": '" + qkv_path(sequence, layer, "k_pre_rope") + "'");
+                                                    static_cast<uint64_t>(m.num_kv_heads), impl_->path()),
+                                        static_cast<uint64_t>(m.head_dim), impl_->path());
+    check_memory(checked_mul(floats, sizeof(float), impl_->path()),
+                 impl_->path() + ": '" + qkv_path(sequence, layer, "k_pre_rope") + "'");
     impl_->read_tensor(sequence, layer, "k_pre_rope", out, m.num_kv_heads);
 }
 
 std::vector<int32_t> TraceReader::read_tokens(int sequence) const {
     const std::string name = sequence_group(sequence) + "/tokens";
-    if (H5Lexists(impl_->h5.get(), name.c_str(), impl_->lapl.get()) <= 0) return {};
+    if (H5Lexists(impl_->file(), name.c_str(), impl_->link_access()) <= 0) return {};
     const hsize_t length = impl_->sequences.at(sequence).length;
     Handle dataset = impl_->open_dataset(name, H5T_INTEGER, {length});
-    check_memory(length * sizeof(int32_t), impl_->path + ": dataset '" + name + "'");
+    check_memory(length * sizeof(int32_t), impl_->path() + ": dataset '" + name + "'");
     std::vector<int32_t> tokens(length);
     impl_->read_all(name, dataset, H5T_NATIVE_INT32, tokens.data());
     return tokens;
@@ -1048,13 +824,13 @@ std::vector<int32_t> TraceReader::read_tokens(int sequence) const {
 
 uint64_t TraceReader::datasets_read_from_chunks() const { return impl_->from_chunks; }
 
-uint64_t TraceReader::file_bytes() const { return std::filesystem::file_size(impl_->path); }
+uint64_t TraceReader::file_bytes() const { return std::filesystem::file_size(impl_->path()); }
 
 std::vector<DatasetSize> TraceReader::dataset_sizes() const {
     std::vector<DatasetSize> sizes;
     const TraceMetadata& m = impl_->metadata;
     auto add = [&](const std::string& name) {
-        Handle dataset = dataset_handle(H5Dopen2(impl_->h5.get(), name.c_str(), impl_->dapl.get()));
+        Handle dataset = dataset_handle(H5Dopen2(impl_->file(), name.c_str(), impl_->dataset_access()));
         Handle type = type_handle(H5Dget_type(dataset.get()));
         Handle space = space_handle(H5Dget_space(dataset.get()));
         const uint64_t raw = static_cast<uint64_t>(H5Sget_simple_extent_npoints(space.get())) * H5Tget_size(type.get());

@@ -137,7 +137,13 @@ public:
         }
         if (const YAML::Node ranks = node["ranks"]) {  // fit: ranks: {pre_rope: true} fits keys before RoPE
             if (!ranks.IsMap()) fail(ranks, "search.ranks", "expected a map, e.g. {pre_rope: true}");
-            only_keys(ranks, "search.ranks", {"pre_rope", "pre_rope_theta"});
+            only_keys(ranks, "search.ranks", {"pre_rope", "pre_rope_theta", "bases_format"});
+            if (const YAML::Node format = ranks["bases_format"]) {
+                spec.ranks_bases_format = format.IsScalar() ? format.as<std::string>() : "";
+                if (spec.ranks_bases_format != "auto" && spec.ranks_bases_format != "json" &&
+                    spec.ranks_bases_format != "hdf5")
+                    fail(format, "search.ranks.bases_format", "must be auto, json or hdf5");
+            }
             if (const YAML::Node pre = ranks["pre_rope"]) spec.ranks_pre_rope = boolean(pre, "search.ranks.pre_rope");
             if (const YAML::Node theta = ranks["pre_rope_theta"]) {
                 spec.ranks_pre_rope_theta = number(theta, "search.ranks.pre_rope_theta");

@@ -611,7 +611,7 @@ int run_command(int argc, char** argv) {
     bases->add_option("file", bases_trace, "Q/K/V trace file (.h5)")->required();
     bases->add_option("--sequences", bases_sequences, "fit on these sequences (indices; default: every one)")
         ->delimiter(',');
-    bases->add_option("-o,--output", bases_out, "output bases file (.json)")->required();
+    bases->add_option("-o,--output", bases_out, "output bases file: HDF5 when it ends .h5 or .hdf5, else JSON")->required();
     double bases_rope_theta = 0;
     bool bases_pre_rope = false, bases_no_joint = false;
     bases->add_flag("--no-joint", bases_no_joint,

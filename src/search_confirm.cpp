@@ -68,7 +68,7 @@ void confirm_in_the_loop(SearchOutcome& outcome, const SearchSpec& spec, const M
     std::vector<std::unique_ptr<StreamingPlanFile>> plans;
     std::string bases_path;  // fit: ranks: the bases lowrank and a fitted grouping read
     if (outcome.bases) {
-        bases_path = scratch.path() + "/bases.json";
+        bases_path = scratch.path() + "/bases.h5";  // HDF5: the same numbers, a fraction of JSON's cost
         write_kv_bases(bases_path, *outcome.bases);
     }
     for (std::size_t i = 0; i < outcome.records.size(); ++i) {
@@ -97,9 +97,10 @@ void confirm_in_the_loop(SearchOutcome& outcome, const SearchSpec& spec, const M
                 record_of["ranks=" + name] = i;
             } else {
                 entry.params = r.replay_params;
-                write_kv_bases(scratch.path() + "/" + name, *outcome.bases);  // names the row apart
-                entry.files = {{"bases", scratch.path() + "/" + name}};
-                record_of["bases=" + name] = i;
+                const std::string bases_name = "confirm-" + std::to_string(i) + ".h5";
+                write_kv_bases(scratch.path() + "/" + bases_name, *outcome.bases);  // names the row apart
+                entry.files = {{"bases", scratch.path() + "/" + bases_name}};
+                record_of["bases=" + bases_name] = i;
             }
             config.policies.push_back(entry);
             continue;

@@ -626,6 +626,31 @@ class BasesAndRanks(KvsimTestCase):
                 edit_json(self.bases, change)
                 self.assert_input_error(self.run_lowrank("bases: %s" % self.bases), self.bases + ": ", fragment)
 
+    def test_hdf5_bases_replay_as_json_bases_do(self):
+        h5 = self.path("bases.h5")
+        made = kvsim("trace", "bases", self.trace, "-o", h5)
+        self.assertEqual(made.returncode, 0, made.stderr)
+        with open(h5, "rb") as f:
+            data = f.read()
+        self.assertEqual(data[:8], b"\x89HDF\r\n\x1a\n")
+        self.assertLess(len(data), len(read(self.bases)))
+        params = "key_rank: 5, value_rank: 3, bases: %s"
+        results = {}
+        for name, path in (("json", self.bases), ("hdf5", h5)):
+            result = self.run_lowrank(params % path)
+            self.assertEqual(result.returncode, 0, result.stderr)
+            results[name] = read(self.path("o/results.csv")).replace(os.path.basename(path), "BASES")
+        self.assertEqual(results["json"], results["hdf5"])
+        self.assertIn("output_rel_error", results["json"])
+        # Cut short, or neither form under the HDF5 name: one line, exit 2.
+        cut = self.path("cut.h5")
+        with open(cut, "wb") as f:
+            f.write(data[:len(data) // 2])
+        self.assert_input_error(self.run_lowrank(params % cut), cut + ": cannot open as HDF5 (truncated or corrupt)")
+        neither = self.write("neither.h5", "{\"format\": \"kvsim-kv-bases\"\n")
+        self.assert_input_error(self.run_lowrank(params % neither),
+                                neither + ": not an HDF5 file (no HDF5 signature), and not a JSON bases file")
+
     def test_bad_ranks_files(self):
         self.assertEqual(self.run_lowrank("bases: %s, ranks: %s" % (self.bases, self.ranks())).returncode, 0)
         for name, change, fragment in [

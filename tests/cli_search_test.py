@@ -423,6 +423,29 @@ class Search(KvsimTestCase):
         self.assert_input_error(kvsim("run", config, "--out", self.path("joint-run"), "-q"),
                                 "ranks-joint-2x.json: ranks fitted per layer (joint), but the policy's joint is 0")
 
+    def test_rank_fit_writes_hdf5_bases_when_asked(self):
+        text = (SEARCH.replace("trace: %s" % TRACE, "trace: {path: %s, max_steps: 96}" % TRACE)
+                .replace("target: [2x, 3x]", "target: [2x]").replace("fit: [layer_budgets, head_budgets]", "fit: [ranks]"))
+        bad = self.search_as_written(text + "  ranks: {bases_format: xml}\n")
+        self.assert_input_error(bad, "search.ranks.bases_format: must be auto, json or hdf5")
+        result = self.search(text + "  ranks: {bases_format: hdf5}\n")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        bases = os.path.join(self.out, "bases.h5")
+        with open(bases, "rb") as f:
+            self.assertEqual(f.read(8), b"\x89HDF\r\n\x1a\n")
+        self.assertFalse(os.path.exists(os.path.join(self.out, "bases.json")))
+        records = {r["method"]: r for r in json.loads(read(os.path.join(self.out, "search.json")))["records"]}
+        fitted = records["fitted joint latent ranks per layer"]
+        config = self.write("replay.yaml", "trace: {path: %s, sequences: [3, 4], max_steps: 96}\nbudgets: [8]\n"
+                                           "policies: [{lowrank: {bases: %s, ranks: %s, joint: 1}}]\n"
+                                           "metrics: [output_rel_error, bytes_per_token]\n"
+                            % (TRACE, bases, os.path.join(self.out, "ranks-joint-2x.json")))
+        run = kvsim("run", config, "--out", self.path("run"), "-q")
+        self.assertEqual(run.returncode, 0, run.stderr)
+        replayed = json.loads(read(os.path.join(self.path("run"), "results.json")))[0]
+        self.assertEqual(replayed["output_rel_error"], fitted["heldout"])
+        self.assertEqual(replayed["bytes_per_token"], fitted["bytes_per_token"])
+
     def test_mixed_profile_replays_exactly(self):
         # Every family beside mixed, on a short trace (128 steps) at one target.
         text = (SEARCH.replace("trace: %s" % TRACE, "trace: {path: %s, max_steps: 128}" % TRACE)

@@ -1,6 +1,7 @@
 // Fuzzes the readers of the low-rank policies' files: the bases (`kvsim trace bases`, a search's
-// bases.json) and the fitted ranks (a search's ranks-*.json), each input read as both, at the shape
-// of the seeds (3 layers, 2 KV heads, head size 16). Bad input may only ever be an InputError;
+// bases.json or bases.h5, JSON or HDF5 told apart by the signature) and the fitted ranks (a search's
+// ranks-*.json), each input read as both, at the shape of the seeds (3 layers, 2 KV heads, head
+// size 16). Bad input may only ever be an InputError;
 // anything else escaping, a crash or a sanitizer report is a bug the fuzzer reports.
 #include <cstdint>
 #include <cstdio>

@@ -5,11 +5,14 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <numbers>
 #include <unistd.h>
 
 #include "helpers.h"
 #include "base/errors.h"
+#include "base/hdf5_file.h"
+#include "base/input_file.h"
 #include "sim/attention_source.h"
 #include "cache_math/lowrank.h"
 #include "sim/lowrank_fit.h"
@@ -370,4 +373,177 @@ TEST_CASE("bad ranks and bases of the wrong shape are input errors naming the ke
     CHECK(contains(message(lowrank(cut, 4, 4)), cut + ": heads[0].key.vectors[0]: expected a list of 16 numbers"));
     std::filesystem::remove(wrong);
     std::filesystem::remove(cut);
+}
+
+namespace {
+
+// Every number and attribute of two bases, bit for bit.
+void check_same_bases(const KvBases& a, const KvBases& b) {
+    CHECK(a.num_layers == b.num_layers);
+    CHECK(a.num_kv_heads == b.num_kv_heads);
+    CHECK(a.head_dim == b.head_dim);
+    CHECK(a.keys == b.keys);
+    CHECK(a.rope.pairing == b.rope.pairing);
+    CHECK(a.rope.frequencies == b.rope.frequencies);
+    CHECK(a.fitted_sequences == b.fitted_sequences);
+    auto same = [](const std::vector<PcaBasis>& x, const std::vector<PcaBasis>& y) {
+        REQUIRE(x.size() == y.size());
+        for (std::size_t u = 0; u < x.size(); ++u) {
+            CHECK(x[u].vectors == y[u].vectors);
+            CHECK(x[u].energy == y[u].energy);
+            CHECK(x[u].mean == y[u].mean);
+        }
+    };
+    same(a.key, b.key);
+    same(a.value, b.value);
+    same(a.joint_key, b.joint_key);
+    same(a.joint_value, b.joint_value);
+    REQUIRE(a.head_distance.size() == b.head_distance.size());
+    for (std::size_t l = 0; l < a.head_distance.size(); ++l) CHECK(a.head_distance[l] == b.head_distance[l]);
+}
+
+// The bases file at `from` copied to `to`, then changed by `edit` through HDF5 itself.
+std::string edited_hdf5(const std::string& from, const std::string& to, const std::function<void(hid_t)>& edit) {
+    std::filesystem::copy_file(from, to, std::filesystem::copy_options::overwrite_existing);
+    const hid_t file = H5Fopen(to.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+    REQUIRE(file >= 0);
+    edit(file);
+    H5Fclose(file);
+    return to;
+}
+
+// Replaces dataset `name` by one of `type` and `shape`, filled with `value`.
+void replace_dataset(hid_t file, const char* name, hid_t type, std::vector<hsize_t> shape, double value) {
+    REQUIRE(H5Ldelete(file, name, H5P_DEFAULT) >= 0);
+    std::size_t count = 1;
+    for (hsize_t d : shape) count *= d;
+    const std::vector<double> data(count, value);
+    const hid_t space = H5Screate_simple(static_cast<int>(shape.size()), shape.data(), nullptr);
+    const hid_t dataset = H5Dcreate2(file, name, type, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+    REQUIRE(H5Dwrite(dataset, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, data.data()) >= 0);
+    H5Dclose(dataset);
+    H5Sclose(space);
+}
+
+std::string read_error(const std::string& path) {
+    try {
+        read_kv_bases(path);
+    } catch (const InputError& error) {
+        return error.what();
+    }
+    return "no error";
+}
+
+}  // namespace
+
+TEST_CASE("HDF5 bases: the same numbers and attributes as JSON, bit for bit, read whatever the file's name") {
+    TinyTrace tiny;
+    const KvBases fitted = fit_kv_bases(tiny.trace, {0});
+    // What a search's bases_format: auto weighs: 3 layers x 2 heads x (16 x 16 + 2 x 16) per K and V,
+    // 3 joint layers x (32 x 32 + 2 x 32) per K and V, 3 distance matrices of 2 x 2.
+    CHECK(kv_bases_numbers(fitted) == 3 * 2 * (256 + 32) * 2 + 3 * (1024 + 64) * 2 + 3 * 4);
+    for (const bool joint : {true, false}) {
+        KeyFrame keys{true, 10000};  // pre-RoPE keys: the RoPE attributes go through too
+        keys.joint = joint;
+        const KvBases pre = fit_kv_bases(tiny.trace, {0}, keys);
+        for (const KvBases* bases : {&fitted, &pre}) {
+            const std::string h5 = scratch("round.h5"), json = scratch("round.json");
+            write_kv_bases(h5, *bases);
+            write_kv_bases(json, *bases);
+            CHECK(kv_bases_format_of(h5) == KvBasesFormat::hdf5);
+            CHECK(read_input_file(h5).rfind("\x89HDF", 0) == 0);
+            CHECK(read_input_file(json).front() == '{');
+            check_same_bases(*read_kv_bases(h5), *bases);
+            check_same_bases(*read_kv_bases(json), *bases);
+            // Either form under the other's name reads as what it is.
+            std::filesystem::rename(h5, scratch("round-h5.json"));
+            std::filesystem::rename(json, scratch("round-json.h5"));
+            check_same_bases(*read_kv_bases(scratch("round-h5.json")), *bases);
+            check_same_bases(*read_kv_bases(scratch("round-json.h5")), *bases);
+            // The same bases give the same bytes (no times recorded): a refit is byte-identical.
+            CHECK(kv_bases_hdf5(*bases) == read_input_file(scratch("round-h5.json")));
+            std::filesystem::remove(scratch("round-h5.json"));
+            std::filesystem::remove(scratch("round-json.h5"));
+        }
+    }
+    // A replay from each form: identical records, bit for bit.
+    const std::string h5 = scratch("replay.h5"), json = scratch("replay.json");
+    write_kv_bases(h5, fitted);
+    write_kv_bases(json, fitted);
+    const auto records = run_experiment(config_on(tiny.trace, {lowrank(json, 5, 3), lowrank(h5, 5, 3),
+                                                               lowrank(json, 20, 9, 1), lowrank(h5, 20, 9, 1)}),
+                                        {}, false)
+                             .records;
+    for (const char* label : {"lowrank(key_rank=5,value_rank=3)", "lowrank(key_rank=20,value_rank=9,joint=1)"}) {
+        const ResultRecord& from_json = record(records, with_bases(label, json));
+        const ResultRecord& from_hdf5 = record(records, with_bases(label, h5));
+        CHECK(from_json.output_rel_error > 0);
+        CHECK(from_json.output_rel_error == from_hdf5.output_rel_error);
+        CHECK(from_json.output_cosine == from_hdf5.output_cosine);
+        CHECK(from_json.bytes_per_token == from_hdf5.bytes_per_token);
+    }
+    std::filesystem::remove(h5);
+    std::filesystem::remove(json);
+}
+
+TEST_CASE("bad HDF5 bases: one input error naming the file and the dataset or attribute") {
+    TinyTrace tiny;
+    const std::string good = scratch("good.h5"), bad = scratch("bad.h5");
+    write_kv_bases(good, fit_kv_bases(tiny.trace, {}));
+    REQUIRE(read_error(good) == "no error");
+    // Cut short: HDF5 cannot open it.
+    const std::string bytes = read_input_file(good);
+    std::ofstream(bad, std::ios::binary) << bytes.substr(0, bytes.size() / 2);
+    CHECK(read_error(bad) == bad + ": cannot open as HDF5 (truncated or corrupt)");
+    // Neither form under the HDF5 name.
+    std::ofstream(bad) << "not bases\n";
+    CHECK(contains(read_error(bad), bad + ": not an HDF5 file (no HDF5 signature), and not a JSON bases file: "));
+    using Edit = std::function<void(hid_t)>;
+    const std::vector<std::pair<Edit, std::string>> cases = {
+        {[](hid_t f) { H5Adelete(f, "keys"); }, "missing attribute 'keys'"},
+        {[](hid_t f) { H5Adelete(f, "fitted_sequences"); }, "missing attribute 'fitted_sequences'"},
+        {[](hid_t f) { H5Adelete(f, "version"); }, "missing attribute 'version'"},
+        {[](hid_t f) { H5Adelete(f, "num_layers"); write_int_attr(f, "num_layers", 5000); },
+         "attribute 'num_layers' = 5000 must be <= 4096"},
+        {[](hid_t f) { H5Adelete(f, "version"); write_int_attr(f, "version", 2); },
+         "root attribute 'version' is 2; this kvsim reads version 1"},
+        {[](hid_t f) { H5Adelete(f, "keys"); write_string_attr(f, "keys", "sideways"); },
+         "root attribute 'keys' is 'sideways' (expected post_rope or pre_rope)"},
+        {[](hid_t f) { H5Adelete(f, "keys"); write_string_attr(f, "keys", "pre_rope"); },
+         "missing attribute 'rope_pairing'"},
+        {[](hid_t f) { H5Adelete(f, "head_dim"); write_string_attr(f, "head_dim", "16"); },
+         "attribute 'head_dim' is not an integer"},
+        {[](hid_t f) { replace_dataset(f, "/heads/key_mean", H5T_IEEE_F64LE, {3, 2, 15}, 0); },
+         "dataset '/heads/key_mean' has shape [3, 2, 15], expected [3, 2, 16]"},
+        {[](hid_t f) { replace_dataset(f, "/heads/value_energy", H5T_STD_I32LE, {3, 2, 16}, 1); },
+         "dataset '/heads/value_energy' has the wrong element type"},
+        {[](hid_t f) { H5Ldelete(f, "/joint/value_vectors", H5P_DEFAULT); }, "missing dataset '/joint/value_vectors'"},
+        {[](hid_t f) { replace_dataset(f, "/heads/key_vectors", H5T_IEEE_F64LE, {3, 2, 16, 16}, 0); },
+         "dataset '/heads/key_vectors' [layer 0, KV head 0, vector 0]: has length 0.000000; a basis vector has length 1"},
+        {[](hid_t f) { replace_dataset(f, "/joint/key_mean", H5T_IEEE_F64LE, {3, 32}, 1e39); },
+         "dataset '/joint/key_mean' [layer 0, element 0]: 1e+39 is outside float's range"},
+        {[](hid_t f) { replace_dataset(f, "/head_distance", H5T_IEEE_F32LE, {3, 2, 2}, -1); },
+         "dataset '/head_distance' [layer 0, 0, 0]: a distance is at least 0"},
+    };
+    for (const auto& [edit, fragment] : cases) {
+        CAPTURE(fragment);
+        const std::string message = read_error(edited_hdf5(good, bad, edit));
+        CHECK(contains(message, bad + ": "));
+        CHECK(contains(message, fragment));
+        CHECK(message.find('\n') == std::string::npos);
+    }
+    // Through the policy, whose loader caches by path: the same line.
+    const auto policy_error = [&](const std::string& path) -> std::string {
+        try {
+            run_experiment(config_on(tiny.trace, {lowrank(path, 4, 4)}), {}, false);
+        } catch (const InputError& error) {
+            return error.what();
+        }
+        return "no error";
+    };
+    const std::string shape = edited_hdf5(good, scratch("shape.h5"), [](hid_t f) {
+        replace_dataset(f, "/head_distance", H5T_IEEE_F64LE, {3, 2, 3}, 0);
+    });
+    CHECK(contains(policy_error(shape), shape + ": dataset '/head_distance' has shape [3, 2, 3], expected [3, 2, 2]"));
+    for (const std::string& p : {good, bad, shape}) std::filesystem::remove(p);
 }

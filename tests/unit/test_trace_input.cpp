@@ -189,7 +189,7 @@ TEST_CASE("a recorded RoPE must be whole: head_dim / 2 positive frequencies, wit
 
 TEST_CASE("a trace cannot make the reader follow a link into another file") {
     CHECK(contains(replay_error(hostile("external-link")),
-                   "'/sequences/000000/qkv/layer_001/k' is a soft or external link; a trace holds its datasets itself"));
+                   "'/sequences/000000/qkv/layer_001/k' is a soft or external link; a kvsim file holds its datasets itself"));
 }
 
 TEST_CASE("attention_row_offset is exact to 2^32 and the checked form refuses lengths past 2^30") {
