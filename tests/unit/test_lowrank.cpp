@@ -525,8 +525,9 @@ TEST_CASE("bad HDF5 bases: one input error naming the file and the dataset or at
         {[](hid_t f) { replace_dataset(f, "/head_distance", H5T_IEEE_F32LE, {3, 2, 2}, -1); },
          "dataset '/head_distance' [layer 0, 0, 0]: a distance is at least 0"},
     };
-    for (const auto& [edit, fragment] : cases) {
-        CAPTURE(fragment);
+    for (const auto& one_case : cases) {  // no structured binding: clang 14 cannot capture one in CAPTURE
+        const auto& [edit, fragment] = one_case;
+        CAPTURE(one_case.second);
         const std::string message = read_error(edited_hdf5(good, bad, edit));
         CHECK(contains(message, bad + ": "));
         CHECK(contains(message, fragment));
