@@ -34,12 +34,6 @@ struct Chosen {
     bool fitted = false;
 };
 
-std::string format_share(double x) {
-    char text[32];
-    std::snprintf(text, sizeof text, "%.3g", x);
-    return text;
-}
-
 // "layer 0: 1, 3; layer 2: 0": the heads whose method is `m`.
 std::string heads_with(const MixedPlan& plan, HeadMethod m) {
     std::string text;
@@ -197,7 +191,8 @@ void fit_mixed_heads(const FitInput& in, const MixedTables& t, SearchOutcome& ou
         if (p.count(HeadMethod::evict)) {
             double mean = 0;
             for (std::size_t u = 0; u < units; ++u) mean += p.budgets[u];
-            line += " Evicting heads keep " + format_share(mean / static_cast<double>(p.count(HeadMethod::evict))) +
+            line += " Evicting heads keep " +
+                    format_three_digits(mean / static_cast<double>(p.count(HeadMethod::evict))) +
                     " tokens on average.";
         }
         // Why: where the bytes went, and where the error that remains sits.

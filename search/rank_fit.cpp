@@ -49,12 +49,6 @@ double head_bytes(const KvProjection& p, int layer, int kv, int num_kv_heads, in
     return per_token + p.basis_bytes(layer, kv, num_kv_heads, head_dim) * steps_per_context;
 }
 
-std::string format_rank(double x) {
-    char text[32];
-    std::snprintf(text, sizeof text, "%.3g", x);
-    return text;
-}
-
 }  // namespace
 
 void fit_ranks(const FitInput& in, SearchOutcome& out) {
@@ -315,8 +309,8 @@ void fit_ranks(const FitInput& in, SearchOutcome& out) {
         double key = 0, value = 0;
         for (std::size_t u = 0; u < m.ranks.key_rank.size(); ++u) key += m.ranks.key_rank[u], value += m.ranks.value_rank[u];
         const double n = static_cast<double>(m.ranks.key_rank.size());
-        lines.push_back("At " + r.target + " the " + m.name + " average key rank " + format_rank(key / n) +
-                        " and value rank " + format_rank(value / n) + " (of " +
+        lines.push_back("At " + r.target + " the " + m.name + " average key rank " + format_three_digits(key / n) +
+                        " and value rank " + format_three_digits(value / n) + " (of " +
                         std::to_string(m.ranks.joint ? K * d : d) + ").");
     }
     out.notes.insert(out.notes.end(), lines.begin(), lines.end());

@@ -28,6 +28,13 @@
 #include "sim/trace_store.h"
 
 namespace kvsim {
+
+std::string format_three_digits(double x) {
+    char text[32];
+    std::snprintf(text, sizeof text, "%.3g", x);
+    return text;
+}
+
 namespace {
 
 using Json = nlohmann::ordered_json;

@@ -105,6 +105,9 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run);
 SearchRecord output_error_record(std::string method, std::string fit, const std::string& target,
                                  double fitting_errors, double fitting_steps, const StreamMetrics& heldout);
 
+// A figure in a fit's notes, to three significant digits ("0.35", "3.9", "1.2e+03").
+std::string format_three_digits(double x);
+
 // The held-out sequences' indices (ascending) that run_search chooses on a trace of `count`
 // sequences: the split's list, or its seeded draw. InputError naming `trace` for a split it
 // cannot give.

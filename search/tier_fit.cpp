@@ -58,12 +58,6 @@ TierShares uniform_shares(const std::array<double, 3>& c, int L, int K) {
                       std::vector<double>(units, c[2])};
 }
 
-std::string format_share(double x) {
-    char text[32];
-    std::snprintf(text, sizeof text, "%.3g", x);
-    return text;
-}
-
 struct TierResult {
     std::vector<double> head_error;  // summed output error per (layer, KV head)
     std::vector<double> head_bytes;  // bytes per token of context per (layer, KV head)
@@ -190,7 +184,7 @@ void fit_tier_profiles(const FitInput& in, SearchOutcome& out) {
         const double scale = scales[below] + (b1 > b0 ? (wanted - b0) / (b1 - b0) : 0.0) * (scales[below + 1] - scales[below]);
         baselines.push_back(published_shares(params, scale, L, K));
         baseline_of.push_back(chosen.size());
-        chosen.push_back({"published shares and slope (scaled x" + format_share(scale) + ")", &target,
+        chosen.push_back({"published shares and slope (scaled x" + format_three_digits(scale) + ")", &target,
                           baselines.back(), 0});
     }
 
@@ -265,8 +259,8 @@ void fit_tier_profiles(const FitInput& in, SearchOutcome& out) {
                 const std::size_t u = r.tiers.index(l, kv);
                 f += r.tiers.fp16[u], e += r.tiers.int8[u], q += r.tiers.int4[u];
             }
-            per_layer += (l ? "; " : "") + std::to_string(l) + ": " + format_share(f / K) + "/" + format_share(e / K) +
-                         "/" + format_share(q / K);
+            per_layer += (l ? "; " : "") + std::to_string(l) + ": " + format_three_digits(f / K) + "/" +
+                         format_three_digits(e / K) + "/" + format_three_digits(q / K);
         }
         lines.push_back("At " + r.target + " the fitted tier profile's mean FP16/INT8/INT4 shares per layer are " +
                         per_layer + ".");
@@ -277,8 +271,10 @@ void fit_tier_profiles(const FitInput& in, SearchOutcome& out) {
         std::snprintf(line, sizeof line,
                       "The published shares unscaled (surface %s, slope %s, INT8 %s, INT4 %s) hold %.4g bytes per "
                       "token (%.2fx) on the held-out sequences, output error %.4f.",
-                      format_share(params.at("surface")).c_str(), format_share(params.at("slope")).c_str(),
-                      format_share(params.at("int8_share")).c_str(), format_share(params.at("int4_share")).c_str(),
+                      format_three_digits(params.at("surface")).c_str(),
+                      format_three_digits(params.at("slope")).c_str(),
+                      format_three_digits(params.at("int8_share")).c_str(),
+                      format_three_digits(params.at("int4_share")).c_str(),
                       p.bytes_per_token, p.compression_ratio, p.steps > 0 ? p.error_sum / p.steps : 0.0);
         lines.push_back(line);
     }
