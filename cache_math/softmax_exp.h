@@ -9,9 +9,15 @@
 // values whose exponents allow it, and Eigen's own ldexp otherwise. The sum is fused into the same
 // pass, in the order of Eigen's reduction.
 
+#include <cstddef>
 #include <cstdint>
 
 namespace kvsim {
+
+// Where a row must start for its exponentials' bits not to depend on where the heap put it: Eigen
+// takes a row's unaligned head one by one, and its packets are 32 bytes with AVX2 and 64 with
+// AVX-512. A row starting on 64 bytes is aligned for every build's packets.
+constexpr std::size_t kSoftmaxRowAlignBytes = 64;
 
 // x[j] = exp(x[j] - peak) for j < n (n >= 1): the bits Eigen 3.4 gives for
 // `Eigen::Map<Eigen::ArrayXf>(x, n) = (Eigen::Map<Eigen::ArrayXf>(x, n) - peak).exp()` at this address

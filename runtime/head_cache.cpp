@@ -60,11 +60,12 @@ HeadCache::HeadCache(const HeadPlan& plan, PolicyMaker make_policy)
         weights_.reserve(static_cast<std::size_t>(plan_.group) * (capacity_ + 1));
         scores_.resize(capacity_ + 1);
     } else if (!policy_->linear_state()) {
-        constexpr std::size_t kRowAlignFloats = 32 / sizeof(float);
+        constexpr std::size_t kRowAlignFloats = kSoftmaxRowAlignBytes / sizeof(float);
         score_stride_ = (static_cast<std::size_t>(capacity_) + kRowAlignFloats - 1) / kRowAlignFloats * kRowAlignFloats;
         row_weights_.assign(static_cast<std::size_t>(plan_.group) * score_stride_ + kRowAlignFloats, 0.0f);
         const auto address = reinterpret_cast<std::uintptr_t>(row_weights_.data());
-        score_offset_ = ((32 - address % 32) % 32) / sizeof(float);  // a float's address is a multiple of 4
+        constexpr std::size_t kAlign = kSoftmaxRowAlignBytes;
+        score_offset_ = ((kAlign - address % kAlign) % kAlign) / sizeof(float);  // a float's address is a multiple of 4
         index_of_slot_.assign(capacity_, 0);
         row_means_.assign(capacity_, 0.0f);
         peaks_.assign(plan_.group, 0.0f);

@@ -125,8 +125,8 @@ private:
     // The serving path's: the group's scores, then weights, query head h at h * score_stride_
     // from row_weights_[score_offset_], in the order the key tiers' rows were read; where each
     // slot's lies; per head the peak score and 1 / the sum of the exponentials. Every head's row
-    // starts on 32 bytes: exp_minus_peak takes a row's unaligned head one by one (Eigen's way), so
-    // an address that moved with the heap would move the output's bits with it.
+    // starts on kSoftmaxRowAlignBytes: exp_minus_peak takes a row's unaligned head one by one
+    // (Eigen's way), so an address that moved with the heap would move the output's bits with it.
     std::vector<float> row_weights_, row_means_;
     std::size_t score_stride_ = 0, score_offset_ = 0;
     std::vector<int32_t> index_of_slot_;

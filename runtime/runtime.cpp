@@ -16,6 +16,7 @@
 #include "base/size_limits.h"
 #include "policies/policy.h"
 #include "search/profile.h"
+#include "cache_math/softmax_exp.h"
 #include "cache_math/tiers.h"
 #include "runtime/cuda_attention.h"
 #include "runtime/head_cache.h"
@@ -114,10 +115,11 @@ std::unique_ptr<kvsim_rt> plan(const char* profile_path, const kvsim_model_shape
                 h.budget = std::min(p.mixed->sinks + std::max(p.mixed->recent, 1), shape.max_context);
             // What one head reserves at most: every slot at every tier, each tier's two int32 maps
             // between slots and rows, and the serving path's per-slot scores of the query group,
-            // row means and indices (each query head's scores rounded up to 32 bytes, and aligned).
+            // row means and indices (each query head's scores rounded up to kSoftmaxRowAlignBytes,
+            // and aligned).
             const uint64_t per_slot = 7ull * shape.head_dim + 6 * 2 * 4 + 4ull * rt->group + 3 * 4;
             reserved += checked_mul(static_cast<uint64_t>(std::max(h.budget, h.prefill)) + 1, per_slot, "runtime plan") +
-                        32ull * (rt->group + 1);
+                        uint64_t{kSoftmaxRowAlignBytes} * (rt->group + 1);
             check_memory(reserved, std::string(profile_path) + " on " + std::to_string(shape.max_context) +
                                        " positions (the runtime's planned cache)");
             const PolicyDescriptor* descriptor = policy;

@@ -413,7 +413,8 @@ TEST_CASE("runtime (cpu): every output the same bits on one thread as on several
     // outputs and what each head holds may not depend on the threads, nor on where the heap put a
     // head's buffers (a second run on one thread: the heap is in another state by then). Seen to
     // fail when the serving path's score rows lay wherever the allocator put them: the
-    // exponentials of a row's unaligned head are taken one by one, in other bits.
+    // exponentials of a row's unaligned head are taken one by one, in other bits; and again on an
+    // AVX-512 machine, where Eigen's packets align on 64 bytes and the rows were aligned on 32.
     const TraceReader reader(fp16_trace());
     const TraceMetadata& m = reader.metadata();
     const int L = static_cast<int>(m.num_layers), H = static_cast<int>(m.num_query_heads),
