@@ -252,7 +252,10 @@ int finish_search(SearchRun run, const ExperimentConfig& config, const ModelInpu
     run.progress = [&bar](double fraction) { bar.update(fraction); };
     SearchOutcome outcome = run_search(*config.search, run);
     bar.finish();
-    if (!confirm.model_path.empty()) confirm_in_the_loop(outcome, *config.search, confirm, config.file, !quiet);
+    if (!confirm.model_path.empty()) {
+        choose_mix_in_the_loop(outcome, *config.search, confirm, config.file, !quiet);
+        confirm_in_the_loop(outcome, *config.search, confirm, config.file, !quiet);
+    }
     write_search_outputs(outcome, out_dir);
     std::cout << format_search_table(outcome);
     if (!outcome.notes.empty()) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <map>
 #include <memory>
 
@@ -18,18 +19,26 @@
 namespace kvsim {
 namespace {
 
-// The eval of the held-out sequences, each expected to tokenize to the trace's own tokens.
-EvalOptions confirmation_options(const SearchSpec& spec, const TraceReader& reader, const std::vector<int>& heldout,
-                                 const ModelInput& input) {
+// The eval of some of the trace's sequences (the held-out ones, or the fitting ones), each
+// expected to tokenize to the trace's own tokens.
+EvalOptions confirmation_options(const SearchSpec& spec, const TraceReader& reader, const std::vector<int>& sequences,
+                                 const ModelInput& input, const std::string& which = "held-out sequences") {
     EvalOptions options;
     options.input = input;
     // The text is tokenised as the capture tokenised it (normalised or not), so that its tokens match.
     options.input.normalize = model::text_normalization_named(reader.metadata().source_text_normalization)
                                   .value_or(model::TextNormalization::none);
-    options.sequences = heldout;
-    options.sequences_where = spec.split_where + " (held-out sequences)";
-    for (int s : heldout) options.expected_tokens.push_back(reader.read_tokens(s));
+    options.sequences = sequences;
+    options.sequences_where = spec.split_where + " (" + which + ")";
+    for (int s : sequences) options.expected_tokens.push_back(reader.read_tokens(s));
     return options;
+}
+
+// The row of a mixed plan's eval: "mixed (profile=NAME.json)" -> "NAME".
+std::string plan_name_of(const std::string& label) {
+    const std::size_t open = label.find("profile="), close = label.find(".json", open);
+    if (open == std::string::npos || close == std::string::npos) return "";
+    return label.substr(open + 8, close - open - 8);
 }
 
 }  // namespace
@@ -51,6 +60,88 @@ void check_confirmation_input(const SearchSpec& spec, const std::string& trace_p
                          "): confirmation in the loop needs a trace of every layer and head of this model");
     std::vector<std::size_t> original;
     select_eval_sequences(loaded.text, options, original);
+}
+
+void choose_mix_in_the_loop(SearchOutcome& outcome, const SearchSpec& spec, const ModelInput& input,
+                            const std::string& config_file, bool show_progress) {
+    // A target's mixes: the allocation over every family and over each pair of them.
+    std::map<std::string, std::vector<std::size_t>> mixes_of;  // target -> records
+    for (std::size_t i = 0; i < outcome.records.size(); ++i)
+        if (outcome.records[i].mixed) mixes_of[outcome.records[i].target].push_back(i);
+    bool choice = false;
+    for (const auto& [target, mixes] : mixes_of) choice = choice || mixes.size() > 1;
+    if (!choice) return;
+
+    const TraceReader reader(outcome.trace);
+    std::vector<int> fitting;
+    for (int s = 0; s < static_cast<int>(reader.sequences().size()); ++s)
+        if (!std::binary_search(outcome.heldout_indices.begin(), outcome.heldout_indices.end(), s))
+            fitting.push_back(s);
+    EvalOptions options = confirmation_options(spec, reader, fitting, input, "fitting sequences");
+    options.show_progress = show_progress;
+    ExperimentConfig config;
+    config.file = config_file;
+    config.metrics = {"ppl", "delta_ppl"};
+    const TempFolder scratch("choose-mix");
+    std::map<std::string, std::size_t> record_of;  // plan name -> record
+    for (const auto& [target, mixes] : mixes_of)
+        for (std::size_t i : mixes) {
+            const std::string name = "mix-" + std::to_string(i);
+            PolicyEntry entry;
+            entry.name = "mixed";
+            entry.files = {{"profile", write_mixed_plan(scratch.path(), name, *outcome.records[i].mixed)}};
+            entry.where = spec.fits_where;
+            config.policies.push_back(entry);
+            record_of[name] = i;
+        }
+    const EvalResult result = run_eval(config, {}, options);
+    std::vector<double> fitting_rise(outcome.records.size(), std::numeric_limits<double>::quiet_NaN());
+    for (const ResultRecord& r : result.records) {
+        if (r.label == "full") continue;
+        const auto it = record_of.find(plan_name_of(r.label));
+        if (it == record_of.end()) throw std::logic_error("choose_mix_in_the_loop: no record for " + r.label);
+        fitting_rise[it->second] = r.delta_ppl;
+    }
+
+    // Per target, the mix whose perplexity rose least on the fitting sequences is the profile; the
+    // held-out sequences stay unseen until confirm_in_the_loop measures every row on them.
+    std::vector<std::string> lines;
+    for (const auto& [target, mixes] : mixes_of) {
+        std::size_t best = mixes.front(), was = mixes.front();
+        for (std::size_t i : mixes) {
+            if (fitting_rise[i] < fitting_rise[best]) best = i;
+            if (outcome.records[i].writes_profile) was = i;
+        }
+        std::string rises;
+        for (std::size_t i : mixes) {
+            char part[200];
+            std::snprintf(part, sizeof part, "%s%s %+.4f", rises.empty() ? "" : ", ", outcome.records[i].method.c_str(),
+                          fitting_rise[i]);
+            rises += part;
+        }
+        std::string line = "At " + target + " the mixes' rise in perplexity on the fitting sequences, with " +
+                           input.model_path + " in the loop: " + rises + ". ";
+        if (best == was) {
+            line += "The profile is the " + outcome.records[was].method + ", as the proxy chose.";
+        } else {
+            // The profile carries the chosen plan; its figures are that record's.
+            const SearchRecord& chosen = outcome.records[best];
+            outcome.records[was].writes_profile = false;
+            outcome.records[best].writes_profile = true;
+            for (Profile& p : outcome.profiles) {
+                if (p.policy != "mixed" || p.target != target) continue;
+                p.method = chosen.method;
+                p.mixed = chosen.mixed;
+                p.bytes_per_token = chosen.bytes_per_token;
+                p.compression_ratio = chosen.compression_ratio;
+                p.heldout_value = chosen.heldout;
+            }
+            line += "The profile is the " + chosen.method + ", which the model prefers, not the " +
+                    outcome.records[was].method + " the proxy chose.";
+        }
+        lines.push_back(line);
+    }
+    outcome.notes.insert(outcome.notes.end(), lines.begin(), lines.end());
 }
 
 void confirm_in_the_loop(SearchOutcome& outcome, const SearchSpec& spec, const ModelInput& input,

@@ -12,6 +12,14 @@ namespace kvsim {
 void confirm_in_the_loop(SearchOutcome& outcome, const SearchSpec& spec, const ModelInput& input,
                          const std::string& config_file, bool show_progress);
 
+// fit: mixed with the model: per target, which of the mixes (every family's, each pair's) the
+// profile carries, chosen by the model's own rise in perplexity on the fitting sequences (the
+// held-out ones stay unseen); the proxy ranks heads within a mix, the model the mixes. Switches
+// writes_profile and the target's mixed profile to the chosen record and appends one note per
+// target. Nothing to do without a mixed fit.
+void choose_mix_in_the_loop(SearchOutcome& outcome, const SearchSpec& spec, const ModelInput& input,
+                            const std::string& config_file, bool show_progress);
+
 // What confirm_in_the_loop needs, checked before the search runs rather than after it: the model
 // loads, its shape is the trace's, and the held-out sequences tokenize to the trace's tokens.
 // Throws the InputError confirm_in_the_loop would, without the hours of search before it. The

@@ -7,6 +7,7 @@ Run by meson test as: python3 tests/cli_search_test.py build/kvsim
 import hashlib
 import json
 import os
+import re
 import sys
 import unittest
 
@@ -512,14 +513,16 @@ class Search(KvsimTestCase):
     @unittest.skipUnless(os.path.exists(MODEL), "../shared/models/stories260K is not present")
     def test_confirmation_in_the_loop(self):
         one_target = (SEARCH.replace("target: [2x, 3x]", "target: 2x")
-                      .replace("fit: [layer_budgets, head_budgets]", "fit: [layer_budgets, head_budgets, tiers, mixed]\n"
-                               "  tiers: {recent: 16}"))
+                      .replace("fit: [layer_budgets, head_budgets]",
+                               "fit: [layer_budgets, head_budgets, streaming, tiers, mixed]\n"
+                               "  streaming: {sinks: 4, recent: 16}\n  tiers: {recent: 16}"))
         result = self.search(one_target, "--model", MODEL, "--text", STORIES, "--split-on", "<|endoftext|>",
                              "--context", "512")
         self.assertEqual(result.returncode, 0, result.stderr)
         records = json.loads(read(os.path.join(self.out, "search.json")))["records"]
-        # Ada-KV's row too, and the mixed ones (the fitted mix, and eviction with tiers): each runs in the loop.
-        self.assertEqual(len(records), 11)
+        # Ada-KV's row too, the four streaming rows and the four mixes (every family, each pair): each
+        # runs in the loop.
+        self.assertEqual(len(records), 17)
         for r in records:
             self.assertIsInstance(r["delta_ppl"], float, r["method"])
         # The fitted profiles lose less perplexity than uniform at the same bytes.
@@ -528,6 +531,21 @@ class Search(KvsimTestCase):
         published = [m for m in delta if m.startswith("published shares")][0]
         self.assertLess(delta["fitted tier profile"], delta[published])
         self.assertIn("the proxy's ranking", result.stdout)
+        # The model chooses among the mixes on the fitting sequences; the profile is the one whose
+        # perplexity rose least there, whichever the proxy preferred.
+        notes = json.loads(read(os.path.join(self.out, "search.json")))["notes"]
+        chose = [n for n in notes if n.startswith("At 2x the mixes' rise in perplexity on the fitting sequences")]
+        self.assertEqual(len(chose), 1, notes)
+        rises = dict((m, float(v)) for m, v in re.findall(r"(?:: |, )([a-z ]+ per head) ([-+][0-9]+\.[0-9]+)", chose[0]))
+        self.assertEqual(set(rises), {r["method"] for r in records if r["fit"] == "mixed"})
+        profile = json.loads(read(os.path.join(self.out, "profile-mixed-2x.json")))
+        self.assertEqual(rises[profile["method"]], min(rises.values()))
+        self.assertIn("The profile is the " + profile["method"], chose[0])
+        self.assertEqual(profile["mixed"], [r for r in records if r["method"] == profile["method"]][0]["mixed"])
+        # Here the model overrules the proxy: the mix over every family streams four heads, which the
+        # proxy rates above their cost in perplexity; eviction with tiers loses least on the fitting stories.
+        self.assertNotEqual(profile["method"], "fitted mix per head")
+        self.assertIn("which the model prefers, not the fitted mix per head the proxy chose", chose[0])
         # The text must be the one the trace was captured from, split the same way.
         out = self.out
         self.out = self.path("mismatch")
