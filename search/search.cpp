@@ -162,6 +162,7 @@ SearchSetup::SearchSetup(const SearchSpec& spec, const SearchRun& run) : reader(
     const TraceMetadata& meta = reader.metadata();
     qkv = meta.kind == TraceKind::qkv;
     out.trace = run.trace_path;
+    out.attention_view = run.attention_view;
     out.objective = spec.objective.empty() ? (qkv ? "output_rel_error" : "retained_mass") : spec.objective;
     output_error = out.objective == "output_rel_error";
     auto fits = [&](const char* name) { return std::find(spec.fits.begin(), spec.fits.end(), name) != spec.fits.end(); };
@@ -221,6 +222,9 @@ SearchSetup::SearchSetup(const SearchSpec& spec, const SearchRun& run) : reader(
         throw InputError(spec.objective_where + ": tier profiles are fitted and reported by their output error "
                                                 "(precision leaves retained mass unchanged); with fit: [tiers] the "
                                                 "objective must be output_rel_error");
+    if (!qkv && run.attention_view == "cached")
+        throw InputError(run.config_file + ": attention_view: cached computes attention from the keys the cache holds, "
+                                           "but " + run.trace_path + " records attention only (it needs a Q/K/V trace)");
     if (!qkv && fit_tiers)
         throw InputError(spec.fits_where + ": tier profiles are fitted by their output error, which needs a Q/K/V "
                                            "trace, but " + run.trace_path + " records attention only");
@@ -234,6 +238,7 @@ SearchSetup::SearchSetup(const SearchSpec& spec, const SearchRun& run) : reader(
         if (!std::binary_search(heldout.begin(), heldout.end(), s)) fitting.push_back(s);
     for (int s : fitting) out.fitting_sequences.push_back(reader.sequences()[s].name);
     for (int s : heldout) out.heldout_sequences.push_back(reader.sequences()[s].name);
+    out.fitting_indices = fitting;
     out.heldout_indices = heldout;
 
     fitting_source = open_trace_source(run.trace_path, run.max_steps, fitting);

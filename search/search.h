@@ -75,7 +75,10 @@ struct SearchOutcome {
     std::string objective;
     ModelShape shape;
     std::vector<std::string> fitting_sequences, heldout_sequences;
-    std::vector<int> heldout_indices;  // the held-out sequences' indices in the trace
+    std::vector<int> fitting_indices, heldout_indices;  // the two sets' indices in the trace
+    // The view the search's replays showed each policy (SearchRun::attention_view): the model in
+    // the loop shows it the same.
+    std::string attention_view;
     std::vector<int> grid;
     std::vector<SearchRecord> records;
     std::vector<Profile> profiles;     // one per fitted method and target
@@ -90,7 +93,7 @@ struct SearchRun {
     std::string config_file;
     std::string trace_path;
     int64_t max_steps = 0;
-    std::string attention_view;         // "raw", "renormalized", or "" for the trace kind's default
+    std::string attention_view;         // "raw", "renormalized", "cached", or "" for the trace kind's default
     std::string group_reduce = "mean";  // "mean", "max" or "sum"
     std::function<void(double)> progress;
     // The grid replay's units measured already, by shards (SearchGridReplay), indexed by unit:

@@ -41,6 +41,12 @@ public:
         if ((options.output_error || options.memory) && !qkv_)
             throw InputError(source.description() +
                              ": output error and memory metrics need a Q/K/V trace (this one records attention only)");
+        // The cached view attends to the cache as held: the output a step computes is what it shows.
+        if (options.harness.view == AttentionView::cached) {
+            if (!qkv_)
+                throw InputError(source.description() + ": the cached attention view needs a Q/K/V trace");
+            options_.output_error = true;
+        }
         head_dim_ = qkv_ ? qkv_->qkv_shape().head_dim : 0;
         runs_of_kv_.resize(kv_heads_);
         for (std::size_t j = 0; j < jobs_.size(); ++j)

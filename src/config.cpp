@@ -434,8 +434,8 @@ ExperimentConfig load_config(const std::string& path) {
     }
     if (const YAML::Node view = root["attention_view"]) {
         config.attention_view = p.string(view, "attention_view");
-        if (config.attention_view != "raw" && config.attention_view != "renormalized")
-            p.fail(view, "attention_view", "expected raw or renormalized, got '" + config.attention_view + "'");
+        if (config.attention_view != "raw" && config.attention_view != "renormalized" && config.attention_view != "cached")
+            p.fail(view, "attention_view", "expected raw, renormalized or cached, got '" + config.attention_view + "'");
     }
     if (const YAML::Node reduce = root["group_reduce"]) {
         config.group_reduce = p.string(reduce, "group_reduce");

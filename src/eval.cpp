@@ -114,7 +114,8 @@ public:
         // Any head that changes values (a streaming profile's first head may keep its cache while
         // later heads stream) makes the whole cache simulated: the model's own attention cannot
         // hold it, and a simulated full head attends to everything, as the model does.
-        simulated_ = tier_format != nullptr || projection != nullptr ||
+        // The cached view, too: the policy is shown the attention of the simulated cache as held.
+        simulated_ = options.view == AttentionView::cached || tier_format != nullptr || projection != nullptr ||
                      std::any_of(harnesses_.begin(), harnesses_.end(),
                                  [](const Harness& h) { return h.policy().linear_state() != nullptr; });
         // Every (layer, KV head) measures its memory; simulated caches also their output error
@@ -420,10 +421,8 @@ EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>&
                              " leaves no decode step in sequence " + std::to_string(i) + " of " +
                              options.input.text_path + " (" + std::to_string(text.sequences[i].size()) + " tokens)");
 
-    if (config.attention_view == "cached")
-        throw InputError(config.file + ": attention_view: cached is a replay view (the policy shown attention computed "
-                                       "from its own cache); in kvsim eval use renormalized or raw");
-    // In the loop the policy is shown what the model computes: renormalized unless asked otherwise.
+    // In the loop the policy is shown what the model computes: renormalized unless asked otherwise;
+    // cached shows it the attention of its cache as held, as kvsim's runtime does.
     const HarnessOptions harness =
         named_harness_options(config.attention_view, config.group_reduce, /*values_known=*/true, config.prefill_tokens);
 

@@ -49,9 +49,10 @@ using namespace kvsim;
 constexpr const char* kAttentionViewHelp =
     "attention_view (what a policy is shown): raw (default on attention traces), the full softmax restricted to\n"
     "the positions the cache holds; renormalized (default on Q/K/V traces and in eval), those weights divided by\n"
-    "what each query head keeps, i.e. the softmax over the kept positions and the current token. The view changes\n"
-    "only what a policy is shown, and so what it keeps: retained mass and recall are measured on the full softmax\n"
-    "in both views.";
+    "what each query head keeps, i.e. the softmax over the kept positions and the current token; cached (Q/K/V\n"
+    "traces and eval), that softmax computed from the keys as the cache holds them (at their tiers), all a serving\n"
+    "engine can compute and what kvsim's runtime shows a policy. The view changes only what a policy is shown, and\n"
+    "so what it keeps: retained mass and recall are measured on the full softmax in every view.";
 
 struct ReplayFlags {
     std::string config;

@@ -72,15 +72,12 @@ void choose_mix_in_the_loop(SearchOutcome& outcome, const SearchSpec& spec, cons
     for (const auto& [target, mixes] : mixes_of) choice = choice || mixes.size() > 1;
     if (!choice) return;
 
-    const TraceReader reader(outcome.trace);
-    std::vector<int> fitting;
-    for (int s = 0; s < static_cast<int>(reader.sequences().size()); ++s)
-        if (!std::binary_search(outcome.heldout_indices.begin(), outcome.heldout_indices.end(), s))
-            fitting.push_back(s);
-    EvalOptions options = confirmation_options(spec, reader, fitting, input, "fitting sequences");
+    EvalOptions options =
+        confirmation_options(spec, TraceReader(outcome.trace), outcome.fitting_indices, input, "fitting sequences");
     options.show_progress = show_progress;
     ExperimentConfig config;
     config.file = config_file;
+    config.attention_view = outcome.attention_view;
     config.metrics = {"ppl", "delta_ppl"};
     const TempFolder scratch("choose-mix");
     std::map<std::string, std::size_t> record_of;  // plan name -> record
@@ -152,6 +149,7 @@ void confirm_in_the_loop(SearchOutcome& outcome, const SearchSpec& spec, const M
     // One policy entry per method and target, each at its own budgets.
     ExperimentConfig config;
     config.file = config_file;
+    config.attention_view = outcome.attention_view;
     config.metrics = {"ppl", "delta_ppl"};
     std::map<std::string, std::size_t> record_of;  // column label -> record
     // Streaming plans are files streaming_attention reads; they live until the eval is done.

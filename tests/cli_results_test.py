@@ -133,7 +133,29 @@ class Results(KvsimTestCase):
             self.assertEqual(result.returncode, 0, result.stderr)
             text = " ".join(result.stdout.split())
             self.assertIn("The view changes only what a policy is shown", text)
-            self.assertIn("retained mass and recall are measured on the full softmax in both views", text)
+            self.assertIn("retained mass and recall are measured on the full softmax in every view", text)
+
+    def test_the_cached_view_shows_a_policy_the_attention_of_its_cache_as_held(self):
+        # Stratigraphic sinks tokens by the attention it is shown: computed from the keys at their
+        # tiers it sinks others than from the trace's keys, while a policy that keeps by position
+        # (sliding window) or keeps everything (int8) holds the same cache in both views.
+        views = {}
+        for view in ("renormalized", "cached"):
+            config = ("trace: {path: %s, max_steps: 160}\nbudgets: [32]\nattention_view: %s\n"
+                      "policies: [full, int8, int4, sliding_window, {stratigraphic: {recent: 16}}]\n" % (TRACE, view))
+            _, records = self.run_json(self.write(view + ".yaml", config))
+            views[view] = {r["label"].split("(")[0]: r for r in records}
+        for label in ("full", "int8", "int4", "sliding_window"):
+            self.assertEqual(views["cached"][label]["output_rel_error"], views["renormalized"][label]["output_rel_error"], label)
+        self.assertNotEqual(views["cached"]["stratigraphic"]["output_rel_error"],
+                            views["renormalized"]["stratigraphic"]["output_rel_error"])
+        # An attention-only trace holds no keys to compute it from.
+        bad = self.write("bad.yaml", "trace: {synthetic: policybook}\nbudgets: [64]\npolicies: [h2o]\nattention_view: cached\n")
+        self.assert_input_error(kvsim("run", bad, "--out", os.path.join(self.dir, "out")),
+                                "bad.yaml: attention_view: cached", "records attention only")
+        bad = self.write("bad.yaml", SHORT + "budgets: [8]\npolicies: [h2o]\nattention_view: kept\n")
+        self.assert_input_error(kvsim("run", bad, "--out", os.path.join(self.dir, "out")),
+                                "bad.yaml:4: attention_view: expected raw, renormalized or cached, got 'kept'")
 
     @unittest.skipUnless(shutil.which("gnuplot"), "gnuplot is not installed")
     def test_report_plots_the_pooled_records_of_a_per_sequence_run(self):

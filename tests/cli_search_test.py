@@ -582,6 +582,39 @@ class Search(KvsimTestCase):
         self.out = out
 
     @unittest.skipUnless(os.path.exists(MODEL), "../shared/models/stories260K is not present")
+    def test_confirmation_in_the_loop_shows_policies_the_search_s_attention_view(self):
+        # With attention_view: cached the search fits as kvsim's runtime runs a profile (each policy
+        # shown the attention of its cache as held), and the model in the loop shows the same: the
+        # record's rise in perplexity is kvsim eval's of the profile in that view on the held-out
+        # stories, to the last digit. (In the default view eval gives another figure.)
+        tiers = (SEARCH.replace("target: [2x, 3x]", "target: 3x")
+                 .replace("fit: [layer_budgets, head_budgets]", "fit: [tiers]\n  tiers: {recent: 16}")
+                 + "attention_view: cached\n")
+        result = self.search(tiers, "--model", MODEL, "--text", STORIES, "--split-on", "<|endoftext|>",
+                             "--context", "512")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        records = json.loads(read(os.path.join(self.out, "search.json")))["records"]
+        fitted = [r for r in records if r["method"] == "fitted tier profile"][0]
+        held_out = self.write("held-out.txt", "<|endoftext|>".join(read(STORIES).split("<|endoftext|>")[3:5]))
+        rises = {}
+        for view in ("cached", "renormalized"):
+            config = self.write("eval.yaml", "policies: [{profile: %s}]\nmetrics: [ppl, delta_ppl]\nattention_view: %s\n"
+                                % (os.path.join(self.out, "profile-tiers-3x.json"), view))
+            evaluated = kvsim("eval", config, "--model", MODEL, "--text", held_out, "--split-on", "<|endoftext|>",
+                              "--context", "512", "--format", "json", "-q", "--out", self.path("eval-" + view))
+            self.assertEqual(evaluated.returncode, 0, evaluated.stderr)
+            rises[view] = [r for r in json.loads(evaluated.stdout) if r["label"] != "full"][0]["delta_ppl"]
+        self.assertEqual(fitted["delta_ppl"], rises["cached"])
+        self.assertNotEqual(fitted["delta_ppl"], rises["renormalized"])
+        # An attention-only trace holds no keys to compute that view from: refused before the search.
+        attention_only = self.path("attention-only.h5")
+        self.assertEqual(kvsim("trace", "synth", "policybook", "-o", attention_only).returncode, 0)
+        no_keys = self.write("no-keys.yaml", tiers.replace("fit: [tiers]\n  tiers: {recent: 16}", "fit: [layer_budgets]")
+                             .replace(TRACE, attention_only))
+        self.assert_input_error(kvsim("search", no_keys, "--out", self.out + "-no-keys", "-q"),
+                                "no-keys.yaml: attention_view: cached", "records attention only")
+
+    @unittest.skipUnless(os.path.exists(MODEL), "../shared/models/stories260K is not present")
     def test_confirmation_in_the_loop_per_target(self):
         # Each deployment's methods run in the model as that engine runs them: kvpress compresses
         # each held-out prompt once and is scored on the continuation, DuoAttention's streaming heads

@@ -111,7 +111,7 @@ TEST_CASE("config mistakes name the file, the line and the key") {
 TEST_CASE("replay options: view, group reduction, prefill and per-layer budgets") {
     const std::string file = temp_dir() + "/case.yaml";
     CHECK(config_error(kGood + "attention_view: cooked\n") ==
-          file + ":4: attention_view: expected raw or renormalized, got 'cooked'");
+          file + ":4: attention_view: expected raw, renormalized or cached, got 'cooked'");
     CHECK(config_error(kGood + "group_reduce: median\n") == file + ":4: group_reduce: expected mean, max or sum, got 'median'");
     CHECK(config_error(kGood + "prefill_tokens: -3\n") == file + ":4: prefill_tokens: must be >= 0, got -3");
     CHECK(config_error(kGood + "layer_budgets: [64, 0]\n") == file + ":4: layer_budgets[1]: must be >= 1, got 0");
