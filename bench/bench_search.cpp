@@ -4,6 +4,7 @@
 // attention from Q and K takes (each pass computes every layer's attention once and shares it
 // among all budgets and heads; the search makes two passes, fitting and held out).
 //   build/bench/bench_search [tokens per sequence, default 1024] [grid points, default 16]
+//                            [share of decode steps whose output error is measured, default 1: every step]
 #include <sys/resource.h>
 #include <tbb/info.h>
 
@@ -31,6 +32,11 @@ static double seconds_since(Clock::time_point start) {
 int main(int argc, char** argv) {
     const int64_t tokens = argc > 1 ? std::atoll(argv[1]) : 1024;
     const int grid_points = argc > 2 ? std::atoi(argv[2]) : 16;
+    const double sample_steps = argc > 3 ? std::atof(argv[3]) : 1.0;  // search.sample.steps
+    if (!(sample_steps > 0 && sample_steps <= 1)) {
+        std::fprintf(stderr, "bench_search: the sampled share of steps must be in (0, 1], got %s\n", argv[3]);
+        return 2;
+    }
     SyntheticQkvSpec spec = synthetic_qkv_trace("llama-1b-4096", "bench");
     spec.tokens = tokens;
     const std::string dir = std::filesystem::temp_directory_path() / "kvsim-bench-search";
@@ -71,6 +77,8 @@ int main(int argc, char** argv) {
     search.split_where = "bench: search.split";
     search.targets = {{2.0, 0, "2x", "bench: target 2x"}, {4.0, 0, "4x", "bench: target 4x"}};
     search.grid_where = "bench: grid";
+    search.sample_steps = sample_steps;
+    search.sample_where = "bench: search.sample";
     const std::vector<int> dense = budget_grid(33, static_cast<int>(tokens - 1), spec.num_layers);
     for (int i = 0; i < grid_points; ++i)  // an even pick from the dense grid
         search.grid.push_back(dense[static_cast<std::size_t>(std::llround(i * (dense.size() - 1.0) / (grid_points - 1)))]);
@@ -85,9 +93,10 @@ int main(int argc, char** argv) {
     getrusage(RUSAGE_SELF, &usage);
 
     std::printf("%s", format_search_table(outcome).c_str());
-    std::printf("\nsearch: %d grid budgets x %d layers x %d KV heads, %d threads: %.1f s; peak memory %.0f MB\n",
-                grid_points, spec.num_layers, spec.num_kv_heads, tbb::info::default_concurrency(), search_seconds,
-                usage.ru_maxrss / 1024.0);
+    std::printf("\nsearch: %d grid budgets x %d layers x %d KV heads, %d threads, output error on %g of the steps: "
+                "%.1f s; peak memory %.0f MB\n",
+                grid_points, spec.num_layers, spec.num_kv_heads, tbb::info::default_concurrency(), sample_steps,
+                search_seconds, usage.ru_maxrss / 1024.0);
     // The search passes over 2 fitting sequences once and the held-out one once: one attention
     // computation per sequence and layer in all, shared by every budget and head.
     std::printf("attention recomputed from Q and K, one pass over the 3 sequences: %.1f s = %.0f%% of the search\n",

@@ -142,10 +142,7 @@ void fit_mixed_heads(const FitInput& in, const MixedTables& t, SearchOutcome& ou
         e.where = spec.fits_where;
         entries.push_back(e);
     }
-    ReplayOptions options;
-    options.harness = in.harness;
-    options.output_error = true;
-    options.memory = true;
+    ReplayOptions options = search_replay_options(*in.spec, in.harness, true, true);
     const std::vector<ReplayCombo> combos = expand_sweep(entries, {}, std::vector<int>{1});
     if (in.progress) options.progress = [&in](double f) { in.progress(0.5 * f); };
     const std::vector<ComboResult> fitting = replay(*in.fitting, combos, options);

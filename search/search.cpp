@@ -163,6 +163,8 @@ SearchSetup::SearchSetup(const SearchSpec& spec, const SearchRun& run) : reader(
     qkv = meta.kind == TraceKind::qkv;
     out.trace = run.trace_path;
     out.attention_view = run.attention_view;
+    out.sample_steps = spec.sample_steps;
+    out.sample_seed = spec.sample_seed;
     out.objective = spec.objective.empty() ? (qkv ? "output_rel_error" : "retained_mass") : spec.objective;
     output_error = out.objective == "output_rel_error";
     auto fits = [&](const char* name) { return std::find(spec.fits.begin(), spec.fits.end(), name) != spec.fits.end(); };
@@ -251,9 +253,10 @@ SearchSetup::SearchSetup(const SearchSpec& spec, const SearchRun& run) : reader(
     out.shape = {meta.model_name, L, shape.num_query_heads, K, head_dim};
     full_fp16 = 4.0 * head_dim;
     harness = named_harness_options(run.attention_view, run.group_reduce, qkv, 0);
-    options.harness = harness;
-    options.output_error = output_error;
-    options.memory = qkv;
+    if (spec.sample_steps < 1 && !output_error)
+        throw InputError(spec.sample_where + ": samples the output error, but this search's objective is " +
+                         out.objective + " (" + run.trace_path + (qkv ? ")" : " records attention only)"));
+    options = search_replay_options(spec, harness, output_error, qkv);
 
     if (spec.deploy == "kvpress") {
         set_up_prompts(spec, run);
@@ -446,6 +449,22 @@ void SearchGridReplay::run_units(const std::vector<std::size_t>& units, const La
     }
 }
 
+double output_error_interval(const StreamMetrics& m) {
+    if (m.output_steps == 0 || !(m.output_error_variance > 0)) return 0.0;
+    return 1.96 * std::sqrt(m.output_error_variance) / static_cast<double>(m.output_steps);
+}
+
+ReplayOptions search_replay_options(const SearchSpec& spec, const HarnessOptions& harness, bool output_error,
+                                    bool memory) {
+    ReplayOptions options;
+    options.harness = harness;
+    options.output_error = output_error;
+    options.memory = memory;
+    options.output_error_sample = spec.sample_steps;
+    options.output_error_seed = spec.sample_seed;
+    return options;
+}
+
 SearchRecord output_error_record(std::string method, std::string fit, const std::string& target,
                                  double fitting_errors, double fitting_steps, const StreamMetrics& heldout) {
     SearchRecord r;
@@ -455,6 +474,7 @@ SearchRecord output_error_record(std::string method, std::string fit, const std:
     r.objective = "output_rel_error";
     r.fitting = fitting_steps > 0 ? fitting_errors / fitting_steps : 0.0;
     r.heldout = heldout.output_steps > 0 ? heldout.output_rel_error / static_cast<double>(heldout.output_steps) : 0.0;
+    r.heldout_interval = output_error_interval(heldout);
     r.bytes_per_token = heldout.cache_bytes / static_cast<double>(heldout.context_tokens);
     r.compression_ratio = heldout.fp16_bytes / heldout.cache_bytes;
     return r;
@@ -584,6 +604,7 @@ void fit_prompt_ratios(SearchSetup& setup, const SearchSpec& spec, const SearchR
         r.objective = out.objective;
         r.fitting = objective_value(allocation_error(curves, grid, m.kept), fitting_steps, output_error);
         r.heldout = objective_value(error_sum(total, output_error), step_count(total, output_error), output_error);
+        if (output_error) r.heldout_interval = output_error_interval(total);
         r.bytes_per_token = total.cache_bytes / static_cast<double>(total.context_tokens);
         r.compression_ratio = total.fp16_bytes / total.cache_bytes;
         r.prompt_ratios = method_columns[i].prompt_ratios;
@@ -781,6 +802,7 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
             r.objective = out.objective;
             r.fitting = objective_value(m.fitting_errors, fitting_steps, output_error);
             r.heldout = objective_value(error_sum(total, output_error), step_count(total, output_error), output_error);
+            if (output_error) r.heldout_interval = output_error_interval(total);
             if (total.context_tokens > 0) {
                 r.bytes_per_token = total.cache_bytes / static_cast<double>(total.context_tokens);
                 r.compression_ratio = total.fp16_bytes / total.cache_bytes;
@@ -973,6 +995,17 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
         p.name = meta.model_name + "-" + (r.fit == "mixed" ? "mixed" : p.policy + "-" + r.fit) + "-" + r.target;
         out.profiles.push_back(p);
     }
+    if (spec.sample_steps < 1) {
+        char line[400];
+        std::snprintf(line, sizeof line,
+                      "Output error was measured on %s of each stream's decode steps (at least 2; search.sample, seed "
+                      "%llu), a random sample the same for every budget of a (layer, KV head): each held-out figure "
+                      "is an estimate with its 95%% interval, and the fits chose by estimates. `kvsim run` of a "
+                      "profile on the held-out sequences measures its exact figure.",
+                      (format_number(100 * spec.sample_steps) + "%").c_str(),
+                      static_cast<unsigned long long>(spec.sample_seed));
+        out.notes.push_back(line);
+    }
     out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     return std::move(out);
 }
@@ -1013,18 +1046,25 @@ std::string format_search_table(const SearchOutcome& o) {
     std::size_t width = 6;
     for (const SearchRecord& r : o.records) width = std::max(width, r.method.size());
     char line[512];
+    const bool sampled = o.sample_steps < 1;  // each held-out figure with its 95% interval
     for (const SearchRecord& r : o.records) {
         if (r.target != target) {
             target = r.target;
-            std::snprintf(line, sizeof line, "\ntarget %s\n  %-*s  %12s  %10s  %11s  %10s  %9s  %s\n", target.c_str(),
-                          static_cast<int>(width), "method", o.objective == "output_rel_error" ? "rel error" : "retained",
+            std::snprintf(line, sizeof line, "\ntarget %s\n  %-*s  %*s  %10s  %11s  %10s  %9s  %s\n", target.c_str(),
+                          static_cast<int>(width), "method", sampled ? 22 : 12,
+                          o.objective == "output_rel_error" ? (sampled ? "rel error (95%)" : "rel error") : "retained",
                           "fitting", "bytes/token", "compress", "ΔPPL", "layer budgets");
             text += line;
         }
         char delta[32] = "-";
         if (std::isfinite(r.delta_ppl)) std::snprintf(delta, sizeof delta, "%+.4f", r.delta_ppl);
-        std::snprintf(line, sizeof line, "  %-*s  %12.6f  %10.6f  %11.3f  %9.3fx  %9s  %s\n", static_cast<int>(width),
-                      r.method.c_str(), r.heldout, r.fitting, r.bytes_per_token, r.compression_ratio, delta,
+        char heldout[64];
+        if (sampled)
+            std::snprintf(heldout, sizeof heldout, "%12.6f ±%.6f", r.heldout, r.heldout_interval);
+        else
+            std::snprintf(heldout, sizeof heldout, "%12.6f", r.heldout);
+        std::snprintf(line, sizeof line, "  %-*s  %s  %10.6f  %11.3f  %9.3fx  %9s  %s\n", static_cast<int>(width),
+                      r.method.c_str(), heldout, r.fitting, r.bytes_per_token, r.compression_ratio, delta,
                       budgets_text(r).c_str());
         text += line;
     }
@@ -1034,7 +1074,9 @@ std::string format_search_table(const SearchOutcome& o) {
 void write_search_outputs(const SearchOutcome& o, const std::string& dir) {
 
     Json records = Json::array();
-    std::string csv = "method,fit,target,objective,bytes_per_token,compression_ratio,heldout,fitting,delta_ppl,layer_budgets\n";
+    const bool sampled = o.sample_steps < 1;  // the held-out figures' 95% intervals beside them
+    std::string csv = std::string("method,fit,target,objective,bytes_per_token,compression_ratio,heldout,fitting,delta_ppl,"
+                                  "layer_budgets") + (sampled ? ",heldout_interval\n" : "\n");
     auto quoted = [](const std::string& s) {
         std::string q = "\"";
         for (char c : s) q += c == '"' ? std::string("\"\"") : std::string(1, c);
@@ -1044,6 +1086,7 @@ void write_search_outputs(const SearchOutcome& o, const std::string& dir) {
         Json j = {{"method", r.method}, {"fit", r.fit}, {"target", r.target}, {"objective", r.objective},
                   {"bytes_per_token", r.bytes_per_token}, {"compression_ratio", r.compression_ratio},
                   {"heldout", r.heldout}, {"fitting", r.fitting}};
+        if (sampled) j["heldout_interval"] = r.heldout_interval;
         j["delta_ppl"] = std::isfinite(r.delta_ppl) ? Json(r.delta_ppl) : Json(nullptr);
         j["layer_budgets"] = r.layer_budgets;
         if (!r.head_budgets.empty()) j["head_budgets"] = r.head_budgets;
@@ -1073,7 +1116,8 @@ void write_search_outputs(const SearchOutcome& o, const std::string& dir) {
         std::snprintf(numbers, sizeof numbers, "%.17g,%.17g,%.17g,%.17g,", r.bytes_per_token, r.compression_ratio,
                       r.heldout, r.fitting);
         csv += quoted(r.method) + "," + r.fit + "," + quoted(r.target) + "," + r.objective + "," + numbers +
-               (std::isfinite(r.delta_ppl) ? format_number(r.delta_ppl) : "") + "," + quoted(budgets_text(r)) + "\n";
+               (std::isfinite(r.delta_ppl) ? format_number(r.delta_ppl) : "") + "," + quoted(budgets_text(r)) +
+               (sampled ? "," + format_number(r.heldout_interval) : std::string()) + "\n";
     }
     Json search = {{"format", "kvsim-search"},
                    {"version", 1},
@@ -1091,6 +1135,7 @@ void write_search_outputs(const SearchOutcome& o, const std::string& dir) {
                    {"seconds", o.seconds},
                    {"records", records}};
     if (o.deploy != "kvsim") search["deploy"] = o.deploy;  // kvsim's own searches read as before
+    if (sampled) search["sample"] = {{"steps", o.sample_steps}, {"seed", o.sample_seed}};
     if (!o.sparsity_curve.empty()) {
         Json curve = Json::array();
         for (const SparsityPoint& c : o.sparsity_curve)
@@ -1119,13 +1164,18 @@ void write_search_outputs(const SearchOutcome& o, const std::string& dir) {
     for (const SearchRecord& r : o.records) {
         if (r.target != target) {
             target = r.target;
-            report += "\n## Target " + target + "\n\n| method | held-out " + o.objective +
+            report += "\n## Target " + target + "\n\n| method | held-out " + o.objective + (sampled ? " (95%)" : "") +
                       " | fitting | bytes/token | compression | ΔPPL (held out) | layer budgets |\n|---|---|---|---|---|---|---|\n";
         }
         char delta[32] = "-";
         if (std::isfinite(r.delta_ppl)) std::snprintf(delta, sizeof delta, "%+.4f", r.delta_ppl);
+        char heldout[64];
+        if (sampled)
+            std::snprintf(heldout, sizeof heldout, "%.6f ± %.6f", r.heldout, r.heldout_interval);
+        else
+            std::snprintf(heldout, sizeof heldout, "%.6f", r.heldout);
         char row[200];
-        std::snprintf(row, sizeof row, " | %.6f | %.6f | %.3f | %.3fx | %s | ", r.heldout, r.fitting, r.bytes_per_token,
+        std::snprintf(row, sizeof row, " | %s | %.6f | %.3f | %.3fx | %s | ", heldout, r.fitting, r.bytes_per_token,
                       r.compression_ratio, delta);
         report += "| " + r.method + row + budgets_text(r) + " |\n";
     }

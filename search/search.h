@@ -21,6 +21,7 @@
 #include "cache_math/tier_shares.h"
 #include "sim/attention_source.h"
 #include "sim/harness.h"
+#include "sim/replay.h"
 #include "cache_math/lowrank.h"
 #include "policies/mixed.h"
 #include "search/allocation.h"
@@ -37,6 +38,8 @@ struct SearchRecord {
     std::string objective;   // output_rel_error or retained_mass
     double fitting = 0;      // the objective on the fitting sequences
     double heldout = 0;      // ... and on the held-out ones, what the tables report
+    // search.sample: the half-width of the held-out figure's 95% interval (0: every step measured).
+    double heldout_interval = 0;
     double bytes_per_token = 0;    // measured on the held-out sequences
     double compression_ratio = 0;  // measured on the held-out sequences
     double delta_ppl = std::numeric_limits<double>::quiet_NaN();  // with the model in the loop
@@ -79,6 +82,9 @@ struct SearchOutcome {
     // The view the search's replays showed each policy (SearchRun::attention_view): the model in
     // the loop shows it the same.
     std::string attention_view;
+    // search.sample: the share of decode steps whose output error was measured (1: every step).
+    double sample_steps = 1.0;
+    uint64_t sample_seed = 0;
     std::vector<int> grid;
     std::vector<SearchRecord> records;
     std::vector<Profile> profiles;     // one per fitted method and target
@@ -184,6 +190,15 @@ struct FitInput {
     std::vector<int> fitting_indices;
     MixedTables* mixed = nullptr;  // fit: mixed: where the fit leaves its per-head options
 };
+
+// The half-width of the 95% interval of a sampled output error's mean (StreamMetrics), normal
+// approximation: 1.96 standard errors; 0 where every step was measured.
+double output_error_interval(const StreamMetrics& m);
+
+// A search's replay options: its harness, the metrics asked, and its output-error sample
+// (search.sample), which every replay of a search shares.
+ReplayOptions search_replay_options(const SearchSpec& spec, const HarnessOptions& harness, bool output_error,
+                                    bool memory);
 
 // The held-out table for a terminal: one block per target, one row per method.
 std::string format_search_table(const SearchOutcome& outcome);

@@ -50,6 +50,11 @@ struct SearchSpec {
     std::vector<SearchTarget> targets;
     std::string objective;              // output_rel_error or retained_mass; "" for the trace's default
     std::string objective_where;
+    // sample: output error measured on this share of each stream's decode steps (1: every step),
+    // a random sample drawn from sample_seed; every figure then carries a 95% interval.
+    double sample_steps = 1.0;
+    uint64_t sample_seed = 1;
+    std::string sample_where;
     std::vector<std::string> fits = {"layer_budgets", "head_budgets"};
     std::string fits_where;
     std::vector<int> grid;              // budgets measured per unit; empty: chosen from the trace

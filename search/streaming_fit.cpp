@@ -66,6 +66,7 @@ struct PlanResult {
     std::vector<double> head_error_sum;  // ... summed over its steps
     std::vector<double> head_bytes;  // bytes per token of context per (layer, KV head)
     double error = 0, bytes_per_token = 0, compression_ratio = 0;  // over every head
+    double interval = 0;  // search.sample: the error's 95% half-width
 };
 
 class PlanReplay {
@@ -91,11 +92,8 @@ public:
             e.where = in_.spec->where + ".streaming";
             entries.push_back(e);
         }
-        ReplayOptions options;
-        options.harness = in_.harness;
+        ReplayOptions options = search_replay_options(*in_.spec, in_.harness, true, true);
         options.harness.bookkeeping = bookkeeping_;
-        options.output_error = true;
-        options.memory = true;
         const std::vector<ReplayCombo> combos = expand_sweep(entries, {}, std::vector<int>{1});
         const std::vector<ComboResult> results = replay(source, combos, options);
         std::vector<PlanResult> out;
@@ -107,6 +105,7 @@ public:
                 p.head_bytes.push_back(m.context_tokens ? m.cache_bytes / m.context_tokens : 0.0);
             }
             p.error = r.total.output_steps ? r.total.output_rel_error / r.total.output_steps : 0.0;
+            p.interval = output_error_interval(r.total);
             p.bytes_per_token = r.total.cache_bytes / r.total.context_tokens;
             p.compression_ratio = r.total.fp16_bytes / r.total.cache_bytes;
             out.push_back(p);
@@ -249,6 +248,7 @@ void confirm_plans(PlanReplay& plans, const FitInput& in, const ParamValues& par
             if (c.plan.streaming[u]) fitting += c.fitting_error[u];
         r.fitting = fitting / static_cast<double>(units);
         r.heldout = confirmed[i].error;
+        r.heldout_interval = confirmed[i].interval;
         r.bytes_per_token = confirmed[i].bytes_per_token;
         r.compression_ratio = confirmed[i].compression_ratio;
         r.streaming_heads = c.plan.streaming;

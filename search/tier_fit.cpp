@@ -62,6 +62,7 @@ struct TierResult {
     std::vector<double> head_error;  // summed output error per (layer, KV head)
     std::vector<double> head_bytes;  // bytes per token of context per (layer, KV head)
     double error_sum = 0, steps = 0, bytes_per_token = 0, compression_ratio = 0;
+    double interval = 0;  // search.sample: the error's 95% half-width
 };
 
 // Every plan side by side in one lockstep pass; `output_error` false measures bytes only.
@@ -78,10 +79,7 @@ std::vector<TierResult> replay_plans(const FitInput& in, const ParamValues& para
         e.where = in.spec->tiers_where;
         entries.push_back(e);
     }
-    ReplayOptions options;
-    options.harness = in.harness;
-    options.output_error = output_error;
-    options.memory = true;
+    ReplayOptions options = search_replay_options(*in.spec, in.harness, output_error, true);
     if (in.progress && progress_done >= 0) options.progress = [&in, done = progress_done](double f) { in.progress(done + f / 3); };
     const std::vector<ComboResult> results = replay(source, expand_sweep(entries, {}, std::vector<int>{1}), options);
     std::vector<TierResult> out;
@@ -93,6 +91,7 @@ std::vector<TierResult> replay_plans(const FitInput& in, const ParamValues& para
         }
         t.error_sum = r.total.output_rel_error;
         t.steps = static_cast<double>(r.total.output_steps);
+        t.interval = output_error_interval(r.total);
         t.bytes_per_token = r.total.cache_bytes / static_cast<double>(r.total.context_tokens);
         t.compression_ratio = r.total.fp16_bytes / r.total.cache_bytes;
         out.push_back(t);
@@ -243,6 +242,7 @@ void fit_tier_profiles(const FitInput& in, SearchOutcome& out) {
         r.objective = "output_rel_error";
         r.fitting = fitting_steps > 0 ? c.fitting_error / fitting_steps : 0.0;
         r.heldout = confirmed[i].steps > 0 ? confirmed[i].error_sum / confirmed[i].steps : 0.0;
+        r.heldout_interval = confirmed[i].interval;
         r.bytes_per_token = confirmed[i].bytes_per_token;
         r.compression_ratio = confirmed[i].compression_ratio;
         r.replay_params = params;

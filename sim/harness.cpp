@@ -465,7 +465,9 @@ void Harness::measure_values(const GroupStep& s) {
     const int32_t t = s.t;
     const int d = values_.head_dim;
     StreamingHeadState* state = policy_->linear_state();
-    if (values_.output_error && attended_step_ != t) attend_cached(s);
+    const bool sampling = values_.output_error && values_.sample.steps;
+    const bool output_error = values_.output_error && (!sampling || values_.sample.steps[t]);
+    if (output_error && attended_step_ != t) attend_cached(s);
     feed_linear_state(t);  // for the memory alone; a no-op once attend_cached fed it
     if (values_.memory) {
         double bytes = key_bytes_[0] + value_bytes_[0];  // the current token
@@ -477,7 +479,8 @@ void Harness::measure_values(const GroupStep& s) {
         metrics_.fp16_bytes += 4.0 * d * (t + 1);
         metrics_.context_tokens += t + 1;
     }
-    if (values_.output_error) {
+    if (output_error) {
+        double step_error = 0, step_cosine = 0;
         for (std::size_t h = 0; h < s.queries.size(); ++h) {
             const float* cached = last_outputs_.data() + h * d;
             const float* full = s.full_output[h];
@@ -488,11 +491,47 @@ void Harness::measure_values(const GroupStep& s) {
                 norm_out += double(cached[i]) * cached[i];
                 dot += double(cached[i]) * full[i];
             }
-            metrics_.output_rel_error += norm_full > 0 ? std::sqrt(diff / norm_full) : std::sqrt(diff);
-            metrics_.output_cosine += (norm_full > 0 && norm_out > 0) ? dot / std::sqrt(norm_full * norm_out) : 1.0;
+            const double error = norm_full > 0 ? std::sqrt(diff / norm_full) : std::sqrt(diff);
+            const double cosine = (norm_full > 0 && norm_out > 0) ? dot / std::sqrt(norm_full * norm_out) : 1.0;
+            if (sampling) {
+                step_error += error;
+                step_cosine += cosine;
+                continue;
+            }
+            metrics_.output_rel_error += error;
+            metrics_.output_cosine += cosine;
             ++metrics_.output_steps;
         }
+        if (sampling) {
+            sample_error_ += step_error;
+            sample_error_squares_ += step_error * step_error;
+            sample_cosine_ += step_cosine;
+            ++sampled_steps_;
+        }
     }
+    if (sampling) {
+        ++population_steps_;
+        if (t == values_.sample.last_step) finish_sample(static_cast<int64_t>(s.queries.size()));
+    }
+}
+
+// The sample's estimates of the stream's every-step sums (its mean times the steps measured) and
+// the variance of the error's: N^2 (1 - n/N) s^2 / n for n of N steps drawn without replacement,
+// s^2 the sample variance of a step's summed error. A step's query heads are one draw, not
+// several, so the variance counts what they share.
+void Harness::finish_sample(int64_t group) {
+    const double n = static_cast<double>(sampled_steps_), population = static_cast<double>(population_steps_);
+    if (sampled_steps_ < 2 || sampled_steps_ > population_steps_)
+        throw std::logic_error("harness " + label_ + where_ + ": " + std::to_string(sampled_steps_) + " of " +
+                               std::to_string(population_steps_) + " steps sampled for output error");
+    const double mean = sample_error_ / n;
+    const double sample_variance = std::max(0.0, (sample_error_squares_ - n * mean * mean) / (n - 1));
+    metrics_.output_rel_error += population * mean;
+    metrics_.output_cosine += population * (sample_cosine_ / n);
+    metrics_.output_steps += population_steps_ * group;
+    metrics_.output_error_variance += population * population * (1 - n / population) * sample_variance / n;
+    sample_error_ = sample_error_squares_ = sample_cosine_ = 0;
+    sampled_steps_ = population_steps_ = 0;
 }
 
 void Harness::fail(int32_t t, const std::string& what) const {

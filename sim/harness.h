@@ -25,6 +25,10 @@ struct StreamMetrics {
     double output_rel_error = 0.0;  // summed relative L2 error
     double output_cosine = 0.0;     // summed cosine similarity
     int64_t output_steps = 0;
+    // Where output error is measured on a sample of decode steps (OutputErrorSample): the two sums
+    // above are estimates of the every-step sums (output_steps still counts every step), and this
+    // is the estimated variance of output_rel_error's estimate. 0 where every step is measured.
+    double output_error_variance = 0.0;
     // Memory (Q/K/V traces): per (KV head, decode step), bytes the cache holds while attending,
     // what a full fp16 cache would hold, and the tokens of context.
     double cache_bytes = 0.0;
@@ -40,6 +44,7 @@ struct StreamMetrics {
         output_rel_error += o.output_rel_error;
         output_cosine += o.output_cosine;
         output_steps += o.output_steps;
+        output_error_variance += o.output_error_variance;
         cache_bytes += o.cache_bytes;
         fp16_bytes += o.fp16_bytes;
         context_tokens += o.context_tokens;
@@ -101,6 +106,14 @@ struct GroupStep {
     std::span<const float* const> full_output;
 };
 
+// Output error measured on a simple random sample of a stream's decode steps: `steps[t]` says
+// whether step t is in it; the harness scales its sums up to every step at `last_step` (the
+// stream's last) and estimates their variance there (sim/replay.h, ReplayOptions).
+struct OutputErrorSample {
+    const uint8_t* steps = nullptr;
+    int64_t last_step = 0;
+};
+
 // Where a harness finds the values its cache holds (Q/K/V traces only).
 struct CacheValues {
     const TierArrays* arrays = nullptr;  // the tiers of the policy's format (fp16 only for none)
@@ -112,6 +125,7 @@ struct CacheValues {
     int key_dim = 0, value_dim = 0;
     double byte_share = 1.0;
     double fixed_bytes = 0.0;
+    OutputErrorSample sample;  // steps null: output error at every measured step
 };
 
 class Harness {
@@ -136,6 +150,7 @@ public:
     const Policy& policy() const { return *policy_; }
     Policy& policy() { return *policy_; }
     int budget() const { return budget_; }
+    int prefill_tokens() const { return options_.prefill_tokens; }
     std::span<const int32_t> kept() const { return kept_; }
     // The attention outputs (query heads of the group x head_dim) of the cache this harness held
     // at its last measured step, when the output-error metric is on.
@@ -178,6 +193,11 @@ private:
     int64_t state_next_ = 0;  // the next position a streaming head's linear state takes
 
     void measure_values(const GroupStep& s);
+    void finish_sample(int64_t group);
+    // The sampled output error: per sampled step, the group's summed relative error (x) and
+    // cosine; the measured steps of the stream, sampled or not.
+    double sample_error_ = 0, sample_error_squares_ = 0, sample_cosine_ = 0;
+    int64_t sampled_steps_ = 0, population_steps_ = 0;
     void attend_cached(const GroupStep& s);
     void feed_linear_state(int32_t t);
     std::vector<float> cached_weights_;  // cached view: [head][attended position] weights

@@ -4,13 +4,16 @@
 #include <tbb/task_arena.h>
 
 #include <algorithm>
+#include <cmath>
 #include <exception>
+#include <map>
 #include <optional>
 
 #include "sim/heavy_hitters.h"
 #include "cache_math/lowrank.h"
 #include "cache_math/tiers.h"
 #include "sim/qkv_attention.h"
+#include "sim/rng.h"
 #include "base/errors.h"
 #include "base/size_limits.h"
 
@@ -286,9 +289,40 @@ private:
         return tier_arrays_.back().get();
     }
 
+    // The steps of a stream whose output error is measured (ReplayOptions::output_error_sample):
+    // n of its M measured steps (first..last), drawn without replacement (Floyd's algorithm) by a
+    // generator seeded by the seed, the sequence, the layer, the KV head and the first step, so
+    // every budget of a (layer, KV head) is measured on the same steps, on any machine or shard.
+    // Empty where every step is measured.
+    const std::vector<uint8_t>& sampled_steps(int s, int layer, int kv, int64_t first) {
+        const int64_t last = shape_.last_steps[s], population = last - first + 1;
+        const double fraction = options_.output_error_sample;
+        const int64_t n = std::min<int64_t>(population, std::max<int64_t>(2, static_cast<int64_t>(std::ceil(fraction * population))));
+        std::vector<uint8_t>& steps = sample_masks_[{kv, first}];
+        if (fraction >= 1 || n >= population) return steps;  // every step
+        steps.assign(static_cast<std::size_t>(last + 1), 0);
+        uint32_t seed = Xoshiro128::mix32(static_cast<uint32_t>(options_.output_error_seed) + 0x9E3779B9u);
+        for (const int64_t key : {int64_t{s}, int64_t{layer}, int64_t{kv}, first})
+            seed = Xoshiro128::mix32(seed ^ static_cast<uint32_t>(key));
+        Xoshiro128 rng(seed);
+        for (int64_t j = population - n; j < population; ++j) {
+            const int64_t pick = rng.next_int(static_cast<uint64_t>(j + 1));
+            uint8_t& chosen = steps[static_cast<std::size_t>(first + pick)];
+            if (chosen) steps[static_cast<std::size_t>(first + j)] = 1;
+            else chosen = 1;
+        }
+        std::vector<uint8_t>& needed = full_output_steps_[kv];
+        if (needed.empty()) needed.assign(steps.size(), 0);
+        for (std::size_t t = 0; t < steps.size(); ++t) needed[t] |= steps[t];
+        return steps;
+    }
+
     void attach_values(int s, int layer, std::vector<Harness>& harnesses) {
         tier_arrays_.clear();
         array_projections_.clear();
+        sample_masks_.clear();
+        full_output_steps_.assign(kv_heads_, {});
+        full_output_every_step_.assign(kv_heads_, options_.output_error_sample >= 1);
         layer_values_ = &qkv_->layer_data(s, layer);
         layer_index_ = layer;
         fp16_arrays_ = arrays_for(nullptr, nullptr);
@@ -297,6 +331,12 @@ private:
             const int kv = static_cast<int>(job / combos_.size());
             CacheValues values{arrays_for(policy.tier_format(), policy.projection()), kv, kv_heads_, head_dim_,
                                options_.output_error, options_.memory};
+            if (options_.output_error && options_.output_error_sample < 1) {
+                const std::vector<uint8_t>& steps =
+                    sampled_steps(s, layer, kv, std::max<int64_t>(1, harnesses[job].prefill_tokens()));
+                if (steps.empty()) full_output_every_step_[kv] = 1;
+                values.sample = {steps.empty() ? nullptr : steps.data(), shape_.last_steps[s]};
+            }
             if (const KvProjection* p = policy.projection()) {
                 values.key_dim = p->stored_key_dim(layer, kv, head_dim_);
                 values.value_dim = p->stored_value_dim(layer, kv, head_dim_);
@@ -428,6 +468,8 @@ private:
                 const int head = kv * group_ + static_cast<int>(index / rows);
                 const int64_t t = first + index % rows;
                 const int64_t job = head * rows + index % rows;
+                // Sampled: only the steps some stream of this KV head measures.
+                if (!full_output_every_step_[kv] && !full_output_steps_[kv][static_cast<std::size_t>(t)]) return;
                 thread_local Eigen::ArrayXf scratch;
                 cached_attention_output(layer_values_->q.data() + (t * query_heads_ + head) * head_dim_,
                                         {every_position_.data(), static_cast<std::size_t>(t + 1)}, all_fp16_,
@@ -608,6 +650,11 @@ private:
     std::vector<std::unique_ptr<KvProjection>> array_projections_;  // index-aligned: what each was built for
     int layer_index_ = 0;
     const TierArrays* fp16_arrays_ = nullptr;
+    // Output error on a sample of steps: per (KV head, first measured step) the steps drawn, and
+    // per KV head the steps any of its streams measures (or every step).
+    std::map<std::pair<int, int64_t>, std::vector<uint8_t>> sample_masks_;
+    std::vector<std::vector<uint8_t>> full_output_steps_;
+    std::vector<uint8_t> full_output_every_step_;
 };
 
 }  // namespace

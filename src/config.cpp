@@ -106,7 +106,7 @@ public:
         SearchSpec spec;
         spec.where = where(node, "search");
         only_keys(node, "search", {"policy", "split", "target", "objective", "fit", "grid", "streaming", "tiers", "ranks",
-                                   "deploy", "prompt"});
+                                   "deploy", "prompt", "sample"});
         spec.deploy_where = spec.where;
         if (const YAML::Node deploy = node["deploy"]) {
             spec.deploy = string(deploy, "search.deploy");
@@ -279,6 +279,20 @@ public:
                          "' (delta_ppl is a confirmation: give --model and --text)");
         } else {
             spec.objective_where = spec.where;
+        }
+        if (const YAML::Node sample = node["sample"]) {
+            spec.sample_where = where(sample, "search.sample");
+            if (!sample.IsMap()) fail(sample, "search.sample", "expected {steps: 0.125, seed: 1}");
+            only_keys(sample, "search.sample", {"steps", "seed"});
+            const YAML::Node steps = sample["steps"];
+            if (!steps) fail(sample, "search.sample", "missing key 'steps' (the share of decode steps measured, e.g. 0.125)");
+            spec.sample_steps = number(steps, "search.sample.steps");
+            if (!(spec.sample_steps > 0 && spec.sample_steps <= 1))
+                fail(steps, "search.sample.steps", "must be in (0, 1], got " + steps.Scalar());
+            if (const YAML::Node seed = sample["seed"])
+                spec.sample_seed = static_cast<uint64_t>(integer(seed, "search.sample.seed", 0, (int64_t{1} << 32) - 1));
+            if (spec.objective == "retained_mass")
+                fail(sample, "search.sample", "samples the output error, but the objective is retained_mass");
         }
         if (const YAML::Node fit = node["fit"]) {
             spec.fits_where = where(fit, "search.fit");

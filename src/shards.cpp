@@ -28,12 +28,12 @@ namespace kvsim {
 namespace {
 
 using Json = nlohmann::ordered_json;
-constexpr int kPartialFormat = 2;  // 2: frame_sha256
+constexpr int kPartialFormat = 3;  // 2: frame_sha256; 3: a stream's output_error_variance
 
 Json stream_json(const StreamMetrics& m) {
     return Json::array({m.retained_mass, m.steps, m.heavy_hitter_hits, m.heavy_hitter_possible, m.eviction_calls,
                         m.output_rel_error, m.output_cosine, m.output_steps, m.cache_bytes, m.fp16_bytes,
-                        m.context_tokens});
+                        m.context_tokens, m.output_error_variance});
 }
 
 Json frame_json(const ResultFrame& f) {
@@ -184,8 +184,8 @@ int64_t bound_product(int64_t a, int64_t b) {
 // sequence) in groups of `group`; fractions summed per step at most the steps (rounding allows
 // 1e-6 more), hits at most the possible ones, one eviction call per KV head and step at most.
 StreamMetrics read_stream(const PartialReader& r, const Json& j, const std::string& field, int64_t length, int group) {
-    r.list(j, field, 11);
-    if (j.size() != 11) r.fail(field, "expected the 11 numbers of a stream, got " + std::to_string(j.size()));
+    r.list(j, field, 12);
+    if (j.size() != 12) r.fail(field, "expected the 12 numbers of a stream, got " + std::to_string(j.size()));
     const auto at = [&](int i, const char* name) { return field + "[" + std::to_string(i) + "] (" + name + ")"; };
     const int64_t most_steps = length > 0 ? bound_product(group, length - 1) : int64_t{1} << 50;
     StreamMetrics m;
@@ -210,6 +210,7 @@ StreamMetrics read_stream(const PartialReader& r, const Json& j, const std::stri
         r.integer(j[10], at(10, "context_tokens"), 0, bound_product(decode_steps, positions));
     m.cache_bytes = r.number(j[8], at(8, "cache_bytes"), 0, 1e300, true);
     m.fp16_bytes = r.number(j[9], at(9, "fp16_bytes"), 0, 1e300, true);
+    m.output_error_variance = r.number(j[11], at(11, "output_error_variance"), 0, m.output_steps ? 1e300 : 0, true);
     return m;
 }
 
@@ -705,7 +706,7 @@ MergeOutcome merge_partials(const std::vector<std::string>& inputs) {
 // shard is, and their merge, which runs the rest of the search as one machine would.
 namespace {
 
-constexpr int kSearchPartialFormat = 1;
+constexpr int kSearchPartialFormat = 2;  // 2: a stream's output_error_variance
 
 struct SearchPartial : PartialHeader {
     ModelInput confirm;

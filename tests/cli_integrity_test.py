@@ -492,7 +492,7 @@ class ImpossiblePartials(KvsimTestCase):
             ("eviction calls past the steps", stream(4, 65), "(eviction_calls): 65 is outside [0, 64]"),
             ("output steps past the steps", stream(7, 65), "(output_steps): 65 is outside [0, 64]"),
             ("negative bytes", stream(8, -1.0), "(cache_bytes): -1.0 is outside [0, 1e+300]"),
-            ("a stream short", lambda p: p["results"][0]["streams"][0].pop(), "expected the 11 numbers of a stream"),
+            ("a stream short", lambda p: p["results"][0]["streams"][0].pop(), "expected the 12 numbers of a stream"),
             ("a unit twice", lambda p: p["results"].__setitem__(1, p["results"][0]), "results[1].unit: 0 is listed twice"),
             ("a unit of another shard", lambda p: p["results"][0].update(unit=7), ".unit: 7 is outside the shard's units"),
             ("bytes per slot", lambda p: p["results"][0].update(policy_bytes_per_slot=-1), "policy_bytes_per_slot: -1"),

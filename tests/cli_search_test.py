@@ -97,6 +97,53 @@ class Search(KvsimTestCase):
         self.assertEqual(replayed["output_rel_error"], record["heldout"])
         self.assertEqual(replayed["bytes_per_token"], record["bytes_per_token"])
 
+    def test_sampled_output_error_intervals_cover_the_exact_figures(self):
+        # search.sample measures output error on a quarter of each stream's decode steps: every
+        # held-out figure is an estimate with a 95% interval, and kvsim run of the same method on
+        # the held-out sequences (every step) lands inside it. Bytes are measured at every step.
+        steps = 192
+        config = ("trace: {path: %s, max_steps: %d}\nsearch:\n  policy: {h2o: {recent_window: 8}}\n"
+                  "  split: {heldout: [3, 4]}\n  target: 2x\n  fit: [layer_budgets, head_budgets, tiers]\n"
+                  "  tiers: {recent: 16}\n  sample: {steps: 0.25, seed: 1}\n" % (TRACE, steps))
+        result = self.search_as_written(config)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("rel error (95%)", result.stdout)
+        self.assertIn("Output error was measured on 25% of each stream's decode steps", result.stdout)
+        search = json.loads(read(os.path.join(self.out, "search.json")))
+        self.assertEqual(search["sample"], {"steps": 0.25, "seed": 1})
+        methods = {r["method"]: r for r in search["records"]}
+        for r in search["records"]:
+            self.assertGreater(r["heldout_interval"], 0, r["method"])
+            self.assertLess(r["heldout_interval"], 0.2 * r["heldout"], r["method"])
+        replays = {"uniform": "budgets: [%d]\npolicies: [{h2o: {recent_window: 8}}]" % methods["uniform"]["layer_budgets"][0],
+                   "fitted head budgets": "policies: [{profile: %s}]" % os.path.join(self.out, "profile-head_budgets-2x.json"),
+                   "fitted tier profile": "policies: [{profile: %s}]" % os.path.join(self.out, "profile-tiers-2x.json")}
+        for method, policies in replays.items():
+            with self.subTest(method):
+                record = methods[method]
+                if method == "uniform":
+                    self.assertEqual(len(set(record["layer_budgets"])), 1)
+                replay = self.write("replay.yaml", "trace: {path: %s, sequences: [3, 4], max_steps: %d}\n%s\n"
+                                    "metrics: [output_rel_error, bytes_per_token]\n" % (TRACE, steps, policies))
+                run = kvsim("run", replay, "--out", self.path("run"), "-q")
+                self.assertEqual(run.returncode, 0, run.stderr)
+                exact = json.loads(read(os.path.join(self.path("run"), "results.json")))[0]
+                self.assertEqual(exact["bytes_per_token"], record["bytes_per_token"])
+                self.assertNotEqual(exact["output_rel_error"], record["heldout"])  # an estimate, not the figure
+                self.assertLessEqual(abs(exact["output_rel_error"] - record["heldout"]), record["heldout_interval"])
+        # Bad sample keys, each in one line naming the key.
+        for sample, message in (("{steps: 0}", "search.sample.steps: must be in (0, 1], got 0"),
+                                ("{steps: 1.5}", "search.sample.steps: must be in (0, 1], got 1.5"),
+                                ("{seed: 2}", "search.sample: missing key 'steps'"),
+                                ("{steps: 0.5, every: 2}", "search.sample")):
+            with self.subTest(sample=sample):
+                bad = self.write("bad.yaml", config.replace("{steps: 0.25, seed: 1}", sample))
+                self.assert_input_error(kvsim("search", bad, "--out", self.path("bad-out"), "-q"), "bad.yaml:", message)
+        retained = self.write("retained.yaml", config.replace("fit: [layer_budgets, head_budgets, tiers]",
+                                                              "fit: [layer_budgets]\n  objective: retained_mass"))
+        self.assert_input_error(kvsim("search", retained, "--out", self.path("bad-out"), "-q"),
+                                "search.sample: samples the output error, but the objective is retained_mass")
+
     def search_as_written(self, text, *extra):
         return kvsim("search", self.write("search.yaml", text), "--out", self.out, "-q", *extra)
 

@@ -135,7 +135,7 @@ class BadInput(KvsimTestCase):
         os.makedirs(empty)
         self.assert_merge_refused([empty], "no partial results")
         with open(os.path.join(b, "partial-0-of-2.json"), "w") as f:
-            f.write('{"kvsim_partial_results": 2, "kvsim_version": "x"}')
+            f.write('{"kvsim_partial_results": 3, "kvsim_version": "x"}')
         self.assert_merge_refused([b], "partial-0-of-2.json", "not a valid kvsim partial results file",
                                   "config_sha256")
 
@@ -334,22 +334,26 @@ class SearchShards(KvsimTestCase):
 
     def test_a_mixed_search_in_2_shards_merges_to_the_one_machine_outputs(self):
         # The shards divide the grid replay; the merge fits the rest (tiers, then the mix across
-        # eviction and tiers per head) as one machine does, byte for byte.
-        config = self.write("search.yaml", SEARCH.replace("fit: [layer_budgets, head_budgets]",
-                                                          "fit: [head_budgets, tiers, mixed]\n  tiers: {sinks: 2, recent: 8}"))
-        whole = self.path("whole")
-        one = kvsim("search", config, "--out", whole, "-q", cwd=ROOT)
-        self.assertEqual(one.returncode, 0, one.stderr)
-        expected = self.search_outputs(whole)
-        self.assertIn("profile-mixed-2x.json", expected)
-        out = self.path("shards")
-        for i in range(2):
-            ran = self.search_shard(config, "%d/2" % i, out)
-            self.assertEqual(ran.returncode, 0, ran.stderr)
-        merged = kvsim("merge", out, "--out", self.path("merged"), "-q", cwd=ROOT)
-        self.assertEqual(merged.returncode, 0, merged.stderr)
-        self.assertEqual(merged.stdout, one.stdout)
-        self.assertEqual(self.search_outputs(self.path("merged")), expected)
+        # eviction and tiers per head) as one machine does, byte for byte: also with the output
+        # error sampled, whose estimates and intervals the partials carry.
+        mixed = SEARCH.replace("fit: [layer_budgets, head_budgets]", "fit: [head_budgets, tiers, mixed]\n  tiers: {sinks: 2, recent: 8}")
+        for name, text in (("every-step", mixed), ("sampled", mixed + "  sample: {steps: 0.3, seed: 5}\n")):
+            with self.subTest(name):
+                config = self.write(name + ".yaml", text)
+                whole = self.path(name + "-whole")
+                one = kvsim("search", config, "--out", whole, "-q", cwd=ROOT)
+                self.assertEqual(one.returncode, 0, one.stderr)
+                expected = self.search_outputs(whole)
+                self.assertIn("profile-mixed-2x.json", expected)
+                self.assertEqual(name == "sampled", "heldout_interval" in expected["search.json"])
+                out = self.path(name + "-shards")
+                for i in range(2):
+                    ran = self.search_shard(config, "%d/2" % i, out)
+                    self.assertEqual(ran.returncode, 0, ran.stderr)
+                merged = kvsim("merge", out, "--out", self.path(name + "-merged"), "-q", cwd=ROOT)
+                self.assertEqual(merged.returncode, 0, merged.stderr)
+                self.assertEqual(merged.stdout, one.stdout)
+                self.assertEqual(self.search_outputs(self.path(name + "-merged")), expected)
 
     def test_bad_search_shards_are_refused_in_one_line(self):
         config = self.write("search.yaml", SEARCH)
