@@ -77,7 +77,7 @@ HeadFigures simulate(const std::string& profile_path, const std::vector<int>& se
     entry.params = profile.params;
     entry.where = profile_path;
     entry.profile_shape = profile.model;
-    if (profile.streaming || profile.tiers)
+    if (profile.streaming || profile.tiers || profile.mixed)
         entry.files["profile"] = profile_path;
     else if (!find_policy(profile.policy)->keeps_everything)
         entry.profile_budgets.push_back(profile_column(profile, profile_path));
@@ -387,9 +387,45 @@ std::string streaming_profile() {
     return path;
 }
 
+// Each head its own method: in every layer the four methods, rotated from layer to layer; odd
+// layers' streaming heads keep no linear state.
+std::string mixed_profile() {
+    const TraceReader reader(fp16_trace());
+    Profile p = base_profile(reader.metadata());
+    p.policy = "mixed";
+    const int L = p.model.num_layers, K = p.model.num_kv_heads;
+    MixedPlan plan;
+    plan.num_layers = L, plan.num_kv_heads = K;
+    plan.evict_policy = "h2o";
+    plan.evict_params = resolve_params(*find_policy("h2o"), {{"recent_window", 8}}, "test");
+    plan.tier_params = resolve_params(*find_policy("stratigraphic"), {{"recent", 16}}, "test");
+    plan.sinks = 4, plan.recent = 16;
+    for (int u = 0; u < L * K; ++u) {
+        const int layer = u / K;
+        const auto m = static_cast<HeadMethod>((u + layer) % kHeadMethods);
+        plan.method.push_back(m);
+        plan.budgets.push_back(m == HeadMethod::evict ? 20 + 6 * u : 0);
+        plan.fp16.push_back(m == HeadMethod::tiers ? 0.05 * (u % 3) : 0);
+        plan.int8.push_back(m == HeadMethod::tiers ? 0.3 : 0);
+        plan.int4.push_back(m == HeadMethod::tiers ? 0.1 + 0.05 * (u % 2) : 0);
+        plan.lambda.push_back(m == HeadMethod::streaming ? 0.5 : 0);
+        plan.stateless.push_back(m == HeadMethod::streaming && layer % 2 == 1);
+    }
+    p.mixed = plan;
+    const std::string path = temp_file("mixed.json");
+    write_profile(p, path);
+    return path;
+}
+
 TEST_CASE("runtime (cpu): streaming heads match the simulator bit for bit") {
     const std::string path = streaming_profile();
     check_same(simulate(path, {3}), run_runtime(path, {3}), 4);
+    std::filesystem::remove(path);
+}
+
+TEST_CASE("runtime (cpu): a mixed profile (every method in every layer) matches the simulator bit for bit") {
+    const std::string path = mixed_profile();
+    check_same(simulate(path, {3, 4}), run_runtime(path, {3, 4}), 4);
     std::filesystem::remove(path);
 }
 
@@ -487,7 +523,7 @@ TEST_CASE("runtime (cuda path, device done on the host): within float rounding o
     // slots that changed, attending by slot in merged chunks, each head's step completed from the
     // device's weights; streaming heads (a third of them here) stay on the host. Same bytes, and
     // errors within rounding, which also says no eviction or re-zoning decision flipped.
-    for (const std::string& path : {h2o_profile(), tier_profile(), streaming_profile()}) {
+    for (const std::string& path : {h2o_profile(), tier_profile(), streaming_profile(), mixed_profile()}) {
         INFO(path);
         check_close(run_runtime(path, {3, 4}, "cpu"), run_runtime(path, {3, 4}, "cuda", 0, host_device()));
         check_close(run_runtime(path, {3}, "cpu", 100), run_runtime(path, {3}, "cuda", 100, host_device()));
@@ -520,7 +556,7 @@ TEST_CASE("runtime (cuda): against the cpu backend on a GPU (skipped without one
         MESSAGE("skipped: " << why);
         return;
     }
-    for (const std::string& path : {h2o_profile(), tier_profile(), streaming_profile()}) {
+    for (const std::string& path : {h2o_profile(), tier_profile(), streaming_profile(), mixed_profile()}) {
         INFO(path);
         check_close(run_runtime(path, {3, 4}, "cpu"), run_runtime(path, {3, 4}, "cuda"));
         check_close(run_runtime(path, {3}, "cpu", 100), run_runtime(path, {3}, "cuda", 100));
