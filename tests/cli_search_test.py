@@ -634,7 +634,7 @@ class Search(KvsimTestCase):
         # shown the attention of its cache as held), and the model in the loop shows the same: the
         # record's rise in perplexity is kvsim eval's of the profile in that view on the held-out
         # stories, to the last digit. (In the default view eval gives another figure.)
-        tiers = (SEARCH.replace("target: [2x, 3x]", "target: 3x")
+        tiers = (SEARCH.replace("target: [2x, 3x]", "target: 2x")
                  .replace("fit: [layer_budgets, head_budgets]", "fit: [tiers]\n  tiers: {recent: 16}")
                  + "attention_view: cached\n")
         result = self.search(tiers, "--model", MODEL, "--text", STORIES, "--split-on", "<|endoftext|>",
@@ -646,7 +646,7 @@ class Search(KvsimTestCase):
         rises = {}
         for view in ("cached", "renormalized"):
             config = self.write("eval.yaml", "policies: [{profile: %s}]\nmetrics: [ppl, delta_ppl]\nattention_view: %s\n"
-                                % (os.path.join(self.out, "profile-tiers-3x.json"), view))
+                                % (os.path.join(self.out, "profile-tiers-2x.json"), view))
             evaluated = kvsim("eval", config, "--model", MODEL, "--text", held_out, "--split-on", "<|endoftext|>",
                               "--context", "512", "--format", "json", "-q", "--out", self.path("eval-" + view))
             self.assertEqual(evaluated.returncode, 0, evaluated.stderr)
