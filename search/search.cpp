@@ -224,9 +224,7 @@ SearchSetup::SearchSetup(const SearchSpec& spec, const SearchRun& run) : reader(
         throw InputError(spec.objective_where + ": tier profiles are fitted and reported by their output error "
                                                 "(precision leaves retained mass unchanged); with fit: [tiers] the "
                                                 "objective must be output_rel_error");
-    if (!qkv && run.attention_view == "cached")
-        throw InputError(run.config_file + ": attention_view: cached computes attention from the keys the cache holds, "
-                                           "but " + run.trace_path + " records attention only (it needs a Q/K/V trace)");
+    harness = named_harness_options(run.attention_view, run.group_reduce, qkv, 0, run.config_file);
     if (!qkv && fit_tiers)
         throw InputError(spec.fits_where + ": tier profiles are fitted by their output error, which needs a Q/K/V "
                                            "trace, but " + run.trace_path + " records attention only");
@@ -252,9 +250,8 @@ SearchSetup::SearchSetup(const SearchSpec& spec, const SearchRun& run) : reader(
     const int L = num_layers, K = num_kv_heads;
     out.shape = {meta.model_name, L, shape.num_query_heads, K, head_dim};
     full_fp16 = 4.0 * head_dim;
-    harness = named_harness_options(run.attention_view, run.group_reduce, qkv, 0);
     if (spec.sample_steps < 1 && !output_error)
-        throw InputError(spec.sample_where + ": samples the output error, but this search's objective is " +
+        throw InputError(spec.sample_where + ": samples the output error, but the objective is " +
                          out.objective + " (" + run.trace_path + (qkv ? ")" : " records attention only)"));
     options = search_replay_options(spec, harness, output_error, qkv);
 
@@ -604,7 +601,7 @@ void fit_prompt_ratios(SearchSetup& setup, const SearchSpec& spec, const SearchR
         r.objective = out.objective;
         r.fitting = objective_value(allocation_error(curves, grid, m.kept), fitting_steps, output_error);
         r.heldout = objective_value(error_sum(total, output_error), step_count(total, output_error), output_error);
-        if (output_error) r.heldout_interval = output_error_interval(total);
+        r.heldout_interval = output_error_interval(total);
         r.bytes_per_token = total.cache_bytes / static_cast<double>(total.context_tokens);
         r.compression_ratio = total.fp16_bytes / total.cache_bytes;
         r.prompt_ratios = method_columns[i].prompt_ratios;
@@ -802,7 +799,7 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
             r.objective = out.objective;
             r.fitting = objective_value(m.fitting_errors, fitting_steps, output_error);
             r.heldout = objective_value(error_sum(total, output_error), step_count(total, output_error), output_error);
-            if (output_error) r.heldout_interval = output_error_interval(total);
+            r.heldout_interval = output_error_interval(total);
             if (total.context_tokens > 0) {
                 r.bytes_per_token = total.cache_bytes / static_cast<double>(total.context_tokens);
                 r.compression_ratio = total.fp16_bytes / total.cache_bytes;

@@ -387,7 +387,10 @@ Harness::Harness(std::unique_ptr<Policy> policy, int budget, int64_t sequence_le
 }
 
 HarnessOptions named_harness_options(const std::string& attention_view, const std::string& group_reduce,
-                                     bool values_known, int prefill_tokens) {
+                                     bool values_known, int prefill_tokens, const std::string& config) {
+    if (attention_view == "cached" && !values_known)
+        throw InputError(config + ": attention_view: cached computes attention from the keys the cache holds, but the "
+                                  "trace records attention only (it needs a Q/K/V trace)");
     HarnessOptions options;
     const std::string view = attention_view.empty() ? (values_known ? "renormalized" : "raw") : attention_view;
     options.view = view == "raw" ? AttentionView::raw : view == "cached" ? AttentionView::cached : AttentionView::renormalized;

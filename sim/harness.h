@@ -79,11 +79,13 @@ struct HarnessOptions {
 };
 
 // The options a config names (its keys already checked): attention_view "raw", "renormalized",
-// or "" for the default, which is what the model really computes after eviction (renormalized)
-// wherever values are known (a Q/K/V trace, the model in the loop) and the reference harness's
-// raw view on attention traces; group_reduce "mean", "max" or "sum".
+// "cached", or "" for the default, which is what the model really computes after eviction
+// (renormalized) wherever values are known (a Q/K/V trace, the model in the loop) and the
+// reference harness's raw view on attention traces; group_reduce "mean", "max" or "sum". The
+// cached view computes attention from the keys held, so it needs values: without them an
+// InputError names `config` (the file that asked for it).
 HarnessOptions named_harness_options(const std::string& attention_view, const std::string& group_reduce,
-                                     bool values_known, int prefill_tokens);
+                                     bool values_known, int prefill_tokens, const std::string& config);
 
 // What one step shows the harness of one KV head: its query heads' rows (t weights each), their
 // weights on their own position, their top-k positions, and (raw view) the combined row.

@@ -291,8 +291,6 @@ public:
                 fail(steps, "search.sample.steps", "must be in (0, 1], got " + steps.Scalar());
             if (const YAML::Node seed = sample["seed"])
                 spec.sample_seed = static_cast<uint64_t>(integer(seed, "search.sample.seed", 0, (int64_t{1} << 32) - 1));
-            if (spec.objective == "retained_mass")
-                fail(sample, "search.sample", "samples the output error, but the objective is retained_mass");
         }
         if (const YAML::Node fit = node["fit"]) {
             spec.fits_where = where(fit, "search.fit");

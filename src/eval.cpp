@@ -424,7 +424,8 @@ EvalResult run_eval(const ExperimentConfig& config, const std::vector<GridAxis>&
     // In the loop the policy is shown what the model computes: renormalized unless asked otherwise;
     // cached shows it the attention of its cache as held, as kvsim's runtime does.
     const HarnessOptions harness =
-        named_harness_options(config.attention_view, config.group_reduce, /*values_known=*/true, config.prefill_tokens);
+        named_harness_options(config.attention_view, config.group_reduce, /*values_known=*/true, config.prefill_tokens,
+                              config.file);
 
     EvalResult result;
     result.description = std::filesystem::path(options.input.model_path).filename().string() + " on " +

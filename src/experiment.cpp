@@ -28,10 +28,7 @@ std::unique_ptr<AttentionSource> open_source(const TraceRef& trace) {
 
 HarnessOptions harness_options(const ExperimentConfig& config, const AttentionSource& source) {
     const bool qkv = dynamic_cast<const QkvSource*>(&source) != nullptr;
-    if (config.attention_view == "cached" && !qkv)
-        throw InputError(config.file + ": attention_view: cached computes attention from the keys the cache holds, but " +
-                         source.description() + " records attention only (it needs a Q/K/V trace)");
-    return named_harness_options(config.attention_view, config.group_reduce, qkv, config.prefill_tokens);
+    return named_harness_options(config.attention_view, config.group_reduce, qkv, config.prefill_tokens, config.file);
 }
 
 // Checks the config against the trace's shape: profiles need one budget per layer.

@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "policies/mixed.h"
 #include "sim/replay.h"
 #include "sim/sweep.h"
 #include "src/report.h"
@@ -51,6 +52,19 @@ inline PolicyEntry entry(const std::string& name, std::map<std::string, double> 
     e.params = std::move(params);
     e.where = "test: " + name;
     return e;
+}
+
+// The frame of the tests' mixed plans: H2O (recent window 8) for evicting heads, stratigraphic
+// (recent 16) for tier heads, streaming heads with 4 sinks and 16 recent; the caller fills each
+// head's method and level.
+inline MixedPlan mixed_plan_frame(int num_layers, int num_kv_heads) {
+    MixedPlan plan;
+    plan.num_layers = num_layers, plan.num_kv_heads = num_kv_heads;
+    plan.evict_policy = "h2o";
+    plan.evict_params = resolve_params(*find_policy("h2o"), {{"recent_window", 8}}, "test");
+    plan.tier_params = resolve_params(*find_policy("stratigraphic"), {{"recent", 16}}, "test");
+    plan.sinks = 4, plan.recent = 16;
+    return plan;
 }
 
 inline bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }

@@ -17,12 +17,7 @@ TEST_CASE("mixed: every head holds and errs exactly as its own method's policy t
     const int L = source->shape().num_layers, K = source->shape().num_kv_heads;
     const std::size_t units = static_cast<std::size_t>(L) * K;
     REQUIRE(units >= 4);
-    MixedPlan plan;
-    plan.num_layers = L, plan.num_kv_heads = K;
-    plan.evict_policy = "h2o";
-    plan.evict_params = resolve_params(*find_policy("h2o"), {{"recent_window", 8}}, "test");
-    plan.tier_params = resolve_params(*find_policy("stratigraphic"), {{"recent", 16}}, "test");
-    plan.sinks = 4, plan.recent = 16;
+    MixedPlan plan = mixed_plan_frame(L, K);
     std::vector<int> budgets;  // the eviction heads' budgets, and 64 for every other head
     for (std::size_t u = 0; u < units; ++u) {
         const auto m = static_cast<HeadMethod>(u % kHeadMethods);

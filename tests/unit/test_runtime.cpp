@@ -26,6 +26,7 @@
 #include "runtime/head_cache.h"
 #include "runtime/kvsim_runtime.h"
 #include "runtime/runtime_internal.h"
+#include "tests/unit/helpers.h"
 #include "tests/unit/host_device_cache.h"
 
 using namespace kvsim;
@@ -83,7 +84,7 @@ HeadFigures simulate(const std::string& profile_path, const std::vector<int>& se
         entry.profile_budgets.push_back(profile_column(profile, profile_path));
     auto source = open_trace_source(fp16_trace(), 0, sequences);
     ReplayOptions options;
-    options.harness = named_harness_options("cached", "mean", true, prefill);
+    options.harness = named_harness_options("cached", "mean", true, prefill, "test");
     options.output_error = true;
     options.memory = true;
     const std::vector<ReplayCombo> combos =
@@ -394,12 +395,7 @@ std::string mixed_profile() {
     Profile p = base_profile(reader.metadata());
     p.policy = "mixed";
     const int L = p.model.num_layers, K = p.model.num_kv_heads;
-    MixedPlan plan;
-    plan.num_layers = L, plan.num_kv_heads = K;
-    plan.evict_policy = "h2o";
-    plan.evict_params = resolve_params(*find_policy("h2o"), {{"recent_window", 8}}, "test");
-    plan.tier_params = resolve_params(*find_policy("stratigraphic"), {{"recent", 16}}, "test");
-    plan.sinks = 4, plan.recent = 16;
+    MixedPlan plan = test::mixed_plan_frame(L, K);
     for (int u = 0; u < L * K; ++u) {
         const int layer = u / K;
         const auto m = static_cast<HeadMethod>((u + layer) % kHeadMethods);
