@@ -11,6 +11,10 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define KVSIM_VECTOR_KERNELS 1
 #include <immintrin.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && \
+    defined(__AVX512VBMI__)
+#define KVSIM_AVX512_KERNELS 1
+#endif
 #endif
 
 namespace kvsim::runtime {
@@ -89,13 +93,6 @@ namespace {
 enum class ScaleKind { none, group, channel };
 
 constexpr int kMaxChunks = 256;  // head sizes up to 2048 (eight channels a chunk)
-
-inline float hsum(__m256 v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_add_ss(x, _mm_movehdup_ps(x));
-    return _mm_cvtss_f32(x);
-}
 
 // Where row r's numbers start: its half bits, or its levels.
 template <int Tier>
@@ -188,8 +185,15 @@ inline float tail_element(const TierRows& t, std::size_t r, int c, const float* 
     return element(t, r, c, K == ScaleKind::channel ? scales : nullptr);
 }
 
-// The next block's rows start loading while this one is computed.
-void prefetch_rows(const TierRows& t, int first, int rows) {
+// Rows start loading (into L2) this many blocks before they are computed: with one block ahead a
+// stream of FP16 rows arrived late on a 2-core Zen 5 (one thread's score pass over cold rows read
+// 8-13 GB/s with one block ahead, 12-15 GB/s with four; bench_runtime measures the whole).
+constexpr int kPrefetchBlocks = 4;
+
+// While the block from row `computing` is computed, the block kPrefetchBlocks ahead starts loading.
+void prefetch_rows(const TierRows& t, int computing) {
+    const int first = computing + kPrefetchBlocks * kKernelBlock;
+    const int rows = std::min(kKernelBlock, t.count - first);
     if (rows <= 0) return;
     const char* begin;
     std::size_t bytes;
@@ -202,10 +206,10 @@ void prefetch_rows(const TierRows& t, int first, int rows) {
         if (t.groups > 0) {
             const char* scales = reinterpret_cast<const char*>(t.scales + static_cast<std::size_t>(first) * t.groups);
             for (std::size_t at = 0; at < static_cast<std::size_t>(rows) * t.groups * 2; at += 64)
-                _mm_prefetch(scales + at, _MM_HINT_T0);
+                _mm_prefetch(scales + at, _MM_HINT_T1);
         }
     }
-    for (std::size_t at = 0; at < bytes; at += 64) _mm_prefetch(begin + at, _MM_HINT_T0);
+    for (std::size_t at = 0; at < bytes; at += 64) _mm_prefetch(begin + at, _MM_HINT_T1);
 }
 
 // The four lanes' sums of four vectors, in one vector: [sum a0, sum a1, sum a2, sum a3].
@@ -339,9 +343,12 @@ void accumulate_block(const TierRows& t, const Block& b, const float* weights, f
         }
 }
 
+// The scale group of each chunk of `Lanes` channels (group scales: a whole number of chunks a group).
+template <int Lanes = 8>
 void chunk_groups(const TierRows& t, int* chunk_group) {
-    const int chunks = t.head_dim / 8;
-    for (int j = 0; j < chunks; ++j) chunk_group[j] = t.group_channels > 0 && t.groups > 0 ? 8 * j / t.group_channels : 0;
+    const int chunks = t.head_dim / Lanes;
+    for (int j = 0; j < chunks; ++j)
+        chunk_group[j] = t.group_channels > 0 && t.groups > 0 ? Lanes * j / t.group_channels : 0;
 }
 
 template <int Tier, ScaleKind K, int G>
@@ -352,7 +359,7 @@ void score_tier(const TierRows& t, const float* q, float scale, float* scores, s
     __m128 peak[2] = {_mm_set1_ps(-INFINITY), _mm_set1_ps(-INFINITY)};
     for (int first = 0; first < t.count; first += kKernelBlock) {
         const int rows = std::min(kKernelBlock, t.count - first);
-        prefetch_rows(t, first + rows, std::min(kKernelBlock, t.count - first - rows));
+        prefetch_rows(t, first);
         const Block b = prepare<K>(t, first, rows, scratch);
         score_block<Tier, K, G>(t, b, q, scale, scores, stride, peak, chunk_group);
     }
@@ -370,7 +377,7 @@ void accumulate_tier(const TierRows& t, const float* weights, std::size_t stride
     float* block_weights = scratch + static_cast<std::size_t>(kKernelBlock) * (t.groups + 8 + t.head_dim);
     for (int first = 0; first < t.count; first += kKernelBlock) {
         const int rows = std::min(kKernelBlock, t.count - first);
-        prefetch_rows(t, first + rows, std::min(kKernelBlock, t.count - first - rows));
+        prefetch_rows(t, first);
         const Block b = prepare<K>(t, first, rows, scratch);
         for (int i = 0; i < rows; ++i) {  // each row's weights, wherever its key's score lies
             const std::size_t at = static_cast<std::size_t>(index_of_slot[t.slot_of_row[first + i]]);
@@ -380,9 +387,11 @@ void accumulate_tier(const TierRows& t, const float* weights, std::size_t stride
     }
 }
 
+// A group scale serves whole chunks of `Lanes` channels; any other grouping is spread per channel.
+template <int Lanes = 8>
 ScaleKind scale_kind(const TierRows& t) {
     if (t.tier == 0) return ScaleKind::none;
-    if (t.groups == 0 || t.group_channels % 8 != 0) return ScaleKind::channel;
+    if (t.groups == 0 || t.group_channels % Lanes != 0) return ScaleKind::channel;
     return ScaleKind::group;
 }
 
@@ -428,13 +437,8 @@ void by_group_size(int group, Call&& call) {
     }
 }
 
-}  // namespace
-
-void score_rows(const TierRows& t, const float* q, int group, float scale, float* scores, std::size_t stride,
-                float* peaks, float* scratch) {
-    check_rows(t);
-    if (t.count == 0) return;
-    if (t.head_dim / 8 > kMaxChunks) return score_rows_portable(t, q, group, scale, scores, stride, peaks, scratch);
+void score_rows_avx2(const TierRows& t, const float* q, int group, float scale, float* scores, std::size_t stride,
+                     float* peaks, float* scratch) {
     // More than eight query heads a KV head: eight at a time, each a pass over the rows.
     for (int h0 = 0; h0 < group; h0 += 8) {
         const int g = std::min(8, group - h0);
@@ -445,12 +449,8 @@ void score_rows(const TierRows& t, const float* q, int group, float scale, float
     }
 }
 
-void accumulate_rows(const TierRows& t, const float* weights, std::size_t stride, const int32_t* index_of_slot,
-                     int group, float* out, float* scratch) {
-    check_rows(t);
-    if (t.count == 0) return;
-    if (t.head_dim / 8 > kMaxChunks)
-        return accumulate_rows_portable(t, weights, stride, index_of_slot, group, out, scratch);
+void accumulate_rows_avx2(const TierRows& t, const float* weights, std::size_t stride, const int32_t* index_of_slot,
+                          int group, float* out, float* scratch) {
     for (int h0 = 0; h0 < group; h0 += 8) {
         const int g = std::min(8, group - h0);
         by_group_size(g, [&](auto size) {
@@ -459,6 +459,241 @@ void accumulate_rows(const TierRows& t, const float* weights, std::size_t stride
         });
     }
 }
+
+#if defined(KVSIM_AVX512_KERNELS)
+// The same passes sixteen channels a vector, for head sizes that are whole sixteens: twice the
+// channels an instruction, and thirty-two registers to keep more rows and heads in flight. Summed
+// in sixteen lanes, then across them.
+namespace avx512 {
+
+// Channels c..c+15 of a row: FP16 values, or INT8/INT4 levels, as floats (exact).
+template <int Tier>
+inline __m512 widen16(const void* row, int c) {
+    if constexpr (Tier == 0) {
+        return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(row) + c)));
+    } else if constexpr (Tier == 1) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(row) + c));
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+    } else {
+        // Eight bytes hold sixteen nibbles, channel c + i in bits 4i..4i+3 of the word. Lane i's top
+        // byte takes the eight bits from 4i - 4 (rotating within the word), which puts nibble i in
+        // the lane's top four bits; shifting back arithmetically sign-extends it (int4_level).
+        uint64_t word;
+        std::memcpy(&word, static_cast<const uint8_t*>(row) + c / 2, sizeof word);
+        const __m512i control = _mm512_setr_epi32(60 << 24, 0 << 24, 4 << 24, 8 << 24, 12 << 24, 16 << 24, 20 << 24,
+                                                  24 << 24, 28 << 24, 32 << 24, 36 << 24, 40 << 24, 44 << 24, 48 << 24,
+                                                  52 << 24, 56 << 24);
+        const __m512i picked = _mm512_multishift_epi64_epi8(control, _mm512_set1_epi64(static_cast<long long>(word)));
+        return _mm512_cvtepi32_ps(_mm512_srai_epi32(picked, 28));
+    }
+}
+
+template <ScaleKind K>
+inline __m512 scaled(__m512 x, const float* scales, int j, const int* chunk_group) {
+    if constexpr (K == ScaleKind::group) return _mm512_mul_ps(x, _mm512_set1_ps(scales[chunk_group[j]]));
+    if constexpr (K == ScaleKind::channel) return _mm512_mul_ps(x, _mm512_loadu_ps(scales + 16 * j));
+    return x;
+}
+
+// Sixteen lanes to eight (the halves added), for sum4.
+inline __m256 halves(__m512 x) {
+    return _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
+}
+
+template <int G, int H>
+inline __m256 head_or_zero(const __m512 (&acc)[G]) {
+    if constexpr (H < G) return halves(acc[H]);
+    return _mm256_setzero_ps();
+}
+
+// Rows a score pass takes side by side: up to sixteen accumulators (rows x heads) in flight.
+template <int G>
+constexpr int kRowsAtOnce = G <= 2 ? 8 : G <= 4 ? 4 : 2;
+
+template <int Tier, ScaleKind K, int G, int RW>
+inline void score_rows_at(const TierRows& t, const Block& b, int i0, const float* q, float scale, float* scores,
+                          std::size_t stride, __m128 (&peak)[2], const int* chunk_group) {
+    const int d = t.head_dim, chunks = d / 16;
+    const void* row[RW];
+    const float* sc[RW];
+#pragma GCC unroll 8
+    for (int w = 0; w < RW; ++w) {
+        row[w] = row_data<Tier>(t, static_cast<std::size_t>(b.first + i0 + w));
+        sc[w] = scales_of<K>(t, b, i0 + w);
+    }
+    __m512 acc[RW][G];
+#pragma GCC unroll 8
+    for (int w = 0; w < RW; ++w)
+#pragma GCC unroll 8
+        for (int h = 0; h < G; ++h) acc[w][h] = _mm512_setzero_ps();
+    for (int j = 0; j < chunks; ++j) {
+        __m512 k[RW];
+#pragma GCC unroll 8
+        for (int w = 0; w < RW; ++w) k[w] = scaled<K>(widen16<Tier>(row[w], 16 * j), sc[w], j, chunk_group);
+#pragma GCC unroll 8
+        for (int h = 0; h < G; ++h) {
+            __m512 qh = _mm512_loadu_ps(q + static_cast<std::size_t>(h) * d + 16 * j);
+            // Held in a register: GCC otherwise folds the load into each row's FMA, RW loads of
+            // the same numbers where one serves (the score pass ran ~1.4x slower with them).
+            asm("" : "+v"(qh));
+#pragma GCC unroll 8
+            for (int w = 0; w < RW; ++w) acc[w][h] = _mm512_fmadd_ps(qh, k[w], acc[w][h]);
+        }
+    }
+    const __m128 scale4 = _mm_set1_ps(scale);
+#pragma GCC unroll 8
+    for (int w = 0; w < RW; ++w) {
+        const std::size_t r = static_cast<std::size_t>(b.first + i0 + w);
+        alignas(16) float dot[8];
+        __m128 lo = _mm_mul_ps(sum4(halves(acc[w][0]), head_or_zero<G, 1>(acc[w]), head_or_zero<G, 2>(acc[w]),
+                                    head_or_zero<G, 3>(acc[w])),
+                               scale4);
+        peak[0] = _mm_max_ps(peak[0], lo);
+        _mm_store_ps(dot, lo);
+        if constexpr (G > 4) {
+            const __m128 hi = _mm_mul_ps(sum4(halves(acc[w][4]), head_or_zero<G, 5>(acc[w]), head_or_zero<G, 6>(acc[w]),
+                                              head_or_zero<G, 7>(acc[w])),
+                                         scale4);
+            peak[1] = _mm_max_ps(peak[1], hi);
+            _mm_store_ps(dot + 4, hi);
+        }
+#pragma GCC unroll 8
+        for (int h = 0; h < G; ++h) scores[h * stride + r] = dot[h];
+    }
+}
+
+template <int Tier, ScaleKind K, int G>
+void score_tier(const TierRows& t, const float* q, float scale, float* scores, std::size_t stride, float* peaks,
+                float* scratch) {
+    constexpr int RW = kRowsAtOnce<G>;
+    int chunk_group[kMaxChunks];
+    chunk_groups<16>(t, chunk_group);
+    __m128 peak[2] = {_mm_set1_ps(-INFINITY), _mm_set1_ps(-INFINITY)};
+    for (int first = 0; first < t.count; first += kKernelBlock) {
+        const int rows = std::min(kKernelBlock, t.count - first);
+        prefetch_rows(t, first);
+        const Block b = prepare<K>(t, first, rows, scratch);
+        int i = 0;
+        for (; i + RW <= rows; i += RW)
+            avx512::score_rows_at<Tier, K, G, RW>(t, b, i, q, scale, scores, stride, peak, chunk_group);
+        for (; i < rows; ++i)
+            avx512::score_rows_at<Tier, K, G, 1>(t, b, i, q, scale, scores, stride, peak, chunk_group);
+    }
+    alignas(16) float lanes[8];
+    _mm_store_ps(lanes, peak[0]);
+    _mm_store_ps(lanes + 4, peak[1]);
+    for (int h = 0; h < G; ++h) peaks[h] = std::max(peaks[h], lanes[h]);
+}
+
+// Chunks of sixteen channels a value pass keeps in flight for every head: up to sixteen accumulators.
+template <int G>
+constexpr int kChunksAtOnce = G >= 5 ? 2 : G >= 3 ? 4 : 16 / (2 * G);
+
+template <int Tier, ScaleKind K, int G, int S>
+inline void accumulate_slice(const TierRows& t, const Block& b, int j0, const float* weights, float* out,
+                             const int* chunk_group) {
+    const int d = t.head_dim;
+    __m512 acc[S][G];
+#pragma GCC unroll 8
+    for (int s = 0; s < S; ++s)
+#pragma GCC unroll 8
+        for (int h = 0; h < G; ++h) acc[s][h] = _mm512_loadu_ps(out + static_cast<std::size_t>(h) * d + 16 * (j0 + s));
+    for (int i = 0; i < b.rows; ++i) {
+        const void* row = row_data<Tier>(t, static_cast<std::size_t>(b.first + i));
+        const float* sc = scales_of<K>(t, b, i);
+        __m512 w[G];
+#pragma GCC unroll 8
+        for (int h = 0; h < G; ++h) {
+            w[h] = _mm512_set1_ps(weights[i * G + h]);
+            asm("" : "+v"(w[h]));  // one broadcast a row, not one per FMA (as the query above)
+        }
+#pragma GCC unroll 8
+        for (int s = 0; s < S; ++s) {
+            const __m512 v = scaled<K>(widen16<Tier>(row, 16 * (j0 + s)), sc, j0 + s, chunk_group);
+#pragma GCC unroll 8
+            for (int h = 0; h < G; ++h) acc[s][h] = _mm512_fmadd_ps(w[h], v, acc[s][h]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int s = 0; s < S; ++s)
+#pragma GCC unroll 8
+        for (int h = 0; h < G; ++h) _mm512_storeu_ps(out + static_cast<std::size_t>(h) * d + 16 * (j0 + s), acc[s][h]);
+}
+
+template <int Tier, ScaleKind K, int G>
+void accumulate_tier(const TierRows& t, const float* weights, std::size_t stride, const int32_t* index_of_slot,
+                     float* out, float* scratch) {
+    constexpr int S = kChunksAtOnce<G>;
+    const int chunks = t.head_dim / 16;
+    int chunk_group[kMaxChunks];
+    chunk_groups<16>(t, chunk_group);
+    float* block_weights = scratch + static_cast<std::size_t>(kKernelBlock) * (t.groups + 8 + t.head_dim);
+    for (int first = 0; first < t.count; first += kKernelBlock) {
+        const int rows = std::min(kKernelBlock, t.count - first);
+        prefetch_rows(t, first);
+        const Block b = prepare<K>(t, first, rows, scratch);
+        for (int i = 0; i < rows; ++i) {  // each row's weights, wherever its key's score lies
+            const std::size_t at = static_cast<std::size_t>(index_of_slot[t.slot_of_row[first + i]]);
+            for (int h = 0; h < G; ++h) block_weights[i * G + h] = weights[h * stride + at];
+        }
+        int j = 0;
+        for (; j + S <= chunks; j += S) avx512::accumulate_slice<Tier, K, G, S>(t, b, j, block_weights, out, chunk_group);
+        for (; j < chunks; ++j) avx512::accumulate_slice<Tier, K, G, 1>(t, b, j, block_weights, out, chunk_group);
+    }
+}
+
+template <int G>
+void score_group(const TierRows& t, const float* q, float scale, float* scores, std::size_t stride, float* peaks,
+                 float* scratch) {
+    switch (t.tier * 3 + static_cast<int>(scale_kind<16>(t))) {
+        case 0: return avx512::score_tier<0, ScaleKind::none, G>(t, q, scale, scores, stride, peaks, scratch);
+        case 4: return avx512::score_tier<1, ScaleKind::group, G>(t, q, scale, scores, stride, peaks, scratch);
+        case 5: return avx512::score_tier<1, ScaleKind::channel, G>(t, q, scale, scores, stride, peaks, scratch);
+        case 7: return avx512::score_tier<2, ScaleKind::group, G>(t, q, scale, scores, stride, peaks, scratch);
+        case 8: return avx512::score_tier<2, ScaleKind::channel, G>(t, q, scale, scores, stride, peaks, scratch);
+        default: throw std::logic_error("attention kernels: unknown tier");
+    }
+}
+
+template <int G>
+void accumulate_group(const TierRows& t, const float* weights, std::size_t stride, const int32_t* index_of_slot,
+                      float* out, float* scratch) {
+    switch (t.tier * 3 + static_cast<int>(scale_kind<16>(t))) {
+        case 0: return avx512::accumulate_tier<0, ScaleKind::none, G>(t, weights, stride, index_of_slot, out, scratch);
+        case 4: return avx512::accumulate_tier<1, ScaleKind::group, G>(t, weights, stride, index_of_slot, out, scratch);
+        case 5: return avx512::accumulate_tier<1, ScaleKind::channel, G>(t, weights, stride, index_of_slot, out, scratch);
+        case 7: return avx512::accumulate_tier<2, ScaleKind::group, G>(t, weights, stride, index_of_slot, out, scratch);
+        case 8: return avx512::accumulate_tier<2, ScaleKind::channel, G>(t, weights, stride, index_of_slot, out, scratch);
+        default: throw std::logic_error("attention kernels: unknown tier");
+    }
+}
+
+}  // namespace avx512
+
+void score_rows_avx512(const TierRows& t, const float* q, int group, float scale, float* scores, std::size_t stride,
+                       float* peaks, float* scratch) {
+    for (int h0 = 0; h0 < group; h0 += 8) {
+        const int g = std::min(8, group - h0);
+        by_group_size(g, [&](auto size) {
+            avx512::score_group<decltype(size)::value>(t, q + static_cast<std::size_t>(h0) * t.head_dim, scale,
+                                                       scores + h0 * stride, stride, peaks + h0, scratch);
+        });
+    }
+}
+
+void accumulate_rows_avx512(const TierRows& t, const float* weights, std::size_t stride, const int32_t* index_of_slot,
+                            int group, float* out, float* scratch) {
+    for (int h0 = 0; h0 < group; h0 += 8) {
+        const int g = std::min(8, group - h0);
+        by_group_size(g, [&](auto size) {
+            avx512::accumulate_group<decltype(size)::value>(t, weights + h0 * stride, stride, index_of_slot,
+                                                            out + static_cast<std::size_t>(h0) * t.head_dim, scratch);
+        });
+    }
+}
+#endif
+
+}  // namespace
 
 float reciprocal_of_sum(const float* x, std::size_t n) {
     __m256d sums[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
@@ -473,19 +708,7 @@ float reciprocal_of_sum(const float* x, std::size_t n) {
     return static_cast<float>(1.0 / total);
 }
 
-bool vector_kernels() { return true; }
-
 #else
-
-void score_rows(const TierRows& t, const float* q, int group, float scale, float* scores, std::size_t stride,
-                float* peaks, float* scratch) {
-    score_rows_portable(t, q, group, scale, scores, stride, peaks, scratch);
-}
-
-void accumulate_rows(const TierRows& t, const float* weights, std::size_t stride, const int32_t* index_of_slot,
-                     int group, float* out, float* scratch) {
-    accumulate_rows_portable(t, weights, stride, index_of_slot, group, out, scratch);
-}
 
 float reciprocal_of_sum(const float* x, std::size_t n) {
     double total = 0;
@@ -493,8 +716,71 @@ float reciprocal_of_sum(const float* x, std::size_t n) {
     return static_cast<float>(1.0 / total);
 }
 
-bool vector_kernels() { return false; }
-
 #endif
+
+std::vector<KernelSet> kernel_sets() {
+    std::vector<KernelSet> sets{KernelSet::portable};
+#if defined(KVSIM_VECTOR_KERNELS)
+    sets.push_back(KernelSet::avx2);
+#endif
+#if defined(KVSIM_AVX512_KERNELS)
+    sets.push_back(KernelSet::avx512);
+#endif
+    return sets;
+}
+
+const char* kernel_set_name(KernelSet set) {
+    switch (set) {
+        case KernelSet::avx2: return "AVX2+FMA+F16C";
+        case KernelSet::avx512: return "AVX-512 (F, BW, DQ, VL, VBMI)";
+        default: return "portable";
+    }
+}
+
+bool vector_kernels() { return kernel_sets().back() != KernelSet::portable; }
+
+// Which kernels take a tier's rows: the set asked for where it serves this head size, else the
+// next below it (AVX-512 takes whole sixteens of channels, AVX2 up to 2048).
+void score_rows_with([[maybe_unused]] KernelSet set, const TierRows& t, const float* q, int group, float scale,
+                     float* scores, std::size_t stride, float* peaks, float* scratch) {
+    check_rows(t);
+    if (t.count == 0) return;
+#if defined(KVSIM_AVX512_KERNELS)
+    if (set == KernelSet::avx512 && t.head_dim % 16 == 0 && t.head_dim / 16 <= kMaxChunks)
+        return score_rows_avx512(t, q, group, scale, scores, stride, peaks, scratch);
+#endif
+#if defined(KVSIM_VECTOR_KERNELS)
+    if (set != KernelSet::portable && t.head_dim / 8 <= kMaxChunks)
+        return score_rows_avx2(t, q, group, scale, scores, stride, peaks, scratch);
+#endif
+    score_rows_portable(t, q, group, scale, scores, stride, peaks, scratch);
+}
+
+void accumulate_rows_with([[maybe_unused]] KernelSet set, const TierRows& t, const float* weights,
+                          std::size_t stride, const int32_t* index_of_slot, int group, float* out, float* scratch) {
+    check_rows(t);
+    if (t.count == 0) return;
+#if defined(KVSIM_AVX512_KERNELS)
+    if (set == KernelSet::avx512 && t.head_dim % 16 == 0 && t.head_dim / 16 <= kMaxChunks)
+        return accumulate_rows_avx512(t, weights, stride, index_of_slot, group, out, scratch);
+#endif
+#if defined(KVSIM_VECTOR_KERNELS)
+    if (set != KernelSet::portable && t.head_dim / 8 <= kMaxChunks)
+        return accumulate_rows_avx2(t, weights, stride, index_of_slot, group, out, scratch);
+#endif
+    accumulate_rows_portable(t, weights, stride, index_of_slot, group, out, scratch);
+}
+
+void score_rows(const TierRows& t, const float* q, int group, float scale, float* scores, std::size_t stride,
+                float* peaks, float* scratch) {
+    static const KernelSet best = kernel_sets().back();
+    score_rows_with(best, t, q, group, scale, scores, stride, peaks, scratch);
+}
+
+void accumulate_rows(const TierRows& t, const float* weights, std::size_t stride, const int32_t* index_of_slot,
+                     int group, float* out, float* scratch) {
+    static const KernelSet best = kernel_sets().back();
+    accumulate_rows_with(best, t, weights, stride, index_of_slot, group, out, scratch);
+}
 
 }  // namespace kvsim::runtime

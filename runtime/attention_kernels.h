@@ -7,15 +7,20 @@
 // dequantize_level(level, scale) = level * scale for INT8 and INT4 (a level of at most 8 bits
 // times an fp16 scale is exact in float, so the vector product is the same number). What differs
 // from the simulator's arithmetic is the order of summation: a dot product is summed in eight
-// lanes with fused multiply-adds, then across the lanes, where the simulator sums in sixteen
-// lanes without fusing (cache_math/tiers.h, fixed_order_dot); the query is never quantised.
+// (AVX2) or sixteen (AVX-512) lanes with fused multiply-adds, then across the lanes, where the
+// simulator sums in sixteen lanes without fusing (cache_math/tiers.h, fixed_order_dot). The query
+// is never quantised: an int8 query would round each of its numbers by up to 1/254 of its largest,
+// where the agreement with the oracle (1e-5) leaves room for float rounding only.
 //
 // With AVX2, FMA and F16C in the build (-march=native on any x86-64 CPU since 2015) the kernels
-// are vector code; elsewhere the portable ones, plain loops over the same numerics, serve. Both
-// are compiled where the vector ones are, and the tests hold them to each other.
+// are vector code, eight channels a vector; with AVX-512 (F, BW, DQ, VL and VBMI: Ice Lake, Zen 4
+// and later) sixteen, for head sizes that are whole sixteens, summed in sixteen lanes. Elsewhere
+// the portable ones, plain loops over the same numerics, serve. Every set a build holds is
+// compiled in and reachable by name, and the tests hold each to the others.
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace kvsim::runtime {
 
@@ -64,5 +69,18 @@ void accumulate_rows_portable(const TierRows& rows, const float* weights, std::s
 
 // Whether score_rows and accumulate_rows are the vector kernels in this build.
 bool vector_kernels();
+
+// The kernel sets this build holds, portable first; the last is what score_rows and
+// accumulate_rows use.
+enum class KernelSet { portable, avx2, avx512 };
+std::vector<KernelSet> kernel_sets();
+const char* kernel_set_name(KernelSet set);
+
+// score_rows and accumulate_rows with a chosen set (one this build holds); where it does not serve
+// a head size (AVX-512: not a whole number of sixteens), the next set below it does.
+void score_rows_with(KernelSet set, const TierRows& rows, const float* q, int group, float scale, float* scores,
+                     std::size_t stride, float* peaks, float* scratch);
+void accumulate_rows_with(KernelSet set, const TierRows& rows, const float* weights, std::size_t stride,
+                          const int32_t* index_of_slot, int group, float* out, float* scratch);
 
 }  // namespace kvsim::runtime

@@ -1,8 +1,9 @@
 // The runtime's attention kernels (runtime/attention_kernels.h) and the packed tier storage they
-// read (runtime/tier_store.h), against numerics.h's definitions one number at a time: every tier,
-// scale groups of whole eights, of other sizes and per channel (KIVI), head sizes with and without
-// a tail past the last eight channels, and query groups of 1 to 9 heads; then one head's whole
-// serving attention against the oracle's two-pass attention on the same cache.
+// read (runtime/tier_store.h), against numerics.h's definitions one number at a time: every kernel
+// set the build holds (portable, AVX2, AVX-512), every tier, scale groups of whole eights and
+// sixteens, of other sizes and per channel (KIVI), head sizes of whole sixteens, of whole eights
+// and with a tail past the last eight channels, and query groups of 1 to 9 heads; then one head's
+// whole serving attention against the oracle's two-pass attention on the same cache.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -88,7 +89,7 @@ std::vector<Shape> shapes() {
     std::vector<Shape> all;
     for (int tier = 0; tier < 3; ++tier)
         for (const auto& [d, groups] : std::vector<std::pair<int, std::vector<int>>>{
-                 {128, {32, 8, 128, 12, 0}}, {8, {8, 4, 0}}, {67, {16, 67, 0}}, {20, {5, 0}}})
+                 {128, {32, 8, 128, 12, 0}}, {48, {16, 48, 24, 0}}, {8, {8, 4, 0}}, {67, {16, 67, 0}}, {20, {5, 0}}})
             for (int group : groups)
                 if (tier > 0 || group == groups.front()) all.push_back({tier, d, group});
     return all;
@@ -106,14 +107,14 @@ TEST_CASE("attention kernels: each stored number reaches attention as numerics.h
         const Rows r(shape.tier, slots, d, shape.group, rng);
         const TierRows t = r.rows();
         std::vector<float> scratch(kernel_scratch_floats(d, d));
-        for (bool portable : {false, true}) {
-            INFO("tier " << shape.tier << ", head size " << d << ", group " << shape.group << (portable ? ", portable" : ""));
+        for (KernelSet set : kernel_sets()) {
+            INFO("tier " << shape.tier << ", head size " << d << ", group " << shape.group << ", "
+                         << kernel_set_name(set));
             for (int c = 0; c < d; ++c) {
                 std::vector<float> q(d, 0.0f), scores(slots);
                 q[c] = 1.0f;
                 float peak = -INFINITY;
-                (portable ? score_rows_portable : score_rows)(t, q.data(), 1, 1.0f, scores.data(), slots, &peak,
-                                                              scratch.data());
+                score_rows_with(set, t, q.data(), 1, 1.0f, scores.data(), slots, &peak, scratch.data());
                 for (int row = 0; row < t.count; ++row) REQUIRE(scores[row] == r.element(r.held[row], c));
             }
             std::vector<int32_t> index_of_slot(slots, 0);
@@ -121,8 +122,8 @@ TEST_CASE("attention kernels: each stored number reaches attention as numerics.h
                 std::vector<float> weights(slots, 0.0f), out(d, 0.0f);
                 weights[row] = 1.0f;
                 for (int i = 0; i < t.count; ++i) index_of_slot[r.held[i]] = i;
-                (portable ? accumulate_rows_portable : accumulate_rows)(t, weights.data(), slots, index_of_slot.data(), 1,
-                                                                        out.data(), scratch.data());
+                accumulate_rows_with(set, t, weights.data(), slots, index_of_slot.data(), 1, out.data(),
+                                     scratch.data());
                 for (int c = 0; c < d; ++c) REQUIRE(out[c] == r.element(r.held[row], c));
             }
         }
@@ -133,7 +134,7 @@ TEST_CASE("attention kernels: scores and weighted sums for query groups of 1 to 
     // Against the same sums in double from numerics.h's numbers: each score within float rounding
     // of its terms' magnitude (n terms summed in float err by at most n * 2^-24 of it), each head's
     // peak the largest of its scores, each output within rounding of the weighted values'
-    // magnitude; the vector kernels and the portable ones alike.
+    // magnitude; every kernel set alike.
     std::mt19937 rng(12);
     std::normal_distribution<float> normal(0.0f, 1.0f);
     std::uniform_real_distribution<float> uniform(0.0f, 1.0f);
@@ -150,15 +151,14 @@ TEST_CASE("attention kernels: scores and weighted sums for query groups of 1 to 
             std::vector<int32_t> index_of_slot(slots, -1);
             for (int i = 0; i < t.count; ++i) index_of_slot[r.held[i]] = (i * 7) % t.count;  // any order
             const float scale = 0.3f;
-            for (bool portable : {false, true}) {
+            for (KernelSet set : kernel_sets()) {
                 INFO("tier " << shape.tier << ", head size " << d << ", group " << shape.group << ", " << group
-                             << " query heads" << (portable ? ", portable" : ""));
+                             << " query heads, " << kernel_set_name(set));
                 std::vector<float> scores(group * stride, 0.0f), peaks(group, -INFINITY);
                 std::vector<float> out(static_cast<std::size_t>(group) * d, 0.25f);  // accumulates onto what is there
-                (portable ? score_rows_portable : score_rows)(t, q.data(), group, scale, scores.data(), stride,
-                                                              peaks.data(), scratch.data());
-                (portable ? accumulate_rows_portable : accumulate_rows)(t, weights.data(), stride, index_of_slot.data(),
-                                                                        group, out.data(), scratch.data());
+                score_rows_with(set, t, q.data(), group, scale, scores.data(), stride, peaks.data(), scratch.data());
+                accumulate_rows_with(set, t, weights.data(), stride, index_of_slot.data(), group, out.data(),
+                                     scratch.data());
                 for (int h = 0; h < group; ++h) {
                     float peak = -INFINITY;
                     std::vector<double> expected(d, 0.25), magnitude(d, 0.25);
