@@ -2,7 +2,8 @@
 // 128 channels, one query token): decode attention over FP16, INT8 and INT4 caches and two tier
 // mixes, at 4K, 16K and 32K tokens of context, as time, bytes read a token and GB/s beside this
 // machine's memory read bandwidth, measured in the same run on the same threads (rounds that
-// alternate the bandwidth and every cache, medians); the largest difference of any query head's
+// alternate the bandwidth and every cache, medians), and the arithmetic as a share of this
+// machine's fp32 FMA peak (measured once, bench/fp32_peak.h); the largest difference of any query head's
 // output from the cpu-oracle backend's two-pass attention on the same cache; then a whole decode
 // step (admission, attention, the policy's update, eviction and re-zoning) against its attention
 // alone, for H2O and for stratigraphic tiers.
@@ -31,6 +32,7 @@
 #include <immintrin.h>
 #endif
 
+#include "fp32_peak.h"
 #include "policies/policy.h"
 #include "runtime/attention_kernels.h"
 #include "runtime/head_cache.h"
@@ -182,7 +184,8 @@ double sample(int repeats, F&& pass) {
     return seconds_since(start) / repeats;
 }
 
-void attention_table(int T, int scale_group, int rounds, ReadBandwidth& bandwidth, std::mt19937& rng) {
+void attention_table(int T, int scale_group, int rounds, ReadBandwidth& bandwidth, double fma_peak_gflops,
+                     std::mt19937& rng) {
     static const Mix mixes[] = {{"FP16", {1, 0, 0, 0}},
                                 {"INT8", {0, 1, 0, 0}},
                                 {"INT4", {0, 0, 1, 0}},
@@ -211,15 +214,18 @@ void attention_table(int T, int scale_group, int rounds, ReadBandwidth& bandwidt
     std::printf("\n%d tokens of context; memory read bandwidth %.1f GB/s (median of %d, alternated with the caches "
                 "below)\n",
                 T, read / 1e9, rounds);
-    std::printf("  %-30s %7s %11s %9s %9s %8s %9s %9s %12s\n", "cache", "held", "bytes/token", "MB/step", "ms/step",
-                "GB/s", "of read", "vs FP16", "vs oracle");
+    std::printf("  %-30s %7s %11s %9s %9s %8s %9s %8s %9s %12s\n", "cache", "held", "bytes/token", "MB/step", "ms/step",
+                "GB/s", "of read", "of FMA", "vs FP16", "vs oracle");
     const double fp16 = median(samples[0]);
     for (std::size_t i = 0; i < layers.size(); ++i) {
         const Layer& layer = layers[i];
         const double s = median(samples[i]);
-        std::printf("  %-30s %7d %11.1f %9.1f %9.3f %8.2f %8.0f%% %8.2fx %12.2e\n", layer.mix->name, layer.held,
+        // Multiply-adds a step: every held row's key against each query head, and its value into each.
+        const double flops = 2.0 * 2.0 * kGroup * kDim * layer.held * kKvHeads;
+        std::printf("  %-30s %7d %11.1f %9.1f %9.3f %8.2f %8.0f%% %7.0f%% %8.2fx %12.2e\n", layer.mix->name, layer.held,
                     layer.bytes / layer.held / kKvHeads, layer.bytes / 1e6, s * 1e3, layer.bytes / s / 1e9,
-                    100 * layer.bytes / s / read, fp16 / s, largest_difference(layers[i], q));
+                    100 * layer.bytes / s / read, 100 * flops / s / 1e9 / fma_peak_gflops, fp16 / s,
+                    largest_difference(layers[i], q));
     }
 }
 
@@ -289,12 +295,16 @@ int main(int argc, char** argv) {
                 "query token\n",
                 kQueryHeads, kKvHeads, kDim);
     std::printf("threads: %d; INT8/INT4 scales: one fp16 a %d channels; kernels: %s; medians of %d rounds\n", threads,
-                scale_group, runtime::vector_kernels() ? "AVX2+FMA+F16C" : "portable", rounds);
+                scale_group, runtime::kernel_set_name(runtime::kernel_sets().back()), rounds);
+    const double fma_peak = bench::measure_fp32_peak_gflops(threads);
+    std::printf("fp32 FMA peak measured on %d threads: %.0f GFLOP/s; of FMA: a step's 4 x 32 x 128 flops a held token "
+                "(scores and weighted values) against it\n",
+                threads, fma_peak);
     std::printf("bytes/token: keys and values with their scales, per token and KV head; GB/s: bytes a step / time a "
                 "step;\nvs oracle: the largest ||cpu - cpu-oracle|| / ||cpu-oracle|| over the 32 query heads\n");
     std::mt19937 rng(1);
     ReadBandwidth bandwidth;
-    for (int T : contexts) attention_table(T, scale_group, rounds, bandwidth, rng);
+    for (int T : contexts) attention_table(T, scale_group, rounds, bandwidth, fma_peak, rng);
 
     if (step_context > 0) {
         std::printf("\nwhole decode step (admission, attention, the policy's update, eviction, re-zoning) against its "
