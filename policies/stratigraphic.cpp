@@ -9,10 +9,15 @@
 // tier holds little beyond sinks, recent tokens and anchors, and the cache is smaller than the
 // shares suggest. This follows the specification; the tests check the bounds sinking guarantees.
 #include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstdint>
+#include <functional>
+#include <limits>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "policies/policy.h"
 #include "cache_math/tier_shares.h"
@@ -38,6 +43,22 @@ struct StratigraphicParams {
     TierFormat format;
 };
 
+// An importance as an unsigned number in the order selections need (NaN lowest, then ascending;
+// -0 and +0 one key, as they compare equal): selections then compare plain integers, where a
+// comparison of doubles that minds NaN branched through every step of nth_element.
+uint64_t ascending_key(double x) {
+    if (std::isnan(x)) return 0;
+    const uint64_t bits = std::bit_cast<uint64_t>(x == 0 ? 0.0 : x);
+    constexpr uint64_t kSign = uint64_t{1} << 63;
+    return bits & kSign ? ~bits : bits | kSign;  // -inf's key is 0x000f..., above NaN's
+}
+
+double from_ascending_key(uint64_t key) {
+    if (key == 0) return std::numeric_limits<double>::quiet_NaN();
+    constexpr uint64_t kSign = uint64_t{1} << 63;
+    return std::bit_cast<double>(key & kSign ? key & ~kSign : ~key);
+}
+
 // floor(share * seen), forgiving the last bit of rounding (0.29 * 100 is 28.999999999999996).
 int64_t share_count(double share, int64_t seen) {
     return static_cast<int64_t>(std::floor(share * static_cast<double>(seen) + 1e-9));
@@ -54,8 +75,8 @@ public:
         zone_.reserve(capacity);
         ranked_.reserve(capacity);
         gone_.reserve(capacity);
+        keys_.reserve(capacity);
         sorted_.reserve(capacity);
-        order_.reserve(capacity);
         admit(0);
     }
 
@@ -73,6 +94,8 @@ public:
         const std::size_t target = static_cast<std::size_t>(std::max(budget, 0));
         if (!rezoning && positions_.size() <= target) return;  // tiers stay, nothing goes
 
+        keys_.resize(positions_.size());
+        for (std::size_t i = 0; i < positions_.size(); ++i) keys_[i] = ascending_key(importance_[i]);
         find_protected();
         zone_.assign(positions_.size(), kFp16);  // between re-zonings no zone moves a tier
         if (rezoning) assign_zones();
@@ -127,47 +150,68 @@ private:
     }
 
     // Importance order: higher cumulative attention first, the lower position on ties, a NaN
-    // importance (NaN attention fed in) last. nth_element needs a strict weak order: with NaN
-    // compared as a number it has none and may run past the range.
-    bool more_important(std::size_t a, std::size_t b) const {
-        const double x = importance_[a], y = importance_[b];
-        const bool x_nan = std::isnan(x), y_nan = std::isnan(y);
-        if (x_nan != y_nan) return y_nan;
-        if (!x_nan && x != y) return x > y;
-        return positions_[a] < positions_[b];
-    }
-    // Ascending importance with NaN first: the same total order for the percentile.
-    static bool less_total(double x, double y) { return std::isnan(x) ? !std::isnan(y) : x < y; }
+    // importance (NaN attention fed in) last; as a pair of integers that ascends in that order
+    // (positions ascend with the index, so the index breaks ties).
+    using RankKey = std::pair<uint64_t, std::size_t>;
+    RankKey rank_key(std::size_t i) const { return {~keys_[i], i}; }
 
     // Sinks, the recent window and anchors: the tokens that always sit in the FP16 zone.
     void find_protected() {
         const std::size_t n = positions_.size();
-        protected_.assign(n, false);
-        for (std::size_t i = 0; i < n; ++i)
-            protected_[i] = positions_[i] < p_.sinks || int64_t{positions_[i]} > int64_t{step_} - p_.recent;
+        protected_.assign(n, 0);
+        // Positions ascend: the sinks are a prefix of the held tokens and the recent window a suffix.
+        const int32_t* first = positions_.begin();
+        const int32_t* sinks_end = std::lower_bound(first, positions_.end(), p_.sinks);
+        const int32_t* recent_begin = std::upper_bound(first, positions_.end(), int64_t{step_} - p_.recent,
+                                                       [](int64_t bound, int32_t pos) { return bound < pos; });
+        std::fill(protected_.begin(), protected_.begin() + (sinks_end - first), 1);
+        std::fill(protected_.begin() + (recent_begin - first), protected_.end(), 1);
 
         // Anchors: at or above the percentile (linear between order statistics), at most a fraction.
         const std::size_t max_anchors =
             static_cast<std::size_t>(std::floor(p_.anchor_max_frac * static_cast<double>(n) + 1e-9));
         if (max_anchors == 0) return;
-        sorted_.assign(importance_.begin(), importance_.end());
         const double rank = p_.anchor_percentile / 100.0 * static_cast<double>(n - 1);
         const std::size_t below = static_cast<std::size_t>(std::floor(rank));
-        std::nth_element(sorted_.begin(), sorted_.begin() + below, sorted_.end(), less_total);
-        const double low = sorted_[below];
-        const double high =
-            below + 1 < n ? *std::min_element(sorted_.begin() + below + 1, sorted_.end(), less_total) : low;
+        const auto [low_key, high_key] = order_statistic_and_next(below);
+        const double low = from_ascending_key(low_key), high = from_ascending_key(high_key);
         const double threshold = low + (rank - static_cast<double>(below)) * (high - low);
 
-        order_.clear();
+        ranked_.clear();
         for (std::size_t i = 0; i < n; ++i)
-            if (importance_[i] >= threshold) order_.push_back(i);
-        auto by_importance = [this](std::size_t a, std::size_t b) { return more_important(a, b); };
-        if (order_.size() > max_anchors) {
-            std::nth_element(order_.begin(), order_.begin() + max_anchors, order_.end(), by_importance);
-            order_.resize(max_anchors);
+            if (importance_[i] >= threshold) ranked_.push_back(rank_key(i));
+        if (ranked_.size() > max_anchors) {
+            std::nth_element(ranked_.begin(), ranked_.begin() + max_anchors, ranked_.end());
+            ranked_.resize(max_anchors);
         }
-        for (std::size_t i : order_) protected_[i] = true;
+        for (const RankKey& r : ranked_) protected_[r.second] = 1;
+    }
+
+    // The below-th smallest of keys_ and the one after it (the same where it is the last). A high
+    // percentile's few tokens above it are kept in a heap, one pass that seldom enters it (the
+    // important tokens are mostly the old ones, met first); otherwise a selection.
+    std::pair<uint64_t, uint64_t> order_statistic_and_next(std::size_t below) {
+        const std::size_t n = keys_.size(), above = n - below;  // keys at or past the below-th: >= 1
+        if (above * 16 <= n) {
+            sorted_.assign(keys_.begin(), keys_.begin() + static_cast<std::ptrdiff_t>(above));
+            std::make_heap(sorted_.begin(), sorted_.end(), std::greater<>());  // least on top
+            for (std::size_t i = above; i < n; ++i)
+                if (keys_[i] > sorted_.front()) {
+                    std::pop_heap(sorted_.begin(), sorted_.end(), std::greater<>());
+                    sorted_.back() = keys_[i];
+                    std::push_heap(sorted_.begin(), sorted_.end(), std::greater<>());
+                }
+            const uint64_t low = sorted_.front();
+            if (above == 1) return {low, low};
+            const uint64_t next = above == 2 ? sorted_[1] : std::min(sorted_[1], sorted_[2]);
+            return {low, next};
+        }
+        sorted_.assign(keys_.begin(), keys_.end());
+        std::nth_element(sorted_.begin(), sorted_.begin() + static_cast<std::ptrdiff_t>(below), sorted_.end());
+        const uint64_t low = sorted_[below];
+        return {low, below + 1 < n ? *std::min_element(sorted_.begin() + static_cast<std::ptrdiff_t>(below) + 1,
+                                                       sorted_.end())
+                                   : low};
     }
 
     // The zones of a re-zoning step: protected ones FP16, the rest by importance into what the
@@ -175,44 +219,42 @@ private:
     void assign_zones() {
         const int64_t seen = int64_t{step_} + 1;
         const int64_t fp16_count = share_count(p_.fp16_share, seen);
-        const int64_t protected_count = std::count(protected_.begin(), protected_.end(), true);
+        const int64_t protected_count = std::count(protected_.begin(), protected_.end(), 1);
 
         ranked_.clear();
         for (std::size_t i = 0; i < positions_.size(); ++i)
-            if (!protected_[i]) ranked_.push_back(i);
+            if (!protected_[i]) ranked_.push_back(rank_key(i));
         // The zones are consecutive runs of the importance order: partition, no need to sort.
         const std::size_t bounds[] = {static_cast<std::size_t>(std::max<int64_t>(fp16_count - protected_count, 0)),
                                       static_cast<std::size_t>(share_count(p_.int8_share, seen)),
                                       static_cast<std::size_t>(share_count(p_.int4_share, seen))};
         const uint8_t zones[] = {kFp16, kInt8, kInt4};
-        auto by_importance = [this](std::size_t a, std::size_t b) { return more_important(a, b); };
         auto begin = ranked_.begin();
         for (int z = 0; z < 3; ++z) {
             const std::size_t left = static_cast<std::size_t>(ranked_.end() - begin);
             const auto end = begin + static_cast<std::ptrdiff_t>(std::min(bounds[z], left));
-            if (end != ranked_.end()) std::nth_element(begin, end, ranked_.end(), by_importance);
-            for (auto it = begin; it != end; ++it) zone_[*it] = zones[z];
+            if (end != ranked_.end()) std::nth_element(begin, end, ranked_.end());
+            for (auto it = begin; it != end; ++it) zone_[it->second] = zones[z];
             begin = end;
         }
-        for (auto it = begin; it != ranked_.end(); ++it) zone_[*it] = kEvicted;
+        for (auto it = begin; it != ranked_.end(); ++it) zone_[it->second] = kEvicted;
     }
 
     // Still over the harness budget: the least important unprotected tokens go next. Should the
     // protected ones alone exceed it, the budget wins: the least important of them go, never the
     // token just admitted.
     void trim_to_budget(std::size_t excess) {
-        auto by_importance = [this](std::size_t a, std::size_t b) { return more_important(a, b); };
-        for (bool from_protected : {false, true}) {
+        for (const uint8_t from_protected : {0, 1}) {
             ranked_.clear();
             for (std::size_t i = 0; i < positions_.size(); ++i)
                 if (zone_[i] != kEvicted && protected_[i] == from_protected &&
                     !(from_protected && positions_[i] == step_))
-                    ranked_.push_back(i);
+                    ranked_.push_back(rank_key(i));
             const std::size_t take = std::min(excess, ranked_.size());
             // The least important `take` sit at the end of the importance order.
             const auto first_taken = ranked_.end() - static_cast<std::ptrdiff_t>(take);
-            std::nth_element(ranked_.begin(), first_taken, ranked_.end(), by_importance);
-            for (auto it = first_taken; it != ranked_.end(); ++it) zone_[*it] = kEvicted;
+            std::nth_element(ranked_.begin(), first_taken, ranked_.end());
+            for (auto it = first_taken; it != ranked_.end(); ++it) zone_[it->second] = kEvicted;
             excess -= take;
             if (excess == 0) return;
         }
@@ -225,11 +267,10 @@ private:
     SlotArray<double> importance_;  // cumulative attention of the query group (mean over it)
     SlotArray<uint8_t> tier_;       // Tier as uint8_t; only ever grows (coarser)
     // Scratch of one evict() call, kept to reuse its memory.
-    std::vector<bool> protected_;
-    std::vector<uint8_t> zone_;
-    std::vector<std::size_t> ranked_, gone_;
-    std::vector<double> sorted_;
-    std::vector<std::size_t> order_;
+    std::vector<uint64_t> keys_, sorted_;  // ascending_key of each held token's importance
+    std::vector<uint8_t> protected_, zone_;
+    std::vector<RankKey> ranked_;
+    std::vector<std::size_t> gone_;
 };
 
 std::string format_number(double v) {
