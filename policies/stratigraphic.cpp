@@ -47,10 +47,11 @@ struct StratigraphicParams {
 // -0 and +0 one key, as they compare equal): selections then compare plain integers, where a
 // comparison of doubles that minds NaN branched through every step of nth_element.
 uint64_t ascending_key(double x) {
-    if (std::isnan(x)) return 0;
-    const uint64_t bits = std::bit_cast<uint64_t>(x == 0 ? 0.0 : x);
+    // Written without branches (x + 0.0 turns -0 into +0): the loop over a head's tokens vectorises.
+    const uint64_t bits = std::bit_cast<uint64_t>(x + 0.0);
     constexpr uint64_t kSign = uint64_t{1} << 63;
-    return bits & kSign ? ~bits : bits | kSign;  // -inf's key is 0x000f..., above NaN's
+    const uint64_t key = bits & kSign ? ~bits : bits | kSign;  // -inf's key is 0x000f..., above NaN's
+    return x == x ? key : 0;
 }
 
 double from_ascending_key(uint64_t key) {
@@ -177,14 +178,26 @@ private:
         const double low = from_ascending_key(low_key), high = from_ascending_key(high_key);
         const double threshold = low + (rank - static_cast<double>(below)) * (high - low);
 
-        ranked_.clear();
-        for (std::size_t i = 0; i < n; ++i)
-            if (importance_[i] >= threshold) ranked_.push_back(rank_key(i));
+        keep_where([&](std::size_t i) { return importance_[i] >= threshold; });
         if (ranked_.size() > max_anchors) {
             std::nth_element(ranked_.begin(), ranked_.begin() + max_anchors, ranked_.end());
             ranked_.resize(max_anchors);
         }
         for (const RankKey& r : ranked_) protected_[r.second] = 1;
+    }
+
+    // ranked_: the rank keys of the held tokens i where keep(i), in index order. Every key is
+    // written and the count moves by the test's outcome: no branch to mispredict.
+    template <class Keep>
+    void keep_where(Keep&& keep) {
+        const std::size_t n = positions_.size();
+        ranked_.resize(n);
+        std::size_t kept = 0;
+        for (std::size_t i = 0; i < n; ++i) {
+            ranked_[kept] = rank_key(i);
+            kept += keep(i) ? 1 : 0;
+        }
+        ranked_.resize(kept);
     }
 
     // The below-th smallest of keys_ and the one after it (the same where it is the last). A high
@@ -221,9 +234,7 @@ private:
         const int64_t fp16_count = share_count(p_.fp16_share, seen);
         const int64_t protected_count = std::count(protected_.begin(), protected_.end(), 1);
 
-        ranked_.clear();
-        for (std::size_t i = 0; i < positions_.size(); ++i)
-            if (!protected_[i]) ranked_.push_back(rank_key(i));
+        keep_where([&](std::size_t i) { return !protected_[i]; });
         // The zones are consecutive runs of the importance order: partition, no need to sort.
         const std::size_t bounds[] = {static_cast<std::size_t>(std::max<int64_t>(fp16_count - protected_count, 0)),
                                       static_cast<std::size_t>(share_count(p_.int8_share, seen)),
@@ -245,11 +256,10 @@ private:
     // token just admitted.
     void trim_to_budget(std::size_t excess) {
         for (const uint8_t from_protected : {0, 1}) {
-            ranked_.clear();
-            for (std::size_t i = 0; i < positions_.size(); ++i)
-                if (zone_[i] != kEvicted && protected_[i] == from_protected &&
-                    !(from_protected && positions_[i] == step_))
-                    ranked_.push_back(rank_key(i));
+            keep_where([&](std::size_t i) {
+                return zone_[i] != kEvicted && protected_[i] == from_protected &&
+                       !(from_protected && positions_[i] == step_);
+            });
             const std::size_t take = std::min(excess, ranked_.size());
             // The least important `take` sit at the end of the importance order.
             const auto first_taken = ranked_.end() - static_cast<std::ptrdiff_t>(take);
