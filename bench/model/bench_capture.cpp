@@ -1,6 +1,7 @@
 // `kvsim capture` of a long sequence through a synthetic 1B-shaped quantised model on this CPU.
 //
 //   bench_capture [--tokens 4096] [--sequences 1] [--type Q4_K] [--layers 16] [--store fp32|fp16] [--dir /tmp]
+//                 [--model-only]
 //
 // Writes (once, in a child process, so its memory is not counted) a random-weight GGUF with
 // Llama 3.2 1B's shape (dim 2048, 16 layers, 32 query / 8 KV heads of 64, FFN 8192, vocab
@@ -51,6 +52,9 @@ int main(int argc, char** argv) {
     app.add_option("--layers", layers, "blocks (16 for the 1B shape; fewer for a quick look)")->check(CLI::Range(1, 64));
     app.add_option("--store", store, "trace precision")->check(CLI::IsMember({"fp32", "fp16"}));
     app.add_option("--dir", dir, "where the model, text and trace go");
+    bool model_only = false;
+    app.add_flag("--model-only", model_only,
+                 "write the model and the text (sequences split by a line @@@), print their paths, stop");
     CLI11_PARSE(app, argc, argv);
     const std::map<std::string, model::TensorType> types = {{"F32", model::TensorType::F32},
                                                             {"Q8_0", model::TensorType::Q8_0},
@@ -106,6 +110,11 @@ int main(int argc, char** argv) {
             if (s > 0) text << separator;
             for (int i = 0; i < tokens; ++i) text << "the cat " << (7 * i + s) % 97 << " sat. ";
         }
+    }
+
+    if (model_only) {
+        std::printf("model %s\ntext %s\n", model_path.c_str(), text_path.c_str());
+        return 0;
     }
 
     const int threads = tbb::info::default_concurrency();
