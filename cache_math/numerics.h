@@ -92,13 +92,21 @@ KVSIM_HD inline float group_scale(float max_abs, int qmax) {
     return scale > 0.0f ? scale : 0.0f;
 }
 
+// roundf(x), round half away from zero, without the library call: x - trunc(x) is exact, so the
+// test against one half is too (at |x| >= 2^23 every float is whole and the difference is 0); NaN
+// and infinities pass through. A loop of these vectorises where one of roundf calls libm.
+KVSIM_HD inline float round_half_away(float x) {
+    const float whole = truncf(x);
+    return fabsf(x - whole) >= 0.5f ? whole + copysignf(1.0f, x) : whole;
+}
+
 // A fp16 value's level under a group scale, as a float: round half away from zero, clamped to
 // [-qmax, qmax]; 0 for a zero scale. NaN stays NaN (the simulator passes it through; the runtime
 // refuses non-finite input before it gets here).
 KVSIM_HD inline float quant_level(float x_fp16, float scale, int qmax) {
     if (scale == 0.0f) return x_fp16 * 0.0f;
     const float bound = static_cast<float>(qmax);
-    const float q = roundf(x_fp16 / scale);
+    const float q = round_half_away(x_fp16 / scale);
     return q < -bound ? -bound : (q > bound ? bound : q);
 }
 

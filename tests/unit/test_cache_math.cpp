@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <Eigen/Core>
+#include <bit>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -54,6 +55,26 @@ TEST_CASE("quantisation levels: half away from zero, clamped, zero scale gives z
     CHECK(quant_level(-100.0f, scale, 7) == -7.0f);
     CHECK(group_scale(0.0f, 127) == 0.0f);
     CHECK(dequantize_level(quant_level(0.3f, 0.0f, 127), 0.0f) == 0.0f);
+}
+
+TEST_CASE("round_half_away: roundf's bits for every float on a stride through all 2^32 patterns, and the edges") {
+    // The stride is odd, so the patterns visited cover every exponent and both signs; ties, the
+    // largest non-whole floats and the specials are checked by name.
+    std::size_t checked = 0;
+    for (uint64_t bits = 0; bits < (uint64_t{1} << 32); bits += 601) {
+        const float x = std::bit_cast<float>(static_cast<uint32_t>(bits));
+        const float want = roundf(x), got = round_half_away(x);
+        if (std::isnan(want)) {
+            REQUIRE(std::isnan(got));
+        } else {
+            REQUIRE(std::bit_cast<uint32_t>(got) == std::bit_cast<uint32_t>(want));
+        }
+        ++checked;
+    }
+    CHECK(checked > 7000000);
+    for (const float x : {0.5f, -0.5f, 1.5f, -2.5f, 0.49999997f, -0.49999997f, 8388607.5f, -8388607.5f, 8388608.0f,
+                          -0.0f, 0.0f, 1e-45f, -1e-45f, INFINITY, -INFINITY, 16777215.0f, 3.4028235e38f})
+        CHECK(std::bit_cast<uint32_t>(round_half_away(x)) == std::bit_cast<uint32_t>(roundf(x)));
 }
 
 TEST_CASE("online softmax: the same weights and output as the two-pass softmax, within float rounding") {
