@@ -55,15 +55,15 @@ StreamingHeadState::StreamingHeadState(int head_dim, const StreamingHeadParams& 
     sink_positions_.reserve(params.sinks);
     recent_keys_.resize(dim_, params.recent);
     recent_values_.resize(dim_, params.recent);
+    sink_phi_.resize(dim_, params.sinks);
+    recent_phi_.resize(dim_, params.recent);
     recent_positions_.assign(params.recent, -1);
     for (Eigen::VectorXd* v : {&query_, &phi_q_, &linear_num_, &key_, &softmax_acc_, &phi_k_}) v->resize(dim_);
     scores_.reserve(static_cast<std::size_t>(params.sinks) + params.recent);
 }
 
-void StreamingHeadState::fold(const float* k, const float* v) {
-    const Eigen::Map<const Eigen::VectorXf> key(k, dim_), value(v, dim_);
-    Eigen::VectorXd& phi_k = phi_k_;
-    phi_k = key.cast<double>().unaryExpr(&streaming_feature);
+void StreamingHeadState::fold(const Eigen::VectorXd& phi_k, const float* v) {
+    const Eigen::Map<const Eigen::VectorXf> value(v, dim_);
     state_.noalias() += phi_k * value.cast<double>().transpose();  // rank-1: S += phi(k) v^T
     normaliser_ += phi_k;
     ++folded_;
@@ -83,22 +83,26 @@ void StreamingHeadState::admit(int64_t t, const float* k, const float* v) {
     last_position_ = t;
 
     const Eigen::Map<const Eigen::VectorXf> key(k, dim_), value(v, dim_);
+    Eigen::VectorXd& phi_k = phi_k_;
+    phi_k = key.cast<double>().unaryExpr(&streaming_feature);
     if (static_cast<int>(sink_positions_.size()) < params_.sinks) {
         const int slot = static_cast<int>(sink_positions_.size());
         sink_keys_.col(slot) = key;
         sink_values_.col(slot) = value;
+        sink_phi_.col(slot) = phi_k;
         sink_positions_.push_back(t);
         return;
     }
     if (params_.recent == 0) {  // no window: the token goes straight into the state
-        fold(k, v);
+        fold(phi_k, v);
         return;
     }
     int slot;
     if (recent_count_ == params_.recent) {
         // The oldest recent token leaves the window now; its slot takes the new token.
         slot = recent_head_;
-        fold(recent_keys_.col(slot).data(), recent_values_.col(slot).data());
+        key_ = recent_phi_.col(slot);  // an aligned copy, as fold's other callers pass
+        fold(key_, recent_values_.col(slot).data());
         recent_head_ = (recent_head_ + 1) % params_.recent;
     } else {
         slot = (recent_head_ + recent_count_) % params_.recent;
@@ -106,6 +110,7 @@ void StreamingHeadState::admit(int64_t t, const float* k, const float* v) {
     }
     recent_keys_.col(slot) = key;
     recent_values_.col(slot) = value;
+    recent_phi_.col(slot) = phi_k;
     recent_positions_[slot] = t;
 }
 
@@ -126,6 +131,9 @@ void StreamingHeadState::output(const float* q, float* out) const {
     auto key_of = [&](int i) {
         return i < n_sinks ? sink_keys_.col(i) : recent_keys_.col((recent_head_ + i - n_sinks) % params_.recent);
     };
+    auto phi_of = [&](int i) {
+        return i < n_sinks ? sink_phi_.col(i) : recent_phi_.col((recent_head_ + i - n_sinks) % params_.recent);
+    };
     auto value_of = [&](int i) {
         return i < n_sinks ? sink_values_.col(i) : recent_values_.col((recent_head_ + i - n_sinks) % params_.recent);
     };
@@ -139,7 +147,9 @@ void StreamingHeadState::output(const float* q, float* out) const {
         Eigen::VectorXd& key = key_;
         key = key_of(i).cast<double>();
         scores[i] = query.dot(key) * inv_sqrt_d;
-        kernel_mass += phi_q.dot(key.unaryExpr(&streaming_feature));
+        Eigen::VectorXd& phi_k = phi_k_;
+        phi_k = phi_of(i);  // aligned, as the vectors the dot product was written against
+        kernel_mass += phi_q.dot(phi_k);
     }
     const double max_score = *std::max_element(scores.begin(), scores.end());
     Eigen::VectorXd& softmax_acc = softmax_acc_;

@@ -75,7 +75,8 @@ public:
     const Eigen::VectorXd& state_normaliser() const { return normaliser_; }
 
 private:
-    void fold(const float* k, const float* v);
+    // Folds a token into the state: phi(k) given (an exact token's, computed when it arrived).
+    void fold(const Eigen::VectorXd& phi_k, const float* v);
 
     int dim_;
     StreamingHeadParams params_;
@@ -85,6 +86,9 @@ private:
     Eigen::MatrixXf sink_keys_, sink_values_;
     std::vector<int64_t> sink_positions_;
     Eigen::MatrixXf recent_keys_, recent_values_;
+    // phi of each exact token's key, by the same columns: computed once on arrival, where output()
+    // took d exponentials per exact token at every step.
+    Eigen::MatrixXd sink_phi_, recent_phi_;
     std::vector<int64_t> recent_positions_;  // ring slot -> position
     int recent_head_ = 0;                    // ring slot of the oldest recent token
     int recent_count_ = 0;

@@ -3,6 +3,7 @@
 #include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "base/errors.h"
 #include "cache_math/lowrank.h"
@@ -180,26 +181,76 @@ float softmax_numerators(Eigen::ArrayXf& scores) {
     return static_cast<float>(1.0 / total);
 }
 
+namespace {
+
+// out[i] = sum over j of (scores[j] * inv_total) * row(j)[i], j ascending: the generic loop's
+// arithmetic, element for element, with a fixed head size. The sums are vectors of sixteen (GCC's
+// vector extension, split to the target's width) so they stay in registers: left to itself the
+// compiler unrolled and jammed the plain loop into scalar code.
+template <int D, class Row>
+void accumulate_weighted_rows(Eigen::Index n, const Row& row, const float* scores, float inv_total, float* out) {
+    using Lanes = float __attribute__((vector_size(64)));
+    constexpr int kLanes = 16, kBlocks = D / kLanes;
+    static_assert(D % kLanes == 0);
+    Lanes sums[kBlocks] = {};
+    for (Eigen::Index j = 0; j < n; ++j) {
+        const float* v = row(j);
+        const float w = scores[j] * inv_total;
+        for (int b = 0; b < kBlocks; ++b) {
+            Lanes x;
+            std::memcpy(&x, v + b * kLanes, sizeof x);
+            sums[b] += w * x;
+        }
+    }
+    std::memcpy(out, sums, sizeof sums);
+}
+
+}  // namespace
+
+void score_row(const float* q, const float* keys, int64_t count, int kv_head, int num_kv_heads, int head_dim,
+               float* scores) {
+    const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+    const float* k = keys + static_cast<int64_t>(kv_head) * head_dim;
+    const int64_t stride = static_cast<int64_t>(num_kv_heads) * head_dim;
+    for (int64_t p = 0; p < count; ++p, k += stride) scores[p] = fixed_order_dot(q, k, head_dim) * scale;
+}
+
 void cached_attention_output(const float* q, std::span<const int32_t> held, std::span<const uint8_t> key_tier,
                              std::span<const uint8_t> value_tier, const TierArrays& arrays, int kv_head,
                              int num_kv_heads, int head_dim, Eigen::ArrayXf& scratch, float* out,
-                             float* weights) {
+                             float* weights, const float* fp16_scores) {
     const Eigen::Index n = static_cast<Eigen::Index>(held.size());
     scratch.resize(n);
     float* const scores = scratch.data();  // the hot loops index it plainly, without Eigen's checks
     const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
     for (Eigen::Index j = 0; j < n; ++j) {
         const int32_t p = held[j];
-        const float* k = arrays.k[key_tier[p]] + (static_cast<int64_t>(p) * num_kv_heads + kv_head) * head_dim;
+        const uint8_t tier = key_tier[p];
+        if (fp16_scores && tier == 0) {
+            scores[j] = fp16_scores[p];
+            continue;
+        }
+        const float* k = arrays.k[tier] + (static_cast<int64_t>(p) * num_kv_heads + kv_head) * head_dim;
         scores[j] = fixed_order_dot(q, k, head_dim) * scale;
     }
     const float inv_total = softmax_numerators(scratch);
+    if (weights)
+        for (Eigen::Index j = 0; j < n; ++j) weights[j] = scores[j] * inv_total;
+    if (!out) return;
+    const auto value_row = [&](Eigen::Index j) {
+        return arrays.v[value_tier[held[j]]] + (static_cast<int64_t>(held[j]) * num_kv_heads + kv_head) * head_dim;
+    };
+    // Each channel sums its weighted values in held order. For the common head sizes the sums stay
+    // in registers (out may alias nothing, but the compiler cannot know it).
+    switch (head_dim) {
+        case 64: accumulate_weighted_rows<64>(n, value_row, scores, inv_total, out); return;
+        case 128: accumulate_weighted_rows<128>(n, value_row, scores, inv_total, out); return;
+        default: break;
+    }
     std::fill(out, out + head_dim, 0.0f);
     for (Eigen::Index j = 0; j < n; ++j) {
-        const int32_t p = held[j];
-        const float* v = arrays.v[value_tier[p]] + (static_cast<int64_t>(p) * num_kv_heads + kv_head) * head_dim;
+        const float* v = value_row(j);
         const float w = scores[j] * inv_total;
-        if (weights) weights[j] = w;
         for (int i = 0; i < head_dim; ++i) out[i] += w * v[i];
     }
 }

@@ -69,12 +69,21 @@ double value_bytes(Tier tier, int head_dim, const TierFormat* format);
 
 // The attention output of one query head over the cached positions `held` (ascending, the current
 // token included), with each position's key and value read from its tier: softmax of
-// q.k / sqrt(d) over held only (renormalised), weighted sum of v. out has head_dim floats;
-// weights, when given, receives the softmax weight of each held position (held.size() floats).
+// q.k / sqrt(d) over held only (renormalised), weighted sum of v. out has head_dim floats, or is
+// null where only the weights are wanted; weights, when given, receives the softmax weight of each
+// held position (held.size() floats).
+// `fp16_scores`, when given, holds score_row's scores of this query against every position's key
+// in arrays.k[0]: a position whose key is at fp16 takes its score from there instead of a dot
+// product of its own (the same bits), so the many caches of one replay step share that work.
 void cached_attention_output(const float* q, std::span<const int32_t> held, std::span<const uint8_t> key_tier,
                              std::span<const uint8_t> value_tier, const TierArrays& arrays, int kv_head,
                              int num_kv_heads, int head_dim, Eigen::ArrayXf& scratch, float* out,
-                             float* weights = nullptr);
+                             float* weights = nullptr, const float* fp16_scores = nullptr);
+
+// The scores cached_attention_output gives positions 0..count-1 whose keys are `keys`
+// ([token][kv_head][d]): q.k / sqrt(d), bit for bit.
+void score_row(const float* q, const float* keys, int64_t count, int kv_head, int num_kv_heads, int head_dim,
+               float* scores);
 
 // The softmax of `scores` (q.k / sqrt(d), one per cached token) as cached_attention_output computes
 // it: scores become exp(score - max) in place; returns 1 / their sum, so weight j is

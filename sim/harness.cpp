@@ -437,9 +437,10 @@ void Harness::feed_linear_state(int32_t t) {
     }
 }
 
-// The cache's attention output for each query head of the group (into last_outputs_), and with
-// the cached view each head's weights on the attended positions (into cached_weights_).
-void Harness::attend_cached(const GroupStep& s) {
+// The cache's attention output for each query head of the group (into last_outputs_, where
+// `with_outputs`), and with the cached view each head's weights on the attended positions (into
+// cached_weights_).
+void Harness::attend_cached(const GroupStep& s, bool with_outputs) {
     const int32_t t = s.t;
     const int d = values_.head_dim;
     StreamingHeadState* state = policy_->linear_state();
@@ -448,18 +449,28 @@ void Harness::attend_cached(const GroupStep& s) {
     attended_.push_back(t);
     key_tier_[t] = value_tier_[t] = 0;
     const bool want_weights = options_.view == AttentionView::cached;
+    // The replay's shared scores serve where they were computed from this cache's fp16 keys.
+    const bool shared_scores = !s.fp16_scores.empty() && s.fp16_scores_keys == values_.arrays->k[0];
     last_outputs_.resize(s.queries.size() * d);
     cached_weights_.assign(want_weights ? s.queries.size() * attended_.size() : 0, 0.0f);
     for (std::size_t h = 0; h < s.queries.size(); ++h) {
-        float* out = last_outputs_.data() + h * d;
-        if (state)  // a streaming head shows its policy no weights: it keeps by position
-            state->output(s.queries[h], out);
-        else
+        float* out = with_outputs ? last_outputs_.data() + h * d : nullptr;
+        if (state) {  // a streaming head shows its policy no weights: it keeps by position
+            if (out) state->output(s.queries[h], out);
+        } else {
             cached_attention_output(s.queries[h], attended_, key_tier_, value_tier_, *values_.arrays, values_.kv_head,
                                     values_.num_kv_heads, d, scratch_, out,
-                                    want_weights ? cached_weights_.data() + h * attended_.size() : nullptr);
+                                    want_weights ? cached_weights_.data() + h * attended_.size() : nullptr,
+                                    shared_scores ? s.fp16_scores[h] : nullptr);
+        }
     }
-    attended_step_ = t;
+    attended_step_ = with_outputs ? t : -1;
+}
+
+// Whether this step's output error is measured (the sample's steps, or every decode step).
+bool Harness::output_measured(int32_t t) const {
+    if (!values_.output_error || t < options_.prefill_tokens) return false;
+    return !values_.sample.steps || values_.sample.steps[t];
 }
 
 // Output error and memory of the cache as the model reads it at this step: what the policy held
@@ -470,11 +481,17 @@ void Harness::measure_values(const GroupStep& s) {
     StreamingHeadState* state = policy_->linear_state();
     const bool sampling = values_.output_error && values_.sample.steps;
     const bool output_error = values_.output_error && (!sampling || values_.sample.steps[t]);
-    if (output_error && attended_step_ != t) attend_cached(s);
+    if (output_error && attended_step_ != t) attend_cached(s, true);
     feed_linear_state(t);  // for the memory alone; a no-op once attend_cached fed it
     if (values_.memory) {
         double bytes = key_bytes_[0] + value_bytes_[0];  // the current token
-        for (int32_t p : kept_) bytes += key_bytes_[key_tier_[p]] + value_bytes_[value_tier_[p]];
+        const double token_bytes = key_bytes_[0] + value_bytes_[0];
+        if (!tiered_ && token_bytes == std::trunc(token_bytes)) {
+            // Every token at fp16 and whole bytes a token: the product is the sum below, exactly.
+            bytes += static_cast<double>(kept_.size()) * token_bytes;
+        } else {
+            for (int32_t p : kept_) bytes += key_bytes_[key_tier_[p]] + value_bytes_[value_tier_[p]];
+        }
         if (state) bytes = state->bytes();  // its exact tokens at fp16 and the linear state
         if (options_.bookkeeping) bytes += static_cast<double>(policy_->bytes_per_slot()) * (kept_.size() + 1);
         bytes += values_.fixed_bytes;  // held at every step: amortised over the context
@@ -592,7 +609,7 @@ void Harness::observe(const GroupStep& s) {
     if (cached_view) {
         if (!values_.arrays || s.queries.size() != group)
             throw std::logic_error("the cached attention view needs the trace's values and queries");
-        attend_cached(s);
+        attend_cached(s, !values_.outputs_when_measured || output_measured(t));
     }
     // Retained mass per query head: the full-cache weight on kept positions, before eviction.
     // The renormalized view needs the same weights again, so they are gathered once, unless the

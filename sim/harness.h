@@ -106,6 +106,11 @@ struct GroupStep {
     // Output error: each query head's query at t and the full cache's output (head_dim each).
     std::span<const float* const> queries;
     std::span<const float* const> full_output;
+    // Where the replay computed them once for every harness of the step: each query head's scores
+    // against every position's key in `fp16_scores_keys` (cache_math/tiers.h, score_row). A
+    // harness whose fp16 keys are other arrays (a projected cache's) computes its own.
+    std::span<const float* const> fp16_scores;
+    const float* fp16_scores_keys = nullptr;
 };
 
 // Output error measured on a simple random sample of a stream's decode steps: `steps[t]` says
@@ -128,6 +133,9 @@ struct CacheValues {
     double byte_share = 1.0;
     double fixed_bytes = 0.0;
     OutputErrorSample sample;  // steps null: output error at every measured step
+    // The cached view computes the cache's outputs only at steps whose output error is measured
+    // (a replay's); otherwise at every step, for last_outputs (kvsim eval's model reads them).
+    bool outputs_when_measured = false;
 };
 
 class Harness {
@@ -200,10 +208,11 @@ private:
     // cosine; the measured steps of the stream, sampled or not.
     double sample_error_ = 0, sample_error_squares_ = 0, sample_cosine_ = 0;
     int64_t sampled_steps_ = 0, population_steps_ = 0;
-    void attend_cached(const GroupStep& s);
+    void attend_cached(const GroupStep& s, bool with_outputs);
+    bool output_measured(int32_t t) const;
     void feed_linear_state(int32_t t);
     std::vector<float> cached_weights_;  // cached view: [head][attended position] weights
-    int64_t attended_step_ = -1;         // the step last_outputs_ holds
+    int64_t attended_step_ = -1;         // the step last_outputs_ holds (-1: none)
 };
 
 }  // namespace kvsim

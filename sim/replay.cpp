@@ -39,6 +39,7 @@ public:
         : source_(source), shape_(source.shape()), combos_(combos), options_(options),
           query_heads_(shape_.num_query_heads), kv_heads_(shape_.num_kv_heads), group_(shape_.group_size()),
           k_(options.heavy_hitter_k), raw_view_(options.harness.view == AttentionView::raw),
+          cached_view_(options.harness.view == AttentionView::cached),
           qkv_(dynamic_cast<QkvSource*>(&source)), jobs_(layer_jobs()), combined_(kv_heads_) {
         // Value-level metrics need the values: only a Q/K/V source has them.
         if ((options.output_error || options.memory) && !qkv_)
@@ -331,6 +332,7 @@ private:
             const int kv = static_cast<int>(job / combos_.size());
             CacheValues values{arrays_for(policy.tier_format(), policy.projection()), kv, kv_heads_, head_dim_,
                                options_.output_error, options_.memory};
+            values.outputs_when_measured = true;
             if (options_.output_error && options_.output_error_sample < 1) {
                 const std::vector<uint8_t>& steps =
                     sampled_steps(s, layer, kv, std::max<int64_t>(1, harnesses[job].prefill_tokens()));
@@ -495,13 +497,32 @@ private:
         // share (sum_kept_weights), and the heavy hitters as bits: built once per step where two
         // or more read them.
         const bool shared = job.combos.size() > 1, interleave = group_ == 4 && shared;
-        thread_local std::vector<float> interleaved;
+        // The cached view: each query head's scores against every fp16 key, once for the run's
+        // combinations (each would otherwise take the same dot products for its held tokens).
+        // Other views need them at the steps whose output error is measured (the same steps for
+        // every combination of a KV head).
+        const bool share_scores = shared && options_.output_error;
+        thread_local std::vector<float> interleaved, scores;
+        const float* scores_of_group[64];
         for (int64_t i = 0; i < end - first; ++i) {
             GroupStep step = group_step(job.kv, first, end, i, arrays, shared);
             if (interleave) {
                 interleaved.resize(4 * static_cast<std::size_t>(step.t));
                 step.interleaved_bounded = interleave_rows(step.rows, step.t, interleaved.data());
                 step.interleaved = interleaved.data();
+            }
+            if (share_scores && !step.queries.empty() && fp16_arrays_ &&
+                (cached_view_ || full_output_every_step_[job.kv] ||
+                 full_output_steps_[job.kv][static_cast<std::size_t>(step.t)])) {
+                const std::size_t width = static_cast<std::size_t>(step.t) + 1;
+                scores.resize(group_ * width);
+                for (int h = 0; h < group_; ++h) {
+                    score_row(step.queries[h], fp16_arrays_->k[0], step.t + 1, job.kv, kv_heads_, head_dim_,
+                              scores.data() + h * width);
+                    scores_of_group[h] = scores.data() + h * width;
+                }
+                step.fp16_scores = {scores_of_group, static_cast<std::size_t>(group_)};
+                step.fp16_scores_keys = fp16_arrays_->k[0];
             }
             for (std::size_t c : job.combos) harnesses[job.kv * combos_.size() + c].step(step);
         }
@@ -618,6 +639,7 @@ private:
     ReplayOptions options_;  // a copy: the cached view turns the output on
     const int query_heads_, kv_heads_, group_, k_;
     const bool raw_view_;
+    const bool cached_view_;
     QkvSource* qkv_;
     int head_dim_ = 0;
     int64_t total_steps_ = 0, steps_done_ = 0;

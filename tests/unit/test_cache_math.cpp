@@ -3,12 +3,15 @@
 #include <doctest/doctest.h>
 
 #include <Eigen/Core>
+#include <array>
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
 #include "cache_math/numerics.h"
+#include "cache_math/tiers.h"
 
 using namespace kvsim;
 
@@ -148,4 +151,73 @@ TEST_CASE("online softmax: chunks attended apart and merged give the sequential 
     CHECK(empty.sum == whole.sum);
     CHECK(mine == 0.0f);
     CHECK(theirs == 1.0f);
+}
+
+TEST_CASE("cached attention: tiers mixed, shared fp16 scores and weights alone give the same bits; the output is the softmax's") {
+    // Head sizes with a fixed-size accumulation (64, 128) and without (48), over a held subset
+    // whose keys and values sit at all three tiers (random arrays stand in for each tier).
+    std::mt19937 rng(11);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (const int d : {48, 64, 128}) {
+        CAPTURE(d);
+        const int tokens = 300, kv_heads = 2, kv = 1;
+        std::array<std::vector<float>, 3> k, v;
+        TierArrays arrays;
+        for (int tier = 0; tier < 3; ++tier) {
+            k[tier].resize(static_cast<std::size_t>(tokens) * kv_heads * d);
+            v[tier].resize(k[tier].size());
+            for (float& x : k[tier]) x = normal(rng);
+            for (float& x : v[tier]) x = normal(rng);
+            arrays.k[tier] = k[tier].data();
+            arrays.v[tier] = v[tier].data();
+        }
+        std::vector<float> q(d);
+        for (float& x : q) x = normal(rng);
+        std::vector<int32_t> held;
+        std::vector<uint8_t> key_tier(tokens), value_tier(tokens);
+        for (int p = 0; p < tokens; ++p) {
+            if (p % 3 != 1) held.push_back(p);
+            key_tier[p] = static_cast<uint8_t>(p % 7 == 0 ? 1 : p % 5 == 0 ? 2 : 0);
+            value_tier[p] = static_cast<uint8_t>(p % 4 == 0 ? 2 : p % 11 == 0 ? 1 : 0);
+        }
+        std::vector<float> fp16_scores(tokens);
+        score_row(q.data(), arrays.k[0], tokens, kv, kv_heads, d, fp16_scores.data());
+        Eigen::ArrayXf scratch;
+        std::vector<float> out(d), out_shared(d), weights(held.size()), weights_shared(held.size()), weights_alone(held.size());
+        cached_attention_output(q.data(), held, key_tier, value_tier, arrays, kv, kv_heads, d, scratch, out.data(),
+                                weights.data());
+        cached_attention_output(q.data(), held, key_tier, value_tier, arrays, kv, kv_heads, d, scratch,
+                                out_shared.data(), weights_shared.data(), fp16_scores.data());
+        cached_attention_output(q.data(), held, key_tier, value_tier, arrays, kv, kv_heads, d, scratch, nullptr,
+                                weights_alone.data(), fp16_scores.data());
+        CHECK(std::memcmp(out.data(), out_shared.data(), d * sizeof(float)) == 0);
+        CHECK(std::memcmp(weights.data(), weights_shared.data(), weights.size() * sizeof(float)) == 0);
+        CHECK(std::memcmp(weights.data(), weights_alone.data(), weights.size() * sizeof(float)) == 0);
+
+        // In double: softmax of q.k / sqrt(d) over held, each key and value at its tier.
+        std::vector<double> score(held.size()), want(d, 0.0);
+        double peak = -1e300, total = 0;
+        for (std::size_t j = 0; j < held.size(); ++j) {
+            const int p = held[j];
+            const float* key = arrays.k[key_tier[p]] + (static_cast<std::size_t>(p) * kv_heads + kv) * d;
+            double dot = 0;
+            for (int i = 0; i < d; ++i) dot += double(q[i]) * key[i];
+            score[j] = dot / std::sqrt(double(d));
+            peak = std::max(peak, score[j]);
+        }
+        for (double& x : score) total += (x = std::exp(x - peak));
+        double worst_weight = 0, worst_out = 0, norm = 0;
+        for (std::size_t j = 0; j < held.size(); ++j) {
+            const int p = held[j];
+            const float* value = arrays.v[value_tier[p]] + (static_cast<std::size_t>(p) * kv_heads + kv) * d;
+            worst_weight = std::max(worst_weight, std::abs(weights[j] - score[j] / total));
+            for (int i = 0; i < d; ++i) want[i] += score[j] / total * value[i];
+        }
+        for (int i = 0; i < d; ++i) {
+            worst_out = std::max(worst_out, std::abs(out[i] - want[i]));
+            norm = std::max(norm, std::abs(want[i]));
+        }
+        CHECK(worst_weight < 1e-6);
+        CHECK(worst_out < 1e-5 * std::max(1.0, norm));
+    }
 }

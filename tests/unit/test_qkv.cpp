@@ -295,6 +295,42 @@ TEST_CASE("combinations on one KV head read its four heads' rows interleaved, an
     }
 }
 
+TEST_CASE("combinations replayed together share each step's scores, and give the bits they give alone") {
+    // Together, a KV head's combinations take each fp16 key's score from one row per query head
+    // computed once a step (cached view: every step; otherwise the steps whose output error is
+    // measured); alone, each computes its own. The cached view's weights, the output error
+    // (every step and sampled) and the memory must not move by a bit, tiered policies included.
+    SyntheticQkvSpec spec = synthetic_qkv_trace("small-1024", "test");
+    spec.num_layers = 1;
+    tbb::global_control one_thread(tbb::global_control::max_allowed_parallelism, 1);
+    auto source = make_synthetic_qkv_source(spec, 200);
+    const std::vector<PolicyEntry> policies = {entry("h2o"), entry("tova"), entry("stratigraphic")};
+    for (AttentionView view : {AttentionView::cached, AttentionView::raw}) {
+        for (double sample : {1.0, 0.25}) {
+            CAPTURE(static_cast<int>(view));
+            CAPTURE(sample);
+            ReplayOptions options;
+            options.harness.view = view;
+            options.output_error = options.memory = true;
+            options.output_error_sample = sample;
+            const auto combos = expand_sweep(policies, {}, std::vector<int>{70, 90, 110, 130});
+            const auto together = replay(*source, combos, options);
+            for (std::size_t c = 0; c < combos.size(); ++c) {
+                CAPTURE(combos[c].label);
+                CAPTURE(combos[c].budget);
+                const auto alone = replay(*source, {combos[c]}, options);
+                const StreamMetrics &a = together[c].total, &b = alone[0].total;
+                CHECK(a.output_steps > 0);
+                CHECK(std::memcmp(&a.output_rel_error, &b.output_rel_error, sizeof(double)) == 0);
+                CHECK(std::memcmp(&a.output_cosine, &b.output_cosine, sizeof(double)) == 0);
+                CHECK(std::memcmp(&a.cache_bytes, &b.cache_bytes, sizeof(double)) == 0);
+                CHECK(std::memcmp(&a.retained_mass, &b.retained_mass, sizeof(double)) == 0);
+                CHECK(a.eviction_calls == b.eviction_calls);
+            }
+        }
+    }
+}
+
 namespace {
 
 // A Q/K/V source's blocks, handed over whole: what a replay of an attention trace reads. Its
