@@ -94,6 +94,7 @@ public:
         }
         ReplayOptions options = search_replay_options(*in_.spec, in_.harness, true, true);
         options.harness.bookkeeping = bookkeeping_;
+        options.harness.attention_metrics = false;  // the fit reads output error and bytes alone
         const std::vector<ReplayCombo> combos = expand_sweep(entries, {}, std::vector<int>{1});
         const std::vector<ComboResult> results = replay(source, combos, options);
         std::vector<PlanResult> out;

@@ -623,9 +623,10 @@ void Harness::observe(const GroupStep& s) {
     const bool shown_as_summed = shown && !cached_view && !renormalized && group == 1 && s.combined == s.rows[0];
     attn_.resize(shown ? held : 0);
     float* const copy = shown_as_summed ? attn_.data() : gathered_.empty() ? nullptr : gathered_.data();
-    sum_kept_weights(s.rows, kept_, copy, retained_.data(), s.interleaved, s.interleaved_bounded);
+    if (shown || options_.attention_metrics)
+        sum_kept_weights(s.rows, kept_, copy, retained_.data(), s.interleaved, s.interleaved_bounded);
     if (measured) {
-        for (std::size_t h = 0; h < group; ++h) {
+        for (std::size_t h = 0; h < group && options_.attention_metrics; ++h) {
             // The current token is always in the cache: where its own weight is known, it counts.
             metrics_.retained_mass += retained_[h] + (s.own_weight.empty() ? 0.0 : s.own_weight[h]);
             int64_t hits = 0;

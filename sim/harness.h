@@ -76,6 +76,9 @@ struct HarnessOptions {
     // Whether the memory metric counts the policy's bookkeeping per slot: kvsim's runtime holds it;
     // an engine that keeps K and V alone (kvpress, DuoAttention) does not.
     bool bookkeeping = true;
+    // Whether retained mass and heavy-hitter recall are measured. Without them, and with a policy
+    // that keeps by position alone, a step's attention rows are never read: the replay makes none.
+    bool attention_metrics = true;
 };
 
 // The options a config names (its keys already checked): attention_view "raw", "renormalized",

@@ -53,8 +53,10 @@ public:
         }
         head_dim_ = qkv_ ? qkv_->qkv_shape().head_dim : 0;
         runs_of_kv_.resize(kv_heads_);
-        for (std::size_t j = 0; j < jobs_.size(); ++j)
+        for (std::size_t j = 0; j < jobs_.size(); ++j) {
             (jobs_[j].kv >= 0 ? runs_of_kv_[jobs_[j].kv] : layer_wide_jobs_).push_back(j);
+            shared_runs_ |= jobs_[j].kv >= 0 && jobs_[j].combos.size() > 1;
+        }
         // The per-step loops keep a group's rows in arrays of 64.
         if (group_ < 1 || group_ > 64)
             throw InputError(source.description() + ": " + std::to_string(group_) +
@@ -158,7 +160,10 @@ private:
                 shared = add(shared, mul(mul(heads, add(mul(2, per_head), rows)), sizeof(float)));  // score products
                 if (values) {
                     shared = add(shared, mul(mul(tier_copies, 4), mul(mul(length, mul(kv, d)), sizeof(float))));
-                    if (options_.output_error) shared = add(shared, mul(mul(heads, mul(rows, d)), sizeof(float)));
+                    if (options_.output_error) {
+                        shared = add(shared, mul(mul(heads, mul(rows, d)), sizeof(float)));
+                        shared = add(shared, mul(mul(heads, add(per_head, mul(2, rows))), sizeof(float)));  // scores
+                    }
                     shared = add(shared, mul(length, sizeof(int32_t) + 1));
                 }
             }
@@ -353,6 +358,10 @@ private:
     void replay_layer(int s, int layer, std::vector<Harness>& harnesses, std::optional<std::pair<int, int>> load_next) {
         const int64_t length = shape_.sequence_lengths[s];
         const int64_t block_floats = block_floats_per_head();
+        // A Q/K/V trace's attention rows are made only where something reads them: the attention
+        // metrics, or a policy shown attention (search's streaming fit needs neither).
+        rows_ = !qkv_ || options_.harness.attention_metrics ||
+                std::any_of(harnesses.begin(), harnesses.end(), [](const Harness& h) { return h.policy().reads_attention(); });
         for (int64_t first = 1; first <= shape_.last_steps[s];) {
             const int64_t end = attention_block_end(first, shape_.last_steps[s], block_floats);
             size_heavy_hitters(first, end);
@@ -367,8 +376,8 @@ private:
                 qkv_->prefetch(load_next->first, load_next->second);
                 load_next.reset();
             }
-            recorded_self_ = !block_.self_weight.empty();
-            if (!raw_view_ && !recorded_self_) self_weight_from_row_sums(block_);
+            recorded_self_ = rows_ && !block_.self_weight.empty();
+            if (rows_ && !raw_view_ && !recorded_self_) self_weight_from_row_sums(block_);
             size_shared_work(first, end, length);
             // Each KV head in turn: a Q/K/V trace's rows of its query heads (each row's heavy
             // hitters found as it is written), the block's work its combinations share, then its
@@ -376,7 +385,7 @@ private:
             // rows of every head, 32 MB on the Llama-1B shape, come back from memory).
             overflow_.assign(query_heads_, -1);
             tbb::parallel_for(0, kv_heads_, [&](int kv) {
-                if (qkv_)
+                if (qkv_ && rows_)
                     for (int h = kv * group_; h < (kv + 1) * group_; ++h)
                         if ((overflow_[h] = qkv_->head_rows(h, block_, &heavy_of_row_)) >= 0) return;
                 shared_work(kv, first, end);
@@ -450,18 +459,36 @@ private:
     void size_shared_work(int64_t first, int64_t end, int64_t length) {
         if (options_.output_error) {
             full_output_.resize(static_cast<std::size_t>(query_heads_) * (end - first) * head_dim_);
+            // Row t of the scores has t + 1 entries: laid out as attention row t + 1 would be.
+            scores_span_ = attention_row_offset(end + 1) - attention_row_offset(first + 1);
+            fp16_scores_.resize(static_cast<std::size_t>(query_heads_) * scores_span_);
             if (every_position_.size() < static_cast<std::size_t>(length)) {
                 every_position_.resize(length);
                 for (int64_t p = 0; p < length; ++p) every_position_[p] = static_cast<int32_t>(p);
                 all_fp16_.assign(length, 0);
             }
         }
-        if (raw_view_ && group_ > 1)
+        if (rows_ && raw_view_ && group_ > 1)
             for (auto& c : combined_) c.resize(attention_row_offset(end) - attention_row_offset(first));
     }
 
-    // Once per block and KV head for all its combinations: the full cache's output of its query
-    // heads (for the output error), and (raw view, grouped heads) its combined row.
+    // Whether step t of KV head kv has its query heads' scores against every fp16 key made in
+    // shared_work: where its output error is measured (the full cache's output reads them), and in
+    // the cached view at every step where two or more combinations share a run.
+    bool scores_made(int kv, int64_t t) const {
+        if (!options_.output_error) return false;
+        return full_output_every_step_[kv] || full_output_steps_[kv][static_cast<std::size_t>(t)] ||
+               (cached_view_ && shared_runs_);
+    }
+    const float* fp16_scores_of(int head, int64_t first, int64_t t) const {
+        return fp16_scores_.data() + head * scores_span_ + attention_row_offset(t + 1) - attention_row_offset(first + 1);
+    }
+
+    // Once per block and KV head for all its combinations: each query head's scores against every
+    // fp16 key (score_row), the full cache's output from them (for the output error), and (raw
+    // view, grouped heads) its combined row. A combination's cache reads the same scores for the
+    // keys it holds at fp16 (Harness::attend_cached): one dot product a key and step, not one a
+    // combination.
     void shared_work(int kv, int64_t first, int64_t end) {
         const int64_t rows = end - first;
         if (options_.output_error) {
@@ -470,16 +497,19 @@ private:
                 const int head = kv * group_ + static_cast<int>(index / rows);
                 const int64_t t = first + index % rows;
                 const int64_t job = head * rows + index % rows;
+                if (!scores_made(kv, t)) return;
+                const float* q = layer_values_->q.data() + (t * query_heads_ + head) * head_dim_;
+                float* scores = fp16_scores_.data() + (fp16_scores_of(head, first, t) - fp16_scores_.data());
+                score_row(q, fp16_arrays_->k[0], t + 1, kv, kv_heads_, head_dim_, scores);
                 // Sampled: only the steps some stream of this KV head measures.
                 if (!full_output_every_step_[kv] && !full_output_steps_[kv][static_cast<std::size_t>(t)]) return;
                 thread_local Eigen::ArrayXf scratch;
-                cached_attention_output(layer_values_->q.data() + (t * query_heads_ + head) * head_dim_,
-                                        {every_position_.data(), static_cast<std::size_t>(t + 1)}, all_fp16_,
+                cached_attention_output(q, {every_position_.data(), static_cast<std::size_t>(t + 1)}, all_fp16_,
                                         all_fp16_, *fp16_arrays_, kv, kv_heads_, head_dim_, scratch,
-                                        full_output_.data() + job * head_dim_);
+                                        full_output_.data() + job * head_dim_, nullptr, scores);
             });
         }
-        if (raw_view_ && group_ > 1) {
+        if (rows_ && raw_view_ && group_ > 1) {
             for (int64_t t = first; t < end; ++t) {
                 const float* rows_of_group[64];
                 for (int h = 0; h < group_; ++h) rows_of_group[h] = block_.row(kv * group_ + h, t);
@@ -496,13 +526,8 @@ private:
         // A group of four heads' rows, interleaved by position for the run's combinations to
         // share (sum_kept_weights), and the heavy hitters as bits: built once per step where two
         // or more read them.
-        const bool shared = job.combos.size() > 1, interleave = group_ == 4 && shared;
-        // The cached view: each query head's scores against every fp16 key, once for the run's
-        // combinations (each would otherwise take the same dot products for its held tokens).
-        // Other views need them at the steps whose output error is measured (the same steps for
-        // every combination of a KV head).
-        const bool share_scores = shared && options_.output_error;
-        thread_local std::vector<float> interleaved, scores;
+        const bool shared = job.combos.size() > 1, interleave = group_ == 4 && shared && rows_;
+        thread_local std::vector<float> interleaved;
         const float* scores_of_group[64];
         for (int64_t i = 0; i < end - first; ++i) {
             GroupStep step = group_step(job.kv, first, end, i, arrays, shared);
@@ -511,16 +536,8 @@ private:
                 step.interleaved_bounded = interleave_rows(step.rows, step.t, interleaved.data());
                 step.interleaved = interleaved.data();
             }
-            if (share_scores && !step.queries.empty() && fp16_arrays_ &&
-                (cached_view_ || full_output_every_step_[job.kv] ||
-                 full_output_steps_[job.kv][static_cast<std::size_t>(step.t)])) {
-                const std::size_t width = static_cast<std::size_t>(step.t) + 1;
-                scores.resize(group_ * width);
-                for (int h = 0; h < group_; ++h) {
-                    score_row(step.queries[h], fp16_arrays_->k[0], step.t + 1, job.kv, kv_heads_, head_dim_,
-                              scores.data() + h * width);
-                    scores_of_group[h] = scores.data() + h * width;
-                }
+            if (scores_made(job.kv, step.t)) {  // made in shared_work
+                for (int h = 0; h < group_; ++h) scores_of_group[h] = fp16_scores_of(job.kv * group_ + h, first, step.t);
                 step.fp16_scores = {scores_of_group, static_cast<std::size_t>(group_)};
                 step.fp16_scores_keys = fp16_arrays_->k[0];
             }
@@ -572,10 +589,20 @@ private:
         const int64_t t = first + i;
         // The heavy hitters as bits too, once for all the step's harnesses (Harness::observe).
         const std::size_t words = (static_cast<std::size_t>(t) + 63) / 64;
-        if (heavy_as_bits) heavy_bits.assign(group * words, 0);
+        if (heavy_as_bits && rows_) heavy_bits.assign(group * words, 0);
         for (int h = 0; h < group_; ++h) {
             const int head = kv * group_ + h;
             const int64_t job_row = head * rows + i;
+            if (!rows_) {  // nothing reads them (rows_): the step's rows and heavy hitters were not made
+                rows_of_group[h] = nullptr;
+                heavy_of_group[h] = {};
+                self_of_group[h] = 0;
+                if (options_.output_error) {
+                    queries_of_group[h] = layer_values_->q.data() + (t * query_heads_ + head) * head_dim_;
+                    full_of_group[h] = full_output_.data() + job_row * head_dim_;
+                }
+                continue;
+            }
             rows_of_group[h] = block_.row(head, t);
             heavy_of_group[h] = {heavy_.data() + job_row * block_k_, static_cast<std::size_t>(heavy_count_[job_row])};
             if (heavy_as_bits) {
@@ -593,14 +620,14 @@ private:
         step.t = static_cast<int32_t>(t);
         step.rows = {rows_of_group, group};
         step.heavy = {heavy_of_group, group};
-        if (heavy_as_bits) step.heavy_bits = {heavy_bits_of_group, group};
+        if (heavy_as_bits && rows_) step.heavy_bits = {heavy_bits_of_group, group};
         if (!raw_view_) step.self_weight = {self_of_group, group};
         if (recorded_self_) step.own_weight = {self_of_group, group};
         if (options_.output_error) {
             step.queries = {queries_of_group, group};
             step.full_output = {full_of_group, group};
         }
-        if (raw_view_)
+        if (raw_view_ && rows_)
             step.combined = group_ > 1 ? combined_[kv].data() + attention_row_offset(t) - attention_row_offset(first)
                                        : rows_of_group[0];
         return step;
@@ -651,6 +678,7 @@ private:
     AttentionBlock block_;
     int block_k_ = 0;  // heavy hitters per row in this block: k, or fewer where rows are shorter
     bool recorded_self_ = false;
+    bool rows_ = true;  // this layer's attention rows are made (see replay_layer)
     std::vector<int32_t> heavy_;                    // [query head][row][k]
     std::vector<int32_t> heavy_count_;              // [query head][row]
     std::vector<int32_t> heavy_hint_, heavy_next_hint_;  // per query head: top_k_positions' hints
@@ -665,6 +693,9 @@ private:
         }};
     std::vector<std::vector<float>> combined_;      // raw view with groups: reduced rows per KV head
     std::vector<float> full_output_;                // [query head][row][d]: the full cache's output
+    std::vector<float> fp16_scores_;                // [query head][row][t + 1]: scores against every fp16 key
+    int64_t scores_span_ = 0;                       // a query head's share of fp16_scores_
+    bool shared_runs_ = false;                      // some run steps two or more combinations
     std::vector<int32_t> every_position_;           // 0, 1, 2, ...: the full cache's positions
     std::vector<uint8_t> all_fp16_;
     const QkvLayer* layer_values_ = nullptr;
