@@ -62,7 +62,7 @@ StreamingHeadState::StreamingHeadState(int head_dim, const StreamingHeadParams& 
     scores_.reserve(static_cast<std::size_t>(params.sinks) + params.recent);
 }
 
-void StreamingHeadState::fold(const Eigen::VectorXd& phi_k, const float* v) {
+void StreamingHeadState::fold(const Eigen::Ref<const Eigen::VectorXd>& phi_k, const float* v) {
     const Eigen::Map<const Eigen::VectorXf> value(v, dim_);
     state_.noalias() += phi_k * value.cast<double>().transpose();  // rank-1: S += phi(k) v^T
     normaliser_ += phi_k;
@@ -101,8 +101,7 @@ void StreamingHeadState::admit(int64_t t, const float* k, const float* v) {
     if (recent_count_ == params_.recent) {
         // The oldest recent token leaves the window now; its slot takes the new token.
         slot = recent_head_;
-        key_ = recent_phi_.col(slot);  // an aligned copy, as fold's other callers pass
-        fold(key_, recent_values_.col(slot).data());
+        fold(recent_phi_.col(slot), recent_values_.col(slot).data());
         recent_head_ = (recent_head_ + 1) % params_.recent;
     } else {
         slot = (recent_head_ + recent_count_) % params_.recent;

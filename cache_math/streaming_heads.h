@@ -76,7 +76,7 @@ public:
 
 private:
     // Folds a token into the state: phi(k) given (an exact token's, computed when it arrived).
-    void fold(const Eigen::VectorXd& phi_k, const float* v);
+    void fold(const Eigen::Ref<const Eigen::VectorXd>& phi_k, const float* v);
 
     int dim_;
     StreamingHeadParams params_;

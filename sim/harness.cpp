@@ -480,12 +480,12 @@ void Harness::measure_values(const GroupStep& s) {
     const int d = values_.head_dim;
     StreamingHeadState* state = policy_->linear_state();
     const bool sampling = values_.output_error && values_.sample.steps;
-    const bool output_error = values_.output_error && (!sampling || values_.sample.steps[t]);
+    const bool output_error = output_measured(t);  // a measured step: t is past the prefill
     if (output_error && attended_step_ != t) attend_cached(s, true);
     feed_linear_state(t);  // for the memory alone; a no-op once attend_cached fed it
     if (values_.memory) {
-        double bytes = key_bytes_[0] + value_bytes_[0];  // the current token
         const double token_bytes = key_bytes_[0] + value_bytes_[0];
+        double bytes = token_bytes;  // the current token
         if (!tiered_ && token_bytes == std::trunc(token_bytes)) {
             // Every token at fp16 and whole bytes a token: the product is the sum below, exactly.
             bytes += static_cast<double>(kept_.size()) * token_bytes;

@@ -476,12 +476,16 @@ private:
     // shared_work: where its output error is measured (the full cache's output reads them), and in
     // the cached view at every step where two or more combinations share a run.
     bool scores_made(int kv, int64_t t) const {
-        if (!options_.output_error) return false;
-        return full_output_every_step_[kv] || full_output_steps_[kv][static_cast<std::size_t>(t)] ||
-               (cached_view_ && shared_runs_);
+        return options_.output_error && (full_output_at(kv, t) || (cached_view_ && shared_runs_));
     }
-    const float* fp16_scores_of(int head, int64_t first, int64_t t) const {
-        return fp16_scores_.data() + head * scores_span_ + attention_row_offset(t + 1) - attention_row_offset(first + 1);
+    // Whether some stream of KV head kv measures the output error of step t (the full cache's
+    // output is then made for it).
+    bool full_output_at(int kv, int64_t t) const {
+        return full_output_every_step_[kv] || full_output_steps_[kv][static_cast<std::size_t>(t)];
+    }
+    // Where query head `head`'s scores of step t sit in fp16_scores_, in a block from `first`.
+    std::size_t fp16_scores_at(int head, int64_t first, int64_t t) const {
+        return static_cast<std::size_t>(head * scores_span_ + attention_row_offset(t + 1) - attention_row_offset(first + 1));
     }
 
     // Once per block and KV head for all its combinations: each query head's scores against every
@@ -499,10 +503,9 @@ private:
                 const int64_t job = head * rows + index % rows;
                 if (!scores_made(kv, t)) return;
                 const float* q = layer_values_->q.data() + (t * query_heads_ + head) * head_dim_;
-                float* scores = fp16_scores_.data() + (fp16_scores_of(head, first, t) - fp16_scores_.data());
+                float* scores = fp16_scores_.data() + fp16_scores_at(head, first, t);
                 score_row(q, fp16_arrays_->k[0], t + 1, kv, kv_heads_, head_dim_, scores);
-                // Sampled: only the steps some stream of this KV head measures.
-                if (!full_output_every_step_[kv] && !full_output_steps_[kv][static_cast<std::size_t>(t)]) return;
+                if (!full_output_at(kv, t)) return;  // sampled: only the steps some stream of this KV head measures
                 thread_local Eigen::ArrayXf scratch;
                 cached_attention_output(q, {every_position_.data(), static_cast<std::size_t>(t + 1)}, all_fp16_,
                                         all_fp16_, *fp16_arrays_, kv, kv_heads_, head_dim_, scratch,
@@ -537,7 +540,8 @@ private:
                 step.interleaved = interleaved.data();
             }
             if (scores_made(job.kv, step.t)) {  // made in shared_work
-                for (int h = 0; h < group_; ++h) scores_of_group[h] = fp16_scores_of(job.kv * group_ + h, first, step.t);
+                for (int h = 0; h < group_; ++h)
+                    scores_of_group[h] = fp16_scores_.data() + fp16_scores_at(job.kv * group_ + h, first, step.t);
                 step.fp16_scores = {scores_of_group, static_cast<std::size_t>(group_)};
                 step.fp16_scores_keys = fp16_arrays_->k[0];
             }
@@ -593,24 +597,20 @@ private:
         for (int h = 0; h < group_; ++h) {
             const int head = kv * group_ + h;
             const int64_t job_row = head * rows + i;
-            if (!rows_) {  // nothing reads them (rows_): the step's rows and heavy hitters were not made
+            if (rows_) {
+                rows_of_group[h] = block_.row(head, t);
+                heavy_of_group[h] = {heavy_.data() + job_row * block_k_, static_cast<std::size_t>(heavy_count_[job_row])};
+                if (heavy_as_bits) {
+                    uint64_t* bits = heavy_bits.data() + h * words;
+                    for (int32_t p : heavy_of_group[h]) bits[p >> 6] |= uint64_t{1} << (p & 63);
+                    heavy_bits_of_group[h] = bits;
+                }
+                if (!raw_view_ || recorded_self_) self_of_group[h] = block_.self_weight[head][i];
+            } else {  // nothing reads them: the step's rows and heavy hitters were not made
                 rows_of_group[h] = nullptr;
                 heavy_of_group[h] = {};
                 self_of_group[h] = 0;
-                if (options_.output_error) {
-                    queries_of_group[h] = layer_values_->q.data() + (t * query_heads_ + head) * head_dim_;
-                    full_of_group[h] = full_output_.data() + job_row * head_dim_;
-                }
-                continue;
             }
-            rows_of_group[h] = block_.row(head, t);
-            heavy_of_group[h] = {heavy_.data() + job_row * block_k_, static_cast<std::size_t>(heavy_count_[job_row])};
-            if (heavy_as_bits) {
-                uint64_t* bits = heavy_bits.data() + h * words;
-                for (int32_t p : heavy_of_group[h]) bits[p >> 6] |= uint64_t{1} << (p & 63);
-                heavy_bits_of_group[h] = bits;
-            }
-            if (!raw_view_ || recorded_self_) self_of_group[h] = block_.self_weight[head][i];
             if (options_.output_error) {
                 queries_of_group[h] = layer_values_->q.data() + (t * query_heads_ + head) * head_dim_;
                 full_of_group[h] = full_output_.data() + job_row * head_dim_;

@@ -35,6 +35,20 @@ struct Spy : Policy {
     std::size_t bytes_per_slot() const override { return 0; }
 };
 
+// Replays `combos` together, then each alone, and hands `check` each combination's two totals
+// (together first).
+template <class Check>
+void compare_together_and_alone(AttentionSource& source, const std::vector<ReplayCombo>& combos,
+                                const ReplayOptions& options, const Check& check) {
+    const auto together = replay(source, combos, options);
+    for (std::size_t c = 0; c < combos.size(); ++c) {
+        CAPTURE(combos[c].label);
+        CAPTURE(combos[c].budget);
+        const auto alone = replay(source, {combos[c]}, options);
+        check(together[c].total, alone[0].total);
+    }
+}
+
 }  // namespace
 
 TEST_CASE("skipping n normals leaves the stream where drawing them would, spare or not") {
@@ -280,18 +294,13 @@ TEST_CASE("combinations on one KV head read its four heads' rows interleaved, an
         CAPTURE(static_cast<int>(view));
         ReplayOptions options;
         options.harness.view = view;
-        const auto combos = expand_sweep(policies, {}, std::vector<int>{40, 64, 100});
-        const auto together = replay(*source, combos, options);
-        for (std::size_t c = 0; c < combos.size(); ++c) {
-            CAPTURE(combos[c].label);
-            CAPTURE(combos[c].budget);
-            const auto alone = replay(*source, {combos[c]}, options);
-            const StreamMetrics &a = together[c].total, &b = alone[0].total;
-            CHECK(std::memcmp(&a.retained_mass, &b.retained_mass, sizeof(double)) == 0);
-            CHECK(a.heavy_hitter_hits == b.heavy_hitter_hits);
-            CHECK(a.eviction_calls == b.eviction_calls);
-            CHECK(a.steps == b.steps);
-        }
+        compare_together_and_alone(*source, expand_sweep(policies, {}, std::vector<int>{40, 64, 100}), options,
+                                   [](const StreamMetrics& a, const StreamMetrics& b) {
+                                       CHECK(std::memcmp(&a.retained_mass, &b.retained_mass, sizeof(double)) == 0);
+                                       CHECK(a.heavy_hitter_hits == b.heavy_hitter_hits);
+                                       CHECK(a.eviction_calls == b.eviction_calls);
+                                       CHECK(a.steps == b.steps);
+                                   });
     }
 }
 
@@ -313,20 +322,16 @@ TEST_CASE("combinations replayed together share each step's scores, and give the
             options.harness.view = view;
             options.output_error = options.memory = true;
             options.output_error_sample = sample;
-            const auto combos = expand_sweep(policies, {}, std::vector<int>{70, 90, 110, 130});
-            const auto together = replay(*source, combos, options);
-            for (std::size_t c = 0; c < combos.size(); ++c) {
-                CAPTURE(combos[c].label);
-                CAPTURE(combos[c].budget);
-                const auto alone = replay(*source, {combos[c]}, options);
-                const StreamMetrics &a = together[c].total, &b = alone[0].total;
-                CHECK(a.output_steps > 0);
-                CHECK(std::memcmp(&a.output_rel_error, &b.output_rel_error, sizeof(double)) == 0);
-                CHECK(std::memcmp(&a.output_cosine, &b.output_cosine, sizeof(double)) == 0);
-                CHECK(std::memcmp(&a.cache_bytes, &b.cache_bytes, sizeof(double)) == 0);
-                CHECK(std::memcmp(&a.retained_mass, &b.retained_mass, sizeof(double)) == 0);
-                CHECK(a.eviction_calls == b.eviction_calls);
-            }
+            compare_together_and_alone(
+                *source, expand_sweep(policies, {}, std::vector<int>{70, 90, 110, 130}), options,
+                [](const StreamMetrics& a, const StreamMetrics& b) {
+                    CHECK(a.output_steps > 0);
+                    CHECK(std::memcmp(&a.output_rel_error, &b.output_rel_error, sizeof(double)) == 0);
+                    CHECK(std::memcmp(&a.output_cosine, &b.output_cosine, sizeof(double)) == 0);
+                    CHECK(std::memcmp(&a.cache_bytes, &b.cache_bytes, sizeof(double)) == 0);
+                    CHECK(std::memcmp(&a.retained_mass, &b.retained_mass, sizeof(double)) == 0);
+                    CHECK(a.eviction_calls == b.eviction_calls);
+                });
         }
     }
 }
