@@ -143,6 +143,7 @@ void fit_mixed_heads(const FitInput& in, const MixedTables& t, SearchOutcome& ou
         entries.push_back(e);
     }
     ReplayOptions options = search_replay_options(*in.spec, in.harness, true, true);
+    options.full_outputs = in.full_outputs;
     const std::vector<ReplayCombo> combos = expand_sweep(entries, {}, std::vector<int>{1});
     if (in.progress) options.progress = [&in](double f) { in.progress(0.5 * f); };
     const std::vector<ComboResult> fitting = replay(*in.fitting, combos, options);

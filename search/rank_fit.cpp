@@ -95,6 +95,7 @@ void fit_ranks(const FitInput& in, SearchOutcome& out) {
     for (const RankPair& p : head_pairs) entries.push_back(lowrank_entry(p.key, p.value, 0));
     for (const RankPair& p : joint_pairs) entries.push_back(lowrank_entry(p.key, p.value, 1));
     ReplayOptions options = search_replay_options(*in.spec, in.harness, true, false);
+    options.full_outputs = in.full_outputs;
     if (in.progress) options.progress = [&in](double f) { in.progress(0.7 * f); };
     const std::vector<ComboResult> fitting = replay(*in.fitting, expand_sweep(entries, {}, std::vector<int>{1}), options);
     const double fitting_steps = static_cast<double>(fitting.front().total.output_steps);

@@ -156,6 +156,9 @@ struct SearchSetup {
     HarnessOptions harness;
     ReplayOptions options;
     double full_fp16 = 0;  // bytes per token of the full fp16 cache on the held-out sequences
+    // The full cache's outputs at the measured steps, computed once for every fit's replays: on
+    // issue 34's 1B case (8 x 4,096 tokens, output error on 1/8 of the steps) they take 1.07 GB.
+    FullOutputMemo full_outputs{kSearchFullOutputBytes};
 };
 
 SearchSetup::SearchSetup(const SearchSpec& spec, const SearchRun& run) : reader(run.trace_path) {
@@ -254,6 +257,7 @@ SearchSetup::SearchSetup(const SearchSpec& spec, const SearchRun& run) : reader(
         throw InputError(spec.sample_where + ": samples the output error, but the objective is " +
                          out.objective + " (" + run.trace_path + (qkv ? ")" : " records attention only)"));
     options = search_replay_options(spec, harness, output_error, qkv);
+    options.full_outputs = &full_outputs;
 
     if (spec.deploy == "kvpress") {
         set_up_prompts(spec, run);
@@ -820,28 +824,32 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     if (fit_streaming) {
         const TempFolder scratch("search");  // the probe plans streaming_attention reads
         FitInput input{&spec, fitting_source.get(), heldout_source.get(), out.shape, harness, scratch.path(),
-                       [&](double f) { stage_progress(streaming_stage, f); }, run.trace_path, fitting, mixed};
+                       [&](double f) { stage_progress(streaming_stage, f); }, run.trace_path, fitting, mixed,
+                       &setup.full_outputs};
         fit_streaming_heads(input, out);
     }
     // Tier profiles for stratigraphic, at the same targets.
     if (fit_tiers) {
         const TempFolder scratch("search");  // the plans stratigraphic reads
         FitInput input{&spec, fitting_source.get(), heldout_source.get(), out.shape, harness, scratch.path(),
-                       [&](double f) { stage_progress(tiers_stage, f); }, run.trace_path, fitting, mixed};
+                       [&](double f) { stage_progress(tiers_stage, f); }, run.trace_path, fitting, mixed,
+                       &setup.full_outputs};
         fit_tier_profiles(input, out);
     }
     // Ranks of low-rank K/V latents, with grouping at the same bytes.
     if (fit_ranks_) {
         const TempFolder scratch("search");  // the bases and rank plans lowrank reads
         FitInput input{&spec, fitting_source.get(), heldout_source.get(), out.shape, harness, scratch.path(),
-                       [&](double f) { stage_progress(ranks_stage, f); }, run.trace_path, fitting, mixed};
+                       [&](double f) { stage_progress(ranks_stage, f); }, run.trace_path, fitting, mixed,
+                       &setup.full_outputs};
         fit_ranks(input, out);
     }
     // One method per head, across the families above, at the same targets.
     if (fit_mixed) {
         const TempFolder scratch("search");  // the mixed plans the replays read
         FitInput input{&spec, fitting_source.get(), heldout_source.get(), out.shape, harness, scratch.path(),
-                       [&](double f) { stage_progress(mixed_stage, f); }, run.trace_path, fitting, mixed};
+                       [&](double f) { stage_progress(mixed_stage, f); }, run.trace_path, fitting, mixed,
+                       &setup.full_outputs};
         // The full cache's bytes on the held-out sequences: every token at fp16, with what keeping
         // every token books per slot, as the byte model counts it.
         mixed_tables.full_bytes = ByteModel(heldout_source->shape().last_steps, setup.head_dim,

@@ -30,6 +30,8 @@ namespace kvsim {
 
 // The safeguard of the Ada-KV baseline that fit: [head_budgets] reports (Feng et al.'s default).
 inline constexpr double kSearchAdaKvFloor = 0.2;
+// The most the search keeps of the full cache's outputs between its replays (FullOutputMemo).
+inline constexpr std::size_t kSearchFullOutputBytes = std::size_t{3} << 29;  // 1.5 GiB
 
 struct SearchRecord {
     std::string method;      // "uniform", "PyramidKV schedule (ratio 20)", "fitted layer budgets", ...
@@ -189,6 +191,7 @@ struct FitInput {
     std::string trace_path;      // the trace, and the fitting sequences' indices in it (fit: ranks)
     std::vector<int> fitting_indices;
     MixedTables* mixed = nullptr;  // fit: mixed: where the fit leaves its per-head options
+    FullOutputMemo* full_outputs = nullptr;  // the search's, for every replay of fitting and heldout
 };
 
 // The half-width of the 95% interval of a sampled output error's mean (StreamMetrics), normal

@@ -93,6 +93,7 @@ public:
             entries.push_back(e);
         }
         ReplayOptions options = search_replay_options(*in_.spec, in_.harness, true, true);
+        options.full_outputs = in_.full_outputs;
         options.harness.bookkeeping = bookkeeping_;
         options.harness.attention_metrics = false;  // the fit reads output error and bytes alone
         const std::vector<ReplayCombo> combos = expand_sweep(entries, {}, std::vector<int>{1});

@@ -80,6 +80,7 @@ std::vector<TierResult> replay_plans(const FitInput& in, const ParamValues& para
         entries.push_back(e);
     }
     ReplayOptions options = search_replay_options(*in.spec, in.harness, output_error, true);
+    options.full_outputs = in.full_outputs;
     if (in.progress && progress_done >= 0) options.progress = [&in, done = progress_done](double f) { in.progress(done + f / 3); };
     const std::vector<ComboResult> results = replay(source, expand_sweep(entries, {}, std::vector<int>{1}), options);
     std::vector<TierResult> out;

@@ -53,6 +53,8 @@ public:
         }
         head_dim_ = qkv_ ? qkv_->qkv_shape().head_dim : 0;
         runs_of_kv_.resize(kv_heads_);
+        memo_read_.assign(kv_heads_, nullptr);
+        memo_fill_.assign(kv_heads_, nullptr);
         for (std::size_t j = 0; j < jobs_.size(); ++j) {
             (jobs_[j].kv >= 0 ? runs_of_kv_[jobs_[j].kv] : layer_wide_jobs_).push_back(j);
             shared_runs_ |= jobs_[j].kv >= 0 && jobs_[j].combos.size() > 1;
@@ -324,6 +326,10 @@ private:
     }
 
     void attach_values(int s, int layer, std::vector<Harness>& harnesses) {
+        memo_read_.assign(kv_heads_, nullptr);
+        memo_fill_.assign(kv_heads_, nullptr);
+        memo_cursor_.assign(kv_heads_, 0);
+        last_step_ = shape_.last_steps[s];
         tier_arrays_.clear();
         array_projections_.clear();
         sample_masks_.clear();
@@ -351,6 +357,25 @@ private:
                 values.fixed_bytes = p->basis_bytes(layer, kv, kv_heads_, head_dim_);
             }
             harnesses[job].set_values(values);
+        }
+        if (options_.output_error && options_.full_outputs) find_memo_streams(s, layer, harnesses);
+    }
+
+    // Per KV head, the memo's stream of this (sequence, layer) to read the full outputs from, or
+    // to keep them in; and whether a harness of the head attends through the shared scores (a
+    // streaming head does not: where every head streams, a memo's outputs leave no score to make).
+    void find_memo_streams(int s, int layer, const std::vector<Harness>& harnesses) {
+        scores_wanted_.assign(kv_heads_, 0);
+        for (std::size_t job = 0; job < harnesses.size(); ++job)
+            if (!harnesses[job].policy().linear_state()) scores_wanted_[job / combos_.size()] = 1;
+        for (int kv = 0; kv < kv_heads_; ++kv) {
+            std::size_t measured = 0;
+            for (int64_t t = 1; t <= last_step_; ++t) measured += full_output_at(kv, t);
+            bool fill = false;
+            FullOutputMemo::Stream* stream = options_.full_outputs->find(
+                &source_, s, layer, kv, full_output_every_step_[kv] != 0, full_output_steps_[kv],
+                measured * static_cast<std::size_t>(group_) * static_cast<std::size_t>(head_dim_), fill);
+            (fill ? memo_fill_ : memo_read_)[kv] = stream;
         }
     }
 
@@ -476,7 +501,10 @@ private:
     // shared_work: where its output error is measured (the full cache's output reads them), and in
     // the cached view at every step where two or more combinations share a run.
     bool scores_made(int kv, int64_t t) const {
-        return options_.output_error && (full_output_at(kv, t) || (cached_view_ && shared_runs_));
+        if (!options_.output_error) return false;
+        if (cached_view_ && shared_runs_) return true;
+        // The memo's outputs need no scores; a harness that reads them would make the same ones.
+        return full_output_at(kv, t) && (!memo_read_[kv] || scores_wanted_[kv]);
     }
     // Whether some stream of KV head kv measures the output error of step t (the full cache's
     // output is then made for it).
@@ -505,12 +533,14 @@ private:
                 const float* q = layer_values_->q.data() + (t * query_heads_ + head) * head_dim_;
                 float* scores = fp16_scores_.data() + fp16_scores_at(head, first, t);
                 score_row(q, fp16_arrays_->k[0], t + 1, kv, kv_heads_, head_dim_, scores);
-                if (!full_output_at(kv, t)) return;  // sampled: only the steps some stream of this KV head measures
+                // Sampled: only the steps some stream of this KV head measures; the memo's are read below.
+                if (!full_output_at(kv, t) || memo_read_[kv]) return;
                 thread_local Eigen::ArrayXf scratch;
                 cached_attention_output(q, {every_position_.data(), static_cast<std::size_t>(t + 1)}, all_fp16_,
                                         all_fp16_, *fp16_arrays_, kv, kv_heads_, head_dim_, scratch,
                                         full_output_.data() + job * head_dim_, nullptr, scores);
             });
+            if (memo_read_[kv] || memo_fill_[kv]) memo_outputs(kv, first, end);
         }
         if (rows_ && raw_view_ && group_ > 1) {
             for (int64_t t = first; t < end; ++t) {
@@ -520,6 +550,29 @@ private:
                                    combined_[kv].data() + attention_row_offset(t) - attention_row_offset(first));
             }
         }
+    }
+
+    // The block's full outputs of KV head kv from its memo stream, or into it, in step order.
+    void memo_outputs(int kv, int64_t first, int64_t end) {
+        FullOutputMemo::Stream* read = memo_read_[kv];
+        FullOutputMemo::Stream* fill = memo_fill_[kv];
+        const int64_t rows = end - first;
+        const std::size_t d = static_cast<std::size_t>(head_dim_);
+        std::size_t& cursor = memo_cursor_[kv];
+        for (int64_t t = first; t < end; ++t) {
+            if (!full_output_at(kv, t)) continue;
+            for (int h = 0; h < group_; ++h) {
+                float* full = full_output_.data() + ((kv * group_ + h) * rows + (t - first)) * d;
+                if (read) {
+                    if (cursor + d > read->outputs.size()) throw std::logic_error("replay: a memo stream ends early");
+                    std::copy_n(read->outputs.data() + cursor, d, full);
+                    cursor += d;
+                } else {
+                    fill->outputs.insert(fill->outputs.end(), full, full + d);
+                }
+            }
+        }
+        if (fill && end > last_step_) fill->complete = fill->outputs.size() == fill->floats;
     }
 
     // A job's combinations on one KV head through the block's steps, all of them at one step
@@ -708,6 +761,12 @@ private:
     std::map<std::pair<int, int64_t>, std::vector<uint8_t>> sample_masks_;
     std::vector<std::vector<uint8_t>> full_output_steps_;
     std::vector<uint8_t> full_output_every_step_;
+    int64_t last_step_ = 0;  // the replayed sequence's
+    // Per KV head: the FullOutputMemo stream read or filled this (sequence, layer), how far it is
+    // read, and whether a harness reads the shared fp16 scores.
+    std::vector<FullOutputMemo::Stream*> memo_read_, memo_fill_;
+    std::vector<std::size_t> memo_cursor_;
+    std::vector<uint8_t> scores_wanted_;
 };
 
 }  // namespace
@@ -726,6 +785,34 @@ void sum_streams(ComboResult& result, std::size_t sequences, int layers, int kv_
                 result.total.add(m);
                 result.by_sequence[s].add(m);
             }
+}
+
+FullOutputMemo::Stream* FullOutputMemo::find(const AttentionSource* source, int sequence, int layer, int kv, bool every,
+                                             const std::vector<uint8_t>& steps, std::size_t floats, bool& fill) {
+    std::lock_guard lock(mutex_);
+    fill = false;
+    const auto key = std::make_tuple(source, sequence, layer, kv);
+    if (auto it = streams_.find(key); it != streams_.end()) {
+        Stream& stream = it->second;
+        const bool same_steps = stream.every == every && (every || stream.steps == steps);
+        return stream.complete && same_steps && stream.outputs.size() == floats ? &stream : nullptr;
+    }
+    const std::size_t bytes = floats * sizeof(float) + steps.size();
+    if (floats == 0 || bytes_ + bytes > max_bytes_) return nullptr;
+    bytes_ += bytes;
+    Stream& stream = streams_[key];
+    stream.every = every;
+    stream.steps = steps;
+    stream.outputs.reserve(floats);
+    stream.floats = floats;
+    fill = true;
+    return &stream;
+}
+
+FullOutputMemo::Stream* FullOutputMemo::stream(const AttentionSource* source, int sequence, int layer, int kv) {
+    std::lock_guard lock(mutex_);
+    const auto it = streams_.find(std::make_tuple(source, sequence, layer, kv));
+    return it == streams_.end() ? nullptr : &it->second;
 }
 
 std::vector<ComboResult> replay(AttentionSource& source, const std::vector<ReplayCombo>& combos,

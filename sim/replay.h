@@ -9,8 +9,10 @@
 #include <algorithm>
 #include <functional>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "base/errors.h"
@@ -114,6 +116,39 @@ struct ReplayCombo {
     }
 };
 
+// The full cache's attention outputs at the measured steps of a Q/K/V source's streams, kept
+// across replays that measure the same steps of the same source: a search passes over its fitting
+// sequences some forty times (every fit, and each of the streaming fit's lambda probes), and the
+// full cache's output is the same every time. With the memo each is computed once. Bounded: a
+// stream whose outputs would take it past max_bytes is computed as without it. Replays give the
+// same bits with or without it. Every source it serves must outlive it; one replay at a time.
+class FullOutputMemo {
+public:
+    explicit FullOutputMemo(std::size_t max_bytes) : max_bytes_(max_bytes) {}
+    std::size_t bytes() const { return bytes_; }
+
+    // One (source, sequence, layer, KV head): the steps whose outputs it holds (`every`: each step
+    // from 1, else the marked ones), and per such step, in order, each query head's output.
+    struct Stream {
+        bool every = false;
+        std::vector<uint8_t> steps;
+        std::vector<float> outputs;  // [measured step][query head of the group][d]
+        std::size_t floats = 0;      // what outputs holds once complete
+        bool complete = false;       // filled by a replay that reached the stream's last step
+    };
+    // The stream to read (complete, measuring the same steps), or to fill (new, and room for
+    // `floats`); nullptr for neither.
+    Stream* find(const AttentionSource* source, int sequence, int layer, int kv, bool every,
+                 const std::vector<uint8_t>& steps, std::size_t floats, bool& fill);
+    // The stream kept for (source, sequence, layer, KV head), complete or not; nullptr if none.
+    Stream* stream(const AttentionSource* source, int sequence, int layer, int kv);
+
+private:
+    std::size_t max_bytes_, bytes_ = 0;
+    std::mutex mutex_;
+    std::map<std::tuple<const AttentionSource*, int, int, int>, Stream> streams_;
+};
+
 struct ReplayOptions {
     int heavy_hitter_k = 32;
     HarnessOptions harness;
@@ -132,6 +167,9 @@ struct ReplayOptions {
     // its load starts while this replay's last layer runs (memory allowing) and is taken by the
     // next replay. Until then the caller must not read the source's file.
     int next_layer = -1;
+    // Where given, the full cache's outputs are read from it where it holds them, and kept in it
+    // where it has room (see FullOutputMemo).
+    FullOutputMemo* full_outputs = nullptr;
 };
 
 struct ComboResult {

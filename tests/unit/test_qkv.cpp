@@ -336,6 +336,83 @@ TEST_CASE("combinations replayed together share each step's scores, and give the
     }
 }
 
+TEST_CASE("the full cache's outputs kept in a memo give a replay the same bits, and a second replay reads them") {
+    // A search replays its fitting sequences some forty times; FullOutputMemo computes the full
+    // cache's output once. The first replay fills it, the next reads it: both must give the bits
+    // of a replay without it, streaming heads (whose passes then make no scores) and others alike.
+    SyntheticQkvSpec spec = synthetic_qkv_trace("small-1024", "test");
+    spec.num_layers = 2;
+    auto source = make_synthetic_qkv_source(spec, 160);
+    const std::vector<PolicyEntry> policies = {
+        entry("h2o"), entry("stratigraphic"), entry("streaming_attention", {{"sinks", 4}, {"recent", 16}, {"lambda", 0.9}})};
+    auto same_bits = [](const std::vector<ComboResult>& a, const std::vector<ComboResult>& b) {
+        REQUIRE(a.size() == b.size());
+        for (std::size_t c = 0; c < a.size(); ++c) {
+            CAPTURE(c);
+            CHECK(a[c].total.output_steps > 0);
+            CHECK(a[c].total.output_steps == b[c].total.output_steps);
+            CHECK(std::memcmp(&a[c].total.output_rel_error, &b[c].total.output_rel_error, sizeof(double)) == 0);
+            CHECK(std::memcmp(&a[c].total.output_cosine, &b[c].total.output_cosine, sizeof(double)) == 0);
+            CHECK(std::memcmp(&a[c].total.output_error_variance, &b[c].total.output_error_variance, sizeof(double)) == 0);
+            CHECK(std::memcmp(&a[c].total.cache_bytes, &b[c].total.cache_bytes, sizeof(double)) == 0);
+        }
+    };
+    for (AttentionView view : {AttentionView::renormalized, AttentionView::cached}) {
+        for (double sample : {1.0, 0.25}) {
+            for (std::size_t only = 0; only <= policies.size(); ++only) {  // each policy alone, then all together
+                CAPTURE(static_cast<int>(view));
+                CAPTURE(sample);
+                CAPTURE(only);
+                const std::vector<PolicyEntry> chosen =
+                    only < policies.size() ? std::vector<PolicyEntry>{policies[only]} : policies;
+                const auto combos = expand_sweep(chosen, {}, std::vector<int>{48, 96});
+                ReplayOptions options;
+                options.harness.view = view;
+                options.output_error = options.memory = true;
+                options.output_error_sample = sample;
+                options.output_error_seed = 3;
+                const auto plain = replay(*source, combos, options);
+
+                FullOutputMemo memo(std::size_t{1} << 30);
+                options.full_outputs = &memo;
+                const auto filling = replay(*source, combos, options);
+                CHECK(memo.bytes() > 0);
+                const FullOutputMemo::Stream* kept = memo.stream(source.get(), 0, 1, 0);
+                REQUIRE(kept);
+                CHECK(kept->complete);
+                const auto reading = replay(*source, combos, options);
+                same_bits(plain, filling);
+                same_bits(plain, reading);
+
+                // A replay that measures other steps (another seed) neither reads nor refills it.
+                if (sample < 1) {
+                    ReplayOptions other = options;
+                    other.output_error_seed = 4;
+                    other.full_outputs = nullptr;
+                    const auto other_plain = replay(*source, combos, other);
+                    other.full_outputs = &memo;
+                    same_bits(other_plain, replay(*source, combos, other));
+                }
+
+                // The second replay read the memo: outputs altered there move its output error.
+                for (int s = 0; s < static_cast<int>(source->shape().sequence_lengths.size()); ++s)
+                    for (int layer = 0; layer < spec.num_layers; ++layer)
+                        for (int kv = 0; kv < spec.num_kv_heads; ++kv)
+                            for (float& x : memo.stream(source.get(), s, layer, kv)->outputs) x *= 2;
+                const auto altered = replay(*source, combos, options);
+                for (std::size_t c = 0; c < combos.size(); ++c)
+                    CHECK(altered[c].total.output_rel_error != plain[c].total.output_rel_error);
+
+                // No room: nothing kept, the same bits.
+                FullOutputMemo none(0);
+                options.full_outputs = &none;
+                same_bits(plain, replay(*source, combos, options));
+                CHECK(none.bytes() == 0);
+            }
+        }
+    }
+}
+
 namespace {
 
 // A Q/K/V source's blocks, handed over whole: what a replay of an attention trace reads. Its
