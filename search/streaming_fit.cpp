@@ -59,6 +59,7 @@ struct Plan {
     std::vector<uint8_t> streaming;
     std::vector<double> lambda;
     std::vector<uint8_t> stateless;  // empty: every streaming head keeps its state
+    const ParamValues* params = nullptr;  // its sinks and recent window; nullptr: the PlanReplay's
 };
 
 struct PlanResult {
@@ -85,9 +86,10 @@ public:
             files.push_back(std::make_unique<StreamingPlanFile>(in_.scratch_folder, plan.name, in_.shape.num_layers,
                                                                 in_.shape.num_kv_heads, plan.streaming, plan.lambda,
                                                                 plan.stateless));
+            const ParamValues& params = plan.params ? *plan.params : params_;
             PolicyEntry e;
             e.name = "streaming_attention";
-            e.params = {{"sinks", params_.at("sinks")}, {"recent", params_.at("recent")}};
+            e.params = {{"sinks", params.at("sinks")}, {"recent", params.at("recent")}};
             e.files = {{"profile", files.back()->path()}};
             e.where = in_.spec->where + ".streaming";
             entries.push_back(e);
@@ -134,44 +136,65 @@ struct LambdaFit {
     std::vector<double> error_sum;      // ... summed over its steps
 };
 
-// Golden-section search of every head's lambda at once, every head streaming under `plans`' sinks
-// and recent window; then the bracket's middle against its ends (a unimodal search never probes
-// 0 or 1). `extra` are measured in the last pass, beside the candidates (their results follow).
-LambdaFit fit_lambdas(PlanReplay& plans, AttentionSource& source, std::size_t units, const std::vector<Plan>& extra,
-                      std::vector<PlanResult>& extra_results) {
+// Golden-section searches of every head's lambda at once, one search per entry of `searches` (its
+// sinks and recent window), each head streaming; then each bracket's middle against its ends (a
+// unimodal search never probes 0 or 1). The searches share their passes: a plan's result is what
+// it would be alone, so two searches take kGoldenSteps + 1 passes, not twice that. `extra` are
+// measured in the last pass, beside the candidates (their results follow).
+std::vector<LambdaFit> fit_lambdas(PlanReplay& plans, AttentionSource& source, std::size_t units,
+                                   const std::vector<const ParamValues*>& searches, const std::vector<Plan>& extra,
+                                   std::vector<PlanResult>& extra_results) {
     const std::vector<uint8_t> every_head(units, 1);
-    std::vector<double> low(units, 0.0), high(units, 1.0);
+    const std::size_t n = searches.size();
+    std::vector<std::vector<double>> low(n, std::vector<double>(units, 0.0)), high(n, std::vector<double>(units, 1.0));
+    auto probe = [&](std::size_t search, const std::string& name, std::vector<double> lambda) {
+        return Plan{"search" + std::to_string(search) + "-" + name, every_head, std::move(lambda), {}, searches[search]};
+    };
     for (int step = 0; step < kGoldenSteps; ++step) {
-        Plan left{"probe-left", every_head, {}, {}}, right{"probe-right", every_head, {}, {}};
-        for (std::size_t u = 0; u < units; ++u) {
-            left.lambda.push_back(high[u] - kGolden * (high[u] - low[u]));
-            right.lambda.push_back(low[u] + kGolden * (high[u] - low[u]));
+        std::vector<Plan> pass;  // per search: its left probe, then its right one
+        for (std::size_t i = 0; i < n; ++i) {
+            std::vector<double> left(units), right(units);
+            for (std::size_t u = 0; u < units; ++u) {
+                left[u] = high[i][u] - kGolden * (high[i][u] - low[i][u]);
+                right[u] = low[i][u] + kGolden * (high[i][u] - low[i][u]);
+            }
+            pass.push_back(probe(i, "left", std::move(left)));
+            pass.push_back(probe(i, "right", std::move(right)));
         }
-        const std::vector<PlanResult> r = plans.run(source, {left, right});
-        for (std::size_t u = 0; u < units; ++u) {  // keep the part of the bracket around the lower probe
-            if (r[0].head_error[u] <= r[1].head_error[u])
-                high[u] = right.lambda[u];
-            else
-                low[u] = left.lambda[u];
-        }
+        const std::vector<PlanResult> r = plans.run(source, pass);
+        for (std::size_t i = 0; i < n; ++i)
+            for (std::size_t u = 0; u < units; ++u) {  // keep the part of the bracket around the lower probe
+                if (r[2 * i].head_error[u] <= r[2 * i + 1].head_error[u])
+                    high[i][u] = pass[2 * i + 1].lambda[u];
+                else
+                    low[i][u] = pass[2 * i].lambda[u];
+            }
     }
-    Plan middle{"probe-middle", every_head, {}, {}};
-    for (std::size_t u = 0; u < units; ++u) middle.lambda.push_back((low[u] + high[u]) / 2);
-    std::vector<Plan> last = {middle, Plan{"probe-zero", every_head, std::vector<double>(units, 0.0), {}},
-                              Plan{"probe-one", every_head, std::vector<double>(units, 1.0), {}}};
+    std::vector<Plan> last;  // per search: its middle, 0 and 1; then the extra plans
+    for (std::size_t i = 0; i < n; ++i) {
+        std::vector<double> middle(units);
+        for (std::size_t u = 0; u < units; ++u) middle[u] = (low[i][u] + high[i][u]) / 2;
+        last.push_back(probe(i, "middle", std::move(middle)));
+        last.push_back(probe(i, "zero", std::vector<double>(units, 0.0)));
+        last.push_back(probe(i, "one", std::vector<double>(units, 1.0)));
+    }
     last.insert(last.end(), extra.begin(), extra.end());
     const std::vector<PlanResult> ends = plans.run(source, last);
-    extra_results.assign(ends.begin() + 3, ends.end());
-    LambdaFit fit{std::vector<double>(units), std::vector<double>(units), std::vector<double>(units)};
-    for (std::size_t u = 0; u < units; ++u) {
-        std::size_t best = 0;
-        for (std::size_t c = 1; c < 3; ++c)
-            if (ends[c].head_error[u] < ends[best].head_error[u]) best = c;
-        fit.lambda[u] = last[best].lambda[u];
-        fit.error[u] = ends[best].head_error[u];
-        fit.error_sum[u] = ends[best].head_error_sum[u];
+    extra_results.assign(ends.begin() + static_cast<std::ptrdiff_t>(3 * n), ends.end());
+    std::vector<LambdaFit> fits;
+    for (std::size_t i = 0; i < n; ++i) {
+        LambdaFit fit{std::vector<double>(units), std::vector<double>(units), std::vector<double>(units)};
+        for (std::size_t u = 0; u < units; ++u) {
+            std::size_t best = 3 * i;
+            for (std::size_t c = 3 * i + 1; c < 3 * i + 3; ++c)
+                if (ends[c].head_error[u] < ends[best].head_error[u]) best = c;
+            fit.lambda[u] = last[best].lambda[u];
+            fit.error[u] = ends[best].head_error[u];
+            fit.error_sum[u] = ends[best].head_error_sum[u];
+        }
+        fits.push_back(std::move(fit));
     }
-    return fit;
+    return fits;
 }
 
 // The heads that stream to bring the cache to `wanted` bytes per token, taken in `order`; each
@@ -392,8 +415,9 @@ void fit_streaming_heads(const FitInput& in, SearchOutcome& out) {
     const ParamValues params = resolve_params(
         *policy, {{"sinks", spec.streaming_sinks}, {"recent", spec.streaming_recent}}, spec.streaming_where);
     int passes = 0;
-    // Two golden-section searches of kGoldenSteps + 1 passes, then the bytes and the confirmation.
-    const int total_passes = 2 * (kGoldenSteps + 1) + 2;
+    // Two golden-section searches sharing kGoldenSteps + 1 passes, the calibrated lambdas' pass,
+    // then the bytes and the confirmation.
+    const int total_passes = kGoldenSteps + 1 + 1 + 2;
     PlanReplay plans(in, params, passes, total_passes, /*bookkeeping=*/true);
     const std::vector<uint8_t> every_head(units, 1), no_head(units, 0);
 
@@ -431,18 +455,20 @@ void fit_streaming_heads(const FitInput& in, SearchOutcome& out) {
     // nothing kept exactly (no sinks, no window: the state must reproduce every token), then
     // deployed with the sinks and window. Its lambdas are measured beside the fitted ones below.
     const ParamValues calibration_params = resolve_params(*policy, {{"sinks", 0}, {"recent", 0}}, spec.streaming_where);
-    PlanReplay calibration_plans(in, calibration_params, passes, total_passes, /*bookkeeping=*/true);
-    std::vector<PlanResult> unused;
-    const LambdaFit calibrated = fit_lambdas(calibration_plans, *in.fitting, units, {}, unused);
 
-    // Each head's own lambda with its sinks and window, on the fitting sequences; 0.99, the
-    // calibrated lambdas and no state at all measured in the same last pass.
+    // Each head's own lambda with its sinks and window, on the fitting sequences, beside the
+    // calibration's search; 0.99 and no state at all measured in their last pass, the calibrated
+    // lambdas (known only then) in one more.
     std::vector<PlanResult> baselines;
-    const LambdaFit fitted = fit_lambdas(plans, *in.fitting, units,
-                                         {Plan{"probe-0.99", every_head, std::vector<double>(units, 0.99), {}},
-                                          Plan{"probe-calibrated", every_head, calibrated.lambda, {}},
-                                          Plan{"probe-stateless", every_head, std::vector<double>(units, 0.99), every_head}},
-                                         baselines);
+    const std::vector<LambdaFit> searched =
+        fit_lambdas(plans, *in.fitting, units, {&calibration_params, &params},
+                    {Plan{"probe-0.99", every_head, std::vector<double>(units, 0.99), {}},
+                     Plan{"probe-stateless", every_head, std::vector<double>(units, 0.99), every_head}},
+                    baselines);
+    const LambdaFit& calibrated = searched[0];
+    const LambdaFit& fitted = searched[1];
+    baselines.insert(baselines.begin() + 1,
+                     plans.run(*in.fitting, {Plan{"probe-calibrated", every_head, calibrated.lambda, {}}}).front());
     const std::vector<double>& lambda = fitted.lambda;
     const std::vector<double>& fitted_error = fitted.error;
     const std::vector<double>& error_099 = baselines[0].head_error;
