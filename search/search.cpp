@@ -158,7 +158,8 @@ struct SearchSetup {
     double full_fp16 = 0;  // bytes per token of the full fp16 cache on the held-out sequences
     // The full cache's outputs at the measured steps, computed once for every fit's replays: on
     // issue 34's 1B case (8 x 4,096 tokens, output error on 1/8 of the steps) they take 1.07 GB.
-    FullOutputMemo full_outputs{kSearchFullOutputBytes};
+    // At most a quarter of the memory limit (--max-memory), so a smaller machine keeps fewer.
+    FullOutputMemo full_outputs{static_cast<std::size_t>(std::min<uint64_t>(kSearchFullOutputBytes, memory_limit_bytes() / 4))};
 };
 
 SearchSetup::SearchSetup(const SearchSpec& spec, const SearchRun& run) : reader(run.trace_path) {

@@ -30,7 +30,8 @@ namespace kvsim {
 
 // The safeguard of the Ada-KV baseline that fit: [head_budgets] reports (Feng et al.'s default).
 inline constexpr double kSearchAdaKvFloor = 0.2;
-// The most the search keeps of the full cache's outputs between its replays (FullOutputMemo).
+// The most the search keeps of the full cache's outputs between its replays (FullOutputMemo), and
+// never over a quarter of the memory limit.
 inline constexpr std::size_t kSearchFullOutputBytes = std::size_t{3} << 29;  // 1.5 GiB
 
 struct SearchRecord {
