@@ -29,10 +29,11 @@ void check_keys(const std::string& path, const YAML::Node& node, int depth) {
 
 }  // namespace
 
-YAML::Node load_yaml_file(const std::string& path) {
-    require_regular_file(path);
+YAML::Node load_yaml_file(const std::string& path) { return load_yaml_text(read_input_file(path), path); }
+
+YAML::Node load_yaml_text(const std::string& text, const std::string& path) {
     try {
-        YAML::Node root = YAML::LoadFile(path);
+        YAML::Node root = YAML::Load(text);
         check_keys(path, root, 0);
         return root;
     } catch (const InputError&) {

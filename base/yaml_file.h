@@ -9,5 +9,7 @@
 namespace kvsim {
 
 YAML::Node load_yaml_file(const std::string& path);
+// The same for a file's bytes read already; errors name `path`.
+YAML::Node load_yaml_text(const std::string& text, const std::string& path);
 
 }  // namespace kvsim

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -220,9 +221,11 @@ int64_t StreamingPlan::streaming_count() const {
 // ---------------------------------------------------------------------------------------------
 // DuoAttention pattern files
 
-StreamingPlan load_streaming_profile(const std::string& path, int num_layers, int num_kv_heads,
-                                     double default_lambda) {
-    const YAML::Node file = load_yaml_file(path);
+namespace {
+
+StreamingPlan parse_streaming_profile(const std::string& text, const std::string& path, int num_layers,
+                                      int num_kv_heads, double default_lambda) {
+    const YAML::Node file = load_yaml_text(text, path);
     auto fail = [&](const std::string& what) -> void { throw InputError(path + ": " + what); };
     // A kvsim profile.json (JSON is YAML) keeps the same rows under streaming.heads and .lambda.
     const bool profile_json = file.IsMap() && file["format"] && file["streaming"] && file["streaming"].IsMap();
@@ -286,6 +289,17 @@ StreamingPlan load_streaming_profile(const std::string& path, int num_layers, in
         }
     }
     return plan;
+}
+
+}  // namespace
+
+StreamingPlan load_streaming_profile(const std::string& path, int num_layers, int num_kv_heads,
+                                     double default_lambda) {
+    char key[64];
+    std::snprintf(key, sizeof key, "%dx%d lambda %a", num_layers, num_kv_heads, default_lambda);
+    return parsed_once<StreamingPlan>(path, key, [&](const std::string& text) {
+        return parse_streaming_profile(text, path, num_layers, num_kv_heads, default_lambda);
+    });
 }
 
 std::vector<double> load_duo_attention_gates(const std::string& path, int num_layers, int num_kv_heads) {

@@ -6,6 +6,7 @@
 #include <cstdio>
 
 #include "base/errors.h"
+#include "base/input_file.h"
 #include "base/yaml_file.h"
 
 namespace kvsim {
@@ -47,8 +48,10 @@ void check_tier_shares(const TierShares& s, const std::string& where) {
         }
 }
 
-TierShares load_tier_shares(const std::string& path, int num_layers, int num_kv_heads) {
-    const YAML::Node file = load_yaml_file(path);
+namespace {
+
+TierShares parse_tier_shares(const std::string& text, const std::string& path, int num_layers, int num_kv_heads) {
+    const YAML::Node file = load_yaml_text(text, path);
     auto fail = [&](const std::string& what) { throw InputError(path + ": " + what); };
     if (!file.IsMap() || !file["tiers"])
         fail("missing key 'tiers' (per-(layer, KV head) shares under fp16, int8 and int4)");
@@ -80,6 +83,13 @@ TierShares load_tier_shares(const std::string& path, int num_layers, int num_kv_
     }
     check_tier_shares(s, path + ": tiers");
     return s;
+}
+
+}  // namespace
+
+TierShares load_tier_shares(const std::string& path, int num_layers, int num_kv_heads) {
+    return parsed_once<TierShares>(path, std::to_string(num_layers) + "x" + std::to_string(num_kv_heads),
+                                   [&](const std::string& text) { return parse_tier_shares(text, path, num_layers, num_kv_heads); });
 }
 
 std::string tier_shares_json(const TierShares& s) {

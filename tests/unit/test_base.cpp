@@ -66,6 +66,33 @@ TEST_CASE("input files must be regular files") {
     CHECK_THROWS_AS(require_regular_file(""), InputError);
 }
 
+TEST_CASE("a file read many times is parsed once while its bytes stay the same") {
+    const auto dir = fresh_dir("parsed_once");
+    const std::string a = (dir / "a.yaml").string(), b = (dir / "b.yaml").string();
+    std::ofstream(a) << "plan 1";
+    std::ofstream(b) << "plan 1";
+    int parses = 0;
+    auto parse = [&](const std::string& text) {
+        ++parses;
+        if (text == "bad") throw InputError("cannot parse: " + text);
+        return text + " parsed";
+    };
+    CHECK(parsed_once<std::string>(a, "k", parse) == "plan 1 parsed");
+    CHECK(parsed_once<std::string>(a, "k", parse) == "plan 1 parsed");
+    CHECK(parsed_once<std::string>(b, "k", parse) == "plan 1 parsed");  // the same bytes elsewhere
+    CHECK(parses == 1);
+    CHECK(parsed_once<std::string>(a, "other key", parse) == "plan 1 parsed");
+    CHECK(parses == 2);
+    std::ofstream(a) << "plan 2";  // new bytes at the same path: parsed again
+    CHECK(parsed_once<std::string>(a, "k", parse) == "plan 2 parsed");
+    CHECK(parses == 3);
+    std::ofstream(a) << "bad";  // a failure is not kept: it fails every time
+    CHECK_THROWS_AS(parsed_once<std::string>(a, "k", parse), InputError);
+    CHECK_THROWS_AS(parsed_once<std::string>(a, "k", parse), InputError);
+    CHECK(parses == 5);
+    CHECK_THROWS_AS(parsed_once<std::string>((dir / "none.yaml").string(), "k", parse), InputError);
+}
+
 TEST_CASE("atomic files: the temporary name, commit, and the leftovers of dead processes") {
     const auto dir = fresh_dir("atomic_files");
     const std::string target = (dir / "out.json").string();
