@@ -218,7 +218,7 @@ void score_row(const float* q, const float* keys, int64_t count, int kv_head, in
 void cached_attention_output(const float* q, std::span<const int32_t> held, std::span<const uint8_t> key_tier,
                              std::span<const uint8_t> value_tier, const TierArrays& arrays, int kv_head,
                              int num_kv_heads, int head_dim, Eigen::ArrayXf& scratch, float* out,
-                             float* weights, const float* fp16_scores) {
+                             float* weights, const std::array<const float*, 3>& shared_scores) {
     const Eigen::Index n = static_cast<Eigen::Index>(held.size());
     scratch.resize(n);
     float* const scores = scratch.data();  // the hot loops index it plainly, without Eigen's checks
@@ -226,8 +226,8 @@ void cached_attention_output(const float* q, std::span<const int32_t> held, std:
     for (Eigen::Index j = 0; j < n; ++j) {
         const int32_t p = held[j];
         const uint8_t tier = key_tier[p];
-        if (fp16_scores && tier == 0) {
-            scores[j] = fp16_scores[p];
+        if (const float* row = shared_scores[tier]) {
+            scores[j] = row[p];
             continue;
         }
         const float* k = arrays.k[tier] + (static_cast<int64_t>(p) * num_kv_heads + kv_head) * head_dim;

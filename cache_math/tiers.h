@@ -72,13 +72,14 @@ double value_bytes(Tier tier, int head_dim, const TierFormat* format);
 // q.k / sqrt(d) over held only (renormalised), weighted sum of v. out has head_dim floats, or is
 // null where only the weights are wanted; weights, when given, receives the softmax weight of each
 // held position (held.size() floats).
-// `fp16_scores`, when given, holds score_row's scores of this query against every position's key
-// in arrays.k[0]: a position whose key is at fp16 takes its score from there instead of a dot
-// product of its own (the same bits), so the many caches of one replay step share that work.
+// `shared_scores[tier]`, where given, holds score_row's scores of this query against every
+// position's key in arrays.k[tier]: a position whose key is at that tier takes its score from
+// there instead of a dot product of its own (the same bits), so the many caches of one replay
+// step share that work.
 void cached_attention_output(const float* q, std::span<const int32_t> held, std::span<const uint8_t> key_tier,
                              std::span<const uint8_t> value_tier, const TierArrays& arrays, int kv_head,
                              int num_kv_heads, int head_dim, Eigen::ArrayXf& scratch, float* out,
-                             float* weights = nullptr, const float* fp16_scores = nullptr);
+                             float* weights = nullptr, const std::array<const float*, 3>& shared_scores = {});
 
 // The scores cached_attention_output gives positions 0..count-1 whose keys are `keys`
 // ([token][kv_head][d]): q.k / sqrt(d), bit for bit.

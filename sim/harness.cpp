@@ -450,7 +450,10 @@ void Harness::attend_cached(const GroupStep& s, bool with_outputs) {
     key_tier_[t] = value_tier_[t] = 0;
     const bool want_weights = options_.view == AttentionView::cached;
     // The replay's shared scores serve where they were computed from this cache's fp16 keys.
-    const bool shared_scores = !s.fp16_scores.empty() && s.fp16_scores_keys == values_.arrays->k[0];
+    std::array<bool, 3> shared{};
+    for (int tier = 0; tier < 3; ++tier)
+        shared[tier] = !s.tier_scores[tier].empty() && s.tier_scores_keys[tier] &&
+                       s.tier_scores_keys[tier] == values_.arrays->k[tier];
     last_outputs_.resize(s.queries.size() * d);
     cached_weights_.assign(want_weights ? s.queries.size() * attended_.size() : 0, 0.0f);
     for (std::size_t h = 0; h < s.queries.size(); ++h) {
@@ -461,7 +464,8 @@ void Harness::attend_cached(const GroupStep& s, bool with_outputs) {
             cached_attention_output(s.queries[h], attended_, key_tier_, value_tier_, *values_.arrays, values_.kv_head,
                                     values_.num_kv_heads, d, scratch_, out,
                                     want_weights ? cached_weights_.data() + h * attended_.size() : nullptr,
-                                    shared_scores ? s.fp16_scores[h] : nullptr);
+                                    {shared[0] ? s.tier_scores[0][h] : nullptr, shared[1] ? s.tier_scores[1][h] : nullptr,
+                                     shared[2] ? s.tier_scores[2][h] : nullptr});
         }
     }
     attended_step_ = with_outputs ? t : -1;

@@ -2,6 +2,7 @@
 // budget, with the reference harness's semantics and metrics (policybook-kvcache.md section 3),
 // extended to grouped-query attention, two attention views and a prefill.
 #pragma once
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -109,11 +110,12 @@ struct GroupStep {
     // Output error: each query head's query at t and the full cache's output (head_dim each).
     std::span<const float* const> queries;
     std::span<const float* const> full_output;
-    // Where the replay computed them once for every harness of the step: each query head's scores
-    // against every position's key in `fp16_scores_keys` (cache_math/tiers.h, score_row). A
-    // harness whose fp16 keys are other arrays (a projected cache's) computes its own.
-    std::span<const float* const> fp16_scores;
-    const float* fp16_scores_keys = nullptr;
+    // Where the replay computed them once for every harness of the step, per tier (0 fp16, 1 INT8,
+    // 2 INT4): each query head's scores against every position's key in `tier_scores_keys[tier]`
+    // (cache_math/tiers.h, score_row). A harness whose keys at a tier are other arrays (another
+    // format's, a projected cache's) computes its own.
+    std::array<std::span<const float* const>, 3> tier_scores;
+    std::array<const float*, 3> tier_scores_keys{};
 };
 
 // Output error measured on a simple random sample of a stream's decode steps: `steps[t]` says

@@ -164,7 +164,9 @@ private:
                     shared = add(shared, mul(mul(tier_copies, 4), mul(mul(length, mul(kv, d)), sizeof(float))));
                     if (options_.output_error) {
                         shared = add(shared, mul(mul(heads, mul(rows, d)), sizeof(float)));
-                        shared = add(shared, mul(mul(heads, add(per_head, mul(2, rows))), sizeof(float)));  // scores
+                        // scores: fp16, and INT8 and INT4 where tiered harnesses share them
+                        shared = add(shared, mul(mul(mul(tier_copies > 0 ? 3 : 1, heads), add(per_head, mul(2, rows))),
+                                                 sizeof(float)));
                     }
                     shared = add(shared, mul(length, sizeof(int32_t) + 1));
                 }
@@ -338,11 +340,13 @@ private:
         layer_values_ = &qkv_->layer_data(s, layer);
         layer_index_ = layer;
         fp16_arrays_ = arrays_for(nullptr, nullptr);
+        std::map<const TierArrays*, std::size_t> readers;  // harnesses per tiered arrays
         for (std::size_t job = 0; job < harnesses.size(); ++job) {
             const Policy& policy = harnesses[job].policy();
             const int kv = static_cast<int>(job / combos_.size());
-            CacheValues values{arrays_for(policy.tier_format(), policy.projection()), kv, kv_heads_, head_dim_,
-                               options_.output_error, options_.memory};
+            const TierArrays* arrays = arrays_for(policy.tier_format(), policy.projection());
+            if (arrays->k[1] && arrays->k[2]) ++readers[arrays];
+            CacheValues values{arrays, kv, kv_heads_, head_dim_, options_.output_error, options_.memory};
             values.outputs_when_measured = true;
             if (options_.output_error && options_.output_error_sample < 1) {
                 const std::vector<uint8_t>& steps =
@@ -358,6 +362,11 @@ private:
             }
             harnesses[job].set_values(values);
         }
+        shared_tiers_ = nullptr;
+        std::size_t most = 0;
+        for (const auto& [arrays, count] : readers)  // by pointer order: any one of equal counts serves
+            if (count > most) most = count, shared_tiers_ = arrays;
+        if (most < 4 * static_cast<std::size_t>(kv_heads_)) shared_tiers_ = nullptr;
         if (options_.output_error && options_.full_outputs) find_memo_streams(s, layer, harnesses);
     }
 
@@ -486,7 +495,8 @@ private:
             full_output_.resize(static_cast<std::size_t>(query_heads_) * (end - first) * head_dim_);
             // Row t of the scores has t + 1 entries: laid out as attention row t + 1 would be.
             scores_span_ = attention_row_offset(end + 1) - attention_row_offset(first + 1);
-            fp16_scores_.resize(static_cast<std::size_t>(query_heads_) * scores_span_);
+            for (int tier = 0; tier < (shared_tiers_ ? 3 : 1); ++tier)
+                tier_scores_[tier].resize(static_cast<std::size_t>(query_heads_) * scores_span_);
             if (every_position_.size() < static_cast<std::size_t>(length)) {
                 every_position_.resize(length);
                 for (int64_t p = 0; p < length; ++p) every_position_[p] = static_cast<int32_t>(p);
@@ -511,8 +521,13 @@ private:
     bool full_output_at(int kv, int64_t t) const {
         return full_output_every_step_[kv] || full_output_steps_[kv][static_cast<std::size_t>(t)];
     }
-    // Where query head `head`'s scores of step t sit in fp16_scores_, in a block from `first`.
-    std::size_t fp16_scores_at(int head, int64_t first, int64_t t) const {
+    // Whether step t of KV head kv has its query heads' scores against shared_tiers_' INT8 and INT4
+    // keys made in shared_work: where a harness attends with them (as scores_made, memo or not).
+    bool tier_scores_made(int kv, int64_t t) const {
+        return shared_tiers_ && options_.output_error && (full_output_at(kv, t) || (cached_view_ && shared_runs_));
+    }
+    // Where query head `head`'s scores of step t sit in tier_scores_[tier], in a block from `first`.
+    std::size_t scores_at(int head, int64_t first, int64_t t) const {
         return static_cast<std::size_t>(head * scores_span_ + attention_row_offset(t + 1) - attention_row_offset(first + 1));
     }
 
@@ -529,16 +544,22 @@ private:
                 const int head = kv * group_ + static_cast<int>(index / rows);
                 const int64_t t = first + index % rows;
                 const int64_t job = head * rows + index % rows;
-                if (!scores_made(kv, t)) return;
+                const bool fp16 = scores_made(kv, t);
+                if (!fp16 && !tier_scores_made(kv, t)) return;
                 const float* q = layer_values_->q.data() + (t * query_heads_ + head) * head_dim_;
-                float* scores = fp16_scores_.data() + fp16_scores_at(head, first, t);
+                if (tier_scores_made(kv, t))
+                    for (int tier = 1; tier < 3; ++tier)
+                        score_row(q, shared_tiers_->k[tier], t + 1, kv, kv_heads_, head_dim_,
+                                  tier_scores_[tier].data() + scores_at(head, first, t));
+                if (!fp16) return;
+                float* scores = tier_scores_[0].data() + scores_at(head, first, t);
                 score_row(q, fp16_arrays_->k[0], t + 1, kv, kv_heads_, head_dim_, scores);
                 // Sampled: only the steps some stream of this KV head measures; the memo's are read below.
                 if (!full_output_at(kv, t) || memo_read_[kv]) return;
                 thread_local Eigen::ArrayXf scratch;
                 cached_attention_output(q, {every_position_.data(), static_cast<std::size_t>(t + 1)}, all_fp16_,
                                         all_fp16_, *fp16_arrays_, kv, kv_heads_, head_dim_, scratch,
-                                        full_output_.data() + job * head_dim_, nullptr, scores);
+                                        full_output_.data() + job * head_dim_, nullptr, {scores, nullptr, nullptr});
             });
             if (memo_read_[kv] || memo_fill_[kv]) memo_outputs(kv, first, end);
         }
@@ -584,7 +605,7 @@ private:
         // or more read them.
         const bool shared = job.combos.size() > 1, interleave = group_ == 4 && shared && rows_;
         thread_local std::vector<float> interleaved;
-        const float* scores_of_group[64];
+        const float* scores_of_group[3][64];
         for (int64_t i = 0; i < end - first; ++i) {
             GroupStep step = group_step(job.kv, first, end, i, arrays, shared);
             if (interleave) {
@@ -592,11 +613,12 @@ private:
                 step.interleaved_bounded = interleave_rows(step.rows, step.t, interleaved.data());
                 step.interleaved = interleaved.data();
             }
-            if (scores_made(job.kv, step.t)) {  // made in shared_work
+            for (int tier = 0; tier < 3; ++tier) {  // made in shared_work
+                if (!(tier == 0 ? scores_made(job.kv, step.t) : tier_scores_made(job.kv, step.t))) continue;
                 for (int h = 0; h < group_; ++h)
-                    scores_of_group[h] = fp16_scores_.data() + fp16_scores_at(job.kv * group_ + h, first, step.t);
-                step.fp16_scores = {scores_of_group, static_cast<std::size_t>(group_)};
-                step.fp16_scores_keys = fp16_arrays_->k[0];
+                    scores_of_group[tier][h] = tier_scores_[tier].data() + scores_at(job.kv * group_ + h, first, step.t);
+                step.tier_scores[tier] = {scores_of_group[tier], static_cast<std::size_t>(group_)};
+                step.tier_scores_keys[tier] = tier == 0 ? fp16_arrays_->k[0] : shared_tiers_->k[tier];
             }
             for (std::size_t c : job.combos) harnesses[job.kv * combos_.size() + c].step(step);
         }
@@ -746,8 +768,13 @@ private:
         }};
     std::vector<std::vector<float>> combined_;      // raw view with groups: reduced rows per KV head
     std::vector<float> full_output_;                // [query head][row][d]: the full cache's output
-    std::vector<float> fp16_scores_;                // [query head][row][t + 1]: scores against every fp16 key
-    int64_t scores_span_ = 0;                       // a query head's share of fp16_scores_
+    // Per tier, [query head][row][t + 1]: scores against every fp16 key, and against every INT8
+    // and INT4 key of shared_tiers_.
+    std::array<std::vector<float>, 3> tier_scores_;
+    int64_t scores_span_ = 0;                       // a query head's share of each
+    // The quantised tiers whose scores shared_work makes: the format most harnesses of a KV head
+    // read, where four or more do (fewer hold fewer quantised keys than a row scores); or none.
+    const TierArrays* shared_tiers_ = nullptr;
     bool shared_runs_ = false;                      // some run steps two or more combinations
     std::vector<int32_t> every_position_;           // 0, 1, 2, ...: the full cache's positions
     std::vector<uint8_t> all_fp16_;

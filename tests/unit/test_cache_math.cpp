@@ -153,7 +153,7 @@ TEST_CASE("online softmax: chunks attended apart and merged give the sequential 
     CHECK(theirs == 1.0f);
 }
 
-TEST_CASE("cached attention: tiers mixed, shared fp16 scores and weights alone give the same bits; the output is the softmax's") {
+TEST_CASE("cached attention: tiers mixed, shared scores of any tier and weights alone give the same bits; the output is the softmax's") {
     // Head sizes with a fixed-size accumulation (64, 128) and without (48), over a held subset
     // whose keys and values sit at all three tiers (random arrays stand in for each tier).
     std::mt19937 rng(11);
@@ -180,19 +180,30 @@ TEST_CASE("cached attention: tiers mixed, shared fp16 scores and weights alone g
             key_tier[p] = static_cast<uint8_t>(p % 7 == 0 ? 1 : p % 5 == 0 ? 2 : 0);
             value_tier[p] = static_cast<uint8_t>(p % 4 == 0 ? 2 : p % 11 == 0 ? 1 : 0);
         }
-        std::vector<float> fp16_scores(tokens);
-        score_row(q.data(), arrays.k[0], tokens, kv, kv_heads, d, fp16_scores.data());
+        std::array<std::vector<float>, 3> tier_scores;
+        for (int tier = 0; tier < 3; ++tier) {
+            tier_scores[tier].resize(tokens);
+            score_row(q.data(), arrays.k[tier], tokens, kv, kv_heads, d, tier_scores[tier].data());
+        }
         Eigen::ArrayXf scratch;
-        std::vector<float> out(d), out_shared(d), weights(held.size()), weights_shared(held.size()), weights_alone(held.size());
+        std::vector<float> out(d), weights(held.size());
         cached_attention_output(q.data(), held, key_tier, value_tier, arrays, kv, kv_heads, d, scratch, out.data(),
                                 weights.data());
-        cached_attention_output(q.data(), held, key_tier, value_tier, arrays, kv, kv_heads, d, scratch,
-                                out_shared.data(), weights_shared.data(), fp16_scores.data());
-        cached_attention_output(q.data(), held, key_tier, value_tier, arrays, kv, kv_heads, d, scratch, nullptr,
-                                weights_alone.data(), fp16_scores.data());
-        CHECK(std::memcmp(out.data(), out_shared.data(), d * sizeof(float)) == 0);
-        CHECK(std::memcmp(weights.data(), weights_shared.data(), weights.size() * sizeof(float)) == 0);
-        CHECK(std::memcmp(weights.data(), weights_alone.data(), weights.size() * sizeof(float)) == 0);
+        // Scores shared for fp16 keys alone, for every tier, and for the quantised tiers alone.
+        const std::array<std::array<const float*, 3>, 3> shares = {
+            std::array<const float*, 3>{tier_scores[0].data(), nullptr, nullptr},
+            std::array<const float*, 3>{tier_scores[0].data(), tier_scores[1].data(), tier_scores[2].data()},
+            std::array<const float*, 3>{nullptr, tier_scores[1].data(), tier_scores[2].data()}};
+        for (const auto& shared : shares) {
+            std::vector<float> out_shared(d), weights_shared(held.size()), weights_alone(held.size());
+            cached_attention_output(q.data(), held, key_tier, value_tier, arrays, kv, kv_heads, d, scratch,
+                                    out_shared.data(), weights_shared.data(), shared);
+            cached_attention_output(q.data(), held, key_tier, value_tier, arrays, kv, kv_heads, d, scratch, nullptr,
+                                    weights_alone.data(), shared);
+            CHECK(std::memcmp(out.data(), out_shared.data(), d * sizeof(float)) == 0);
+            CHECK(std::memcmp(weights.data(), weights_shared.data(), weights.size() * sizeof(float)) == 0);
+            CHECK(std::memcmp(weights.data(), weights_alone.data(), weights.size() * sizeof(float)) == 0);
+        }
 
         // In double: softmax of q.k / sqrt(d) over held, each key and value at its tier.
         std::vector<double> score(held.size()), want(d, 0.0);
