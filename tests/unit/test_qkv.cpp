@@ -340,6 +340,42 @@ TEST_CASE("combinations replayed together share each step's scores, and give the
     }
 }
 
+TEST_CASE("a replay that measures no attention metric gives the same outputs, bytes and evictions") {
+    // HarnessOptions::attention_metrics off (a search's streaming and tier fits): no retained
+    // mass, no heavy hitters made; what the policies see and do must not move by a bit.
+    SyntheticQkvSpec spec = synthetic_qkv_trace("small-1024", "test");
+    spec.num_layers = 1;
+    auto source = make_synthetic_qkv_source(spec, 180);
+    const std::vector<PolicyEntry> policies = {entry("h2o"), entry("tova"), entry("stratigraphic"),
+                                               entry("stratigraphic", {{"surface", 0.1}}), entry("sliding_window")};
+    for (AttentionView view : {AttentionView::renormalized, AttentionView::raw, AttentionView::cached}) {
+        for (double sample : {1.0, 0.25}) {
+            CAPTURE(static_cast<int>(view));
+            CAPTURE(sample);
+            ReplayOptions options;
+            options.harness.view = view;
+            options.output_error = options.memory = true;
+            options.output_error_sample = sample;
+            const auto combos = expand_sweep(policies, {}, std::vector<int>{40, 64, 100});
+            const auto with = replay(*source, combos, options);
+            options.harness.attention_metrics = false;
+            const auto without = replay(*source, combos, options);
+            REQUIRE(with.size() == without.size());
+            for (std::size_t c = 0; c < with.size(); ++c) {
+                CAPTURE(combos[c].label);
+                const StreamMetrics &a = with[c].total, &b = without[c].total;
+                CHECK(a.heavy_hitter_possible > 0);
+                CHECK(b.heavy_hitter_possible == 0);
+                CHECK(b.retained_mass == 0);
+                CHECK(a.output_steps == b.output_steps);
+                CHECK(std::memcmp(&a.output_rel_error, &b.output_rel_error, sizeof(double)) == 0);
+                CHECK(std::memcmp(&a.cache_bytes, &b.cache_bytes, sizeof(double)) == 0);
+                CHECK(a.eviction_calls == b.eviction_calls);
+            }
+        }
+    }
+}
+
 TEST_CASE("the full cache's outputs kept in a memo give a replay the same bits, and a second replay reads them") {
     // A search replays its fitting sequences some forty times; FullOutputMemo computes the full
     // cache's output once. The first replay fills it, the next reads it: both must give the bits
