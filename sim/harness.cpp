@@ -449,11 +449,11 @@ void Harness::attend_cached(const GroupStep& s, bool with_outputs) {
     attended_.push_back(t);
     key_tier_[t] = value_tier_[t] = 0;
     const bool want_weights = options_.view == AttentionView::cached;
-    // The replay's shared scores serve where they were computed from this cache's fp16 keys.
+    // The replay's shared scores of a tier serve where they were computed from this cache's keys
+    // at that tier.
     std::array<bool, 3> shared{};
     for (int tier = 0; tier < 3; ++tier)
-        shared[tier] = !s.tier_scores[tier].empty() && s.tier_scores_keys[tier] &&
-                       s.tier_scores_keys[tier] == values_.arrays->k[tier];
+        shared[tier] = !s.tier_scores[tier].empty() && s.tier_scores_keys[tier] == values_.arrays->k[tier];
     last_outputs_.resize(s.queries.size() * d);
     cached_weights_.assign(want_weights ? s.queries.size() * attended_.size() : 0, 0.0f);
     for (std::size_t h = 0; h < s.queries.size(); ++h) {
@@ -461,11 +461,12 @@ void Harness::attend_cached(const GroupStep& s, bool with_outputs) {
         if (state) {  // a streaming head shows its policy no weights: it keeps by position
             if (out) state->output(s.queries[h], out);
         } else {
+            std::array<const float*, 3> scores{};
+            for (int tier = 0; tier < 3; ++tier)
+                if (shared[tier]) scores[tier] = s.tier_scores[tier][h];
             cached_attention_output(s.queries[h], attended_, key_tier_, value_tier_, *values_.arrays, values_.kv_head,
                                     values_.num_kv_heads, d, scratch_, out,
-                                    want_weights ? cached_weights_.data() + h * attended_.size() : nullptr,
-                                    {shared[0] ? s.tier_scores[0][h] : nullptr, shared[1] ? s.tier_scores[1][h] : nullptr,
-                                     shared[2] ? s.tier_scores[2][h] : nullptr});
+                                    want_weights ? cached_weights_.data() + h * attended_.size() : nullptr, scores);
         }
     }
     attended_step_ = with_outputs ? t : -1;

@@ -53,8 +53,6 @@ public:
         }
         head_dim_ = qkv_ ? qkv_->qkv_shape().head_dim : 0;
         runs_of_kv_.resize(kv_heads_);
-        memo_read_.assign(kv_heads_, nullptr);
-        memo_fill_.assign(kv_heads_, nullptr);
         for (std::size_t j = 0; j < jobs_.size(); ++j) {
             (jobs_[j].kv >= 0 ? runs_of_kv_[jobs_[j].kv] : layer_wide_jobs_).push_back(j);
             shared_runs_ |= jobs_[j].kv >= 0 && jobs_[j].combos.size() > 1;
@@ -507,14 +505,17 @@ private:
             for (auto& c : combined_) c.resize(attention_row_offset(end) - attention_row_offset(first));
     }
 
+    // Whether harnesses of KV head kv attend at step t where the scores could be shared: where its
+    // output error is measured, and in the cached view at every step where two or more
+    // combinations share a run.
+    bool shared_attention_at(int kv, int64_t t) const {
+        return options_.output_error && ((cached_view_ && shared_runs_) || full_output_at(kv, t));
+    }
     // Whether step t of KV head kv has its query heads' scores against every fp16 key made in
-    // shared_work: where its output error is measured (the full cache's output reads them), and in
-    // the cached view at every step where two or more combinations share a run.
+    // shared_work: where harnesses attend, unless the memo gives the full cache's output and no
+    // harness of the head reads fp16 scores (one that did would make the same ones).
     bool scores_made(int kv, int64_t t) const {
-        if (!options_.output_error) return false;
-        if (cached_view_ && shared_runs_) return true;
-        // The memo's outputs need no scores; a harness that reads them would make the same ones.
-        return full_output_at(kv, t) && (!memo_read_[kv] || scores_wanted_[kv]);
+        return shared_attention_at(kv, t) && ((cached_view_ && shared_runs_) || !memo_read_[kv] || scores_wanted_[kv]);
     }
     // Whether some stream of KV head kv measures the output error of step t (the full cache's
     // output is then made for it).
@@ -522,10 +523,8 @@ private:
         return full_output_every_step_[kv] || full_output_steps_[kv][static_cast<std::size_t>(t)];
     }
     // Whether step t of KV head kv has its query heads' scores against shared_tiers_' INT8 and INT4
-    // keys made in shared_work: where a harness attends with them (as scores_made, memo or not).
-    bool tier_scores_made(int kv, int64_t t) const {
-        return shared_tiers_ && options_.output_error && (full_output_at(kv, t) || (cached_view_ && shared_runs_));
-    }
+    // keys made in shared_work.
+    bool tier_scores_made(int kv, int64_t t) const { return shared_tiers_ && shared_attention_at(kv, t); }
     // Where query head `head`'s scores of step t sit in tier_scores_[tier], in a block from `first`.
     std::size_t scores_at(int head, int64_t first, int64_t t) const {
         return static_cast<std::size_t>(head * scores_span_ + attention_row_offset(t + 1) - attention_row_offset(first + 1));
@@ -544,10 +543,10 @@ private:
                 const int head = kv * group_ + static_cast<int>(index / rows);
                 const int64_t t = first + index % rows;
                 const int64_t job = head * rows + index % rows;
-                const bool fp16 = scores_made(kv, t);
-                if (!fp16 && !tier_scores_made(kv, t)) return;
+                const bool fp16 = scores_made(kv, t), tiers = tier_scores_made(kv, t);
+                if (!fp16 && !tiers) return;
                 const float* q = layer_values_->q.data() + (t * query_heads_ + head) * head_dim_;
-                if (tier_scores_made(kv, t))
+                if (tiers)
                     for (int tier = 1; tier < 3; ++tier)
                         score_row(q, shared_tiers_->k[tier], t + 1, kv, kv_heads_, head_dim_,
                                   tier_scores_[tier].data() + scores_at(head, first, t));
