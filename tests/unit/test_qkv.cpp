@@ -49,6 +49,27 @@ void compare_together_and_alone(AttentionSource& source, const std::vector<Repla
     }
 }
 
+// A replay's options measuring output error (on `sample` of the steps) and memory in `view`.
+ReplayOptions output_options(AttentionView view, double sample) {
+    ReplayOptions options;
+    options.harness.view = view;
+    options.output_error = options.memory = true;
+    options.output_error_sample = sample;
+    return options;
+}
+
+// Two replays of one combination measured alike: its output error, cosine and their sampling
+// variance, bytes and evictions, bit for bit.
+void check_same_outputs(const StreamMetrics& a, const StreamMetrics& b) {
+    CHECK(a.output_steps > 0);
+    CHECK(a.output_steps == b.output_steps);
+    CHECK(std::memcmp(&a.output_rel_error, &b.output_rel_error, sizeof(double)) == 0);
+    CHECK(std::memcmp(&a.output_cosine, &b.output_cosine, sizeof(double)) == 0);
+    CHECK(std::memcmp(&a.output_error_variance, &b.output_error_variance, sizeof(double)) == 0);
+    CHECK(std::memcmp(&a.cache_bytes, &b.cache_bytes, sizeof(double)) == 0);
+    CHECK(a.eviction_calls == b.eviction_calls);
+}
+
 }  // namespace
 
 TEST_CASE("skipping n normals leaves the stream where drawing them would, spare or not") {
@@ -322,20 +343,11 @@ TEST_CASE("combinations replayed together share each step's scores, and give the
         for (double sample : {1.0, 0.25}) {
             CAPTURE(static_cast<int>(view));
             CAPTURE(sample);
-            ReplayOptions options;
-            options.harness.view = view;
-            options.output_error = options.memory = true;
-            options.output_error_sample = sample;
-            compare_together_and_alone(
-                *source, expand_sweep(policies, {}, std::vector<int>{70, 90, 110, 130}), options,
-                [](const StreamMetrics& a, const StreamMetrics& b) {
-                    CHECK(a.output_steps > 0);
-                    CHECK(std::memcmp(&a.output_rel_error, &b.output_rel_error, sizeof(double)) == 0);
-                    CHECK(std::memcmp(&a.output_cosine, &b.output_cosine, sizeof(double)) == 0);
-                    CHECK(std::memcmp(&a.cache_bytes, &b.cache_bytes, sizeof(double)) == 0);
-                    CHECK(std::memcmp(&a.retained_mass, &b.retained_mass, sizeof(double)) == 0);
-                    CHECK(a.eviction_calls == b.eviction_calls);
-                });
+            compare_together_and_alone(*source, expand_sweep(policies, {}, std::vector<int>{70, 90, 110, 130}),
+                                       output_options(view, sample), [](const StreamMetrics& a, const StreamMetrics& b) {
+                                           check_same_outputs(a, b);
+                                           CHECK(std::memcmp(&a.retained_mass, &b.retained_mass, sizeof(double)) == 0);
+                                       });
         }
     }
 }
@@ -352,10 +364,7 @@ TEST_CASE("a replay that measures no attention metric gives the same outputs, by
         for (double sample : {1.0, 0.25}) {
             CAPTURE(static_cast<int>(view));
             CAPTURE(sample);
-            ReplayOptions options;
-            options.harness.view = view;
-            options.output_error = options.memory = true;
-            options.output_error_sample = sample;
+            ReplayOptions options = output_options(view, sample);
             const auto combos = expand_sweep(policies, {}, std::vector<int>{40, 64, 100});
             const auto with = replay(*source, combos, options);
             options.harness.attention_metrics = false;
@@ -367,10 +376,7 @@ TEST_CASE("a replay that measures no attention metric gives the same outputs, by
                 CHECK(a.heavy_hitter_possible > 0);
                 CHECK(b.heavy_hitter_possible == 0);
                 CHECK(b.retained_mass == 0);
-                CHECK(a.output_steps == b.output_steps);
-                CHECK(std::memcmp(&a.output_rel_error, &b.output_rel_error, sizeof(double)) == 0);
-                CHECK(std::memcmp(&a.cache_bytes, &b.cache_bytes, sizeof(double)) == 0);
-                CHECK(a.eviction_calls == b.eviction_calls);
+                check_same_outputs(a, b);
             }
         }
     }
@@ -389,12 +395,7 @@ TEST_CASE("the full cache's outputs kept in a memo give a replay the same bits, 
         REQUIRE(a.size() == b.size());
         for (std::size_t c = 0; c < a.size(); ++c) {
             CAPTURE(c);
-            CHECK(a[c].total.output_steps > 0);
-            CHECK(a[c].total.output_steps == b[c].total.output_steps);
-            CHECK(std::memcmp(&a[c].total.output_rel_error, &b[c].total.output_rel_error, sizeof(double)) == 0);
-            CHECK(std::memcmp(&a[c].total.output_cosine, &b[c].total.output_cosine, sizeof(double)) == 0);
-            CHECK(std::memcmp(&a[c].total.output_error_variance, &b[c].total.output_error_variance, sizeof(double)) == 0);
-            CHECK(std::memcmp(&a[c].total.cache_bytes, &b[c].total.cache_bytes, sizeof(double)) == 0);
+            check_same_outputs(a[c].total, b[c].total);
         }
     };
     for (AttentionView view : {AttentionView::renormalized, AttentionView::cached}) {
@@ -406,10 +407,7 @@ TEST_CASE("the full cache's outputs kept in a memo give a replay the same bits, 
                 const std::vector<PolicyEntry> chosen =
                     only < policies.size() ? std::vector<PolicyEntry>{policies[only]} : policies;
                 const auto combos = expand_sweep(chosen, {}, std::vector<int>{48, 96});
-                ReplayOptions options;
-                options.harness.view = view;
-                options.output_error = options.memory = true;
-                options.output_error_sample = sample;
+                ReplayOptions options = output_options(view, sample);
                 options.output_error_seed = 3;
                 const auto plain = replay(*source, combos, options);
 
