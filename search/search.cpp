@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <array>
 #include <map>
 #include <optional>
 #include <random>
@@ -381,76 +382,158 @@ void SearchSetup::set_up_prompts(const SearchSpec& spec, const SearchRun& run) {
 
 namespace {
 
-// The grid replay's results from every unit's streams, each (layer, KV head) summed over the
-// fitting sequences in the order replay() sums them, so the curves are the same bits.
-std::vector<ComboResult> combine_grid_units(const SearchSetup& setup, const std::vector<SearchUnitStreams>& units) {
-    const std::size_t budgets = setup.out.grid.size(), sequences = setup.fitting.size();
-    const int layers = setup.num_layers;
-    const auto kv_heads = static_cast<std::size_t>(setup.num_kv_heads);
-    const std::vector<WorkUnit> all = enumerate_work(budgets, layers);
-    if (units.size() != all.size()) throw std::logic_error("search: grid units missing");
-    std::vector<ComboResult> results(budgets);
-    for (ComboResult& r : results) r.by_stream.resize(sequences * layers * kv_heads);
-    for (std::size_t u = 0; u < all.size(); ++u) {
-        if (units[u].size() != sequences * kv_heads) throw std::logic_error("search: grid unit streams missing");
-        ComboResult& r = results[all[u].cell];
-        for (std::size_t s = 0; s < sequences; ++s)
-            for (std::size_t kv = 0; kv < kv_heads; ++kv)
-                r.by_stream[(s * layers + all[u].layer) * kv_heads + kv] = units[u][s * kv_heads + kv];
-    }
-    for (ComboResult& r : results) sum_streams(r, sequences, layers, setup.num_kv_heads);
+// Where each pass's units start, and how many plans a layer of it holds.
+struct PassRange {
+    std::size_t first, plans;
+};
+
+std::array<PassRange, 3> pass_ranges(std::size_t grid, std::size_t tier_plans, std::size_t tier_candidates, int layers) {
+    const auto L = static_cast<std::size_t>(layers);
+    return {PassRange{0, grid}, PassRange{grid * L, tier_plans}, PassRange{grid * L + tier_plans * L, tier_candidates}};
+}
+
+// One pass's results from its units' streams, each (layer, KV head) summed over the pass's
+// sequences in the order replay() sums them, so every figure is the same bits.
+std::vector<ComboResult> combine_units(const std::vector<SearchUnitStreams>& units, PassRange range, std::size_t sequences,
+                                       int layers, int kv_heads) {
+    const auto K = static_cast<std::size_t>(kv_heads);
+    std::vector<ComboResult> results(range.plans);
+    for (ComboResult& r : results) r.by_stream.resize(sequences * layers * K);
+    for (int layer = 0; layer < layers; ++layer)
+        for (std::size_t plan = 0; plan < range.plans; ++plan) {
+            const std::size_t u = range.first + static_cast<std::size_t>(layer) * range.plans + plan;
+            if (u >= units.size() || units[u].size() != sequences * K) throw std::logic_error("search: unit streams missing");
+            for (std::size_t s = 0; s < sequences; ++s)
+                for (std::size_t kv = 0; kv < K; ++kv)
+                    results[plan].by_stream[(s * layers + layer) * K + kv] = units[u][s * K + kv];
+        }
+    for (ComboResult& r : results) sum_streams(r, sequences, layers, kv_heads);
     return results;
+}
+
+FitInput tier_fit_input(const SearchSpec& spec, SearchSetup& setup, const std::string& scratch) {
+    return FitInput{&spec, setup.fitting_source.get(), setup.heldout_source.get(), setup.out.shape, setup.harness, scratch,
+                    nullptr, "", setup.fitting, nullptr, &setup.full_outputs};
 }
 
 }  // namespace
 
-SearchGridReplay::SearchGridReplay(const SearchSpec& spec, const SearchRun& run)
-    : setup_(std::make_unique<SearchSetup>(spec, run)), policy_(spec.policy), progress_(run.progress) {
+SearchShardWork::SearchShardWork(const SearchSpec& spec, const SearchRun& run)
+    : setup_(std::make_unique<SearchSetup>(spec, run)), spec_(spec), progress_(run.progress) {
     if (spec.deploy != "kvsim")
-        throw InputError(spec.deploy_where + ": --shard divides the grid replay of kvsim's budget fits; a search that "
-                                             "deploys to " + spec.deploy + " runs on one machine (without --shard)");
-    if (!setup_->fit_budgets)
+        throw InputError(spec.deploy_where + ": --shard divides the grid replay of kvsim's budget fits and the tier "
+                                             "fit's plans; a search that deploys to " + spec.deploy +
+                         " runs on one machine (without --shard)");
+    if (!setup_->fit_budgets && !setup_->fit_tiers)
         throw InputError(spec.fits_where + ": --shard divides the grid replay of the budget fits (layer_budgets, "
-                                           "head_budgets), and this search has neither; run it without --shard");
-}
-
-SearchGridReplay::~SearchGridReplay() = default;
-
-const std::vector<int>& SearchGridReplay::grid() const { return setup_->out.grid; }
-int SearchGridReplay::num_layers() const { return setup_->num_layers; }
-int SearchGridReplay::num_kv_heads() const { return setup_->num_kv_heads; }
-std::size_t SearchGridReplay::unit_count() const { return grid().size() * static_cast<std::size_t>(num_layers()); }
-const std::vector<std::string>& SearchGridReplay::fitting_sequences() const { return setup_->out.fitting_sequences; }
-
-void SearchGridReplay::run_units(const std::vector<std::size_t>& units, const LayerDone& layer_done) {
-    const std::vector<ReplayCombo> combos = expand_sweep({policy_}, {}, grid());
-    const std::vector<WorkUnit> all = enumerate_work(grid().size(), num_layers());
-    // The units by layer, in enumeration order: one lockstep replay per layer, as a sweep's shard.
-    std::map<int, std::vector<std::size_t>> by_layer;
-    for (std::size_t u : units) by_layer[all.at(u).layer].push_back(u);
-    const std::size_t sequences = setup_->fitting.size();
-    const auto kv_heads = static_cast<std::size_t>(setup_->num_kv_heads);
-    std::size_t layers_done = 0;
-    for (const auto& [layer, layer_units] : by_layer) {
-        std::vector<ReplayCombo> layer_combos;
-        for (std::size_t u : layer_units) layer_combos.push_back(combos[all[u].cell]);
-        ReplayOptions options = setup_->options;
-        options.layers = {layer};
-        if (progress_)
-            options.progress = [&, layers = by_layer.size()](double f) {
-                progress_((static_cast<double>(layers_done) + f) / static_cast<double>(layers));
-            };
-        const std::vector<ComboResult> results = replay(*setup_->fitting_source, layer_combos, options);
-        std::vector<SearchUnitStreams> streams(layer_units.size());
-        for (std::size_t i = 0; i < layer_units.size(); ++i)
-            for (std::size_t s = 0; s < sequences; ++s)
-                for (std::size_t kv = 0; kv < kv_heads; ++kv)
-                    streams[i].push_back(results[i].by_stream[(s * num_layers() + layer) * kv_heads + kv]);
-        ++layers_done;
-        layer_done(layer_units, streams);
+                                           "head_budgets) and the tier fit's plans (tiers), and this search has none "
+                                           "of them; run it without --shard");
+    if (setup_->fit_tiers) {
+        const TierFitPlans plans = tier_fit_plans(spec, setup_->num_layers, setup_->num_kv_heads);
+        tier_plans_ = plans.plans.size();
+        tier_candidates_ = plans.candidates.size();
     }
 }
 
+SearchShardWork::~SearchShardWork() = default;
+
+const std::vector<int>& SearchShardWork::grid() const {
+    static const std::vector<int> none;
+    return setup_->fit_budgets ? setup_->out.grid : none;
+}
+std::size_t SearchShardWork::tier_plan_count() const { return tier_plans_; }
+std::size_t SearchShardWork::tier_candidate_count() const { return tier_candidates_; }
+int SearchShardWork::num_layers() const { return setup_->num_layers; }
+int SearchShardWork::num_kv_heads() const { return setup_->num_kv_heads; }
+std::size_t SearchShardWork::unit_count() const {
+    return (grid().size() + tier_plans_ + tier_candidates_) * static_cast<std::size_t>(num_layers());
+}
+const std::vector<std::string>& SearchShardWork::fitting_sequences() const { return setup_->out.fitting_sequences; }
+const std::vector<std::string>& SearchShardWork::heldout_sequences() const { return setup_->out.heldout_sequences; }
+
+std::string SearchShardWork::unit_description() const {
+    const std::string grid_units = "grid budgets x layers", tier_units = "tier plans x layers, for bytes and for errors";
+    if (grid().empty()) return tier_units;
+    return tier_plans_ ? grid_units + ", " + tier_units : grid_units;
+}
+
+SearchUnit SearchShardWork::unit(std::size_t index) const {
+    return search_unit(index, grid().size(), tier_plans_, tier_candidates_, num_layers());
+}
+
+SearchUnit search_unit(std::size_t index, std::size_t grid_budgets, std::size_t tier_plans, std::size_t tier_candidates,
+                       int layers) {
+    const std::array<PassRange, 3> ranges = pass_ranges(grid_budgets, tier_plans, tier_candidates, layers);
+    if (index >= ranges[2].first + ranges[2].plans * static_cast<std::size_t>(layers))
+        throw std::out_of_range("search: no such unit");
+    std::size_t pass = 0;
+    while (pass + 1 < ranges.size() && index >= ranges[pass + 1].first) ++pass;
+    const std::size_t offset = index - ranges[pass].first;
+    return SearchUnit{static_cast<SearchUnit::Pass>(pass), static_cast<int>(offset / ranges[pass].plans),
+                      offset % ranges[pass].plans};
+}
+
+void SearchShardWork::run_units(const std::vector<std::size_t>& units, const LayerDone& layer_done) {
+    SearchSetup& setup = *setup_;
+    const SearchSpec& spec = spec_;
+    // The units by pass and layer, in unit order: one lockstep replay each.
+    std::map<std::pair<int, int>, std::vector<std::size_t>> groups;
+    bool any_tier_unit = false;
+    for (std::size_t u : units) {
+        const SearchUnit unit = this->unit(u);
+        groups[{static_cast<int>(unit.pass), unit.layer}].push_back(u);
+        any_tier_unit = any_tier_unit || unit.pass != SearchUnit::Pass::grid;
+    }
+    const auto K = static_cast<std::size_t>(setup.num_kv_heads);
+    const int L = setup.num_layers;
+    std::optional<TempFolder> scratch;  // the plans stratigraphic reads
+    std::optional<TierFitPlans> tier_plans;
+    if (any_tier_unit) {
+        scratch.emplace("search");
+        tier_plans = tier_fit_plans(spec, L, setup.num_kv_heads);
+        // Every share 0 decides whether a target is reachable: checked before hours of plans.
+        const FitInput input = tier_fit_input(spec, setup, scratch->path());
+        const std::vector<ComboResult> cheapest =
+            replay_tier_plans(input, tier_plans->params, *setup.heldout_source, {tier_plans->plans.front()}, false, {}, nullptr);
+        refuse_unreachable_tier_targets(spec, cheapest.front(), 4.0 * setup.head_dim);
+    }
+    std::size_t groups_done = 0;
+    for (const auto& [key, group_units] : groups) {
+        const auto pass = static_cast<SearchUnit::Pass>(key.first);
+        const int layer = key.second;
+        std::function<void(double)> progress;
+        if (progress_)
+            progress = [&, count = groups.size()](double f) {
+                progress_((static_cast<double>(groups_done) + f) / static_cast<double>(count));
+            };
+        std::vector<ComboResult> results;
+        AttentionSource* source = setup.fitting_source.get();
+        if (pass == SearchUnit::Pass::grid) {
+            const std::vector<ReplayCombo> combos = expand_sweep({spec.policy}, {}, grid());
+            std::vector<ReplayCombo> layer_combos;
+            for (std::size_t u : group_units) layer_combos.push_back(combos[unit(u).plan]);
+            ReplayOptions options = setup.options;
+            options.layers = {layer};
+            options.progress = progress;
+            results = replay(*source, layer_combos, options);
+        } else {
+            const bool bytes = pass == SearchUnit::Pass::tier_bytes;
+            if (bytes) source = setup.heldout_source.get();
+            std::vector<TierShares> plans;
+            for (std::size_t u : group_units) plans.push_back(tier_plans->plans[unit(u).plan]);
+            const FitInput input = tier_fit_input(spec, setup, scratch->path());
+            results = replay_tier_plans(input, tier_plans->params, *source, plans, !bytes, {layer}, progress);
+        }
+        const std::size_t sequences = source->shape().sequence_names.size();
+        std::vector<SearchUnitStreams> streams(group_units.size());
+        for (std::size_t i = 0; i < group_units.size(); ++i)
+            for (std::size_t s = 0; s < sequences; ++s)
+                for (std::size_t kv = 0; kv < K; ++kv)
+                    streams[i].push_back(results[i].by_stream[(s * L + layer) * K + kv]);
+        ++groups_done;
+        layer_done(group_units, streams);
+    }
+}
 double output_error_interval(const StreamMetrics& m) {
     if (m.output_steps == 0 || !(m.output_error_variance > 0)) return 0.0;
     return 1.96 * std::sqrt(m.output_error_variance) / static_cast<double>(m.output_steps);
@@ -650,6 +733,19 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     const int ranks_stage = tiers_stage + (fit_tiers ? 1 : 0);
     const int mixed_stage = ranks_stage + (fit_ranks_ ? 1 : 0);
 
+    // Units measured by shards, pass by pass (SearchShardWork's numbering).
+    std::size_t tier_plans = 0, tier_candidates = 0;
+    if (fit_tiers && run.measured_units) {
+        const TierFitPlans plans = tier_fit_plans(spec, L, K);
+        tier_plans = plans.plans.size();
+        tier_candidates = plans.candidates.size();
+    }
+    const std::array<PassRange, 3> measured_ranges =
+        pass_ranges(fit_budgets ? out.grid.size() : 0, tier_plans, tier_candidates, L);
+    if (run.measured_units &&
+        run.measured_units->size() != measured_ranges[2].first + measured_ranges[2].plans * static_cast<std::size_t>(L))
+        throw std::logic_error("search: measured units missing");
+
     // Budget fits: per-unit curves from one fitting pass, every method in one held-out pass.
     std::vector<std::string> curve_notes;
     PolicyEntry entry = spec.policy;
@@ -661,7 +757,7 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
         // Or its units' streams, measured by shards (kvsim search --shard) and summed as replay sums.
         std::vector<ComboResult> measured;
         if (run.measured_units) {
-            measured = combine_grid_units(setup, *run.measured_units);
+            measured = combine_units(*run.measured_units, measured_ranges[0], fitting.size(), L, K);
         } else {
             const std::vector<ReplayCombo> grid_combos = expand_sweep({entry}, {}, out.grid);
             if (run.progress) options.progress = [&](double f) { stage_progress(0, 0.7 * f); };
@@ -832,9 +928,15 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     // Tier profiles for stratigraphic, at the same targets.
     if (fit_tiers) {
         const TempFolder scratch("search");  // the plans stratigraphic reads
+        TierMeasurements measured;
+        if (run.measured_units) {
+            measured.heldout_bytes =
+                combine_units(*run.measured_units, measured_ranges[1], setup.heldout.size(), L, K);
+            measured.fitting_errors = combine_units(*run.measured_units, measured_ranges[2], fitting.size(), L, K);
+        }
         FitInput input{&spec, fitting_source.get(), heldout_source.get(), out.shape, harness, scratch.path(),
                        [&](double f) { stage_progress(tiers_stage, f); }, run.trace_path, fitting, mixed,
-                       &setup.full_outputs};
+                       &setup.full_outputs, run.measured_units ? &measured : nullptr};
         fit_tier_profiles(input, out);
     }
     // Ranks of low-rank K/V latents, with grouping at the same bytes.

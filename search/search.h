@@ -105,8 +105,8 @@ struct SearchRun {
     std::string attention_view;         // "raw", "renormalized", "cached", or "" for the trace kind's default
     std::string group_reduce = "mean";  // "mean", "max" or "sum"
     std::function<void(double)> progress;
-    // The grid replay's units measured already, by shards (SearchGridReplay), indexed by unit:
-    // run_search sums them instead of replaying the grid, and does the rest as it would.
+    // The units measured already by shards (SearchShardWork), indexed by unit: run_search sums them
+    // instead of replaying the grid and the tier fit's passes, and does the rest as it would.
     const std::vector<std::vector<StreamMetrics>>* measured_units = nullptr;
 };
 
@@ -126,35 +126,64 @@ std::string format_three_digits(double x);
 std::vector<int> search_heldout_indices(const SearchSpec& spec, int count, const std::string& trace);
 
 struct SearchSetup;
+struct TierMeasurements;  // search/tier_fit.h
 
-// One unit's measurements: per (fitting sequence, KV head), sequence-major.
+// One unit's measurements: per (sequence, KV head), sequence-major, over the sequences its pass
+// replays.
 using SearchUnitStreams = std::vector<StreamMetrics>;
 
-// The budget fits' measurement, the grid replay over the fitting sequences, divided into work units
-// as a sweep's are (sim/shard_plan.h): one grid budget over one layer, every fitting sequence and
-// KV head included, numbered unit = layer * grid size + the budget's place in the grid. The fits
-// allocate across every layer and head at once, so a shard of a search is a share of these units;
-// the fits, the held-out confirmation and the other fits run once every unit is measured.
-class SearchGridReplay {
-public:
-    // Checks the search as run_search does; InputError also when it fits no budgets.
-    SearchGridReplay(const SearchSpec& spec, const SearchRun& run);
-    ~SearchGridReplay();
+// What one work unit of a search's shards measures: one layer, every KV head, of
+//  - grid: one grid budget of the budget fits, on the fitting sequences;
+//  - tier_bytes: one plan of the tier fit (TierFitPlans), its bytes on the held-out sequences;
+//  - tier_errors: one candidate of the tier fit, its output errors on the fitting sequences.
+// Units are numbered pass by pass in that order, each pass layer-major (unit = first of the pass
+// + layer * its plans + plan), so a search of budgets alone numbers them as a sweep's shard does.
+struct SearchUnit {
+    enum class Pass { grid, tier_bytes, tier_errors };
+    Pass pass = Pass::grid;
+    int layer = 0;
+    std::size_t plan = 0;  // the grid budget's place in the grid, or the tier plan's in TierFitPlans
+};
 
-    const std::vector<int>& grid() const;
+// Unit `index` of a search's shards whose passes hold these plans a layer (grid budgets, tier
+// plans, tier candidates; 0 for a pass the search does not make). std::out_of_range past the last.
+SearchUnit search_unit(std::size_t index, std::size_t grid_budgets, std::size_t tier_plans, std::size_t tier_candidates,
+                       int layers);
+
+// A search's big replays, divided into work units (SearchUnit) for shards (kvsim search --shard):
+// the budget fits' grid replay and the tier fit's two passes over its plans. The fits choose across
+// every layer and head at once, so a shard of a search is a share of these units; the fits, their
+// baselines, the held-out confirmation and the other fits run once every unit is measured
+// (SearchRun::measured_units).
+class SearchShardWork {
+public:
+    // Checks the search as run_search does; InputError also when it has neither budget nor tier fits.
+    SearchShardWork(const SearchSpec& spec, const SearchRun& run);
+    ~SearchShardWork();
+
+    const std::vector<int>& grid() const;     // empty without budget fits
+    std::size_t tier_plan_count() const;      // 0 without fit: tiers
+    std::size_t tier_candidate_count() const;
     int num_layers() const;
     int num_kv_heads() const;
     std::size_t unit_count() const;
+    SearchUnit unit(std::size_t index) const;
     const std::vector<std::string>& fitting_sequences() const;
+    const std::vector<std::string>& heldout_sequences() const;
+    // What the units are, for messages: "grid budgets x layers", "tier plans x layers x 2 passes", ...
+    std::string unit_description() const;
 
-    // Replays `units` layer by layer, calling layer_done with each layer's units and their streams.
+    // Replays `units` a pass and a layer at a time (one lockstep replay each), calling layer_done
+    // with each one's units and their streams. Before any tier unit, refuses (InputError) a target
+    // that no tier plan reaches, as the whole search does.
     using LayerDone = std::function<void(const std::vector<std::size_t>& units, std::vector<SearchUnitStreams>& streams)>;
     void run_units(const std::vector<std::size_t>& units, const LayerDone& layer_done);
 
 private:
     std::unique_ptr<SearchSetup> setup_;
-    PolicyEntry policy_;
+    SearchSpec spec_;
     std::function<void(double)> progress_;
+    std::size_t tier_plans_ = 0, tier_candidates_ = 0;
 };
 
 // What each family measured per (layer, KV head), for fit: mixed: per head, the family's options
@@ -193,6 +222,7 @@ struct FitInput {
     std::vector<int> fitting_indices;
     MixedTables* mixed = nullptr;  // fit: mixed: where the fit leaves its per-head options
     FullOutputMemo* full_outputs = nullptr;  // the search's, for every replay of fitting and heldout
+    const TierMeasurements* tier_measured = nullptr;  // fit: tiers: its passes measured by shards
 };
 
 // The half-width of the 95% interval of a sampled output error's mean (StreamMetrics), normal

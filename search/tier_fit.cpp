@@ -65,11 +65,61 @@ struct TierResult {
     double interval = 0;  // search.sample: the error's 95% half-width
 };
 
-// Every plan side by side in one lockstep pass; `output_error` false measures bytes only.
+TierResult tier_result(const ComboResult& r) {
+    TierResult t;
+    for (const StreamMetrics& m : r.by_head) {
+        t.head_error.push_back(m.output_rel_error);
+        t.head_bytes.push_back(m.context_tokens ? m.cache_bytes / static_cast<double>(m.context_tokens) : 0.0);
+    }
+    t.error_sum = r.total.output_rel_error;
+    t.steps = static_cast<double>(r.total.output_steps);
+    t.interval = output_error_interval(r.total);
+    t.bytes_per_token = r.total.cache_bytes / static_cast<double>(r.total.context_tokens);
+    t.compression_ratio = r.total.fp16_bytes / r.total.cache_bytes;
+    return t;
+}
+
+std::vector<TierResult> tier_results(const std::vector<ComboResult>& results) {
+    std::vector<TierResult> out;
+    for (const ComboResult& r : results) out.push_back(tier_result(r));
+    return out;
+}
+
+// Every plan side by side in one lockstep pass over every layer.
 // progress_done: the share of the fit done before this pass (each of its three passes is a third);
 // negative: the pass reports no progress.
 std::vector<TierResult> replay_plans(const FitInput& in, const ParamValues& params, AttentionSource& source,
                                      const std::vector<TierShares>& plans, bool output_error, double progress_done) {
+    std::function<void(double)> progress;
+    if (in.progress && progress_done >= 0) progress = [&in, done = progress_done](double f) { in.progress(done + f / 3); };
+    return tier_results(replay_tier_plans(in, params, source, plans, output_error, {}, progress));
+}
+
+}  // namespace
+
+TierFitPlans tier_fit_plans(const SearchSpec& spec, int L, int K) {
+    TierFitPlans out;
+    const PolicyDescriptor* policy = find_policy("stratigraphic");
+    out.params = resolve_params(*policy, spec.tier_params, spec.tiers_where);
+    if (const std::string problem = policy->check_budget(out.params, 1); !problem.empty())
+        throw InputError(spec.tiers_where + ": " + problem);
+    out.candidates = candidate_shares();
+    const double published_sum = out.params.at("surface") + out.params.at("int8_share") + out.params.at("int4_share");
+    for (int i = 1; i <= 40; ++i) {
+        const double s = 0.05 * i;
+        if (s * published_sum > 1 + 1e-12) break;
+        out.scales.push_back(s);
+    }
+    if (published_sum > 0 && std::find(out.scales.begin(), out.scales.end(), 1.0) == out.scales.end())
+        out.scales.push_back(1.0);
+    for (const auto& c : out.candidates) out.plans.push_back(uniform_shares(c, L, K));
+    for (double s : out.scales) out.plans.push_back(published_shares(out.params, s, L, K));
+    return out;
+}
+
+std::vector<ComboResult> replay_tier_plans(const FitInput& in, const ParamValues& params, AttentionSource& source,
+                                           const std::vector<TierShares>& plans, bool output_error,
+                                           const std::vector<int>& layers, const std::function<void(double)>& progress) {
     std::vector<PolicyEntry> entries;
     for (std::size_t i = 0; i < plans.size(); ++i) {
         PolicyEntry e;
@@ -81,59 +131,15 @@ std::vector<TierResult> replay_plans(const FitInput& in, const ParamValues& para
     }
     ReplayOptions options = search_replay_options(*in.spec, in.harness, output_error, true);
     options.full_outputs = in.full_outputs;
-    if (in.progress && progress_done >= 0) options.progress = [&in, done = progress_done](double f) { in.progress(done + f / 3); };
-    const std::vector<ComboResult> results = replay(source, expand_sweep(entries, {}, std::vector<int>{1}), options);
-    std::vector<TierResult> out;
-    for (const ComboResult& r : results) {
-        TierResult t;
-        for (const StreamMetrics& m : r.by_head) {
-            t.head_error.push_back(m.output_rel_error);
-            t.head_bytes.push_back(m.context_tokens ? m.cache_bytes / static_cast<double>(m.context_tokens) : 0.0);
-        }
-        t.error_sum = r.total.output_rel_error;
-        t.steps = static_cast<double>(r.total.output_steps);
-        t.interval = output_error_interval(r.total);
-        t.bytes_per_token = r.total.cache_bytes / static_cast<double>(r.total.context_tokens);
-        t.compression_ratio = r.total.fp16_bytes / r.total.cache_bytes;
-        out.push_back(t);
-    }
-    return out;
+    options.layers = layers;
+    options.progress = progress;
+    return replay(source, expand_sweep(entries, {}, std::vector<int>{1}), options);
 }
 
-}  // namespace
-
-void fit_tier_profiles(const FitInput& in, SearchOutcome& out) {
-    const SearchSpec& spec = *in.spec;
-    const int L = in.shape.num_layers, K = in.shape.num_kv_heads;
-    const std::size_t units = static_cast<std::size_t>(L) * K;
-    const PolicyDescriptor* policy = find_policy("stratigraphic");
-    const ParamValues params = resolve_params(*policy, spec.tier_params, spec.tiers_where);
-    if (const std::string problem = policy->check_budget(params, 1); !problem.empty())
-        throw InputError(spec.tiers_where + ": " + problem);
-    const double full_fp16 = 4.0 * in.shape.head_dim;
-
-    // The candidates for every head, and the published shape on a ladder of scales.
-    const std::vector<std::array<double, 3>> candidates = candidate_shares();
-    const double published_sum = params.at("surface") + params.at("int8_share") + params.at("int4_share");
-    std::vector<double> scales;
-    for (int i = 1; i <= 40; ++i) {
-        const double s = 0.05 * i;
-        if (s * published_sum > 1 + 1e-12) break;
-        scales.push_back(s);
-    }
-    if (published_sum > 0 && std::find(scales.begin(), scales.end(), 1.0) == scales.end()) scales.push_back(1.0);
-    std::vector<TierShares> plans;
-    for (const auto& c : candidates) plans.push_back(uniform_shares(c, L, K));
-    for (double s : scales) plans.push_back(published_shares(params, s, L, K));
-
-    // Bytes on the held-out sequences (what the target holds them to), errors on the fitting ones.
-    // The first candidate (every share 0) is each head's cheapest, since a zone only adds tokens
-    // kept: it alone decides whether a target is reachable, so an unreachable one is refused
-    // before the pass over every plan.
-    std::vector<TierResult> bytes = replay_plans(in, params, *in.heldout, {plans.front()}, false, -1.0);
+void refuse_unreachable_tier_targets(const SearchSpec& spec, const ComboResult& every_share_zero, double full_fp16) {
     double cheapest = 0;
-    for (const double b : bytes.front().head_bytes) cheapest += b;
-    cheapest /= static_cast<double>(units);
+    for (const double b : tier_result(every_share_zero).head_bytes) cheapest += b;
+    cheapest /= static_cast<double>(every_share_zero.by_head.size());
     for (const SearchTarget& target : spec.targets) {
         const double wanted = target.bytes(full_fp16);
         if (cheapest > wanted * (1 + 1e-9)) {
@@ -146,7 +152,36 @@ void fit_tier_profiles(const FitInput& in, SearchOutcome& out) {
                              "); lower search.tiers.recent or drop tiers from search.fit");
         }
     }
-    {
+}
+
+void fit_tier_profiles(const FitInput& in, SearchOutcome& out) {
+    const SearchSpec& spec = *in.spec;
+    const int L = in.shape.num_layers, K = in.shape.num_kv_heads;
+    const std::size_t units = static_cast<std::size_t>(L) * K;
+    const TierFitPlans fit_plans = tier_fit_plans(spec, L, K);
+    const ParamValues& params = fit_plans.params;
+    const std::vector<std::array<double, 3>>& candidates = fit_plans.candidates;
+    const std::vector<double>& scales = fit_plans.scales;
+    const std::vector<TierShares>& plans = fit_plans.plans;
+    const double published_sum = params.at("surface") + params.at("int8_share") + params.at("int4_share");
+    const double full_fp16 = 4.0 * in.shape.head_dim;
+    if (in.tier_measured &&
+        (in.tier_measured->heldout_bytes.size() != plans.size() || in.tier_measured->fitting_errors.size() != candidates.size()))
+        throw std::logic_error("tier fit: measured plans missing");
+
+    // Bytes on the held-out sequences (what the target holds them to), errors on the fitting ones.
+    // The first candidate (every share 0) is each head's cheapest, since a zone only adds tokens
+    // kept: it alone decides whether a target is reachable, so an unreachable one is refused
+    // before the pass over every plan.
+    std::vector<TierResult> bytes;
+    if (in.tier_measured) {
+        refuse_unreachable_tier_targets(spec, in.tier_measured->heldout_bytes.front(), full_fp16);
+        bytes = tier_results(in.tier_measured->heldout_bytes);
+    } else {
+        const std::vector<ComboResult> cheapest =
+            replay_tier_plans(in, params, *in.heldout, {plans.front()}, false, {}, nullptr);
+        refuse_unreachable_tier_targets(spec, cheapest.front(), full_fp16);
+        bytes = tier_results(cheapest);
         const std::vector<TierShares> rest(plans.begin() + 1, plans.end());
         std::vector<TierResult> more = replay_plans(in, params, *in.heldout, rest, false, 0.0);
         bytes.insert(bytes.end(), std::make_move_iterator(more.begin()), std::make_move_iterator(more.end()));
@@ -189,9 +224,18 @@ void fit_tier_profiles(const FitInput& in, SearchOutcome& out) {
     }
 
     // Errors: every candidate and each target's scaled baseline, on the fitting sequences.
-    std::vector<TierShares> fitting_plans = candidate_plans;
-    fitting_plans.insert(fitting_plans.end(), baselines.begin(), baselines.end());
-    const std::vector<TierResult> errors = replay_plans(in, params, *in.fitting, fitting_plans, true, 1.0 / 3);
+    // (Measured by shards, the candidates' are read and the baselines alone replayed.)
+    std::vector<TierResult> errors;
+    if (in.tier_measured) {
+        errors = tier_results(in.tier_measured->fitting_errors);
+        std::vector<TierResult> more;
+        if (!baselines.empty()) more = replay_plans(in, params, *in.fitting, baselines, true, 1.0 / 3);
+        errors.insert(errors.end(), std::make_move_iterator(more.begin()), std::make_move_iterator(more.end()));
+    } else {
+        std::vector<TierShares> fitting_plans = candidate_plans;
+        fitting_plans.insert(fitting_plans.end(), baselines.begin(), baselines.end());
+        errors = replay_plans(in, params, *in.fitting, fitting_plans, true, 1.0 / 3);
+    }
     const double fitting_steps = errors.front().steps;
     for (std::size_t b = 0; b < baselines.size(); ++b)
         chosen[baseline_of[b]].fitting_error = errors[candidates.size() + b].error_sum;

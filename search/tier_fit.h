@@ -8,7 +8,10 @@
 // option per head by marginal gain (search/allocation.h). The published shape is scaled by a
 // factor read off the same bytes pass. Both are then measured on the held-out sequences.
 #pragma once
+#include <array>
+#include <functional>
 #include <string>
+#include <vector>
 
 #include "search/search.h"
 #include "cache_math/tier_shares.h"
@@ -18,9 +21,39 @@ namespace kvsim {
 // Writes {"tiers": ...} where stratigraphic's `profile` parameter reads it; returns the path.
 std::string write_tier_plan(const std::string& folder, const std::string& name, const TierShares& shares);
 
+// What the tier fit replays before it chooses: every candidate share triple uniform over the
+// heads (each head's options), then the published shape on a ladder of scales (the baseline's).
+struct TierFitPlans {
+    ParamValues params;  // stratigraphic's, resolved from search.tiers
+    std::vector<std::array<double, 3>> candidates;
+    std::vector<double> scales;
+    std::vector<TierShares> plans;  // the candidates', then the scales'
+};
+
+// InputError naming search.tiers for parameters stratigraphic refuses.
+TierFitPlans tier_fit_plans(const SearchSpec& spec, int num_layers, int num_kv_heads);
+
+// The fit's two big passes, measured by a search's shards (kvsim search --shard) and summed:
+// every plan's bytes on the held-out sequences, every candidate's errors on the fitting ones.
+struct TierMeasurements {
+    std::vector<ComboResult> heldout_bytes;   // per plan of TierFitPlans
+    std::vector<ComboResult> fitting_errors;  // per candidate
+};
+
+// InputError naming the target when even every share 0 (the result of plans.front() on the
+// held-out sequences) holds more bytes than it allows.
+void refuse_unreachable_tier_targets(const SearchSpec& spec, const ComboResult& every_share_zero, double full_fp16);
+
+// `plans` side by side in one lockstep pass over `source` (restricted to `layers` when not empty),
+// as the tier fit replays them: one result per plan. `output_error` false measures bytes only.
+std::vector<ComboResult> replay_tier_plans(const FitInput& input, const ParamValues& params, AttentionSource& source,
+                                           const std::vector<TierShares>& plans, bool output_error,
+                                           const std::vector<int>& layers, const std::function<void(double)>& progress);
+
 // Appends one record per target and method ("fitted tier profile", marked to have its profile
 // written by run_search; "published shares and slope (scaled xS)"), and notes (the published
-// shares unscaled, the fitted shares).
+// shares unscaled, the fitted shares). With input.tier_measured, its two big passes are read from
+// there and only the baselines and the held-out confirmation are replayed.
 void fit_tier_profiles(const FitInput& input, SearchOutcome& outcome);
 
 }  // namespace kvsim

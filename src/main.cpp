@@ -395,7 +395,7 @@ int run_search_command(const ReplayFlags& flags, const ModelInput& confirm) {
             throw InputError("--model and --text: confirmation in the loop needs both");
     }
     if (!flags.emit_slurm.empty()) {
-        const SearchGridReplay grid(*config.search, run);  // checked before a cluster runs it
+        const SearchShardWork work(*config.search, run);  // checked before a cluster runs it
         std::vector<std::string> args = {"search", flags.config};
         if (!confirm.model_path.empty()) {
             args.insert(args.end(), {"--model", confirm.model_path, "--text", confirm.text_path});
@@ -403,7 +403,7 @@ int run_search_command(const ReplayFlags& flags, const ModelInput& confirm) {
             if (confirm.max_tokens > 0) args.insert(args.end(), {"--max-tokens", std::to_string(confirm.max_tokens)});
             if (confirm.context > 0) args.insert(args.end(), {"--context", std::to_string(confirm.context)});
         }
-        return emit_slurm_script(flags, setup.out_dir, args, grid.unit_count(), "grid budgets x layers",
+        return emit_slurm_script(flags, setup.out_dir, args, work.unit_count(), work.unit_description(),
                                  "search.json, search.csv, report.md and the profiles");
     }
     if (flags.slurm_shards > 0 || flags.slurm_max_running > 0)
@@ -414,7 +414,7 @@ int run_search_command(const ReplayFlags& flags, const ModelInput& confirm) {
     if (!confirm.model_path.empty()) check_confirmation_input(*config.search, run.trace_path, confirm);
     if (flags.shard.empty()) {
         if (flags.resume)
-            throw InputError("--resume: a search checkpoints only as shards of its grid replay; give --shard I/N");
+            throw InputError("--resume: a search checkpoints only as shards of its budget grid and tier plans; give --shard I/N");
         return finish_search(run, config, confirm, setup.out_dir, flags.quiet);
     }
     SearchShardRun shard_run;

@@ -706,15 +706,34 @@ MergeOutcome merge_partials(const std::vector<std::string>& inputs) {
 // shard is, and their merge, which runs the rest of the search as one machine would.
 namespace {
 
-constexpr int kSearchPartialFormat = 2;  // 2: a stream's output_error_variance
+constexpr int kSearchPartialFormat = 3;  // 2: a stream's output_error_variance; 3: the tier fit's units
 
 struct SearchPartial : PartialHeader {
     ModelInput confirm;
     std::vector<int> grid;
+    std::size_t tier_plans = 0, tier_candidates = 0;
     int num_layers = 0, num_kv_heads = 0;
-    std::vector<std::string> fitting_sequences;
+    std::vector<std::string> fitting_sequences, heldout_sequences;
     std::map<std::size_t, SearchUnitStreams> done;
+
+    SearchUnit unit(std::size_t index) const {
+        return search_unit(index, grid.size(), tier_plans, tier_candidates, num_layers);
+    }
+    std::size_t unit_count() const { return (grid.size() + tier_plans + tier_candidates) * static_cast<std::size_t>(num_layers); }
+    // The sequences a unit's streams cover: the held-out ones for the tier fit's bytes, else the fitting ones.
+    const std::vector<std::string>& sequences_of(const SearchUnit& u) const {
+        return u.pass == SearchUnit::Pass::tier_bytes ? heldout_sequences : fitting_sequences;
+    }
 };
+
+const char* pass_name(SearchUnit::Pass pass) {
+    switch (pass) {
+        case SearchUnit::Pass::grid: return "grid";
+        case SearchUnit::Pass::tier_bytes: return "tier bytes";
+        case SearchUnit::Pass::tier_errors: return "tier errors";
+    }
+    return "";
+}
 
 Json confirm_json(const ModelInput& m) {
     return {{"model", m.model_path}, {"text", m.text_path}, {"split_on", m.split_on}, {"max_tokens", m.max_tokens},
@@ -722,24 +741,33 @@ Json confirm_json(const ModelInput& m) {
 }
 
 // What a search shard's measurements depend on besides the trace and the kvsim version: the config
-// file's bytes, the grid and split it expands to, and the model flags the merge confirms with.
+// file's bytes, the grid, tier plans and split it expands to, and the model flags the merge confirms with.
 std::string search_config_hash(const std::string& config_path, const SearchPartial& p) {
     return config_sha256_of(config_path, '\0' + Json{{"grid", p.grid},
+                                                     {"tier_plans", p.tier_plans},
+                                                     {"tier_candidates", p.tier_candidates},
                                                      {"num_layers", p.num_layers},
                                                      {"num_kv_heads", p.num_kv_heads},
                                                      {"fitting_sequences", p.fitting_sequences},
+                                                     {"heldout_sequences", p.heldout_sequences},
                                                      {"confirm", confirm_json(p.confirm)}}
                                                          .dump());
 }
 
 std::string search_partial_text(const SearchPartial& p) {
     Json results = Json::array();
-    const std::vector<WorkUnit> all = enumerate_work(p.grid.size(), p.num_layers);
     for (const auto& [unit, streams] : p.done) {
         Json list = Json::array();
         for (const StreamMetrics& m : streams) list.push_back(stream_json(m));
-        results.push_back(Json{{"unit", unit}, {"budget", p.grid.at(all.at(unit).cell)}, {"layer", all.at(unit).layer},
-                               {"streams", list}});
+        const SearchUnit u = p.unit(unit);
+        Json result = {{"unit", unit}, {"pass", pass_name(u.pass)}};
+        if (u.pass == SearchUnit::Pass::grid)
+            result["budget"] = p.grid.at(u.plan);
+        else
+            result["plan"] = u.plan;
+        result["layer"] = u.layer;
+        result["streams"] = list;
+        results.push_back(result);
     }
     Json j = {{"kvsim_search_partial", kSearchPartialFormat}};
     write_identity(j, p);
@@ -747,9 +775,12 @@ std::string search_partial_text(const SearchPartial& p) {
     j["confirm"] = confirm_json(p.confirm);
     write_range(j, p);
     j["grid"] = p.grid;
+    j["tier_plans"] = p.tier_plans;
+    j["tier_candidates"] = p.tier_candidates;
     j["num_layers"] = p.num_layers;
     j["num_kv_heads"] = p.num_kv_heads;
     j["fitting_sequences"] = p.fitting_sequences;
+    j["heldout_sequences"] = p.heldout_sequences;
     j["results"] = results;
     return to_json_text(j) + "\n";
 }
@@ -773,45 +804,65 @@ SearchPartial read_search_partial(const std::string& path) {
     p.confirm.max_tokens = static_cast<int>(r.integer(r.at(c, "confirm", "max_tokens"), "confirm.max_tokens", 0, 1 << 30));
     p.confirm.context = static_cast<int>(r.integer(r.at(c, "confirm", "context"), "confirm.context", 0, 1 << 30));
     const Json& grid = r.list(r.at(j, "", "grid"), "grid", 1 << 16);
-    if (grid.size() < 2) r.fail("grid", "expected at least two budgets");
+    if (grid.size() == 1) r.fail("grid", "expected at least two budgets, or none (a search without budget fits)");
     for (std::size_t i = 0; i < grid.size(); ++i) {
         const std::string field = "grid[" + std::to_string(i) + "]";
         p.grid.push_back(static_cast<int>(r.integer(grid[i], field, 1, kMaxBudgetTokens)));
         if (i > 0 && p.grid[i] <= p.grid[i - 1]) r.fail(field, "budgets must ascend");
     }
+    p.tier_plans = static_cast<std::size_t>(r.integer(r.at(j, "", "tier_plans"), "tier_plans", 0, 1 << 16));
+    p.tier_candidates = static_cast<std::size_t>(r.integer(r.at(j, "", "tier_candidates"), "tier_candidates", 0,
+                                                           static_cast<int64_t>(p.tier_plans)));
+    if ((p.tier_plans == 0) != (p.tier_candidates == 0))
+        r.fail("tier_candidates", "a tier fit has candidates among its plans, and no tier fit has neither");
+    if (p.grid.empty() && p.tier_plans == 0) r.fail("grid", "empty, and no tier plans: nothing was measured");
     p.num_layers = static_cast<int>(r.integer(r.at(j, "", "num_layers"), "num_layers", 1, kMaxShape));
     p.num_kv_heads = static_cast<int>(r.integer(r.at(j, "", "num_kv_heads"), "num_kv_heads", 1, kMaxShape));
     const Json& fitting = r.list(r.at(j, "", "fitting_sequences"), "fitting_sequences", 1 << 20);
     if (fitting.empty()) r.fail("fitting_sequences", "empty");
     p.fitting_sequences = r.strings(fitting, "fitting_sequences", fitting.size());
-    read_range(r, j, p, p.grid.size() * static_cast<std::size_t>(p.num_layers));
+    const Json& heldout = r.list(r.at(j, "", "heldout_sequences"), "heldout_sequences", 1 << 20);
+    if (heldout.empty()) r.fail("heldout_sequences", "empty");
+    p.heldout_sequences = r.strings(heldout, "heldout_sequences", heldout.size());
+    read_range(r, j, p, p.unit_count());
     const std::size_t kv_heads = static_cast<std::size_t>(p.num_kv_heads);
-    const std::size_t streams = p.fitting_sequences.size() * kv_heads;
+    const std::size_t streams = std::max(p.fitting_sequences.size(), p.heldout_sequences.size()) * kv_heads;
     check_memory(checked_mul(checked_mul(p.units, streams, path), sizeof(StreamMetrics), path),
-                 path + ": the grid replay's sums (" + std::to_string(p.units) + " units x " + std::to_string(streams) +
+                 path + ": the measured sums (" + std::to_string(p.units) + " units x up to " + std::to_string(streams) +
                      " streams)");
-    const std::vector<WorkUnit> all = enumerate_work(p.grid.size(), p.num_layers);
     const Json& results = r.list(r.at(j, "", "results"), "results", p.end - p.first);
+    // Steps per sequence, checked across units: the fitting sequences, then the held-out ones.
     StepsPerSequence steps;
     for (std::size_t i = 0; i < results.size(); ++i) {
         const std::string field = "results[" + std::to_string(i) + "]";
         const std::size_t unit = read_unit(r, results[i], field, p, p.done);
-        if (r.integer(r.at(results[i], field, "budget"), field + ".budget", 1, kMaxBudgetTokens) !=
-            p.grid[all[unit].cell])
-            r.fail(field + ".budget", "is not grid budget " + std::to_string(p.grid[all[unit].cell]) + " of unit " +
-                                          std::to_string(unit));
-        if (r.integer(r.at(results[i], field, "layer"), field + ".layer", 0, p.num_layers - 1) != all[unit].layer)
-            r.fail(field + ".layer", "is not layer " + std::to_string(all[unit].layer) + " of unit " + std::to_string(unit));
-        const Json& list = r.list(r.at(results[i], field, "streams"), field + ".streams", streams);
-        if (list.size() != streams)
-            r.fail(field + ".streams", std::to_string(list.size()) + " streams, expected one per (fitting sequence, KV "
-                                                                      "head): " + std::to_string(streams));
+        const SearchUnit u = p.unit(unit);
+        if (r.string(r.at(results[i], field, "pass"), field + ".pass") != pass_name(u.pass))
+            r.fail(field + ".pass", "is not unit " + std::to_string(unit) + "'s pass, " + pass_name(u.pass));
+        if (u.pass == SearchUnit::Pass::grid) {
+            if (r.integer(r.at(results[i], field, "budget"), field + ".budget", 1, kMaxBudgetTokens) != p.grid[u.plan])
+                r.fail(field + ".budget", "is not grid budget " + std::to_string(p.grid[u.plan]) + " of unit " +
+                                              std::to_string(unit));
+        } else if (static_cast<std::size_t>(r.integer(r.at(results[i], field, "plan"), field + ".plan", 0, 1 << 16)) !=
+                   u.plan) {
+            r.fail(field + ".plan", "is not tier plan " + std::to_string(u.plan) + " of unit " + std::to_string(unit));
+        }
+        if (r.integer(r.at(results[i], field, "layer"), field + ".layer", 0, p.num_layers - 1) != u.layer)
+            r.fail(field + ".layer", "is not layer " + std::to_string(u.layer) + " of unit " + std::to_string(unit));
+        const std::size_t sequences = p.sequences_of(u).size();
+        const std::size_t first_sequence = u.pass == SearchUnit::Pass::tier_bytes ? p.fitting_sequences.size() : 0;
+        const std::size_t unit_streams_count = sequences * kv_heads;
+        const Json& list = r.list(r.at(results[i], field, "streams"), field + ".streams", unit_streams_count);
+        if (list.size() != unit_streams_count)
+            r.fail(field + ".streams", std::to_string(list.size()) + " streams, expected one per (" +
+                                           (first_sequence ? "held-out" : "fitting") + " sequence, KV head): " +
+                                           std::to_string(unit_streams_count));
         SearchUnitStreams unit_streams;
-        for (std::size_t k = 0; k < streams; ++k) {
+        for (std::size_t k = 0; k < unit_streams_count; ++k) {
             const std::string at = field + ".streams[" + std::to_string(k) + "]";
             // A search's partial holds no sequence lengths: the steps are checked against each other.
             unit_streams.push_back(read_stream(r, list[k], at, 0, 1));
-            steps.check(r, at + "[1] (steps)", k / kv_heads, unit_streams.back().steps);
+            steps.check(r, at + "[1] (steps)", first_sequence + k / kv_heads, unit_streams.back().steps);
         }
         p.done[unit] = std::move(unit_streams);
     }
@@ -821,22 +872,48 @@ SearchPartial read_search_partial(const std::string& path) {
     return p;
 }
 
+// Every partial's units replay the same steps of each sequence (read_search_partial checked that
+// within a file): partials whose steps differ are not of one run, however their headers agree.
+// Sequences are numbered as there: the fitting ones, then the held-out ones.
+void refuse_search_steps_differences(const std::vector<SearchPartial>& partials) {
+    std::map<std::size_t, std::pair<int64_t, const SearchPartial*>> seen;
+    for (const SearchPartial& p : partials) {
+        const auto kv_heads = static_cast<std::size_t>(p.num_kv_heads);
+        for (const auto& [unit, streams] : p.done) {
+            const SearchUnit u = p.unit(unit);
+            const std::size_t first_sequence = u.pass == SearchUnit::Pass::tier_bytes ? p.fitting_sequences.size() : 0;
+            for (std::size_t k = 0; k < streams.size(); k += kv_heads) {
+                const std::size_t sequence = first_sequence + k / kv_heads;
+                const auto [it, inserted] = seen.emplace(sequence, std::make_pair(streams[k].steps, &p));
+                if (!inserted && it->second.first != streams[k].steps)
+                    throw InputError(p.path + ": the streams of sequence " + std::to_string(sequence) + " replay " +
+                                     std::to_string(streams[k].steps) + " steps, and " + it->second.second->path +
+                                     "'s replay " + std::to_string(it->second.first) +
+                                     ": partials of different runs cannot merge");
+            }
+        }
+    }
+}
+
 }  // namespace
 
 SearchShardOutcome run_search_shard(const SearchSpec& spec, const SearchRun& run, const SearchShardRun& shard_run) {
-    SearchGridReplay grid(spec, run);
+    SearchShardWork work(spec, run);
     SearchPartial partial;
     partial.kvsim_version = KVSIM_VERSION;
     partial.config_path = shard_run.config_path;
     partial.confirm = shard_run.confirm;
-    partial.grid = grid.grid();
-    partial.num_layers = grid.num_layers();
-    partial.num_kv_heads = grid.num_kv_heads();
-    partial.fitting_sequences = grid.fitting_sequences();
+    partial.grid = work.grid();
+    partial.tier_plans = work.tier_plan_count();
+    partial.tier_candidates = work.tier_candidate_count();
+    partial.num_layers = work.num_layers();
+    partial.num_kv_heads = work.num_kv_heads();
+    partial.fitting_sequences = work.fitting_sequences();
+    partial.heldout_sequences = work.heldout_sequences();
     partial.config_sha256 = search_config_hash(shard_run.config_path, partial);
     HashBeside trace_sha256([path = run.trace_path] { return sha256_file(path); }, partial.trace_sha256);
     partial.shard = shard_run.shard;
-    partial.units = grid.unit_count();
+    partial.units = work.unit_count();
     std::tie(partial.first, partial.end) = shard_range(partial.units, partial.shard);
     partial.path = shard_run.out_dir + "/" + partial_file_name(partial.shard);
 
@@ -854,10 +931,10 @@ SearchShardOutcome run_search_shard(const SearchSpec& spec, const SearchRun& run
     const std::vector<std::size_t> todo = unfinished_units(partial, partial.done);
     outcome.units_run = todo.size();
 
-    // Checkpoints after every layer, as a sweep's shard writes them.
+    // Checkpoints after every pass's layer, as a sweep's shard writes them after every layer.
     Checkpoint checkpoint(partial.path, !partial.done.empty());
     try {
-        grid.run_units(todo, [&](const std::vector<std::size_t>& units, std::vector<SearchUnitStreams>& streams) {
+        work.run_units(todo, [&](const std::vector<std::size_t>& units, std::vector<SearchUnitStreams>& streams) {
             for (std::size_t i = 0; i < units.size(); ++i) partial.done[units[i]] = std::move(streams[i]);
             trace_sha256.settle();
             checkpoint.write(search_partial_text(partial));
@@ -897,7 +974,10 @@ SearchMerge merge_search_partials(const std::vector<std::string>& files) {
     }
     std::map<int, std::size_t> done;
     for (const auto& [index, p] : by_shard) done[index] = p->done.size();
-    refuse_missing_units(first.units, first.shard.count, done, "grid budget x layer");
+    refuse_missing_units(first.units, first.shard.count, done,
+                         first.tier_plans == 0  ? "grid budget x layer"
+                         : first.grid.empty() ? "tier plan x layer, for bytes or for errors"
+                                              : "grid budget or tier plan x layer");
 
     // The rest of the search runs here from the config and trace the shards measured: the same
     // bytes, or the merge would fit curves of one config to another's.
@@ -915,8 +995,7 @@ SearchMerge merge_search_partials(const std::vector<std::string>& files) {
                              " was edited (config_sha256 " + config_sha + " of the config with its grid, shape and "
                              "fitting sequences, and it has " + p.config_sha256 + "); rerun the shards");
     }
-    refuse_steps_differences(partials, static_cast<std::size_t>(first.num_kv_heads),
-                             [](const SearchUnitStreams& s) -> const SearchUnitStreams& { return s; });
+    refuse_search_steps_differences(partials);
     const std::string trace_sha = sha256_file(out.config.trace.path);
     if (trace_sha != first.trace_sha256)
         throw InputError(out.config.trace.path + ": changed since the shards ran (trace_sha256 " + trace_sha + ", " +

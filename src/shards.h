@@ -55,10 +55,10 @@ std::vector<std::string> partial_files(const std::vector<std::string>& inputs);
 // the shards to rerun when a cell is missing.
 MergeOutcome merge_partials(const std::vector<std::string>& inputs);
 
-// A search beyond one process: each shard measures a share of the grid replay's units
-// (SearchGridReplay) into its partial file, checkpointed after every layer; the merge sums them and
-// runs the rest of the search (the fits, the held-out confirmation, the other fits, the model in
-// the loop) as `kvsim search` does on one machine.
+// A search beyond one process: each shard measures a share of the search's work units (the budget
+// grid's and the tier fit's, SearchShardWork) into its partial file, checkpointed after every
+// pass's layer; the merge sums them and runs the rest of the search (the fits, the held-out
+// confirmation, the other fits, the model in the loop) as `kvsim search` does on one machine.
 struct SearchShardRun {
     std::string config_path;  // as given: the merge reads the config again from it
     ModelInput confirm;       // --model, --text, ...: the merge confirms in the loop with them
@@ -84,7 +84,7 @@ void check_partial_file(const std::string& path);
 struct SearchMerge {
     ExperimentConfig config;  // read again from the file the shards name, checked against their hash
     ModelInput confirm;
-    std::vector<SearchUnitStreams> units;  // every grid unit's streams, for SearchRun::measured_units
+    std::vector<SearchUnitStreams> units;  // every unit's streams, for SearchRun::measured_units
     int shards = 0;
     std::size_t unit_count = 0;
 };

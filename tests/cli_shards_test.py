@@ -355,6 +355,50 @@ class SearchShards(KvsimTestCase):
                 self.assertEqual(merged.stdout, one.stdout)
                 self.assertEqual(self.search_outputs(self.path(name + "-merged")), expected)
 
+    def test_a_tier_search_in_3_shards_merges_to_the_one_machine_outputs(self):
+        # The shards measure the tier fit's two big passes (every plan's bytes on the held-out
+        # sequences, every candidate's errors on the fitting ones); the merge replays only the
+        # baselines and the held-out confirmation, and writes what one machine writes.
+        tiers = SEARCH.replace("fit: [layer_budgets, head_budgets]",
+                               "fit: [tiers]\n  tiers: {sinks: 2, recent: 8}\n  sample: {steps: 0.5, seed: 3}")
+        config = self.write("tiers.yaml", tiers)
+        whole = self.path("whole")
+        one = kvsim("search", config, "--out", whole, "-q", cwd=ROOT)
+        self.assertEqual(one.returncode, 0, one.stderr)
+        expected = self.search_outputs(whole)
+        self.assertIn("profile-tiers-2x.json", expected)
+        out = self.path("shards")
+        passes = set()
+        for i in (2, 0, 1):
+            ran = self.search_shard(config, "%d/3" % i, out)
+            self.assertEqual(ran.returncode, 0, ran.stderr)
+            partial = json.loads(read(os.path.join(out, "partial-%d-of-3.json" % i)))
+            self.assertEqual(partial["grid"], [])
+            self.assertEqual(partial["units"], (partial["tier_plans"] + partial["tier_candidates"]) * 5)
+            self.assertEqual(partial["heldout_sequences"], ["tinystories_sample-3", "tinystories_sample-4"])
+            for r in partial["results"]:
+                passes.add(r["pass"])
+                self.assertEqual(len(r["streams"]), (2 if r["pass"] == "tier bytes" else 3) * partial["num_kv_heads"])
+        self.assertEqual(passes, {"tier bytes", "tier errors"})
+        merged = kvsim("merge", out, "--out", self.path("merged"), "-q", cwd=ROOT)
+        self.assertEqual(merged.returncode, 0, merged.stderr)
+        self.assertEqual(merged.stdout, one.stdout)
+        self.assertEqual(self.search_outputs(self.path("merged")), expected)
+
+        # A unit's pass edited: the merge names the field.
+        path = os.path.join(out, "partial-1-of-3.json")
+        partial = json.loads(read(path))
+        partial["results"][0]["pass"] = "grid"
+        with open(path, "w") as f:
+            json.dump(partial, f)
+        self.assert_input_error(kvsim("merge", out, "--out", self.path("bad"), cwd=ROOT), "partial-1-of-3.json",
+                                "results[0].pass")
+        # A target no tier plan reaches is refused by the shard before it replays its units.
+        unreachable = self.write("unreachable.yaml", tiers.replace("target: [2x]", "target: [40x]"))
+        self.assert_input_error(self.search_shard(unreachable, "0/3", self.path("u")), "40x for fit: tiers",
+                                "search.tiers.recent")
+        self.assertFalse(os.path.exists(os.path.join(self.path("u"), "partial-0-of-3.json")))
+
     def test_bad_search_shards_are_refused_in_one_line(self):
         config = self.write("search.yaml", SEARCH)
         out = self.path("s")
@@ -370,8 +414,8 @@ class SearchShards(KvsimTestCase):
         self.assert_input_error(kvsim("merge", out, "--out", merged_dir, cwd=ROOT),
                                 "search.yaml: changed since the shards ran", "rerun the shards")
         self.assertFalse(os.path.exists(merged_dir))
-        # A search with no budget fit has no grid replay to divide; a sweep's and a search's
-        # partials do not merge.
+        # A search with neither budget nor tier fits has nothing to divide; a sweep's and a
+        # search's partials do not merge.
         streaming = self.write("streaming.yaml", SEARCH.replace("fit: [layer_budgets, head_budgets]", "fit: [streaming]"))
         self.assert_input_error(self.search_shard(streaming, "0/2", self.path("t")), "search.fit", "without --shard")
         sweep = self.path("sweep")

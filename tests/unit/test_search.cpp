@@ -9,6 +9,8 @@
 #include <fstream>
 #include <numeric>
 #include <random>
+#include <set>
+#include <tuple>
 
 #include "base/errors.h"
 #include "helpers.h"
@@ -200,6 +202,34 @@ TEST_CASE("shape allocations follow their weights and meet the same bytes") {
     CHECK(std::is_sorted(pyramid.budgets.rbegin(), pyramid.budgets.rend()));  // deeper layers keep less
     CHECK(std::is_sorted(inverted.budgets.begin(), inverted.budgets.end()));  // early layers keep less
     CHECK(pyramid.budgets.front() > 3 * pyramid.budgets.back());
+}
+
+TEST_CASE("a search's shard units are numbered pass by pass, each pass layer-major, every unit once") {
+    using Pass = SearchUnit::Pass;
+    struct Case {
+        std::size_t grid, plans, candidates;
+        int layers;
+    };
+    for (const Case c : {Case{5, 0, 0, 3}, Case{0, 7, 4, 3}, Case{5, 7, 4, 2}, Case{2, 1, 1, 1}}) {
+        CAPTURE(c.grid);
+        CAPTURE(c.plans);
+        std::set<std::tuple<int, int, std::size_t>> seen;
+        const std::size_t total = (c.grid + c.plans + c.candidates) * static_cast<std::size_t>(c.layers);
+        std::size_t index = 0;
+        for (const auto& [pass, plans] : {std::pair{Pass::grid, c.grid}, std::pair{Pass::tier_bytes, c.plans},
+                                          std::pair{Pass::tier_errors, c.candidates}})
+            for (int layer = 0; layer < c.layers; ++layer)
+                for (std::size_t plan = 0; plan < plans; ++plan, ++index) {
+                    const SearchUnit u = search_unit(index, c.grid, c.plans, c.candidates, c.layers);
+                    CHECK(u.pass == pass);
+                    CHECK(u.layer == layer);
+                    CHECK(u.plan == plan);
+                    seen.insert({static_cast<int>(u.pass), u.layer, u.plan});
+                }
+        CHECK(index == total);
+        CHECK(seen.size() == total);
+        CHECK_THROWS_AS(search_unit(total, c.grid, c.plans, c.candidates, c.layers), std::out_of_range);
+    }
 }
 
 TEST_CASE("search gives a wide-attention layer more cache than a sink-only one, on held-out sequences") {
