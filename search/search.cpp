@@ -382,38 +382,70 @@ void SearchSetup::set_up_prompts(const SearchSpec& spec, const SearchRun& run) {
 
 namespace {
 
-// Where each pass's units start, and how many plans a layer of it holds.
+// Where each pass's units start among a layer's, and how many plans a layer of it holds.
 struct PassRange {
-    std::size_t first, plans;
+    std::size_t offset, plans;
 };
 
-std::array<PassRange, 3> pass_ranges(std::size_t grid, std::size_t tier_plans, std::size_t tier_candidates, int layers) {
-    const auto L = static_cast<std::size_t>(layers);
-    return {PassRange{0, grid}, PassRange{grid * L, tier_plans}, PassRange{grid * L + tier_plans * L, tier_candidates}};
+std::array<PassRange, 4> pass_ranges(const SearchPassPlans& plans) {
+    std::array<PassRange, 4> out{};
+    std::size_t offset = 0;
+    for (std::size_t pass = 0; pass < plans.size(); ++pass) {
+        out[pass] = {offset, plans[pass]};
+        offset += plans[pass];
+    }
+    return out;
+}
+
+std::size_t units_per_layer(const SearchPassPlans& plans) {
+    std::size_t n = 0;
+    for (std::size_t p : plans) n += p;
+    return n;
+}
+
+std::size_t unit_total(const SearchPassPlans& plans, int layers) {
+    return units_per_layer(plans) * static_cast<std::size_t>(layers);
 }
 
 // One pass's results from its units' streams, each (layer, KV head) summed over the pass's
 // sequences in the order replay() sums them, so every figure is the same bits.
-std::vector<ComboResult> combine_units(const std::vector<SearchUnitStreams>& units, PassRange range, std::size_t sequences,
+std::vector<ComboResult> combine_units(const std::vector<SearchUnitResult>& units, PassRange range, std::size_t sequences,
                                        int layers, int kv_heads) {
     const auto K = static_cast<std::size_t>(kv_heads);
+    const std::size_t per_layer = units.size() / static_cast<std::size_t>(layers);
     std::vector<ComboResult> results(range.plans);
     for (ComboResult& r : results) r.by_stream.resize(sequences * layers * K);
     for (int layer = 0; layer < layers; ++layer)
         for (std::size_t plan = 0; plan < range.plans; ++plan) {
-            const std::size_t u = range.first + static_cast<std::size_t>(layer) * range.plans + plan;
-            if (u >= units.size() || units[u].size() != sequences * K) throw std::logic_error("search: unit streams missing");
+            const std::size_t u = static_cast<std::size_t>(layer) * per_layer + range.offset + plan;
+            if (u >= units.size() || units[u].streams.size() != sequences * K)
+                throw std::logic_error("search: unit streams missing");
             for (std::size_t s = 0; s < sequences; ++s)
                 for (std::size_t kv = 0; kv < K; ++kv)
-                    results[plan].by_stream[(s * layers + layer) * K + kv] = units[u][s * K + kv];
+                    results[plan].by_stream[(s * layers + layer) * K + kv] = units[u].streams[s * K + kv];
         }
     for (ComboResult& r : results) sum_streams(r, sequences, layers, kv_heads);
     return results;
 }
 
-FitInput tier_fit_input(const SearchSpec& spec, SearchSetup& setup, const std::string& scratch) {
+// The streaming pass's per-layer head fits, per (layer, KV head).
+std::vector<StreamingHeadFit> combine_streaming_units(const std::vector<SearchUnitResult>& units, PassRange range,
+                                                      int layers, int kv_heads) {
+    std::vector<StreamingHeadFit> heads;
+    const std::size_t per_layer = units.size() / static_cast<std::size_t>(layers);
+    for (int layer = 0; layer < layers; ++layer) {
+        const std::size_t u = static_cast<std::size_t>(layer) * per_layer + range.offset;
+        if (u >= units.size() || units[u].heads.size() != static_cast<std::size_t>(kv_heads))
+            throw std::logic_error("search: streaming unit missing");
+        heads.insert(heads.end(), units[u].heads.begin(), units[u].heads.end());
+    }
+    return heads;
+}
+
+FitInput shard_fit_input(const SearchSpec& spec, SearchSetup& setup, const std::string& scratch,
+                         std::function<void(double)> progress) {
     return FitInput{&spec, setup.fitting_source.get(), setup.heldout_source.get(), setup.out.shape, setup.harness, scratch,
-                    nullptr, "", setup.fitting, nullptr, &setup.full_outputs};
+                    std::move(progress), "", setup.fitting, nullptr, &setup.full_outputs};
 }
 
 }  // namespace
@@ -421,18 +453,20 @@ FitInput tier_fit_input(const SearchSpec& spec, SearchSetup& setup, const std::s
 SearchShardWork::SearchShardWork(const SearchSpec& spec, const SearchRun& run)
     : setup_(std::make_unique<SearchSetup>(spec, run)), spec_(spec), progress_(run.progress) {
     if (spec.deploy != "kvsim")
-        throw InputError(spec.deploy_where + ": --shard divides the grid replay of kvsim's budget fits and the tier "
-                                             "fit's plans; a search that deploys to " + spec.deploy +
+        throw InputError(spec.deploy_where + ": --shard divides the measurements of kvsim's budget, tier and streaming "
+                                             "fits; a search that deploys to " + spec.deploy +
                          " runs on one machine (without --shard)");
-    if (!setup_->fit_budgets && !setup_->fit_tiers)
-        throw InputError(spec.fits_where + ": --shard divides the grid replay of the budget fits (layer_budgets, "
-                                           "head_budgets) and the tier fit's plans (tiers), and this search has none "
-                                           "of them; run it without --shard");
+    if (!setup_->fit_budgets && !setup_->fit_tiers && !setup_->fit_streaming)
+        throw InputError(spec.fits_where + ": --shard divides the measurements of the budget fits (layer_budgets, "
+                                           "head_budgets), the tier fit (tiers) and the streaming fit (streaming), "
+                                           "and this search has none of them; run it without --shard");
+    if (setup_->fit_budgets) pass_plans_[0] = setup_->out.grid.size();
     if (setup_->fit_tiers) {
         const TierFitPlans plans = tier_fit_plans(spec, setup_->num_layers, setup_->num_kv_heads);
-        tier_plans_ = plans.plans.size();
-        tier_candidates_ = plans.candidates.size();
+        pass_plans_[1] = plans.plans.size();
+        pass_plans_[2] = plans.candidates.size();
     }
+    if (setup_->fit_streaming) pass_plans_[3] = 1;
 }
 
 SearchShardWork::~SearchShardWork() = default;
@@ -441,99 +475,104 @@ const std::vector<int>& SearchShardWork::grid() const {
     static const std::vector<int> none;
     return setup_->fit_budgets ? setup_->out.grid : none;
 }
-std::size_t SearchShardWork::tier_plan_count() const { return tier_plans_; }
-std::size_t SearchShardWork::tier_candidate_count() const { return tier_candidates_; }
+const SearchPassPlans& SearchShardWork::pass_plans() const { return pass_plans_; }
 int SearchShardWork::num_layers() const { return setup_->num_layers; }
 int SearchShardWork::num_kv_heads() const { return setup_->num_kv_heads; }
-std::size_t SearchShardWork::unit_count() const {
-    return (grid().size() + tier_plans_ + tier_candidates_) * static_cast<std::size_t>(num_layers());
-}
+std::size_t SearchShardWork::unit_count() const { return unit_total(pass_plans_, num_layers()); }
 const std::vector<std::string>& SearchShardWork::fitting_sequences() const { return setup_->out.fitting_sequences; }
 const std::vector<std::string>& SearchShardWork::heldout_sequences() const { return setup_->out.heldout_sequences; }
 
 std::string SearchShardWork::unit_description() const {
-    const std::string grid_units = "grid budgets x layers", tier_units = "tier plans x layers, for bytes and for errors";
-    if (grid().empty()) return tier_units;
-    return tier_plans_ ? grid_units + ", " + tier_units : grid_units;
+    std::vector<std::string> parts;
+    if (pass_plans_[0]) parts.push_back("grid budgets x layers");
+    if (pass_plans_[1]) parts.push_back("tier plans x layers, for bytes and for errors");
+    if (pass_plans_[3]) parts.push_back("streaming fits of a layer");
+    std::string text;
+    for (std::size_t i = 0; i < parts.size(); ++i) text += (i ? "; " : "") + parts[i];
+    return text;
 }
 
-SearchUnit SearchShardWork::unit(std::size_t index) const {
-    return search_unit(index, grid().size(), tier_plans_, tier_candidates_, num_layers());
-}
+SearchUnit SearchShardWork::unit(std::size_t index) const { return search_unit(index, pass_plans_, num_layers()); }
 
-SearchUnit search_unit(std::size_t index, std::size_t grid_budgets, std::size_t tier_plans, std::size_t tier_candidates,
-                       int layers) {
-    const std::array<PassRange, 3> ranges = pass_ranges(grid_budgets, tier_plans, tier_candidates, layers);
-    if (index >= ranges[2].first + ranges[2].plans * static_cast<std::size_t>(layers))
-        throw std::out_of_range("search: no such unit");
+SearchUnit search_unit(std::size_t index, const SearchPassPlans& plans, int layers) {
+    if (index >= unit_total(plans, layers)) throw std::out_of_range("search: no such unit");
+    const std::size_t per_layer = units_per_layer(plans), within = index % per_layer;
+    const std::array<PassRange, 4> ranges = pass_ranges(plans);
     std::size_t pass = 0;
-    while (pass + 1 < ranges.size() && index >= ranges[pass + 1].first) ++pass;
-    const std::size_t offset = index - ranges[pass].first;
-    return SearchUnit{static_cast<SearchUnit::Pass>(pass), static_cast<int>(offset / ranges[pass].plans),
-                      offset % ranges[pass].plans};
+    while (within >= ranges[pass].offset + ranges[pass].plans) ++pass;
+    return SearchUnit{static_cast<SearchUnit::Pass>(pass), static_cast<int>(index / per_layer), within - ranges[pass].offset};
 }
 
 void SearchShardWork::run_units(const std::vector<std::size_t>& units, const LayerDone& layer_done) {
+    using Pass = SearchUnit::Pass;
     SearchSetup& setup = *setup_;
     const SearchSpec& spec = spec_;
-    // The units by pass and layer, in unit order: one lockstep replay each.
+    // The units by layer and pass, in unit order: one lockstep replay (or one layer's fit) each.
     std::map<std::pair<int, int>, std::vector<std::size_t>> groups;
-    bool any_tier_unit = false;
+    bool any_tier_unit = false, any_streaming_unit = false;
     for (std::size_t u : units) {
         const SearchUnit unit = this->unit(u);
-        groups[{static_cast<int>(unit.pass), unit.layer}].push_back(u);
-        any_tier_unit = any_tier_unit || unit.pass != SearchUnit::Pass::grid;
+        groups[{unit.layer, static_cast<int>(unit.pass)}].push_back(u);
+        any_tier_unit = any_tier_unit || unit.pass == Pass::tier_bytes || unit.pass == Pass::tier_errors;
+        any_streaming_unit = any_streaming_unit || unit.pass == Pass::streaming;
     }
     const auto K = static_cast<std::size_t>(setup.num_kv_heads);
     const int L = setup.num_layers;
-    std::optional<TempFolder> scratch;  // the plans stratigraphic reads
+    std::optional<TempFolder> scratch;  // the plans stratigraphic and streaming_attention read
+    if (any_tier_unit || any_streaming_unit) scratch.emplace("search");
+    // A target a fit cannot reach is refused before hours of its units, as on one machine.
     std::optional<TierFitPlans> tier_plans;
     if (any_tier_unit) {
-        scratch.emplace("search");
         tier_plans = tier_fit_plans(spec, L, setup.num_kv_heads);
-        // Every share 0 decides whether a target is reachable: checked before hours of plans.
-        const FitInput input = tier_fit_input(spec, setup, scratch->path());
+        const FitInput input = shard_fit_input(spec, setup, scratch->path(), nullptr);
         const std::vector<ComboResult> cheapest =
             replay_tier_plans(input, tier_plans->params, *setup.heldout_source, {tier_plans->plans.front()}, false, {}, nullptr);
         refuse_unreachable_tier_targets(spec, cheapest.front(), 4.0 * setup.head_dim);
     }
+    if (any_streaming_unit) refuse_unreachable_streaming_targets(shard_fit_input(spec, setup, scratch->path(), nullptr));
+
     std::size_t groups_done = 0;
     for (const auto& [key, group_units] : groups) {
-        const auto pass = static_cast<SearchUnit::Pass>(key.first);
-        const int layer = key.second;
+        const int layer = key.first;
+        const auto pass = static_cast<Pass>(key.second);
         std::function<void(double)> progress;
         if (progress_)
             progress = [&, count = groups.size()](double f) {
-                progress_((static_cast<double>(groups_done) + f) / static_cast<double>(count));
+                progress_((static_cast<double>(groups_done) + std::min(f, 1.0)) / static_cast<double>(count));
             };
-        std::vector<ComboResult> results;
-        AttentionSource* source = setup.fitting_source.get();
-        if (pass == SearchUnit::Pass::grid) {
-            const std::vector<ReplayCombo> combos = expand_sweep({spec.policy}, {}, grid());
-            std::vector<ReplayCombo> layer_combos;
-            for (std::size_t u : group_units) layer_combos.push_back(combos[unit(u).plan]);
-            ReplayOptions options = setup.options;
-            options.layers = {layer};
-            options.progress = progress;
-            results = replay(*source, layer_combos, options);
+        std::vector<SearchUnitResult> out(group_units.size());
+        if (pass == Pass::streaming) {
+            out.front().heads = fit_streaming_layer(shard_fit_input(spec, setup, scratch->path(), progress), layer);
         } else {
-            const bool bytes = pass == SearchUnit::Pass::tier_bytes;
-            if (bytes) source = setup.heldout_source.get();
-            std::vector<TierShares> plans;
-            for (std::size_t u : group_units) plans.push_back(tier_plans->plans[unit(u).plan]);
-            const FitInput input = tier_fit_input(spec, setup, scratch->path());
-            results = replay_tier_plans(input, tier_plans->params, *source, plans, !bytes, {layer}, progress);
+            std::vector<ComboResult> results;
+            AttentionSource* source = setup.fitting_source.get();
+            if (pass == Pass::grid) {
+                const std::vector<ReplayCombo> combos = expand_sweep({spec.policy}, {}, grid());
+                std::vector<ReplayCombo> layer_combos;
+                for (std::size_t u : group_units) layer_combos.push_back(combos[unit(u).plan]);
+                ReplayOptions options = setup.options;
+                options.layers = {layer};
+                options.progress = progress;
+                results = replay(*source, layer_combos, options);
+            } else {
+                const bool bytes = pass == Pass::tier_bytes;
+                if (bytes) source = setup.heldout_source.get();
+                std::vector<TierShares> plans;
+                for (std::size_t u : group_units) plans.push_back(tier_plans->plans[unit(u).plan]);
+                const FitInput input = shard_fit_input(spec, setup, scratch->path(), nullptr);
+                results = replay_tier_plans(input, tier_plans->params, *source, plans, !bytes, {layer}, progress);
+            }
+            const std::size_t sequences = source->shape().sequence_names.size();
+            for (std::size_t i = 0; i < group_units.size(); ++i)
+                for (std::size_t s = 0; s < sequences; ++s)
+                    for (std::size_t kv = 0; kv < K; ++kv)
+                        out[i].streams.push_back(results[i].by_stream[(s * L + layer) * K + kv]);
         }
-        const std::size_t sequences = source->shape().sequence_names.size();
-        std::vector<SearchUnitStreams> streams(group_units.size());
-        for (std::size_t i = 0; i < group_units.size(); ++i)
-            for (std::size_t s = 0; s < sequences; ++s)
-                for (std::size_t kv = 0; kv < K; ++kv)
-                    streams[i].push_back(results[i].by_stream[(s * L + layer) * K + kv]);
         ++groups_done;
-        layer_done(group_units, streams);
+        layer_done(group_units, out);
     }
 }
+
 double output_error_interval(const StreamMetrics& m) {
     if (m.output_steps == 0 || !(m.output_error_variance > 0)) return 0.0;
     return 1.96 * std::sqrt(m.output_error_variance) / static_cast<double>(m.output_steps);
@@ -734,17 +773,18 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     const int mixed_stage = ranks_stage + (fit_ranks_ ? 1 : 0);
 
     // Units measured by shards, pass by pass (SearchShardWork's numbering).
-    std::size_t tier_plans = 0, tier_candidates = 0;
-    if (fit_tiers && run.measured_units) {
-        const TierFitPlans plans = tier_fit_plans(spec, L, K);
-        tier_plans = plans.plans.size();
-        tier_candidates = plans.candidates.size();
+    SearchPassPlans measured_plans{};
+    if (run.measured_units) {
+        if (fit_budgets) measured_plans[0] = out.grid.size();
+        if (fit_tiers) {
+            const TierFitPlans plans = tier_fit_plans(spec, L, K);
+            measured_plans[1] = plans.plans.size();
+            measured_plans[2] = plans.candidates.size();
+        }
+        if (fit_streaming && spec.deploy == "kvsim") measured_plans[3] = 1;
+        if (run.measured_units->size() != unit_total(measured_plans, L)) throw std::logic_error("search: measured units missing");
     }
-    const std::array<PassRange, 3> measured_ranges =
-        pass_ranges(fit_budgets ? out.grid.size() : 0, tier_plans, tier_candidates, L);
-    if (run.measured_units &&
-        run.measured_units->size() != measured_ranges[2].first + measured_ranges[2].plans * static_cast<std::size_t>(L))
-        throw std::logic_error("search: measured units missing");
+    const std::array<PassRange, 4> measured_ranges = pass_ranges(measured_plans);
 
     // Budget fits: per-unit curves from one fitting pass, every method in one held-out pass.
     std::vector<std::string> curve_notes;
@@ -920,9 +960,12 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     // Streaming heads with fitted lambdas, at the same targets.
     if (fit_streaming) {
         const TempFolder scratch("search");  // the probe plans streaming_attention reads
+        std::vector<StreamingHeadFit> measured;
+        if (run.measured_units) measured = combine_streaming_units(*run.measured_units, measured_ranges[3], L, K);
         FitInput input{&spec, fitting_source.get(), heldout_source.get(), out.shape, harness, scratch.path(),
                        [&](double f) { stage_progress(streaming_stage, f); }, run.trace_path, fitting, mixed,
                        &setup.full_outputs};
+        if (run.measured_units) input.streaming_measured = &measured;
         fit_streaming_heads(input, out);
     }
     // Tier profiles for stratigraphic, at the same targets.

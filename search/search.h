@@ -98,6 +98,8 @@ struct SearchOutcome {
     double seconds = 0;
 };
 
+struct SearchUnitResult;
+
 struct SearchRun {
     std::string config_file;
     std::string trace_path;
@@ -106,8 +108,9 @@ struct SearchRun {
     std::string group_reduce = "mean";  // "mean", "max" or "sum"
     std::function<void(double)> progress;
     // The units measured already by shards (SearchShardWork), indexed by unit: run_search sums them
-    // instead of replaying the grid and the tier fit's passes, and does the rest as it would.
-    const std::vector<std::vector<StreamMetrics>>* measured_units = nullptr;
+    // instead of replaying the grid, the tier fit's passes and the streaming fit's lambda searches,
+    // and does the rest as it would.
+    const std::vector<SearchUnitResult>* measured_units = nullptr;
 };
 
 SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run);
@@ -128,27 +131,43 @@ std::vector<int> search_heldout_indices(const SearchSpec& spec, int count, const
 struct SearchSetup;
 struct TierMeasurements;  // search/tier_fit.h
 
-// One unit's measurements: per (sequence, KV head), sequence-major, over the sequences its pass
-// replays.
-using SearchUnitStreams = std::vector<StreamMetrics>;
+// The streaming fit's lambda searches on the fitting sequences, for one (layer, KV head): what the
+// fit then chooses from (search/streaming_fit.h). Measured a layer at a time by a search's shards.
+struct StreamingHeadFit {
+    double lambda = 0, error = 0, error_sum = 0;  // its own lambda, with the config's sinks and window
+    double calibrated_lambda = 0;                 // fitted with nothing kept exactly
+    // Its mean output error (and summed, stateless) streaming at 0.99, at the calibrated lambda, and with no state.
+    double error_099 = 0, error_calibrated = 0, error_stateless = 0, error_stateless_sum = 0;
+};
+
+// What one work unit measured (SearchUnit).
+struct SearchUnitResult {
+    std::vector<StreamMetrics> streams;  // grid and tier units: per (sequence, KV head), sequence-major
+    std::vector<StreamingHeadFit> heads;  // streaming units: per KV head of the layer
+};
 
 // What one work unit of a search's shards measures: one layer, every KV head, of
 //  - grid: one grid budget of the budget fits, on the fitting sequences;
 //  - tier_bytes: one plan of the tier fit (TierFitPlans), its bytes on the held-out sequences;
-//  - tier_errors: one candidate of the tier fit, its output errors on the fitting sequences.
-// Units are numbered pass by pass in that order, each pass layer-major (unit = first of the pass
-// + layer * its plans + plan), so a search of budgets alone numbers them as a sweep's shard does.
+//  - tier_errors: one candidate of the tier fit, its output errors on the fitting sequences;
+//  - streaming: the streaming fit's lambda searches, on the fitting sequences.
+// Units are numbered layer by layer, and within a layer pass by pass in that order (unit = layer *
+// units a layer + the pass's offset + plan): contiguous shares of a search's units then hold whole
+// layers of every pass alike, and a search of budgets alone numbers them as a sweep's shard does.
 struct SearchUnit {
-    enum class Pass { grid, tier_bytes, tier_errors };
+    enum class Pass { grid, tier_bytes, tier_errors, streaming };
     Pass pass = Pass::grid;
     int layer = 0;
     std::size_t plan = 0;  // the grid budget's place in the grid, or the tier plan's in TierFitPlans
 };
 
-// Unit `index` of a search's shards whose passes hold these plans a layer (grid budgets, tier
-// plans, tier candidates; 0 for a pass the search does not make). std::out_of_range past the last.
-SearchUnit search_unit(std::size_t index, std::size_t grid_budgets, std::size_t tier_plans, std::size_t tier_candidates,
-                       int layers);
+// Each pass's plans a layer, in SearchUnit::Pass order: grid budgets, tier plans, tier
+// candidates, 1 for the streaming fit; 0 for a pass the search does not make.
+using SearchPassPlans = std::array<std::size_t, 4>;
+
+// Unit `index` of a search's shards whose passes hold `plans` a layer. std::out_of_range past the
+// last.
+SearchUnit search_unit(std::size_t index, const SearchPassPlans& plans, int layers);
 
 // A search's big replays, divided into work units (SearchUnit) for shards (kvsim search --shard):
 // the budget fits' grid replay and the tier fit's two passes over its plans. The fits choose across
@@ -157,33 +176,33 @@ SearchUnit search_unit(std::size_t index, std::size_t grid_budgets, std::size_t 
 // (SearchRun::measured_units).
 class SearchShardWork {
 public:
-    // Checks the search as run_search does; InputError also when it has neither budget nor tier fits.
+    // Checks the search as run_search does; InputError also when it has no fit shards divide.
     SearchShardWork(const SearchSpec& spec, const SearchRun& run);
     ~SearchShardWork();
 
-    const std::vector<int>& grid() const;     // empty without budget fits
-    std::size_t tier_plan_count() const;      // 0 without fit: tiers
-    std::size_t tier_candidate_count() const;
+    const std::vector<int>& grid() const;  // empty without budget fits
+    const SearchPassPlans& pass_plans() const;
     int num_layers() const;
     int num_kv_heads() const;
     std::size_t unit_count() const;
     SearchUnit unit(std::size_t index) const;
     const std::vector<std::string>& fitting_sequences() const;
     const std::vector<std::string>& heldout_sequences() const;
-    // What the units are, for messages: "grid budgets x layers", "tier plans x layers x 2 passes", ...
+    // What the units are, for messages: "grid budgets x layers", ...
     std::string unit_description() const;
 
-    // Replays `units` a pass and a layer at a time (one lockstep replay each), calling layer_done
+    // Replays `units` a layer and a pass at a time (one lockstep replay each), calling layer_done
     // with each one's units and their streams. Before any tier unit, refuses (InputError) a target
-    // that no tier plan reaches, as the whole search does.
-    using LayerDone = std::function<void(const std::vector<std::size_t>& units, std::vector<SearchUnitStreams>& streams)>;
+    // that no tier plan reaches, and before any streaming unit one that no set of streaming heads
+    // reaches, as the whole search does.
+    using LayerDone = std::function<void(const std::vector<std::size_t>& units, std::vector<SearchUnitResult>& results)>;
     void run_units(const std::vector<std::size_t>& units, const LayerDone& layer_done);
 
 private:
     std::unique_ptr<SearchSetup> setup_;
     SearchSpec spec_;
     std::function<void(double)> progress_;
-    std::size_t tier_plans_ = 0, tier_candidates_ = 0;
+    SearchPassPlans pass_plans_{};
 };
 
 // What each family measured per (layer, KV head), for fit: mixed: per head, the family's options
@@ -223,6 +242,7 @@ struct FitInput {
     MixedTables* mixed = nullptr;  // fit: mixed: where the fit leaves its per-head options
     FullOutputMemo* full_outputs = nullptr;  // the search's, for every replay of fitting and heldout
     const TierMeasurements* tier_measured = nullptr;  // fit: tiers: its passes measured by shards
+    const std::vector<StreamingHeadFit>* streaming_measured = nullptr;  // fit: streaming: per (layer, KV head), by shards
 };
 
 // The half-width of the 95% interval of a sampled output error's mean (StreamMetrics), normal

@@ -53,6 +53,7 @@ namespace {
 
 constexpr double kGolden = 0.6180339887498949;  // (sqrt(5) - 1) / 2
 constexpr int kGoldenSteps = 16;                 // the bracket shrinks to 0.618^16 < 5e-4
+constexpr int kStreamingLambdaPasses = kGoldenSteps + 2;  // fit_lambdas' passes and the calibrated lambdas'
 
 struct Plan {
     std::string name;
@@ -74,8 +75,14 @@ class PlanReplay {
 public:
     // `passes`: how many replays the fit makes in all, for progress; `bookkeeping`: whether the
     // bytes count the policy's bookkeeping (kvsim's runtime holds it, DuoAttention does not).
-    PlanReplay(const FitInput& in, const ParamValues& params, int& passes, int total_passes, bool bookkeeping)
-        : in_(in), params_(params), passes_(passes), total_passes_(total_passes), bookkeeping_(bookkeeping) {}
+    PlanReplay(const FitInput& in, const ParamValues& params, int& passes, int total_passes, bool bookkeeping,
+               std::vector<int> layers = {})
+        : in_(in),
+          params_(params),
+          passes_(passes),
+          total_passes_(total_passes),
+          bookkeeping_(bookkeeping),
+          layers_(std::move(layers)) {}
 
     // Every plan side by side in one lockstep pass over `source`.
     std::vector<PlanResult> run(AttentionSource& source, const std::vector<Plan>& plans) {
@@ -98,6 +105,7 @@ public:
         options.full_outputs = in_.full_outputs;
         options.harness.bookkeeping = bookkeeping_;
         options.harness.attention_metrics = false;  // the fit reads output error and bytes alone
+        options.layers = layers_;
         const std::vector<ReplayCombo> combos = expand_sweep(entries, {}, std::vector<int>{1});
         const std::vector<ComboResult> results = replay(source, combos, options);
         std::vector<PlanResult> out;
@@ -123,6 +131,7 @@ private:
     int& passes_;  // shared by the fit's replays, for progress
     int total_passes_;
     bool bookkeeping_;
+    std::vector<int> layers_;  // empty: every layer
 };
 
 std::string format_lambda(double x) {
@@ -406,6 +415,88 @@ double duo_sparsity(std::size_t streaming, std::size_t heads) {
     return static_cast<double>(streaming) / static_cast<double>(heads);
 }
 
+namespace {
+
+const char* const kStreamingWhy = "; lower search.streaming.recent or drop streaming from search.fit";
+
+// What each head holds on the held-out sequences when it streams (with its state, and with none)
+// and when it keeps its cache: its sinks, window and state, whatever its lambda. InputError for a
+// target that no set of streaming heads reaches.
+std::vector<PlanResult> streaming_bytes(const FitInput& in, PlanReplay& plans, std::size_t units) {
+    const std::vector<uint8_t> every_head(units, 1), no_head(units, 0);
+    std::vector<PlanResult> bytes =
+        plans.run(*in.heldout, {Plan{"bytes-streaming", every_head, std::vector<double>(units, 0.99), {}},
+                                Plan{"bytes-full", no_head, std::vector<double>(units, 0.99), {}},
+                                Plan{"bytes-stateless", every_head, std::vector<double>(units, 0.99), every_head}});
+    const double full_fp16 = 4.0 * in.shape.head_dim;
+    std::vector<std::size_t> every_unit(units);
+    std::iota(every_unit.begin(), every_unit.end(), std::size_t{0});
+    std::vector<double> cheapest(units);
+    for (std::size_t u = 0; u < units; ++u) cheapest[u] = std::min(bytes[0].head_bytes[u], bytes[2].head_bytes[u]);
+    for (const SearchTarget& target : in.spec->targets)  // throws unless every head streaming reaches it
+        heads_for_target(every_unit, cheapest, bytes[1].head_bytes, target.bytes(full_fp16), target, kStreamingWhy);
+    return bytes;
+}
+
+// The lambda searches on the fitting sequences, with `plans` (restricted to `layers` when it was
+// made so); per (layer, KV head), those of layers not replayed hold nothing.
+std::vector<StreamingHeadFit> fit_streaming_lambdas(const FitInput& in, PlanReplay& plans) {
+    const SearchSpec& spec = *in.spec;
+    const std::size_t units = static_cast<std::size_t>(in.shape.num_layers) * in.shape.num_kv_heads;
+    const PolicyDescriptor* policy = find_policy("streaming_attention");
+    const ParamValues params = resolve_params(
+        *policy, {{"sinks", spec.streaming_sinks}, {"recent", spec.streaming_recent}}, spec.streaming_where);
+    const std::vector<uint8_t> every_head(units, 1);
+    // The published calibration: each head's lambda fitted against the full softmax output with
+    // nothing kept exactly (no sinks, no window: the state must reproduce every token), then
+    // deployed with the sinks and window. Its lambdas are measured beside the fitted ones below.
+    const ParamValues calibration_params = resolve_params(*policy, {{"sinks", 0}, {"recent", 0}}, spec.streaming_where);
+
+    // Each head's own lambda with its sinks and window, on the fitting sequences, beside the
+    // calibration's search; 0.99 and no state at all measured in their last pass, the calibrated
+    // lambdas (known only then) in one more.
+    std::vector<PlanResult> baselines;
+    const std::vector<LambdaFit> searched =
+        fit_lambdas(plans, *in.fitting, units, {&calibration_params, &params},
+                    {Plan{"probe-0.99", every_head, std::vector<double>(units, 0.99), {}},
+                     Plan{"probe-stateless", every_head, std::vector<double>(units, 0.99), every_head}},
+                    baselines);
+    const LambdaFit& calibrated = searched[0];
+    const LambdaFit& fitted = searched[1];
+    baselines.insert(baselines.begin() + 1,
+                     plans.run(*in.fitting, {Plan{"probe-calibrated", every_head, calibrated.lambda, {}}}).front());
+    std::vector<StreamingHeadFit> heads(units);
+    for (std::size_t u = 0; u < units; ++u)
+        heads[u] = {fitted.lambda[u],           fitted.error[u],           fitted.error_sum[u],
+                    calibrated.lambda[u],       baselines[0].head_error[u], baselines[1].head_error[u],
+                    baselines[2].head_error[u], baselines[2].head_error_sum[u]};
+    return heads;
+}
+
+}  // namespace
+
+std::vector<StreamingHeadFit> fit_streaming_layer(const FitInput& in, int layer) {
+    const PolicyDescriptor* policy = find_policy("streaming_attention");
+    const ParamValues params = resolve_params(
+        *policy, {{"sinks", in.spec->streaming_sinks}, {"recent", in.spec->streaming_recent}}, in.spec->streaming_where);
+    int passes = 0;
+    PlanReplay plans(in, params, passes, kStreamingLambdaPasses, /*bookkeeping=*/true, {layer});
+    const std::vector<StreamingHeadFit> all = fit_streaming_lambdas(in, plans);
+    const auto K = static_cast<std::size_t>(in.shape.num_kv_heads);
+    return {all.begin() + static_cast<std::ptrdiff_t>(layer * K), all.begin() + static_cast<std::ptrdiff_t>((layer + 1) * K)};
+}
+
+void refuse_unreachable_streaming_targets(const FitInput& in) {
+    const int L = in.shape.num_layers, K = in.shape.num_kv_heads;
+    const std::size_t units = static_cast<std::size_t>(L) * K;
+    const PolicyDescriptor* policy = find_policy("streaming_attention");
+    const ParamValues params = resolve_params(
+        *policy, {{"sinks", in.spec->streaming_sinks}, {"recent", in.spec->streaming_recent}}, in.spec->streaming_where);
+    int passes = 0;
+    PlanReplay plans(in, params, passes, 1, /*bookkeeping=*/true);
+    (void)streaming_bytes(in, plans, units);
+}
+
 void fit_streaming_heads(const FitInput& in, SearchOutcome& out) {
     const SearchSpec& spec = *in.spec;
     if (spec.deploy == "duo") return fit_duo_heads(in, out);
@@ -435,45 +526,31 @@ void fit_streaming_heads(const FitInput& in, SearchOutcome& out) {
     // none) and when it keeps its cache: its sinks, window and state, whatever its lambda.
     // Measured first, so that a target no set of streaming heads reaches is refused before the
     // lambdas are fitted, not after.
-    const std::vector<PlanResult> bytes =
-        plans.run(*in.heldout, {Plan{"bytes-streaming", every_head, std::vector<double>(units, 0.99), {}},
-                                Plan{"bytes-full", no_head, std::vector<double>(units, 0.99), {}},
-                                Plan{"bytes-stateless", every_head, std::vector<double>(units, 0.99), every_head}});
+    const std::vector<PlanResult> bytes = streaming_bytes(in, plans, units);
     const std::vector<double>& state_bytes = bytes[0].head_bytes;
     const std::vector<double>& full_bytes = bytes[1].head_bytes;
     const std::vector<double>& stateless_bytes = bytes[2].head_bytes;
     const double full_fp16 = 4.0 * in.shape.head_dim;
-    const std::string why = "; lower search.streaming.recent or drop streaming from search.fit";
-    std::vector<std::size_t> every_unit(units);
-    std::iota(every_unit.begin(), every_unit.end(), std::size_t{0});
-    std::vector<double> cheapest(units);
-    for (std::size_t u = 0; u < units; ++u) cheapest[u] = std::min(state_bytes[u], stateless_bytes[u]);
-    for (const SearchTarget& target : spec.targets)  // throws unless every head streaming reaches it
-        heads_for_target(every_unit, cheapest, full_bytes, target.bytes(full_fp16), target, why);
+    const std::string why = kStreamingWhy;
 
-    // The published calibration: each head's lambda fitted against the full softmax output with
-    // nothing kept exactly (no sinks, no window: the state must reproduce every token), then
-    // deployed with the sinks and window. Its lambdas are measured beside the fitted ones below.
-    const ParamValues calibration_params = resolve_params(*policy, {{"sinks", 0}, {"recent", 0}}, spec.streaming_where);
-
-    // Each head's own lambda with its sinks and window, on the fitting sequences, beside the
-    // calibration's search; 0.99 and no state at all measured in their last pass, the calibrated
-    // lambdas (known only then) in one more.
-    std::vector<PlanResult> baselines;
-    const std::vector<LambdaFit> searched =
-        fit_lambdas(plans, *in.fitting, units, {&calibration_params, &params},
-                    {Plan{"probe-0.99", every_head, std::vector<double>(units, 0.99), {}},
-                     Plan{"probe-stateless", every_head, std::vector<double>(units, 0.99), every_head}},
-                    baselines);
-    const LambdaFit& calibrated = searched[0];
-    const LambdaFit& fitted = searched[1];
-    baselines.insert(baselines.begin() + 1,
-                     plans.run(*in.fitting, {Plan{"probe-calibrated", every_head, calibrated.lambda, {}}}).front());
-    const std::vector<double>& lambda = fitted.lambda;
-    const std::vector<double>& fitted_error = fitted.error;
-    const std::vector<double>& error_099 = baselines[0].head_error;
-    const std::vector<double>& error_calibrated = baselines[1].head_error;
-    const std::vector<double>& error_stateless = baselines[2].head_error;
+    // The lambda searches on the fitting sequences, or what shards measured of them.
+    std::vector<StreamingHeadFit> heads;
+    if (in.streaming_measured) {
+        heads = *in.streaming_measured;
+        if (heads.size() != units) throw std::logic_error("streaming fit: measured heads missing");
+    } else {
+        heads = fit_streaming_lambdas(in, plans);
+    }
+    std::vector<double> lambda(units), fitted_error(units), error_099(units), error_calibrated(units),
+        error_stateless(units), calibrated_lambda(units);
+    for (std::size_t u = 0; u < units; ++u) {
+        lambda[u] = heads[u].lambda;
+        fitted_error[u] = heads[u].error;
+        calibrated_lambda[u] = heads[u].calibrated_lambda;
+        error_099[u] = heads[u].error_099;
+        error_calibrated[u] = heads[u].error_calibrated;
+        error_stateless[u] = heads[u].error_stateless;
+    }
 
     // Per head, the better of its fitted lambda and no state (no state when they tie: it holds less).
     std::vector<uint8_t> chose_stateless(units, 0);
@@ -492,7 +569,7 @@ void fit_streaming_heads(const FitInput& in, SearchOutcome& out) {
         in.mixed->streaming.assign(units, {});
         for (std::size_t u = 0; u < units; ++u)
             in.mixed->streaming[u] = {{chosen_bytes[u]},
-                                      {chose_stateless[u] ? baselines[2].head_error_sum[u] : fitted.error_sum[u]}};
+                                      {chose_stateless[u] ? heads[u].error_stateless_sum : heads[u].error_sum}};
     }
     const std::vector<std::size_t> order = ascending_order(chosen_error);
     const std::vector<std::size_t> state_order = ascending_order(fitted_error);
@@ -509,7 +586,7 @@ void fit_streaming_heads(const FitInput& in, SearchOutcome& out) {
             heads_for_target(state_order, state_bytes, full_bytes, wanted, target, why);
         chosen.push_back({{"published-" + target.label, state_streams, std::vector<double>(units, 0.99), {}}, &target,
                           "streaming heads, lambda 0.99", error_099});
-        chosen.push_back({{"calibrated-" + target.label, state_streams, calibrated.lambda, {}}, &target,
+        chosen.push_back({{"calibrated-" + target.label, state_streams, calibrated_lambda, {}}, &target,
                           "streaming heads, lambda calibrated on the full softmax", error_calibrated});
         // DuoAttention's own streaming heads: no state, ranked by that error.
         chosen.push_back({{"stateless-" + target.label,
@@ -534,7 +611,7 @@ void fit_streaming_heads(const FitInput& in, SearchOutcome& out) {
         mean_calibrated += error_calibrated[u];
         better += fitted_error[u] < error_099[u];
     }
-    std::vector<double> sorted = lambda, sorted_calibrated = calibrated.lambda;
+    std::vector<double> sorted = lambda, sorted_calibrated = calibrated_lambda;
     std::sort(sorted.begin(), sorted.end());
     std::sort(sorted_calibrated.begin(), sorted_calibrated.end());
     char line[800];

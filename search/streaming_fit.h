@@ -41,7 +41,16 @@ private:
 // Appends one record per target and method ("streaming heads, fitted lambda or stateless",
 // "streaming heads, lambda 0.99", ...; the fitted one marked to have its profile written by
 // run_search), and notes (the fitted lambdas, which heads chose which, their error against 0.99's).
+// With input.streaming_measured, the lambda searches are read from there.
 void fit_streaming_heads(const FitInput& input, SearchOutcome& outcome);
+
+// A search's shard of the streaming fit (deploy kvsim): the lambda searches of one layer's KV heads
+// on the fitting sequences, each head as it is in the whole fit (every head's search is its own).
+std::vector<StreamingHeadFit> fit_streaming_layer(const FitInput& input, int layer);
+
+// The streaming fit's first check, for a shard about to fit layers: InputError for a target that
+// no set of streaming heads reaches (one pass over the held-out sequences).
+void refuse_unreachable_streaming_targets(const FitInput& input);
 
 // deploy duo: DuoAttention gates from a ranking (the order heads stream in, best first) and how
 // many of them stream: the streaming heads' gates spread over (0, 0.5), the others' over (0.5, 1),

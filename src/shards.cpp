@@ -702,24 +702,28 @@ MergeOutcome merge_partials(const std::vector<std::string>& inputs) {
     return out;
 }
 
-// Search shards: a share of the grid replay's units (SearchGridReplay), checkpointed as a sweep's
+// Search shards: a share of the search's work units (SearchShardWork), checkpointed as a sweep's
 // shard is, and their merge, which runs the rest of the search as one machine would.
 namespace {
 
-constexpr int kSearchPartialFormat = 3;  // 2: a stream's output_error_variance; 3: the tier fit's units
+constexpr int kSearchPartialFormat = 3;  // 2: a stream's output_error_variance; 3: tier and streaming units
 
 struct SearchPartial : PartialHeader {
     ModelInput confirm;
     std::vector<int> grid;
     std::size_t tier_plans = 0, tier_candidates = 0;
+    bool streaming = false;
     int num_layers = 0, num_kv_heads = 0;
     std::vector<std::string> fitting_sequences, heldout_sequences;
-    std::map<std::size_t, SearchUnitStreams> done;
+    std::map<std::size_t, SearchUnitResult> done;
 
-    SearchUnit unit(std::size_t index) const {
-        return search_unit(index, grid.size(), tier_plans, tier_candidates, num_layers);
+    SearchPassPlans pass_plans() const { return {grid.size(), tier_plans, tier_candidates, streaming ? 1u : 0u}; }
+    SearchUnit unit(std::size_t index) const { return search_unit(index, pass_plans(), num_layers); }
+    std::size_t unit_count() const {
+        std::size_t plans = 0;
+        for (std::size_t n : pass_plans()) plans += n;
+        return plans * static_cast<std::size_t>(num_layers);
     }
-    std::size_t unit_count() const { return (grid.size() + tier_plans + tier_candidates) * static_cast<std::size_t>(num_layers); }
     // The sequences a unit's streams cover: the held-out ones for the tier fit's bytes, else the fitting ones.
     const std::vector<std::string>& sequences_of(const SearchUnit& u) const {
         return u.pass == SearchUnit::Pass::tier_bytes ? heldout_sequences : fitting_sequences;
@@ -731,8 +735,20 @@ const char* pass_name(SearchUnit::Pass pass) {
         case SearchUnit::Pass::grid: return "grid";
         case SearchUnit::Pass::tier_bytes: return "tier bytes";
         case SearchUnit::Pass::tier_errors: return "tier errors";
+        case SearchUnit::Pass::streaming: return "streaming";
     }
     return "";
+}
+
+// What a search's units are, for the merge's message on missing ones.
+std::string search_unit_name(const SearchPartial& p) {
+    std::vector<std::string> kinds;
+    if (!p.grid.empty()) kinds.push_back("grid budget");
+    if (p.tier_plans) kinds.push_back("tier plan");
+    if (p.streaming) kinds.push_back("streaming fit");
+    std::string text;
+    for (std::size_t i = 0; i < kinds.size(); ++i) text += (i ? " or " : "") + kinds[i];
+    return text + " x layer";
 }
 
 Json confirm_json(const ModelInput& m) {
@@ -746,6 +762,7 @@ std::string search_config_hash(const std::string& config_path, const SearchParti
     return config_sha256_of(config_path, '\0' + Json{{"grid", p.grid},
                                                      {"tier_plans", p.tier_plans},
                                                      {"tier_candidates", p.tier_candidates},
+                                                     {"streaming", p.streaming},
                                                      {"num_layers", p.num_layers},
                                                      {"num_kv_heads", p.num_kv_heads},
                                                      {"fitting_sequences", p.fitting_sequences},
@@ -756,17 +773,25 @@ std::string search_config_hash(const std::string& config_path, const SearchParti
 
 std::string search_partial_text(const SearchPartial& p) {
     Json results = Json::array();
-    for (const auto& [unit, streams] : p.done) {
-        Json list = Json::array();
-        for (const StreamMetrics& m : streams) list.push_back(stream_json(m));
+    for (const auto& [unit, measured] : p.done) {
         const SearchUnit u = p.unit(unit);
         Json result = {{"unit", unit}, {"pass", pass_name(u.pass)}};
         if (u.pass == SearchUnit::Pass::grid)
             result["budget"] = p.grid.at(u.plan);
-        else
+        else if (u.pass != SearchUnit::Pass::streaming)
             result["plan"] = u.plan;
         result["layer"] = u.layer;
-        result["streams"] = list;
+        if (u.pass == SearchUnit::Pass::streaming) {
+            Json heads = Json::array();
+            for (const StreamingHeadFit& h : measured.heads)
+                heads.push_back(Json::array({h.lambda, h.error, h.error_sum, h.calibrated_lambda, h.error_099,
+                                             h.error_calibrated, h.error_stateless, h.error_stateless_sum}));
+            result["heads"] = heads;
+        } else {
+            Json list = Json::array();
+            for (const StreamMetrics& m : measured.streams) list.push_back(stream_json(m));
+            result["streams"] = list;
+        }
         results.push_back(result);
     }
     Json j = {{"kvsim_search_partial", kSearchPartialFormat}};
@@ -777,6 +802,7 @@ std::string search_partial_text(const SearchPartial& p) {
     j["grid"] = p.grid;
     j["tier_plans"] = p.tier_plans;
     j["tier_candidates"] = p.tier_candidates;
+    j["streaming"] = p.streaming;
     j["num_layers"] = p.num_layers;
     j["num_kv_heads"] = p.num_kv_heads;
     j["fitting_sequences"] = p.fitting_sequences;
@@ -815,7 +841,11 @@ SearchPartial read_search_partial(const std::string& path) {
                                                            static_cast<int64_t>(p.tier_plans)));
     if ((p.tier_plans == 0) != (p.tier_candidates == 0))
         r.fail("tier_candidates", "a tier fit has candidates among its plans, and no tier fit has neither");
-    if (p.grid.empty() && p.tier_plans == 0) r.fail("grid", "empty, and no tier plans: nothing was measured");
+    const Json& streaming = r.at(j, "", "streaming");
+    if (!streaming.is_boolean()) r.fail("streaming", "expected true or false, got " + PartialReader::shown(streaming));
+    p.streaming = streaming.get<bool>();
+    if (p.grid.empty() && p.tier_plans == 0 && !p.streaming)
+        r.fail("grid", "empty, with no tier plans and no streaming fit: nothing was measured");
     p.num_layers = static_cast<int>(r.integer(r.at(j, "", "num_layers"), "num_layers", 1, kMaxShape));
     p.num_kv_heads = static_cast<int>(r.integer(r.at(j, "", "num_kv_heads"), "num_kv_heads", 1, kMaxShape));
     const Json& fitting = r.list(r.at(j, "", "fitting_sequences"), "fitting_sequences", 1 << 20);
@@ -843,28 +873,46 @@ SearchPartial read_search_partial(const std::string& path) {
             if (r.integer(r.at(results[i], field, "budget"), field + ".budget", 1, kMaxBudgetTokens) != p.grid[u.plan])
                 r.fail(field + ".budget", "is not grid budget " + std::to_string(p.grid[u.plan]) + " of unit " +
                                               std::to_string(unit));
-        } else if (static_cast<std::size_t>(r.integer(r.at(results[i], field, "plan"), field + ".plan", 0, 1 << 16)) !=
-                   u.plan) {
+        } else if (u.pass != SearchUnit::Pass::streaming &&
+                   static_cast<std::size_t>(r.integer(r.at(results[i], field, "plan"), field + ".plan", 0, 1 << 16)) !=
+                       u.plan) {
             r.fail(field + ".plan", "is not tier plan " + std::to_string(u.plan) + " of unit " + std::to_string(unit));
         }
         if (r.integer(r.at(results[i], field, "layer"), field + ".layer", 0, p.num_layers - 1) != u.layer)
             r.fail(field + ".layer", "is not layer " + std::to_string(u.layer) + " of unit " + std::to_string(unit));
-        const std::size_t sequences = p.sequences_of(u).size();
-        const std::size_t first_sequence = u.pass == SearchUnit::Pass::tier_bytes ? p.fitting_sequences.size() : 0;
-        const std::size_t unit_streams_count = sequences * kv_heads;
-        const Json& list = r.list(r.at(results[i], field, "streams"), field + ".streams", unit_streams_count);
-        if (list.size() != unit_streams_count)
-            r.fail(field + ".streams", std::to_string(list.size()) + " streams, expected one per (" +
-                                           (first_sequence ? "held-out" : "fitting") + " sequence, KV head): " +
-                                           std::to_string(unit_streams_count));
-        SearchUnitStreams unit_streams;
-        for (std::size_t k = 0; k < unit_streams_count; ++k) {
-            const std::string at = field + ".streams[" + std::to_string(k) + "]";
-            // A search's partial holds no sequence lengths: the steps are checked against each other.
-            unit_streams.push_back(read_stream(r, list[k], at, 0, 1));
-            steps.check(r, at + "[1] (steps)", first_sequence + k / kv_heads, unit_streams.back().steps);
+        SearchUnitResult measured;
+        if (u.pass == SearchUnit::Pass::streaming) {
+            // Per KV head: lambda, error, error sum, calibrated lambda, errors at 0.99, calibrated
+            // and stateless, the stateless error's sum.
+            const Json& heads = r.list(r.at(results[i], field, "heads"), field + ".heads", kv_heads);
+            if (heads.size() != kv_heads)
+                r.fail(field + ".heads", std::to_string(heads.size()) + " heads, expected one per KV head: " +
+                                             std::to_string(kv_heads));
+            for (std::size_t k = 0; k < kv_heads; ++k) {
+                const std::string at = field + ".heads[" + std::to_string(k) + "]";
+                const Json& h = r.list(heads[k], at, 8);
+                if (h.size() != 8) r.fail(at, "expected the 8 numbers of a head's streaming fit, got " + std::to_string(h.size()));
+                auto value = [&](int n, double hi) { return r.number(h[n], at + "[" + std::to_string(n) + "]", 0, hi, true); };
+                measured.heads.push_back({value(0, 1), value(1, 1e300), value(2, 1e300), value(3, 1), value(4, 1e300),
+                                          value(5, 1e300), value(6, 1e300), value(7, 1e300)});
+            }
+        } else {
+            const std::size_t sequences = p.sequences_of(u).size();
+            const std::size_t first_sequence = u.pass == SearchUnit::Pass::tier_bytes ? p.fitting_sequences.size() : 0;
+            const std::size_t unit_streams_count = sequences * kv_heads;
+            const Json& list = r.list(r.at(results[i], field, "streams"), field + ".streams", unit_streams_count);
+            if (list.size() != unit_streams_count)
+                r.fail(field + ".streams", std::to_string(list.size()) + " streams, expected one per (" +
+                                               (first_sequence ? "held-out" : "fitting") + " sequence, KV head): " +
+                                               std::to_string(unit_streams_count));
+            for (std::size_t k = 0; k < unit_streams_count; ++k) {
+                const std::string at = field + ".streams[" + std::to_string(k) + "]";
+                // A search's partial holds no sequence lengths: the steps are checked against each other.
+                measured.streams.push_back(read_stream(r, list[k], at, 0, 1));
+                steps.check(r, at + "[1] (steps)", first_sequence + k / kv_heads, measured.streams.back().steps);
+            }
         }
-        p.done[unit] = std::move(unit_streams);
+        p.done[unit] = std::move(measured);
     }
     if (p.complete && p.done.size() != p.end - p.first)
         r.fail("complete", "true, but " + std::to_string(p.end - p.first - p.done.size()) + " of the shard's " +
@@ -879,8 +927,9 @@ void refuse_search_steps_differences(const std::vector<SearchPartial>& partials)
     std::map<std::size_t, std::pair<int64_t, const SearchPartial*>> seen;
     for (const SearchPartial& p : partials) {
         const auto kv_heads = static_cast<std::size_t>(p.num_kv_heads);
-        for (const auto& [unit, streams] : p.done) {
+        for (const auto& [unit, measured] : p.done) {
             const SearchUnit u = p.unit(unit);
+            const std::vector<StreamMetrics>& streams = measured.streams;  // none in a streaming unit
             const std::size_t first_sequence = u.pass == SearchUnit::Pass::tier_bytes ? p.fitting_sequences.size() : 0;
             for (std::size_t k = 0; k < streams.size(); k += kv_heads) {
                 const std::size_t sequence = first_sequence + k / kv_heads;
@@ -904,8 +953,9 @@ SearchShardOutcome run_search_shard(const SearchSpec& spec, const SearchRun& run
     partial.config_path = shard_run.config_path;
     partial.confirm = shard_run.confirm;
     partial.grid = work.grid();
-    partial.tier_plans = work.tier_plan_count();
-    partial.tier_candidates = work.tier_candidate_count();
+    partial.tier_plans = work.pass_plans()[1];
+    partial.tier_candidates = work.pass_plans()[2];
+    partial.streaming = work.pass_plans()[3] > 0;
     partial.num_layers = work.num_layers();
     partial.num_kv_heads = work.num_kv_heads();
     partial.fitting_sequences = work.fitting_sequences();
@@ -934,8 +984,8 @@ SearchShardOutcome run_search_shard(const SearchSpec& spec, const SearchRun& run
     // Checkpoints after every pass's layer, as a sweep's shard writes them after every layer.
     Checkpoint checkpoint(partial.path, !partial.done.empty());
     try {
-        work.run_units(todo, [&](const std::vector<std::size_t>& units, std::vector<SearchUnitStreams>& streams) {
-            for (std::size_t i = 0; i < units.size(); ++i) partial.done[units[i]] = std::move(streams[i]);
+        work.run_units(todo, [&](const std::vector<std::size_t>& units, std::vector<SearchUnitResult>& results) {
+            for (std::size_t i = 0; i < units.size(); ++i) partial.done[units[i]] = std::move(results[i]);
             trace_sha256.settle();
             checkpoint.write(search_partial_text(partial));
         });
@@ -974,10 +1024,7 @@ SearchMerge merge_search_partials(const std::vector<std::string>& files) {
     }
     std::map<int, std::size_t> done;
     for (const auto& [index, p] : by_shard) done[index] = p->done.size();
-    refuse_missing_units(first.units, first.shard.count, done,
-                         first.tier_plans == 0  ? "grid budget x layer"
-                         : first.grid.empty() ? "tier plan x layer, for bytes or for errors"
-                                              : "grid budget or tier plan x layer");
+    refuse_missing_units(first.units, first.shard.count, done, search_unit_name(first).c_str());
 
     // The rest of the search runs here from the config and trace the shards measured: the same
     // bytes, or the merge would fit curves of one config to another's.

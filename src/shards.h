@@ -56,7 +56,7 @@ std::vector<std::string> partial_files(const std::vector<std::string>& inputs);
 MergeOutcome merge_partials(const std::vector<std::string>& inputs);
 
 // A search beyond one process: each shard measures a share of the search's work units (the budget
-// grid's and the tier fit's, SearchShardWork) into its partial file, checkpointed after every
+// grid's, the tier fit's and the streaming fit's, SearchShardWork) into its partial file, checkpointed after every
 // pass's layer; the merge sums them and runs the rest of the search (the fits, the held-out
 // confirmation, the other fits, the model in the loop) as `kvsim search` does on one machine.
 struct SearchShardRun {
@@ -84,7 +84,7 @@ void check_partial_file(const std::string& path);
 struct SearchMerge {
     ExperimentConfig config;  // read again from the file the shards name, checked against their hash
     ModelInput confirm;
-    std::vector<SearchUnitStreams> units;  // every unit's streams, for SearchRun::measured_units
+    std::vector<SearchUnitResult> units;  // every unit's, for SearchRun::measured_units
     int shards = 0;
     std::size_t unit_count = 0;
 };

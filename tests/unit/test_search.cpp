@@ -204,31 +204,31 @@ TEST_CASE("shape allocations follow their weights and meet the same bytes") {
     CHECK(pyramid.budgets.front() > 3 * pyramid.budgets.back());
 }
 
-TEST_CASE("a search's shard units are numbered pass by pass, each pass layer-major, every unit once") {
+TEST_CASE("a search's shard units are numbered layer by layer, pass by pass within a layer, every unit once") {
     using Pass = SearchUnit::Pass;
+    const Pass passes[] = {Pass::grid, Pass::tier_bytes, Pass::tier_errors, Pass::streaming};
     struct Case {
-        std::size_t grid, plans, candidates;
+        SearchPassPlans plans;
         int layers;
     };
-    for (const Case c : {Case{5, 0, 0, 3}, Case{0, 7, 4, 3}, Case{5, 7, 4, 2}, Case{2, 1, 1, 1}}) {
-        CAPTURE(c.grid);
-        CAPTURE(c.plans);
+    for (const Case c : {Case{{5, 0, 0, 0}, 3}, Case{{0, 7, 4, 0}, 3}, Case{{5, 7, 4, 1}, 2}, Case{{0, 0, 0, 1}, 4},
+                         Case{{2, 0, 0, 1}, 1}}) {
+        CAPTURE(c.plans[0]);
+        CAPTURE(c.plans[1]);
+        CAPTURE(c.plans[3]);
         std::set<std::tuple<int, int, std::size_t>> seen;
-        const std::size_t total = (c.grid + c.plans + c.candidates) * static_cast<std::size_t>(c.layers);
         std::size_t index = 0;
-        for (const auto& [pass, plans] : {std::pair{Pass::grid, c.grid}, std::pair{Pass::tier_bytes, c.plans},
-                                          std::pair{Pass::tier_errors, c.candidates}})
-            for (int layer = 0; layer < c.layers; ++layer)
-                for (std::size_t plan = 0; plan < plans; ++plan, ++index) {
-                    const SearchUnit u = search_unit(index, c.grid, c.plans, c.candidates, c.layers);
-                    CHECK(u.pass == pass);
+        for (int layer = 0; layer < c.layers; ++layer)
+            for (std::size_t p = 0; p < 4; ++p)
+                for (std::size_t plan = 0; plan < c.plans[p]; ++plan, ++index) {
+                    const SearchUnit u = search_unit(index, c.plans, c.layers);
+                    CHECK(u.pass == passes[p]);
                     CHECK(u.layer == layer);
                     CHECK(u.plan == plan);
                     seen.insert({static_cast<int>(u.pass), u.layer, u.plan});
                 }
-        CHECK(index == total);
-        CHECK(seen.size() == total);
-        CHECK_THROWS_AS(search_unit(total, c.grid, c.plans, c.candidates, c.layers), std::out_of_range);
+        CHECK(seen.size() == index);
+        CHECK_THROWS_AS(search_unit(index, c.plans, c.layers), std::out_of_range);
     }
 }
 
