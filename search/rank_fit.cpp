@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <memory>
+#include <numeric>
 
 #include "base/errors.h"
 #include "policies/policy.h"
@@ -49,7 +50,56 @@ double head_bytes(const KvProjection& p, int layer, int kv, int num_kv_heads, in
     return per_token + p.basis_bytes(layer, kv, num_kv_heads, head_dim) * steps_per_context;
 }
 
+// The ladders' (key rank, value rank) pairs: per KV head, then joint.
+void rank_pairs(int d, int K, std::vector<RankPair>& head_pairs, std::vector<RankPair>& joint_pairs) {
+    const std::vector<int> head_ladder = rank_ladder(d), joint_ladder = rank_ladder(K * d);
+    for (int k : head_ladder)
+        for (int v : head_ladder) head_pairs.push_back({k, v});
+    for (int k : joint_ladder)
+        for (int v : joint_ladder) joint_pairs.push_back({k, v});
+}
+
+PolicyEntry lowrank_entry(const SearchSpec& spec, const std::string& bases_path, int key, int value, int joint) {
+    PolicyEntry e;
+    e.name = "lowrank";
+    e.params = {{"key_rank", key}, {"value_rank", value}, {"joint", joint}};
+    e.files = {{"bases", bases_path}};
+    e.where = spec.fits_where;
+    return e;
+}
+
 }  // namespace
+
+std::size_t rank_fit_plan_count(int head_dim, int num_kv_heads) {
+    std::vector<RankPair> head_pairs, joint_pairs;
+    rank_pairs(head_dim, num_kv_heads, head_pairs, joint_pairs);
+    return head_pairs.size() + joint_pairs.size();
+}
+
+std::shared_ptr<KvBases> fit_rank_bases(const FitInput& in, const std::string& path) {
+    auto bases = std::make_shared<KvBases>(fit_kv_bases(in.trace_path, in.fitting_indices,
+                                                        KeyFrame{in.spec->ranks_pre_rope, in.spec->ranks_pre_rope_theta}));
+    write_kv_bases(path, *bases);
+    return bases;
+}
+
+std::vector<ComboResult> replay_rank_plans(const FitInput& in, const std::string& bases_path,
+                                           const std::vector<std::size_t>& plans, const std::vector<int>& layers,
+                                           const std::function<void(double)>& progress) {
+    std::vector<RankPair> head_pairs, joint_pairs;
+    rank_pairs(in.shape.head_dim, in.shape.num_kv_heads, head_pairs, joint_pairs);
+    std::vector<PolicyEntry> entries;
+    for (std::size_t i : plans) {
+        const bool joint = i >= head_pairs.size();
+        const RankPair& p = joint ? joint_pairs.at(i - head_pairs.size()) : head_pairs[i];
+        entries.push_back(lowrank_entry(*in.spec, bases_path, p.key, p.value, joint ? 1 : 0));
+    }
+    ReplayOptions options = search_replay_options(*in.spec, in.harness, true, false);
+    options.full_outputs = in.full_outputs;
+    options.layers = layers;
+    options.progress = progress;
+    return replay(*in.fitting, expand_sweep(entries, {}, std::vector<int>{1}), options);
+}
 
 void fit_ranks(const FitInput& in, SearchOutcome& out) {
     const SearchSpec& spec = *in.spec;
@@ -58,12 +108,8 @@ void fit_ranks(const FitInput& in, SearchOutcome& out) {
     const std::size_t heads = static_cast<std::size_t>(L) * K;
 
     // Bases from the fitting sequences only: the held-out figures never saw them.
-    auto bases = std::make_shared<KvBases>(fit_kv_bases(in.trace_path, in.fitting_indices,
-                                                                KeyFrame{spec.ranks_pre_rope, spec.ranks_pre_rope_theta}));
-    // The replay's own copy is HDF5 whatever the search writes: the same numbers (float64), written
-    // and read in a fraction of the JSON's time and memory at the 1B shape.
     const std::string bases_path = in.scratch_folder + "/bases.h5";
-    write_kv_bases(bases_path, *bases);
+    const std::shared_ptr<KvBases> bases = fit_rank_bases(in, bases_path);
     out.bases = bases;
     out.bases_format = spec.ranks_bases_format == "hdf5"   ? KvBasesFormat::hdf5
                        : spec.ranks_bases_format == "json" ? KvBasesFormat::json
@@ -76,28 +122,26 @@ void fit_ranks(const FitInput& in, SearchOutcome& out) {
         for (int64_t t = 1; t <= last; ++t) steps += 1, context += static_cast<double>(t + 1);
     const double steps_per_context = context > 0 ? steps / context : 0.0;
 
-    // Every (key rank, value rank) pair of the ladders, per KV head and joint, in one fitting pass.
-    const std::vector<int> head_ladder = rank_ladder(d), joint_ladder = rank_ladder(K * d);
+    // Every (key rank, value rank) pair of the ladders, per KV head and joint, in one fitting pass
+    // (or its units, measured by shards).
     std::vector<RankPair> head_pairs, joint_pairs;
-    for (int k : head_ladder)
-        for (int v : head_ladder) head_pairs.push_back({k, v});
-    for (int k : joint_ladder)
-        for (int v : joint_ladder) joint_pairs.push_back({k, v});
+    rank_pairs(d, K, head_pairs, joint_pairs);
     auto lowrank_entry = [&](int key, int value, int joint) {
-        PolicyEntry e;
-        e.name = "lowrank";
-        e.params = {{"key_rank", key}, {"value_rank", value}, {"joint", joint}};
-        e.files = {{"bases", bases_path}};
-        e.where = spec.fits_where;
-        return e;
+        return kvsim::lowrank_entry(spec, bases_path, key, value, joint);
     };
-    std::vector<PolicyEntry> entries;
-    for (const RankPair& p : head_pairs) entries.push_back(lowrank_entry(p.key, p.value, 0));
-    for (const RankPair& p : joint_pairs) entries.push_back(lowrank_entry(p.key, p.value, 1));
     ReplayOptions options = search_replay_options(*in.spec, in.harness, true, false);
     options.full_outputs = in.full_outputs;
-    if (in.progress) options.progress = [&in](double f) { in.progress(0.7 * f); };
-    const std::vector<ComboResult> fitting = replay(*in.fitting, expand_sweep(entries, {}, std::vector<int>{1}), options);
+    std::vector<ComboResult> fitting;
+    if (in.rank_measured) {
+        fitting = *in.rank_measured;
+        if (fitting.size() != head_pairs.size() + joint_pairs.size()) throw std::logic_error("rank fit: measured plans missing");
+    } else {
+        std::vector<std::size_t> every_plan(head_pairs.size() + joint_pairs.size());
+        std::iota(every_plan.begin(), every_plan.end(), std::size_t{0});
+        std::function<void(double)> progress;
+        if (in.progress) progress = [&in](double f) { in.progress(0.7 * f); };
+        fitting = replay_rank_plans(in, bases_path, every_plan, {}, progress);
+    }
     const double fitting_steps = static_cast<double>(fitting.front().total.output_steps);
 
     // Per unit: every pair's bytes (closed form) and fitting error.

@@ -387,8 +387,8 @@ struct PassRange {
     std::size_t offset, plans;
 };
 
-std::array<PassRange, 4> pass_ranges(const SearchPassPlans& plans) {
-    std::array<PassRange, 4> out{};
+std::array<PassRange, 5> pass_ranges(const SearchPassPlans& plans) {
+    std::array<PassRange, 5> out{};
     std::size_t offset = 0;
     for (std::size_t pass = 0; pass < plans.size(); ++pass) {
         out[pass] = {offset, plans[pass]};
@@ -451,15 +451,15 @@ FitInput shard_fit_input(const SearchSpec& spec, SearchSetup& setup, const std::
 }  // namespace
 
 SearchShardWork::SearchShardWork(const SearchSpec& spec, const SearchRun& run)
-    : setup_(std::make_unique<SearchSetup>(spec, run)), spec_(spec), progress_(run.progress) {
+    : setup_(std::make_unique<SearchSetup>(spec, run)), spec_(spec), trace_path_(run.trace_path), progress_(run.progress) {
     if (spec.deploy != "kvsim")
-        throw InputError(spec.deploy_where + ": --shard divides the measurements of kvsim's budget, tier and streaming "
-                                             "fits; a search that deploys to " + spec.deploy +
+        throw InputError(spec.deploy_where + ": --shard divides the measurements of kvsim's budget, tier, streaming "
+                                             "and rank fits; a search that deploys to " + spec.deploy +
                          " runs on one machine (without --shard)");
-    if (!setup_->fit_budgets && !setup_->fit_tiers && !setup_->fit_streaming)
-        throw InputError(spec.fits_where + ": --shard divides the measurements of the budget fits (layer_budgets, "
-                                           "head_budgets), the tier fit (tiers) and the streaming fit (streaming), "
-                                           "and this search has none of them; run it without --shard");
+    if (!setup_->fit_budgets && !setup_->fit_tiers && !setup_->fit_streaming && !setup_->fit_ranks)
+        throw InputError(spec.fits_where + ": --shard divides the measurements of the budget, tier, streaming and "
+                                           "rank fits, and this search has none of them (a mixed fit alone reads "
+                                           "theirs); run it without --shard");
     if (setup_->fit_budgets) pass_plans_[0] = setup_->out.grid.size();
     if (setup_->fit_tiers) {
         const TierFitPlans plans = tier_fit_plans(spec, setup_->num_layers, setup_->num_kv_heads);
@@ -467,6 +467,7 @@ SearchShardWork::SearchShardWork(const SearchSpec& spec, const SearchRun& run)
         pass_plans_[2] = plans.candidates.size();
     }
     if (setup_->fit_streaming) pass_plans_[3] = 1;
+    if (setup_->fit_ranks) pass_plans_[4] = rank_fit_plan_count(setup_->head_dim, setup_->num_kv_heads);
 }
 
 SearchShardWork::~SearchShardWork() = default;
@@ -487,6 +488,7 @@ std::string SearchShardWork::unit_description() const {
     if (pass_plans_[0]) parts.push_back("grid budgets x layers");
     if (pass_plans_[1]) parts.push_back("tier plans x layers, for bytes and for errors");
     if (pass_plans_[3]) parts.push_back("streaming fits of a layer");
+    if (pass_plans_[4]) parts.push_back("rank plans x layers");
     std::string text;
     for (std::size_t i = 0; i < parts.size(); ++i) text += (i ? "; " : "") + parts[i];
     return text;
@@ -497,7 +499,7 @@ SearchUnit SearchShardWork::unit(std::size_t index) const { return search_unit(i
 SearchUnit search_unit(std::size_t index, const SearchPassPlans& plans, int layers) {
     if (index >= unit_total(plans, layers)) throw std::out_of_range("search: no such unit");
     const std::size_t per_layer = units_per_layer(plans), within = index % per_layer;
-    const std::array<PassRange, 4> ranges = pass_ranges(plans);
+    const std::array<PassRange, 5> ranges = pass_ranges(plans);
     std::size_t pass = 0;
     while (within >= ranges[pass].offset + ranges[pass].plans) ++pass;
     return SearchUnit{static_cast<SearchUnit::Pass>(pass), static_cast<int>(index / per_layer), within - ranges[pass].offset};
@@ -509,17 +511,18 @@ void SearchShardWork::run_units(const std::vector<std::size_t>& units, const Lay
     const SearchSpec& spec = spec_;
     // The units by layer and pass, in unit order: one lockstep replay (or one layer's fit) each.
     std::map<std::pair<int, int>, std::vector<std::size_t>> groups;
-    bool any_tier_unit = false, any_streaming_unit = false;
+    bool any_tier_unit = false, any_streaming_unit = false, any_rank_unit = false;
     for (std::size_t u : units) {
         const SearchUnit unit = this->unit(u);
         groups[{unit.layer, static_cast<int>(unit.pass)}].push_back(u);
         any_tier_unit = any_tier_unit || unit.pass == Pass::tier_bytes || unit.pass == Pass::tier_errors;
         any_streaming_unit = any_streaming_unit || unit.pass == Pass::streaming;
+        any_rank_unit = any_rank_unit || unit.pass == Pass::rank_errors;
     }
     const auto K = static_cast<std::size_t>(setup.num_kv_heads);
     const int L = setup.num_layers;
     std::optional<TempFolder> scratch;  // the plans stratigraphic and streaming_attention read
-    if (any_tier_unit || any_streaming_unit) scratch.emplace("search");
+    if (any_tier_unit || any_streaming_unit || any_rank_unit) scratch.emplace("search");
     // A target a fit cannot reach is refused before hours of its units, as on one machine.
     std::optional<TierFitPlans> tier_plans;
     if (any_tier_unit) {
@@ -530,6 +533,14 @@ void SearchShardWork::run_units(const std::vector<std::size_t>& units, const Lay
         refuse_unreachable_tier_targets(spec, cheapest.front(), 4.0 * setup.head_dim);
     }
     if (any_streaming_unit) refuse_unreachable_streaming_targets(shard_fit_input(spec, setup, scratch->path(), nullptr));
+    // The rank plans read the bases fitted on the fitting sequences, as the whole fit's do.
+    std::string bases_path;
+    if (any_rank_unit) {
+        FitInput input = shard_fit_input(spec, setup, scratch->path(), nullptr);
+        input.trace_path = trace_path_;
+        bases_path = scratch->path() + "/bases.h5";
+        (void)fit_rank_bases(input, bases_path);
+    }
 
     std::size_t groups_done = 0;
     for (const auto& [key, group_units] : groups) {
@@ -543,6 +554,17 @@ void SearchShardWork::run_units(const std::vector<std::size_t>& units, const Lay
         std::vector<SearchUnitResult> out(group_units.size());
         if (pass == Pass::streaming) {
             out.front().heads = fit_streaming_layer(shard_fit_input(spec, setup, scratch->path(), progress), layer);
+        } else if (pass == Pass::rank_errors) {
+            std::vector<std::size_t> plans;
+            for (std::size_t u : group_units) plans.push_back(unit(u).plan);
+            FitInput input = shard_fit_input(spec, setup, scratch->path(), nullptr);
+            input.trace_path = trace_path_;
+            const std::vector<ComboResult> results = replay_rank_plans(input, bases_path, plans, {layer}, progress);
+            const std::size_t sequences = setup.fitting.size();
+            for (std::size_t i = 0; i < group_units.size(); ++i)
+                for (std::size_t s = 0; s < sequences; ++s)
+                    for (std::size_t kv = 0; kv < K; ++kv)
+                        out[i].streams.push_back(results[i].by_stream[(s * L + layer) * K + kv]);
         } else {
             std::vector<ComboResult> results;
             AttentionSource* source = setup.fitting_source.get();
@@ -782,9 +804,10 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
             measured_plans[2] = plans.candidates.size();
         }
         if (fit_streaming && spec.deploy == "kvsim") measured_plans[3] = 1;
+        if (fit_ranks_) measured_plans[4] = rank_fit_plan_count(setup.head_dim, K);
         if (run.measured_units->size() != unit_total(measured_plans, L)) throw std::logic_error("search: measured units missing");
     }
-    const std::array<PassRange, 4> measured_ranges = pass_ranges(measured_plans);
+    const std::array<PassRange, 5> measured_ranges = pass_ranges(measured_plans);
 
     // Budget fits: per-unit curves from one fitting pass, every method in one held-out pass.
     std::vector<std::string> curve_notes;
@@ -985,9 +1008,12 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     // Ranks of low-rank K/V latents, with grouping at the same bytes.
     if (fit_ranks_) {
         const TempFolder scratch("search");  // the bases and rank plans lowrank reads
+        std::vector<ComboResult> measured;
+        if (run.measured_units) measured = combine_units(*run.measured_units, measured_ranges[4], fitting.size(), L, K);
         FitInput input{&spec, fitting_source.get(), heldout_source.get(), out.shape, harness, scratch.path(),
                        [&](double f) { stage_progress(ranks_stage, f); }, run.trace_path, fitting, mixed,
                        &setup.full_outputs};
+        if (run.measured_units) input.rank_measured = &measured;
         fit_ranks(input, out);
     }
     // One method per head, across the families above, at the same targets.

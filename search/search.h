@@ -108,8 +108,8 @@ struct SearchRun {
     std::string group_reduce = "mean";  // "mean", "max" or "sum"
     std::function<void(double)> progress;
     // The units measured already by shards (SearchShardWork), indexed by unit: run_search sums them
-    // instead of replaying the grid, the tier fit's passes and the streaming fit's lambda searches,
-    // and does the rest as it would.
+    // instead of replaying the grid, the tier fit's passes, the streaming fit's lambda searches and
+    // the rank fit's fitting pass, and does the rest as it would.
     const std::vector<SearchUnitResult>* measured_units = nullptr;
 };
 
@@ -150,20 +150,21 @@ struct SearchUnitResult {
 //  - grid: one grid budget of the budget fits, on the fitting sequences;
 //  - tier_bytes: one plan of the tier fit (TierFitPlans), its bytes on the held-out sequences;
 //  - tier_errors: one candidate of the tier fit, its output errors on the fitting sequences;
-//  - streaming: the streaming fit's lambda searches, on the fitting sequences.
+//  - streaming: the streaming fit's lambda searches, on the fitting sequences;
+//  - rank_errors: one (key rank, value rank) plan of the rank fit, its errors on the fitting sequences.
 // Units are numbered layer by layer, and within a layer pass by pass in that order (unit = layer *
 // units a layer + the pass's offset + plan): contiguous shares of a search's units then hold whole
 // layers of every pass alike, and a search of budgets alone numbers them as a sweep's shard does.
 struct SearchUnit {
-    enum class Pass { grid, tier_bytes, tier_errors, streaming };
+    enum class Pass { grid, tier_bytes, tier_errors, streaming, rank_errors };
     Pass pass = Pass::grid;
     int layer = 0;
-    std::size_t plan = 0;  // the grid budget's place in the grid, or the tier plan's in TierFitPlans
+    std::size_t plan = 0;  // the grid budget's place in the grid, the tier or rank plan's in its fit's
 };
 
 // Each pass's plans a layer, in SearchUnit::Pass order: grid budgets, tier plans, tier
-// candidates, 1 for the streaming fit; 0 for a pass the search does not make.
-using SearchPassPlans = std::array<std::size_t, 4>;
+// candidates, 1 for the streaming fit, rank plans; 0 for a pass the search does not make.
+using SearchPassPlans = std::array<std::size_t, 5>;
 
 // Unit `index` of a search's shards whose passes hold `plans` a layer. std::out_of_range past the
 // last.
@@ -194,13 +195,14 @@ public:
     // Replays `units` a layer and a pass at a time (one lockstep replay each), calling layer_done
     // with each one's units and their streams. Before any tier unit, refuses (InputError) a target
     // that no tier plan reaches, and before any streaming unit one that no set of streaming heads
-    // reaches, as the whole search does.
+    // reaches, as the whole search does. Rank units read bases the shard fits first, as the fit does.
     using LayerDone = std::function<void(const std::vector<std::size_t>& units, std::vector<SearchUnitResult>& results)>;
     void run_units(const std::vector<std::size_t>& units, const LayerDone& layer_done);
 
 private:
     std::unique_ptr<SearchSetup> setup_;
     SearchSpec spec_;
+    std::string trace_path_;
     std::function<void(double)> progress_;
     SearchPassPlans pass_plans_{};
 };
@@ -243,6 +245,7 @@ struct FitInput {
     FullOutputMemo* full_outputs = nullptr;  // the search's, for every replay of fitting and heldout
     const TierMeasurements* tier_measured = nullptr;  // fit: tiers: its passes measured by shards
     const std::vector<StreamingHeadFit>* streaming_measured = nullptr;  // fit: streaming: per (layer, KV head), by shards
+    const std::vector<ComboResult>* rank_measured = nullptr;  // fit: ranks: its fitting pass, per plan, by shards
 };
 
 // The half-width of the 95% interval of a sampled output error's mean (StreamMetrics), normal

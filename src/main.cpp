@@ -136,7 +136,7 @@ void emit_results(const std::vector<ResultRecord>& records, const std::string& t
 void add_cluster_flags(CLI::App* cmd, ReplayFlags& flags) {
     cmd->add_option("--shard", flags.shard,
                     "run shard I of N (I/N, from 0): the I-th share of the work units (cells x layers; a search's: "
-                    "grid budgets, tier plans and streaming fits, each x layers); writes partial-I-of-N.json into the output folder for kvsim merge");
+                    "grid budgets, tier plans, streaming fits and rank plans, each x layers); writes partial-I-of-N.json into the output folder for kvsim merge");
     cmd->add_flag("--resume", flags.resume,
                   "keep the work units a previous run of the same shard (or whole run) checkpointed in the output "
                   "folder, and do only the rest");

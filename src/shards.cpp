@@ -711,13 +711,15 @@ constexpr int kSearchPartialFormat = 3;  // 2: a stream's output_error_variance;
 struct SearchPartial : PartialHeader {
     ModelInput confirm;
     std::vector<int> grid;
-    std::size_t tier_plans = 0, tier_candidates = 0;
+    std::size_t tier_plans = 0, tier_candidates = 0, rank_plans = 0;
     bool streaming = false;
     int num_layers = 0, num_kv_heads = 0;
     std::vector<std::string> fitting_sequences, heldout_sequences;
     std::map<std::size_t, SearchUnitResult> done;
 
-    SearchPassPlans pass_plans() const { return {grid.size(), tier_plans, tier_candidates, streaming ? 1u : 0u}; }
+    SearchPassPlans pass_plans() const {
+        return {grid.size(), tier_plans, tier_candidates, streaming ? 1u : 0u, rank_plans};
+    }
     SearchUnit unit(std::size_t index) const { return search_unit(index, pass_plans(), num_layers); }
     std::size_t unit_count() const {
         std::size_t plans = 0;
@@ -736,6 +738,7 @@ const char* pass_name(SearchUnit::Pass pass) {
         case SearchUnit::Pass::tier_bytes: return "tier bytes";
         case SearchUnit::Pass::tier_errors: return "tier errors";
         case SearchUnit::Pass::streaming: return "streaming";
+        case SearchUnit::Pass::rank_errors: return "rank errors";
     }
     return "";
 }
@@ -746,6 +749,7 @@ std::string search_unit_name(const SearchPartial& p) {
     if (!p.grid.empty()) kinds.push_back("grid budget");
     if (p.tier_plans) kinds.push_back("tier plan");
     if (p.streaming) kinds.push_back("streaming fit");
+    if (p.rank_plans) kinds.push_back("rank plan");
     std::string text;
     for (std::size_t i = 0; i < kinds.size(); ++i) text += (i ? " or " : "") + kinds[i];
     return text + " x layer";
@@ -763,6 +767,7 @@ std::string search_config_hash(const std::string& config_path, const SearchParti
                                                      {"tier_plans", p.tier_plans},
                                                      {"tier_candidates", p.tier_candidates},
                                                      {"streaming", p.streaming},
+                                                     {"rank_plans", p.rank_plans},
                                                      {"num_layers", p.num_layers},
                                                      {"num_kv_heads", p.num_kv_heads},
                                                      {"fitting_sequences", p.fitting_sequences},
@@ -803,6 +808,7 @@ std::string search_partial_text(const SearchPartial& p) {
     j["tier_plans"] = p.tier_plans;
     j["tier_candidates"] = p.tier_candidates;
     j["streaming"] = p.streaming;
+    j["rank_plans"] = p.rank_plans;
     j["num_layers"] = p.num_layers;
     j["num_kv_heads"] = p.num_kv_heads;
     j["fitting_sequences"] = p.fitting_sequences;
@@ -844,8 +850,9 @@ SearchPartial read_search_partial(const std::string& path) {
     const Json& streaming = r.at(j, "", "streaming");
     if (!streaming.is_boolean()) r.fail("streaming", "expected true or false, got " + PartialReader::shown(streaming));
     p.streaming = streaming.get<bool>();
-    if (p.grid.empty() && p.tier_plans == 0 && !p.streaming)
-        r.fail("grid", "empty, with no tier plans and no streaming fit: nothing was measured");
+    p.rank_plans = static_cast<std::size_t>(r.integer(r.at(j, "", "rank_plans"), "rank_plans", 0, 1 << 20));
+    if (p.grid.empty() && p.tier_plans == 0 && !p.streaming && p.rank_plans == 0)
+        r.fail("grid", "empty, with no tier plans, streaming fit or rank plans: nothing was measured");
     p.num_layers = static_cast<int>(r.integer(r.at(j, "", "num_layers"), "num_layers", 1, kMaxShape));
     p.num_kv_heads = static_cast<int>(r.integer(r.at(j, "", "num_kv_heads"), "num_kv_heads", 1, kMaxShape));
     const Json& fitting = r.list(r.at(j, "", "fitting_sequences"), "fitting_sequences", 1 << 20);
@@ -874,9 +881,9 @@ SearchPartial read_search_partial(const std::string& path) {
                 r.fail(field + ".budget", "is not grid budget " + std::to_string(p.grid[u.plan]) + " of unit " +
                                               std::to_string(unit));
         } else if (u.pass != SearchUnit::Pass::streaming &&
-                   static_cast<std::size_t>(r.integer(r.at(results[i], field, "plan"), field + ".plan", 0, 1 << 16)) !=
+                   static_cast<std::size_t>(r.integer(r.at(results[i], field, "plan"), field + ".plan", 0, 1 << 20)) !=
                        u.plan) {
-            r.fail(field + ".plan", "is not tier plan " + std::to_string(u.plan) + " of unit " + std::to_string(unit));
+            r.fail(field + ".plan", "is not plan " + std::to_string(u.plan) + " of unit " + std::to_string(unit));
         }
         if (r.integer(r.at(results[i], field, "layer"), field + ".layer", 0, p.num_layers - 1) != u.layer)
             r.fail(field + ".layer", "is not layer " + std::to_string(u.layer) + " of unit " + std::to_string(unit));
@@ -956,6 +963,7 @@ SearchShardOutcome run_search_shard(const SearchSpec& spec, const SearchRun& run
     partial.tier_plans = work.pass_plans()[1];
     partial.tier_candidates = work.pass_plans()[2];
     partial.streaming = work.pass_plans()[3] > 0;
+    partial.rank_plans = work.pass_plans()[4];
     partial.num_layers = work.num_layers();
     partial.num_kv_heads = work.num_kv_heads();
     partial.fitting_sequences = work.fitting_sequences();

@@ -355,13 +355,13 @@ class SearchShards(KvsimTestCase):
                 self.assertEqual(merged.stdout, one.stdout)
                 self.assertEqual(self.search_outputs(self.path(name + "-merged")), expected)
 
-    def test_a_tier_and_streaming_search_in_3_shards_merges_to_the_one_machine_outputs(self):
+    def test_a_tier_streaming_and_rank_search_in_3_shards_merges_to_the_one_machine_outputs(self):
         # The shards measure the tier fit's two big passes (every plan's bytes on the held-out
-        # sequences, every candidate's errors on the fitting ones) and the streaming fit's lambda
-        # searches, a layer a unit; the merge replays only the baselines and the held-out
-        # confirmations, and writes what one machine writes.
+        # sequences, every candidate's errors on the fitting ones), the streaming fit's lambda
+        # searches, a layer a unit, and the rank fit's pass over its ladders; the merge replays only
+        # the baselines and the held-out confirmations, and writes what one machine writes.
         tiers = SEARCH.replace("fit: [layer_budgets, head_budgets]",
-                               "fit: [tiers, streaming]\n  tiers: {sinks: 2, recent: 8}\n"
+                               "fit: [tiers, streaming, ranks]\n  tiers: {sinks: 2, recent: 8}\n"
                                "  streaming: {sinks: 1, recent: 2}\n  sample: {steps: 0.5, seed: 3}")
         config = self.write("tiers.yaml", tiers)
         whole = self.path("whole")
@@ -370,6 +370,7 @@ class SearchShards(KvsimTestCase):
         expected = self.search_outputs(whole)
         self.assertIn("profile-tiers-2x.json", expected)
         self.assertIn("profile-streaming-2x.json", expected)
+        self.assertIn("ranks-heads-2x.json", expected)
         out = self.path("shards")
         passes = set()
         for i in (2, 0, 1):
@@ -378,7 +379,9 @@ class SearchShards(KvsimTestCase):
             partial = json.loads(read(os.path.join(out, "partial-%d-of-3.json" % i)))
             self.assertEqual(partial["grid"], [])
             self.assertTrue(partial["streaming"])
-            self.assertEqual(partial["units"], (partial["tier_plans"] + partial["tier_candidates"] + 1) * 5)
+            self.assertGreater(partial["rank_plans"], 0)
+            self.assertEqual(partial["units"],
+                             (partial["tier_plans"] + partial["tier_candidates"] + 1 + partial["rank_plans"]) * 5)
             self.assertEqual(partial["heldout_sequences"], ["tinystories_sample-3", "tinystories_sample-4"])
             for r in partial["results"]:
                 passes.add(r["pass"])
@@ -386,7 +389,7 @@ class SearchShards(KvsimTestCase):
                     self.assertEqual(len(r["heads"]), partial["num_kv_heads"])
                 else:
                     self.assertEqual(len(r["streams"]), (2 if r["pass"] == "tier bytes" else 3) * partial["num_kv_heads"])
-        self.assertEqual(passes, {"tier bytes", "tier errors", "streaming"})
+        self.assertEqual(passes, {"tier bytes", "tier errors", "streaming", "rank errors"})
         merged = kvsim("merge", out, "--out", self.path("merged"), "-q", cwd=ROOT)
         self.assertEqual(merged.returncode, 0, merged.stderr)
         self.assertEqual(merged.stdout, one.stdout)
@@ -406,7 +409,7 @@ class SearchShards(KvsimTestCase):
                                 "search.tiers.recent")
         self.assertFalse(os.path.exists(os.path.join(self.path("u"), "partial-0-of-3.json")))
         # So is one no set of streaming heads reaches, by a shard of the streaming fit.
-        streaming = self.write("streaming.yaml", tiers.replace("fit: [tiers, streaming]", "fit: [streaming]")
+        streaming = self.write("streaming.yaml", tiers.replace("fit: [tiers, streaming, ranks]", "fit: [streaming]")
                                .replace("target: [2x]", "target: [40x]"))
         self.assert_input_error(self.search_shard(streaming, "1/2", self.path("v")), "40x with streaming heads",
                                 "search.streaming.recent")
@@ -427,10 +430,13 @@ class SearchShards(KvsimTestCase):
         self.assert_input_error(kvsim("merge", out, "--out", merged_dir, cwd=ROOT),
                                 "search.yaml: changed since the shards ran", "rerun the shards")
         self.assertFalse(os.path.exists(merged_dir))
-        # A search of ranks alone has nothing shards divide; a sweep's and a search's partials do
-        # not merge.
-        ranks = self.write("ranks.yaml", SEARCH.replace("fit: [layer_budgets, head_budgets]", "fit: [ranks]"))
-        self.assert_input_error(self.search_shard(ranks, "0/2", self.path("t")), "search.fit", "without --shard")
+        # A search that deploys to kvpress runs on one machine; a sweep's and a search's partials
+        # do not merge.
+        kvpress = self.write("kvpress.yaml", SEARCH.replace("policy: {h2o: {recent_window: 8}}", "policy: snapkv_press")
+                             .replace("fit: [layer_budgets, head_budgets]", "fit: [layer_budgets]\n  deploy: kvpress\n"
+                                      "  prompt: {tokens: 16}").replace("  grid: [10, 16, 24, 32, 48]\n", "")
+                             .replace("target: [2x]", "target: [1.2x]"))
+        self.assert_input_error(self.search_shard(kvpress, "0/2", self.path("t")), "search.deploy", "without --shard")
         sweep = self.path("sweep")
         self.assertEqual(kvsim("sweep", POLICYBOOK, "--shard", "1/2", "--out", sweep, "-q", cwd=ROOT).returncode, 0)
         self.assert_input_error(kvsim("merge", out, sweep, "--out", merged_dir, cwd=ROOT), "partial-1-of-2.json",

@@ -206,20 +206,21 @@ TEST_CASE("shape allocations follow their weights and meet the same bytes") {
 
 TEST_CASE("a search's shard units are numbered layer by layer, pass by pass within a layer, every unit once") {
     using Pass = SearchUnit::Pass;
-    const Pass passes[] = {Pass::grid, Pass::tier_bytes, Pass::tier_errors, Pass::streaming};
+    const Pass passes[] = {Pass::grid, Pass::tier_bytes, Pass::tier_errors, Pass::streaming, Pass::rank_errors};
     struct Case {
         SearchPassPlans plans;
         int layers;
     };
-    for (const Case c : {Case{{5, 0, 0, 0}, 3}, Case{{0, 7, 4, 0}, 3}, Case{{5, 7, 4, 1}, 2}, Case{{0, 0, 0, 1}, 4},
-                         Case{{2, 0, 0, 1}, 1}}) {
+    for (const Case c : {Case{{5, 0, 0, 0, 0}, 3}, Case{{0, 7, 4, 0, 0}, 3}, Case{{5, 7, 4, 1, 6}, 2},
+                         Case{{0, 0, 0, 1, 0}, 4}, Case{{2, 0, 0, 1, 0}, 1}, Case{{0, 0, 0, 0, 9}, 2}}) {
         CAPTURE(c.plans[0]);
         CAPTURE(c.plans[1]);
         CAPTURE(c.plans[3]);
+        CAPTURE(c.plans[4]);
         std::set<std::tuple<int, int, std::size_t>> seen;
         std::size_t index = 0;
         for (int layer = 0; layer < c.layers; ++layer)
-            for (std::size_t p = 0; p < 4; ++p)
+            for (std::size_t p = 0; p < 5; ++p)
                 for (std::size_t plan = 0; plan < c.plans[p]; ++plan, ++index) {
                     const SearchUnit u = search_unit(index, c.plans, c.layers);
                     CHECK(u.pass == passes[p]);
