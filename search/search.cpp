@@ -442,10 +442,11 @@ std::vector<StreamingHeadFit> combine_streaming_units(const std::vector<SearchUn
     return heads;
 }
 
+// What a shard's fits replay with: the whole search's input, without the mixed fit's tables.
 FitInput shard_fit_input(const SearchSpec& spec, SearchSetup& setup, const std::string& scratch,
-                         std::function<void(double)> progress) {
+                         const std::string& trace_path, std::function<void(double)> progress) {
     return FitInput{&spec, setup.fitting_source.get(), setup.heldout_source.get(), setup.out.shape, setup.harness, scratch,
-                    std::move(progress), "", setup.fitting, nullptr, &setup.full_outputs};
+                    std::move(progress), trace_path, setup.fitting, nullptr, &setup.full_outputs};
 }
 
 }  // namespace
@@ -521,25 +522,26 @@ void SearchShardWork::run_units(const std::vector<std::size_t>& units, const Lay
     }
     const auto K = static_cast<std::size_t>(setup.num_kv_heads);
     const int L = setup.num_layers;
-    std::optional<TempFolder> scratch;  // the plans stratigraphic and streaming_attention read
+    // The plans stratigraphic and streaming_attention read, and the bases lowrank reads.
+    std::optional<TempFolder> scratch;
     if (any_tier_unit || any_streaming_unit || any_rank_unit) scratch.emplace("search");
+    auto fit_input = [&](std::function<void(double)> progress) {
+        return shard_fit_input(spec, setup, scratch->path(), trace_path_, std::move(progress));
+    };
     // A target a fit cannot reach is refused before hours of its units, as on one machine.
     std::optional<TierFitPlans> tier_plans;
     if (any_tier_unit) {
         tier_plans = tier_fit_plans(spec, L, setup.num_kv_heads);
-        const FitInput input = shard_fit_input(spec, setup, scratch->path(), nullptr);
-        const std::vector<ComboResult> cheapest =
-            replay_tier_plans(input, tier_plans->params, *setup.heldout_source, {tier_plans->plans.front()}, false, {}, nullptr);
+        const std::vector<ComboResult> cheapest = replay_tier_plans(
+            fit_input(nullptr), tier_plans->params, *setup.heldout_source, {tier_plans->plans.front()}, false, {}, nullptr);
         refuse_unreachable_tier_targets(spec, cheapest.front(), 4.0 * setup.head_dim);
     }
-    if (any_streaming_unit) refuse_unreachable_streaming_targets(shard_fit_input(spec, setup, scratch->path(), nullptr));
+    if (any_streaming_unit) refuse_unreachable_streaming_targets(fit_input(nullptr));
     // The rank plans read the bases fitted on the fitting sequences, as the whole fit's do.
     std::string bases_path;
     if (any_rank_unit) {
-        FitInput input = shard_fit_input(spec, setup, scratch->path(), nullptr);
-        input.trace_path = trace_path_;
         bases_path = scratch->path() + "/bases.h5";
-        (void)fit_rank_bases(input, bases_path);
+        (void)fit_rank_bases(fit_input(nullptr), bases_path);
     }
 
     std::size_t groups_done = 0;
@@ -551,40 +553,32 @@ void SearchShardWork::run_units(const std::vector<std::size_t>& units, const Lay
             progress = [&, count = groups.size()](double f) {
                 progress_((static_cast<double>(groups_done) + std::min(f, 1.0)) / static_cast<double>(count));
             };
+        std::vector<std::size_t> plans;  // each unit's plan in its pass, in unit order
+        for (std::size_t u : group_units) plans.push_back(unit(u).plan);
         std::vector<SearchUnitResult> out(group_units.size());
         if (pass == Pass::streaming) {
-            out.front().heads = fit_streaming_layer(shard_fit_input(spec, setup, scratch->path(), progress), layer);
-        } else if (pass == Pass::rank_errors) {
-            std::vector<std::size_t> plans;
-            for (std::size_t u : group_units) plans.push_back(unit(u).plan);
-            FitInput input = shard_fit_input(spec, setup, scratch->path(), nullptr);
-            input.trace_path = trace_path_;
-            const std::vector<ComboResult> results = replay_rank_plans(input, bases_path, plans, {layer}, progress);
-            const std::size_t sequences = setup.fitting.size();
-            for (std::size_t i = 0; i < group_units.size(); ++i)
-                for (std::size_t s = 0; s < sequences; ++s)
-                    for (std::size_t kv = 0; kv < K; ++kv)
-                        out[i].streams.push_back(results[i].by_stream[(s * L + layer) * K + kv]);
+            out.front().heads = fit_streaming_layer(fit_input(progress), layer);
         } else {
+            AttentionSource& source = pass == Pass::tier_bytes ? *setup.heldout_source : *setup.fitting_source;
             std::vector<ComboResult> results;
-            AttentionSource* source = setup.fitting_source.get();
             if (pass == Pass::grid) {
                 const std::vector<ReplayCombo> combos = expand_sweep({spec.policy}, {}, grid());
                 std::vector<ReplayCombo> layer_combos;
-                for (std::size_t u : group_units) layer_combos.push_back(combos[unit(u).plan]);
+                for (std::size_t plan : plans) layer_combos.push_back(combos[plan]);
                 ReplayOptions options = setup.options;
                 options.layers = {layer};
                 options.progress = progress;
-                results = replay(*source, layer_combos, options);
+                results = replay(source, layer_combos, options);
+            } else if (pass == Pass::rank_errors) {
+                results = replay_rank_plans(fit_input(nullptr), bases_path, plans, {layer}, progress);
             } else {
-                const bool bytes = pass == Pass::tier_bytes;
-                if (bytes) source = setup.heldout_source.get();
-                std::vector<TierShares> plans;
-                for (std::size_t u : group_units) plans.push_back(tier_plans->plans[unit(u).plan]);
-                const FitInput input = shard_fit_input(spec, setup, scratch->path(), nullptr);
-                results = replay_tier_plans(input, tier_plans->params, *source, plans, !bytes, {layer}, progress);
+                std::vector<TierShares> shares;
+                for (std::size_t plan : plans) shares.push_back(tier_plans->plans[plan]);
+                results = replay_tier_plans(fit_input(nullptr), tier_plans->params, source, shares,
+                                            pass == Pass::tier_errors, {layer}, progress);
             }
-            const std::size_t sequences = source->shape().sequence_names.size();
+            // Each unit's streams: its layer's, per (sequence, KV head).
+            const std::size_t sequences = source.shape().sequence_names.size();
             for (std::size_t i = 0; i < group_units.size(); ++i)
                 for (std::size_t s = 0; s < sequences; ++s)
                     for (std::size_t kv = 0; kv < K; ++kv)

@@ -419,6 +419,12 @@ namespace {
 
 const char* const kStreamingWhy = "; lower search.streaming.recent or drop streaming from search.fit";
 
+// streaming_attention's parameters with the config's sinks and recent window.
+ParamValues streaming_params(const SearchSpec& spec) {
+    return resolve_params(*find_policy("streaming_attention"),
+                          {{"sinks", spec.streaming_sinks}, {"recent", spec.streaming_recent}}, spec.streaming_where);
+}
+
 // What each head holds on the held-out sequences when it streams (with its state, and with none)
 // and when it keeps its cache: its sinks, window and state, whatever its lambda. InputError for a
 // target that no set of streaming heads reaches.
@@ -444,8 +450,7 @@ std::vector<StreamingHeadFit> fit_streaming_lambdas(const FitInput& in, PlanRepl
     const SearchSpec& spec = *in.spec;
     const std::size_t units = static_cast<std::size_t>(in.shape.num_layers) * in.shape.num_kv_heads;
     const PolicyDescriptor* policy = find_policy("streaming_attention");
-    const ParamValues params = resolve_params(
-        *policy, {{"sinks", spec.streaming_sinks}, {"recent", spec.streaming_recent}}, spec.streaming_where);
+    const ParamValues params = streaming_params(spec);
     const std::vector<uint8_t> every_head(units, 1);
     // The published calibration: each head's lambda fitted against the full softmax output with
     // nothing kept exactly (no sinks, no window: the state must reproduce every token), then
@@ -476,11 +481,8 @@ std::vector<StreamingHeadFit> fit_streaming_lambdas(const FitInput& in, PlanRepl
 }  // namespace
 
 std::vector<StreamingHeadFit> fit_streaming_layer(const FitInput& in, int layer) {
-    const PolicyDescriptor* policy = find_policy("streaming_attention");
-    const ParamValues params = resolve_params(
-        *policy, {{"sinks", in.spec->streaming_sinks}, {"recent", in.spec->streaming_recent}}, in.spec->streaming_where);
     int passes = 0;
-    PlanReplay plans(in, params, passes, kStreamingLambdaPasses, /*bookkeeping=*/true, {layer});
+    PlanReplay plans(in, streaming_params(*in.spec), passes, kStreamingLambdaPasses, /*bookkeeping=*/true, {layer});
     const std::vector<StreamingHeadFit> all = fit_streaming_lambdas(in, plans);
     const auto K = static_cast<std::size_t>(in.shape.num_kv_heads);
     return {all.begin() + static_cast<std::ptrdiff_t>(layer * K), all.begin() + static_cast<std::ptrdiff_t>((layer + 1) * K)};
@@ -489,11 +491,8 @@ std::vector<StreamingHeadFit> fit_streaming_layer(const FitInput& in, int layer)
 void refuse_unreachable_streaming_targets(const FitInput& in) {
     const int L = in.shape.num_layers, K = in.shape.num_kv_heads;
     const std::size_t units = static_cast<std::size_t>(L) * K;
-    const PolicyDescriptor* policy = find_policy("streaming_attention");
-    const ParamValues params = resolve_params(
-        *policy, {{"sinks", in.spec->streaming_sinks}, {"recent", in.spec->streaming_recent}}, in.spec->streaming_where);
     int passes = 0;
-    PlanReplay plans(in, params, passes, 1, /*bookkeeping=*/true);
+    PlanReplay plans(in, streaming_params(*in.spec), passes, 1, /*bookkeeping=*/true);
     (void)streaming_bytes(in, plans, units);
 }
 
@@ -502,9 +501,7 @@ void fit_streaming_heads(const FitInput& in, SearchOutcome& out) {
     if (spec.deploy == "duo") return fit_duo_heads(in, out);
     const int L = in.shape.num_layers, K = in.shape.num_kv_heads;
     const std::size_t units = static_cast<std::size_t>(L) * K;
-    const PolicyDescriptor* policy = find_policy("streaming_attention");
-    const ParamValues params = resolve_params(
-        *policy, {{"sinks", spec.streaming_sinks}, {"recent", spec.streaming_recent}}, spec.streaming_where);
+    const ParamValues params = streaming_params(spec);
     int passes = 0;
     // Two golden-section searches sharing kGoldenSteps + 1 passes, the calibrated lambdas' pass,
     // then the bytes and the confirmation.
