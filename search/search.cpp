@@ -457,10 +457,9 @@ SearchShardWork::SearchShardWork(const SearchSpec& spec, const SearchRun& run)
         throw InputError(spec.deploy_where + ": --shard divides the measurements of kvsim's budget, tier, streaming "
                                              "and rank fits; a search that deploys to " + spec.deploy +
                          " runs on one machine (without --shard)");
+    // Every search fits one of them: a mixed fit alone is refused by the setup.
     if (!setup_->fit_budgets && !setup_->fit_tiers && !setup_->fit_streaming && !setup_->fit_ranks)
-        throw InputError(spec.fits_where + ": --shard divides the measurements of the budget, tier, streaming and "
-                                           "rank fits, and this search has none of them (a mixed fit alone reads "
-                                           "theirs); run it without --shard");
+        throw std::logic_error("search shards: no fit to divide");
     if (setup_->fit_budgets) pass_plans_[0] = setup_->out.grid.size();
     if (setup_->fit_tiers) {
         const TierFitPlans plans = tier_fit_plans(spec, setup_->num_layers, setup_->num_kv_heads);
