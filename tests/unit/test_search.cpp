@@ -402,7 +402,7 @@ TEST_CASE("a profile round-trips through its JSON, and a DuoAttention export rea
     streaming.params = {};
     streaming.layer_budgets.clear();
     streaming.head_budgets.clear();
-    streaming.streaming = StreamingHeads{4, 16, {1, 0, 0, 1}, {0.9, 0.99, 0.5, 0.0}};
+    streaming.streaming = StreamingHeads{4, 16, {1, 0, 0, 1}, {0.9, 0.99, 0.5, 0.0}, {}, {}};
     const std::string streaming_file = temp_dir() + "/round-trip-streaming.json";
     write_profile(streaming, streaming_file);
     const Profile r = load_profile(streaming_file);
