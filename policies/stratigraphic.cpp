@@ -12,6 +12,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <sstream>
@@ -95,8 +96,13 @@ public:
         const std::size_t target = static_cast<std::size_t>(std::max(budget, 0));
         if (!rezoning && positions_.size() <= target) return;  // tiers stay, nothing goes
 
-        keys_.resize(positions_.size());
-        for (std::size_t i = 0; i < positions_.size(); ++i) keys_[i] = ascending_key(importance_[i]);
+        // Through local pointers: members read beside a store may alias it, which kept this loop
+        // scalar, reloading both arrays' addresses every token.
+        const std::size_t n = positions_.size();
+        keys_.resize(n);
+        const double* importance = importance_.data();
+        uint64_t* keys = keys_.data();
+        for (std::size_t i = 0; i < n; ++i) keys[i] = ascending_key(importance[i]);
         find_protected();
         zone_.assign(positions_.size(), kFp16);  // between re-zonings no zone moves a tier
         if (rezoning) assign_zones();
@@ -107,12 +113,14 @@ public:
         const std::size_t kept = std::count_if(zone_.begin(), zone_.end(), [](uint8_t z) { return z != kEvicted; });
         if (kept > target) trim_to_budget(kept - target);
 
+        // The evicted are few a step: memchr finds them without a branch per token.
         gone_.clear();
-        for (std::size_t i = 0; i < positions_.size(); ++i)
-            if (zone_[i] == kEvicted) {
-                gone_.push_back(i);
-                victims.push_back(positions_[i]);  // slots ascend, so positions do
-            }
+        const uint8_t *zone = zone_.data(), *zone_end = zone + n;
+        for (const uint8_t* at = zone; (at = static_cast<const uint8_t*>(std::memchr(at, kEvicted, zone_end - at))); ++at) {
+            const auto i = static_cast<std::size_t>(at - zone);
+            gone_.push_back(i);
+            victims.push_back(positions_[i]);  // slots ascend, so positions do
+        }
         positions_.erase(gone_);
         importance_.erase(gone_);
         tier_.erase(gone_);
