@@ -442,6 +442,21 @@ std::vector<StreamingHeadFit> combine_streaming_units(const std::vector<SearchUn
     return heads;
 }
 
+// Each pass's plans a layer, as a search's shards number their units (SearchShardWork) and its
+// merge reads them back.
+SearchPassPlans search_pass_plans(const SearchSpec& spec, const SearchSetup& setup) {
+    SearchPassPlans plans{};
+    if (setup.fit_budgets) plans[0] = setup.out.grid.size();
+    if (setup.fit_tiers) {
+        const TierFitPlans tiers = tier_fit_plans(spec, setup.num_layers, setup.num_kv_heads);
+        plans[1] = tiers.plans.size();
+        plans[2] = tiers.candidates.size();
+    }
+    if (setup.fit_streaming && spec.deploy == "kvsim") plans[3] = 1;  // deploy duo's fit is not sharded
+    if (setup.fit_ranks) plans[4] = rank_fit_plan_count(setup.head_dim, setup.num_kv_heads);
+    return plans;
+}
+
 // What a shard's fits replay with: the whole search's input, without the mixed fit's tables.
 FitInput shard_fit_input(const SearchSpec& spec, SearchSetup& setup, const std::string& scratch,
                          const std::string& trace_path, std::function<void(double)> progress) {
@@ -460,14 +475,7 @@ SearchShardWork::SearchShardWork(const SearchSpec& spec, const SearchRun& run)
     // Every search fits one of them: a mixed fit alone is refused by the setup.
     if (!setup_->fit_budgets && !setup_->fit_tiers && !setup_->fit_streaming && !setup_->fit_ranks)
         throw std::logic_error("search shards: no fit to divide");
-    if (setup_->fit_budgets) pass_plans_[0] = setup_->out.grid.size();
-    if (setup_->fit_tiers) {
-        const TierFitPlans plans = tier_fit_plans(spec, setup_->num_layers, setup_->num_kv_heads);
-        pass_plans_[1] = plans.plans.size();
-        pass_plans_[2] = plans.candidates.size();
-    }
-    if (setup_->fit_streaming) pass_plans_[3] = 1;
-    if (setup_->fit_ranks) pass_plans_[4] = rank_fit_plan_count(setup_->head_dim, setup_->num_kv_heads);
+    pass_plans_ = search_pass_plans(spec, *setup_);
 }
 
 SearchShardWork::~SearchShardWork() = default;
@@ -531,9 +539,7 @@ void SearchShardWork::run_units(const std::vector<std::size_t>& units, const Lay
     std::optional<TierFitPlans> tier_plans;
     if (any_tier_unit) {
         tier_plans = tier_fit_plans(spec, L, setup.num_kv_heads);
-        const std::vector<ComboResult> cheapest = replay_tier_plans(
-            fit_input(nullptr), tier_plans->params, *setup.heldout_source, {tier_plans->plans.front()}, false, {}, nullptr);
-        refuse_unreachable_tier_targets(spec, cheapest.front(), 4.0 * setup.head_dim);
+        (void)refuse_unreachable_tier_targets(fit_input(nullptr), *tier_plans);
     }
     if (any_streaming_unit) refuse_unreachable_streaming_targets(fit_input(nullptr));
     // The rank plans read the bases fitted on the fitting sequences, as the whole fit's do.
@@ -790,14 +796,7 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     // Units measured by shards, pass by pass (SearchShardWork's numbering).
     SearchPassPlans measured_plans{};
     if (run.measured_units) {
-        if (fit_budgets) measured_plans[0] = out.grid.size();
-        if (fit_tiers) {
-            const TierFitPlans plans = tier_fit_plans(spec, L, K);
-            measured_plans[1] = plans.plans.size();
-            measured_plans[2] = plans.candidates.size();
-        }
-        if (fit_streaming && spec.deploy == "kvsim") measured_plans[3] = 1;
-        if (fit_ranks_) measured_plans[4] = rank_fit_plan_count(setup.head_dim, K);
+        measured_plans = search_pass_plans(spec, setup);
         if (run.measured_units->size() != unit_total(measured_plans, L)) throw std::logic_error("search: measured units missing");
     }
     const std::array<PassRange, 5> measured_ranges = pass_ranges(measured_plans);

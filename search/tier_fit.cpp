@@ -104,7 +104,8 @@ TierFitPlans tier_fit_plans(const SearchSpec& spec, int L, int K) {
     if (const std::string problem = policy->check_budget(out.params, 1); !problem.empty())
         throw InputError(spec.tiers_where + ": " + problem);
     out.candidates = candidate_shares();
-    const double published_sum = out.params.at("surface") + out.params.at("int8_share") + out.params.at("int4_share");
+    out.published_sum = out.params.at("surface") + out.params.at("int8_share") + out.params.at("int4_share");
+    const double published_sum = out.published_sum;
     for (int i = 1; i <= 40; ++i) {
         const double s = 0.05 * i;
         if (s * published_sum > 1 + 1e-12) break;
@@ -136,7 +137,11 @@ std::vector<ComboResult> replay_tier_plans(const FitInput& in, const ParamValues
     return replay(source, expand_sweep(entries, {}, std::vector<int>{1}), options);
 }
 
-void refuse_unreachable_tier_targets(const SearchSpec& spec, const ComboResult& every_share_zero, double full_fp16) {
+namespace {
+
+// InputError naming the target when even every share 0 (its result on the held-out sequences)
+// holds more bytes than the target allows.
+void check_tier_targets(const SearchSpec& spec, const ComboResult& every_share_zero, double full_fp16) {
     double cheapest = 0;
     for (const double b : tier_result(every_share_zero).head_bytes) cheapest += b;
     cheapest /= static_cast<double>(every_share_zero.by_head.size());
@@ -154,6 +159,14 @@ void refuse_unreachable_tier_targets(const SearchSpec& spec, const ComboResult& 
     }
 }
 
+}  // namespace
+
+ComboResult refuse_unreachable_tier_targets(const FitInput& in, const TierFitPlans& plans) {
+    std::vector<ComboResult> cheapest = replay_tier_plans(in, plans.params, *in.heldout, {plans.plans.front()}, false, {}, nullptr);
+    check_tier_targets(*in.spec, cheapest.front(), 4.0 * in.shape.head_dim);
+    return std::move(cheapest.front());
+}
+
 void fit_tier_profiles(const FitInput& in, SearchOutcome& out) {
     const SearchSpec& spec = *in.spec;
     const int L = in.shape.num_layers, K = in.shape.num_kv_heads;
@@ -163,7 +176,7 @@ void fit_tier_profiles(const FitInput& in, SearchOutcome& out) {
     const std::vector<std::array<double, 3>>& candidates = fit_plans.candidates;
     const std::vector<double>& scales = fit_plans.scales;
     const std::vector<TierShares>& plans = fit_plans.plans;
-    const double published_sum = params.at("surface") + params.at("int8_share") + params.at("int4_share");
+    const double published_sum = fit_plans.published_sum;
     const double full_fp16 = 4.0 * in.shape.head_dim;
     if (in.tier_measured &&
         (in.tier_measured->heldout_bytes.size() != plans.size() || in.tier_measured->fitting_errors.size() != candidates.size()))
@@ -175,13 +188,10 @@ void fit_tier_profiles(const FitInput& in, SearchOutcome& out) {
     // before the pass over every plan.
     std::vector<TierResult> bytes;
     if (in.tier_measured) {
-        refuse_unreachable_tier_targets(spec, in.tier_measured->heldout_bytes.front(), full_fp16);
+        check_tier_targets(spec, in.tier_measured->heldout_bytes.front(), full_fp16);
         bytes = tier_results(in.tier_measured->heldout_bytes);
     } else {
-        const std::vector<ComboResult> cheapest =
-            replay_tier_plans(in, params, *in.heldout, {plans.front()}, false, {}, nullptr);
-        refuse_unreachable_tier_targets(spec, cheapest.front(), full_fp16);
-        bytes = tier_results(cheapest);
+        bytes = {tier_result(refuse_unreachable_tier_targets(in, fit_plans))};
         const std::vector<TierShares> rest(plans.begin() + 1, plans.end());
         std::vector<TierResult> more = replay_plans(in, params, *in.heldout, rest, false, 0.0);
         bytes.insert(bytes.end(), std::make_move_iterator(more.begin()), std::make_move_iterator(more.end()));

@@ -28,6 +28,7 @@ struct TierFitPlans {
     std::vector<std::array<double, 3>> candidates;
     std::vector<double> scales;
     std::vector<TierShares> plans;  // the candidates', then the scales'
+    double published_sum = 0;       // the published FP16, INT8 and INT4 shares summed
 };
 
 // InputError naming search.tiers for parameters stratigraphic refuses.
@@ -40,9 +41,10 @@ struct TierMeasurements {
     std::vector<ComboResult> fitting_errors;  // per candidate
 };
 
-// InputError naming the target when even every share 0 (the result of plans.front() on the
-// held-out sequences) holds more bytes than it allows.
-void refuse_unreachable_tier_targets(const SearchSpec& spec, const ComboResult& every_share_zero, double full_fp16);
+// Replays the fit's cheapest plan (every share 0: a zone only adds tokens kept) on the held-out
+// sequences, and returns its result: InputError naming the target when even it holds more bytes
+// than the target allows.
+ComboResult refuse_unreachable_tier_targets(const FitInput& input, const TierFitPlans& plans);
 
 // `plans` side by side in one lockstep pass over `source` (restricted to `layers` when not empty),
 // as the tier fit replays them: one result per plan. `output_error` false measures bytes only.

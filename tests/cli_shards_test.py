@@ -285,15 +285,19 @@ class SearchShards(KvsimTestCase):
             files[name] = text
         return files
 
+    def whole_search(self, config, name):
+        """The search on one machine into folder `name`: its run and its outputs (search_outputs)."""
+        whole = self.path(name)
+        one = kvsim("search", config, "--out", whole, "-q", cwd=ROOT)
+        self.assertEqual(one.returncode, 0, one.stderr)
+        return one, self.search_outputs(whole)
+
     def search_shard(self, config, spec, out, *flags):
         return kvsim("search", config, "--shard", spec, "--out", out, "-q", *flags, cwd=ROOT)
 
     def test_search_in_1_2_and_3_shards_merges_to_the_one_machine_outputs_byte_for_byte(self):
         config = self.write("search.yaml", SEARCH)
-        whole = self.path("whole")
-        one = kvsim("search", config, "--out", whole, "-q", cwd=ROOT)
-        self.assertEqual(one.returncode, 0, one.stderr)
-        expected = self.search_outputs(whole)
+        one, expected = self.whole_search(config, "whole")
         self.assertIn("profile.json", expected)
         self.assertIn("fitted head budgets", one.stdout)
         for n in (1, 2, 3):
@@ -340,10 +344,7 @@ class SearchShards(KvsimTestCase):
         for name, text in (("every-step", mixed), ("sampled", mixed + "  sample: {steps: 0.3, seed: 5}\n")):
             with self.subTest(name):
                 config = self.write(name + ".yaml", text)
-                whole = self.path(name + "-whole")
-                one = kvsim("search", config, "--out", whole, "-q", cwd=ROOT)
-                self.assertEqual(one.returncode, 0, one.stderr)
-                expected = self.search_outputs(whole)
+                one, expected = self.whole_search(config, name + "-whole")
                 self.assertIn("profile-mixed-2x.json", expected)
                 self.assertEqual(name == "sampled", "heldout_interval" in expected["search.json"])
                 out = self.path(name + "-shards")
@@ -364,10 +365,7 @@ class SearchShards(KvsimTestCase):
                                "fit: [tiers, streaming, ranks]\n  tiers: {sinks: 2, recent: 8}\n"
                                "  streaming: {sinks: 1, recent: 2}\n  sample: {steps: 0.5, seed: 3}")
         config = self.write("tiers.yaml", tiers)
-        whole = self.path("whole")
-        one = kvsim("search", config, "--out", whole, "-q", cwd=ROOT)
-        self.assertEqual(one.returncode, 0, one.stderr)
-        expected = self.search_outputs(whole)
+        one, expected = self.whole_search(config, "whole")
         self.assertIn("profile-tiers-2x.json", expected)
         self.assertIn("profile-streaming-2x.json", expected)
         self.assertIn("ranks-heads-2x.json", expected)
