@@ -899,9 +899,11 @@ SearchPartial read_search_partial(const std::string& path) {
                 const std::string at = field + ".heads[" + std::to_string(k) + "]";
                 const Json& h = r.list(heads[k], at, 8);
                 if (h.size() != 8) r.fail(at, "expected the 8 numbers of a head's streaming fit, got " + std::to_string(h.size()));
-                auto value = [&](int n, double hi) { return r.number(h[n], at + "[" + std::to_string(n) + "]", 0, hi, true); };
-                measured.heads.push_back({value(0, 1), value(1, 1e300), value(2, 1e300), value(3, 1), value(4, 1e300),
-                                          value(5, 1e300), value(6, 1e300), value(7, 1e300)});
+                // A lambda is a number in [0, 1]; an error may be NaN (null), as a stream's may.
+                auto lambda = [&](int n) { return r.number(h[n], at + "[" + std::to_string(n) + "]", 0, 1); };
+                auto error = [&](int n) { return r.number(h[n], at + "[" + std::to_string(n) + "]", 0, 1e300, true); };
+                measured.heads.push_back(
+                    {lambda(0), error(1), error(2), lambda(3), error(4), error(5), error(6), error(7)});
             }
         } else {
             const std::size_t sequences = p.sequences_of(u).size();

@@ -395,12 +395,25 @@ class SearchShards(KvsimTestCase):
 
         # A unit's pass edited: the merge names the field.
         path = os.path.join(out, "partial-1-of-3.json")
-        partial = json.loads(read(path))
+        original = read(path)
+        partial = json.loads(original)
         partial["results"][0]["pass"] = "grid"
         with open(path, "w") as f:
             json.dump(partial, f)
         self.assert_input_error(kvsim("merge", out, "--out", self.path("bad"), cwd=ROOT), "partial-1-of-3.json",
                                 "results[0].pass")
+        with open(path, "w") as f:
+            f.write(original)
+        # A streaming unit's lambda missing (null): the merge names the partial and the field.
+        path = os.path.join(out, "partial-2-of-3.json")
+        partial = json.loads(read(path))
+        streaming = [i for i, r in enumerate(partial["results"]) if r["pass"] == "streaming"][0]
+        partial["results"][streaming]["heads"][0][0] = None
+        with open(path, "w") as f:
+            json.dump(partial, f)
+        self.assert_input_error(kvsim("merge", out, "--out", self.path("bad"), cwd=ROOT), "partial-2-of-3.json",
+                                "results[%d].heads[0][0]" % streaming)
+        self.assertFalse(os.path.exists(self.path("bad")))
         # A target no tier plan reaches is refused by the shard before it replays its units.
         unreachable = self.write("unreachable.yaml", tiers.replace("target: [2x]", "target: [40x]"))
         self.assert_input_error(self.search_shard(unreachable, "0/3", self.path("u")), "40x for fit: tiers",
