@@ -73,12 +73,11 @@ public:
         positions_.reserve(capacity);
         importance_.reserve(capacity);
         tier_.reserve(capacity);
+        order_.reserve(capacity);
         protected_.reserve(capacity);
         zone_.reserve(capacity);
-        ranked_.reserve(capacity);
         gone_.reserve(capacity);
-        keys_.reserve(capacity);
-        sorted_.reserve(capacity);
+        slot_after_.reserve(capacity);
         admit(0);
     }
 
@@ -96,13 +95,7 @@ public:
         const std::size_t target = static_cast<std::size_t>(std::max(budget, 0));
         if (!rezoning && positions_.size() <= target) return;  // tiers stay, nothing goes
 
-        // Through local pointers: members read beside a store may alias it, which kept this loop
-        // scalar, reloading both arrays' addresses every token.
-        const std::size_t n = positions_.size();
-        keys_.resize(n);
-        const double* importance = importance_.data();
-        uint64_t* keys = keys_.data();
-        for (std::size_t i = 0; i < n; ++i) keys[i] = ascending_key(importance[i]);
+        rank_by_importance();
         find_protected();
         zone_.assign(positions_.size(), kFp16);  // between re-zonings no zone moves a tier
         if (rezoning) assign_zones();
@@ -114,6 +107,7 @@ public:
         if (kept > target) trim_to_budget(kept - target);
 
         // The evicted are few a step: memchr finds them without a branch per token.
+        const std::size_t n = positions_.size();
         gone_.clear();
         const uint8_t *zone = zone_.data(), *zone_end = zone + n;
         for (const uint8_t* at = zone; (at = static_cast<const uint8_t*>(std::memchr(at, kEvicted, zone_end - at))); ++at) {
@@ -121,9 +115,20 @@ public:
             gone_.push_back(i);
             victims.push_back(positions_[i]);  // slots ascend, so positions do
         }
+        if (gone_.empty()) return;
         positions_.erase(gone_);
         importance_.erase(gone_);
         tier_.erase(gone_);
+        // The order keeps its survivors, renumbered as the arrays closed up.
+        slot_after_.resize(n);
+        for (std::size_t i = 0, closed = 0; i < n; ++i) {
+            slot_after_[i] = i - closed;
+            closed += zone[i] == kEvicted ? 1 : 0;
+        }
+        std::size_t kept_rank = 0;
+        for (const RankKey& r : order_)
+            if (zone[r.second] != kEvicted) order_[kept_rank++] = {r.first, slot_after_[r.second]};
+        order_.resize(kept_rank);
     }
 
     // The tiers were settled in evict(); this only reports them.
@@ -164,17 +169,48 @@ public:
     }
 
 private:
+    // Importance order: higher cumulative attention first, the lower position on ties, a NaN
+    // importance (NaN attention fed in) last; as a pair of integers that ascends in that order
+    // (positions ascend with the slot, so the slot breaks ties).
+    using RankKey = std::pair<uint64_t, std::size_t>;
+
     void admit(int32_t pos) {
         positions_.push_back(pos);
         importance_.push_back(0.0);
         tier_.push_back(kFp16);  // a new token is recent, so FP16
+        order_.push_back({~ascending_key(0.0), positions_.size() - 1});
     }
 
-    // Importance order: higher cumulative attention first, the lower position on ties, a NaN
-    // importance (NaN attention fed in) last; as a pair of integers that ascends in that order
-    // (positions ascend with the index, so the index breaks ties).
-    using RankKey = std::pair<uint64_t, std::size_t>;
-    RankKey rank_key(std::size_t i) const { return {~keys_[i], i}; }
+    // order_: every held token in importance order. Cumulative attention reorders few tokens a
+    // step, so last step's order, its keys renewed, is almost sorted: an insertion sort finishes it
+    // in about one pass, where each selection of a zone boundary was a pass of its own. Every
+    // selection below is then a walk along it; the order is total, so the zones are the same.
+    void rank_by_importance() {
+        const double* importance = importance_.data();
+        RankKey* order = order_.data();
+        const std::size_t n = order_.size();
+        for (std::size_t k = 0; k < n; ++k) order[k].first = ~ascending_key(importance[order[k].second]);
+        // Moves bounded at a few per token: past that (attention reshuffled the order), a sort.
+        std::size_t moves = 0;
+        for (std::size_t j = 1; j < n; ++j) {
+            const RankKey x = order[j];
+            if (!(x < order[j - 1])) continue;
+            std::size_t k = j;
+            do {
+                order[k] = order[k - 1];
+                --k;
+            } while (k > 0 && x < order[k - 1]);
+            order[k] = x;
+            moves += j - k;
+            if (moves > 8 * n) {
+                std::sort(order, order + n);
+                return;
+            }
+        }
+    }
+
+    // The ascending key of the below-th least important token (0: the least).
+    uint64_t key_from_least(std::size_t below) const { return ~order_[order_.size() - 1 - below].first; }
 
     // Sinks, the recent window and anchors: the tokens that always sit in the FP16 zone.
     void find_protected() {
@@ -194,81 +230,36 @@ private:
         if (max_anchors == 0) return;
         const double rank = p_.anchor_percentile / 100.0 * static_cast<double>(n - 1);
         const std::size_t below = static_cast<std::size_t>(std::floor(rank));
-        const auto [low_key, high_key] = order_statistic_and_next(below);
-        const double low = from_ascending_key(low_key), high = from_ascending_key(high_key);
+        const double low = from_ascending_key(key_from_least(below));
+        const double high = below + 1 < n ? from_ascending_key(key_from_least(below + 1)) : low;
         const double threshold = low + (rank - static_cast<double>(below)) * (high - low);
-
-        keep_where([&](std::size_t i) { return importance_[i] >= threshold; });
-        if (ranked_.size() > max_anchors) {
-            std::nth_element(ranked_.begin(), ranked_.begin() + max_anchors, ranked_.end());
-            ranked_.resize(max_anchors);
-        }
-        for (const RankKey& r : ranked_) protected_[r.second] = 1;
+        // Those at or above it lead the order; the most important max_anchors of them.
+        for (std::size_t k = 0; k < std::min(max_anchors, n) && importance_[order_[k].second] >= threshold; ++k)
+            protected_[order_[k].second] = 1;
     }
 
-    // ranked_: the rank keys of the held tokens i where keep(i), in index order. Every key is
-    // written and the count moves by the test's outcome: no branch to mispredict.
-    template <class Keep>
-    void keep_where(Keep&& keep) {
-        const std::size_t n = positions_.size();
-        ranked_.resize(n);
-        std::size_t kept = 0;
-        for (std::size_t i = 0; i < n; ++i) {
-            ranked_[kept] = rank_key(i);
-            kept += keep(i) ? 1 : 0;
-        }
-        ranked_.resize(kept);
-    }
-
-    // The below-th smallest of keys_ and the one after it (the same where it is the last). A high
-    // percentile's few tokens above it are kept in a heap, one pass that seldom enters it (the
-    // important tokens are mostly the old ones, met first); otherwise a selection.
-    std::pair<uint64_t, uint64_t> order_statistic_and_next(std::size_t below) {
-        const std::size_t n = keys_.size(), above = n - below;  // keys at or past the below-th: >= 1
-        if (above * 16 <= n) {
-            sorted_.assign(keys_.begin(), keys_.begin() + static_cast<std::ptrdiff_t>(above));
-            std::make_heap(sorted_.begin(), sorted_.end(), std::greater<>());  // least on top
-            for (std::size_t i = above; i < n; ++i)
-                if (keys_[i] > sorted_.front()) {
-                    std::pop_heap(sorted_.begin(), sorted_.end(), std::greater<>());
-                    sorted_.back() = keys_[i];
-                    std::push_heap(sorted_.begin(), sorted_.end(), std::greater<>());
-                }
-            const uint64_t low = sorted_.front();
-            if (above == 1) return {low, low};
-            const uint64_t next = above == 2 ? sorted_[1] : std::min(sorted_[1], sorted_[2]);
-            return {low, next};
-        }
-        sorted_.assign(keys_.begin(), keys_.end());
-        std::nth_element(sorted_.begin(), sorted_.begin() + static_cast<std::ptrdiff_t>(below), sorted_.end());
-        const uint64_t low = sorted_[below];
-        return {low, below + 1 < n ? *std::min_element(sorted_.begin() + static_cast<std::ptrdiff_t>(below) + 1,
-                                                       sorted_.end())
-                                   : low};
-    }
-
-    // The zones of a re-zoning step: protected ones FP16, the rest by importance into what the
-    // shares of the t + 1 tokens seen leave, then out.
+    // The zones of a re-zoning step: protected ones FP16, the rest in importance order into what
+    // the shares of the t + 1 tokens seen leave, then out.
     void assign_zones() {
         const int64_t seen = int64_t{step_} + 1;
         const int64_t fp16_count = share_count(p_.fp16_share, seen);
         const int64_t protected_count = std::count(protected_.begin(), protected_.end(), 1);
-
-        keep_where([&](std::size_t i) { return !protected_[i]; });
-        // The zones are consecutive runs of the importance order: partition, no need to sort.
-        const std::size_t bounds[] = {static_cast<std::size_t>(std::max<int64_t>(fp16_count - protected_count, 0)),
-                                      static_cast<std::size_t>(share_count(p_.int8_share, seen)),
-                                      static_cast<std::size_t>(share_count(p_.int4_share, seen))};
+        const std::size_t sizes[] = {static_cast<std::size_t>(std::max<int64_t>(fp16_count - protected_count, 0)),
+                                     static_cast<std::size_t>(share_count(p_.int8_share, seen)),
+                                     static_cast<std::size_t>(share_count(p_.int4_share, seen))};
         const uint8_t zones[] = {kFp16, kInt8, kInt4};
-        auto begin = ranked_.begin();
-        for (int z = 0; z < 3; ++z) {
-            const std::size_t left = static_cast<std::size_t>(ranked_.end() - begin);
-            const auto end = begin + static_cast<std::ptrdiff_t>(std::min(bounds[z], left));
-            if (end != ranked_.end()) std::nth_element(begin, end, ranked_.end());
-            for (auto it = begin; it != end; ++it) zone_[it->second] = zones[z];
-            begin = end;
+        int z = 0;
+        std::size_t left = sizes[0];
+        for (const RankKey& r : order_) {
+            if (protected_[r.second]) continue;
+            while (z < 3 && left == 0) left = ++z < 3 ? sizes[z] : 0;
+            if (z == 3) {
+                zone_[r.second] = kEvicted;
+                continue;
+            }
+            zone_[r.second] = zones[z];
+            --left;
         }
-        for (auto it = begin; it != ranked_.end(); ++it) zone_[it->second] = kEvicted;
     }
 
     // Still over the harness budget: the least important unprotected tokens go next. Should the
@@ -276,16 +267,13 @@ private:
     // token just admitted.
     void trim_to_budget(std::size_t excess) {
         for (const uint8_t from_protected : {0, 1}) {
-            keep_where([&](std::size_t i) {
-                return zone_[i] != kEvicted && protected_[i] == from_protected &&
-                       !(from_protected && positions_[i] == step_);
-            });
-            const std::size_t take = std::min(excess, ranked_.size());
-            // The least important `take` sit at the end of the importance order.
-            const auto first_taken = ranked_.end() - static_cast<std::ptrdiff_t>(take);
-            std::nth_element(ranked_.begin(), first_taken, ranked_.end());
-            for (auto it = first_taken; it != ranked_.end(); ++it) zone_[it->second] = kEvicted;
-            excess -= take;
+            for (auto it = order_.rbegin(); it != order_.rend() && excess > 0; ++it) {
+                const std::size_t i = it->second;
+                if (zone_[i] == kEvicted || protected_[i] != from_protected || (from_protected && positions_[i] == step_))
+                    continue;
+                zone_[i] = kEvicted;
+                --excess;
+            }
             if (excess == 0) return;
         }
     }
@@ -296,11 +284,12 @@ private:
     SlotArray<int32_t> positions_;  // ascending
     SlotArray<double> importance_;  // cumulative attention of the query group (mean over it)
     SlotArray<uint8_t> tier_;       // Tier as uint8_t; only ever grows (coarser)
+    // Every held token in importance order, kept between steps: an index over the three arrays
+    // above, not state of the algorithm (bytes_per_slot leaves it out, as it does scratch).
+    std::vector<RankKey> order_;
     // Scratch of one evict() call, kept to reuse its memory.
-    std::vector<uint64_t> keys_, sorted_;  // ascending_key of each held token's importance
     std::vector<uint8_t> protected_, zone_;
-    std::vector<RankKey> ranked_;
-    std::vector<std::size_t> gone_;
+    std::vector<std::size_t> gone_, slot_after_;
 };
 
 std::string format_number(double v) {

@@ -63,8 +63,11 @@ std::unique_ptr<Policy> make_policy(const std::map<std::string, double>& given, 
 }
 
 // Smooth attention is continuous noise (ties never happen); coarse attention takes a few values in
-// 1/64ths, summed exactly, so many tokens tie on importance and the tie-breaks decide.
-enum class Attention { smooth, coarse };
+// 1/64ths, summed exactly, so many tokens tie on importance and the tie-breaks decide. Upheaval is
+// smooth, but every 97th step pours attention (unnormalised, up to 20 a token) on the newest tokens,
+// in proportion to their position cubed: the importance order turns over, where steps otherwise
+// move a few tokens in it.
+enum class Attention { smooth, coarse, upheaval };
 
 // Attention of step t over the held positions: noise, a sink at 0, a sparse set of heavy hitters,
 // late bloomers that turn heavy long after they arrive (so some sink before they matter), and a
@@ -72,10 +75,12 @@ enum class Attention { smooth, coarse };
 std::vector<float> attention(int32_t t, const std::vector<int32_t>& held, std::mt19937& rng, Attention kind) {
     std::uniform_real_distribution<float> noise(0.0f, 1.0f);
     std::vector<float> attn(held.size());
+    const bool upheaval = kind == Attention::upheaval && t % 97 == 0;
     float total = 0;
     for (std::size_t j = 0; j < held.size(); ++j) {
         const int32_t pos = held[j];
-        float weight = kind == Attention::smooth ? noise(rng) : static_cast<float>(rng() % 3);
+        float weight = kind == Attention::coarse ? static_cast<float>(rng() % 3) : noise(rng);
+        if (upheaval) weight = 20.0f * std::pow(static_cast<float>(pos) / static_cast<float>(t), 3.0f);
         if (pos == 0) weight *= 50;
         if (pos % 29 == 3) weight *= 15;
         if (pos % 41 == 7 && t > pos + 300) weight *= 30;
@@ -83,7 +88,8 @@ std::vector<float> attention(int32_t t, const std::vector<int32_t>& held, std::m
         attn[j] = weight;
         total += weight;
     }
-    for (float& a : attn) a = kind == Attention::smooth ? a / total : a / 64;
+    if (!upheaval)
+        for (float& a : attn) a = kind == Attention::coarse ? a / 64 : a / total;
     return attn;
 }
 
@@ -390,6 +396,13 @@ TEST_CASE("stratigraphic: ties on importance go to the lower position (coarse at
     const LayerRun run = run_layer({1, 4, {18, 30, 25}, {}, {}, Attention::coarse});
     check_run(run);
     CHECK(run.anchors_seen > 1000);
+    CHECK(run.steps_zones_full > 300);
+}
+
+TEST_CASE("stratigraphic: the zones hold when attention turns the importance order over (layer 2 of 4)") {
+    // The policy keeps last step's order and mends it; a step that reverses it takes the other way.
+    const LayerRun run = run_layer({2, 4, {24, 30, 25}, {}, {}, Attention::upheaval});
+    check_run(run);
     CHECK(run.steps_zones_full > 300);
 }
 
