@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
 
 #include "base/errors.h"
 #include "cache_math/lowrank.h"
@@ -172,38 +173,66 @@ double value_bytes(Tier tier, int head_dim, const TierFormat* format) {
     return head_dim * bits / 8.0 + 2.0 * ((head_dim + group - 1) / group);
 }
 
-float softmax_numerators(Eigen::ArrayXf& scores) {
-    // Elementwise, on Eigen's aligned storage: the same values whatever the caller or thread.
-    exp_minus_peak(scores.data(), scores.size(), scores.maxCoeff());
+float softmax_numerators(Eigen::ArrayXf& scores) { return softmax_numerators(scores.data(), scores.size()); }
+
+float softmax_numerators(float* scores, Eigen::Index n) {
+    // Elementwise, on aligned storage: the same values whatever the caller or thread.
+    exp_minus_peak(scores, n, Eigen::Map<const Eigen::ArrayXf, Eigen::AlignedMax>(scores, n).maxCoeff());
     double total = 0;
-    const float* const numerators = scores.data();
-    for (Eigen::Index j = 0; j < scores.size(); ++j) total += numerators[j];
+    for (Eigen::Index j = 0; j < n; ++j) total += scores[j];
     return static_cast<float>(1.0 / total);
 }
 
 namespace {
 
-// out[i] = sum over j of (scores[j] * inv_total) * row(j)[i], j ascending: the generic loop's
-// arithmetic, element for element, with a fixed head size. The sums are vectors of sixteen (GCC's
-// vector extension, split to the target's width) so they stay in registers: left to itself the
-// compiler unrolled and jammed the plain loop into scalar code.
-template <int D, class Row>
-void accumulate_weighted_rows(Eigen::Index n, const Row& row, const float* scores, float inv_total, float* out) {
+// For H query heads at once, out_h[i] = sum over j of (scores_h[j] * inv_total_h) * row(j)[i], j
+// ascending: one head alone's arithmetic, element for element (each head's sums are its own), with
+// a fixed head size (a multiple of 64). The group's heads read each value row once, where a head
+// at a time read it once a head: sixty-four channels of every head at a time, H x 4 sums of sixteen that stay in
+// registers (GCC's vector extension, split to the target's width; left to itself the compiler
+// unrolled and jammed the plain loop into scalar code).
+template <int D, int H, class Row>
+void accumulate_weighted_rows(Eigen::Index n, const Row& row, const float* const* scores, const float* inv_totals,
+                              float* const* outs) {
     using Lanes = float __attribute__((vector_size(64)));
-    constexpr int kLanes = 16, kBlocks = D / kLanes;
-    static_assert(D % kLanes == 0);
-    Lanes sums[kBlocks] = {};
-    for (Eigen::Index j = 0; j < n; ++j) {
-        const float* v = row(j);
-        const float w = scores[j] * inv_total;
-        for (int b = 0; b < kBlocks; ++b) {
-            Lanes x;
-            std::memcpy(&x, v + b * kLanes, sizeof x);
-            sums[b] += w * x;
+    static_assert(D % 64 == 0);
+    const auto load = [](const float* at) {
+        Lanes x;
+        std::memcpy(&x, at, sizeof x);
+        return x;
+    };
+    for (int c0 = 0; c0 < D; c0 += 64) {
+        Lanes sums[H][4] = {};
+        for (Eigen::Index j = 0; j < n; ++j) {
+            const float* v = row(j) + c0;
+            const Lanes x0 = load(v), x1 = load(v + 16), x2 = load(v + 32), x3 = load(v + 48);
+            for (int h = 0; h < H; ++h) {
+                const float w = scores[h][j] * inv_totals[h];
+                sums[h][0] += w * x0;
+                sums[h][1] += w * x1;
+                sums[h][2] += w * x2;
+                sums[h][3] += w * x3;
+            }
+        }
+        for (int h = 0; h < H; ++h) std::memcpy(outs[h] + c0, sums[h], sizeof sums[h]);
+    }
+}
+
+// Up to four heads a pass (16 sums of 16 lanes at D = 64 or more: half of AVX-512's registers).
+template <int D, class Row>
+void accumulate_group(Eigen::Index n, const Row& row, const float* const* scores, const float* inv_totals,
+                      float* const* outs, std::size_t heads) {
+    for (std::size_t h = 0; h < heads; h += 4) {
+        switch (std::min<std::size_t>(4, heads - h)) {
+            case 1: accumulate_weighted_rows<D, 1>(n, row, scores + h, inv_totals + h, outs + h); break;
+            case 2: accumulate_weighted_rows<D, 2>(n, row, scores + h, inv_totals + h, outs + h); break;
+            case 3: accumulate_weighted_rows<D, 3>(n, row, scores + h, inv_totals + h, outs + h); break;
+            default: accumulate_weighted_rows<D, 4>(n, row, scores + h, inv_totals + h, outs + h); break;
         }
     }
-    std::memcpy(out, sums, sizeof sums);
 }
+
+constexpr std::size_t kMaxGroup = 64;  // query heads a call takes (GQA groups are 1 to 16)
 
 }  // namespace
 
@@ -219,39 +248,65 @@ void cached_attention_output(const float* q, std::span<const int32_t> held, std:
                              std::span<const uint8_t> value_tier, const TierArrays& arrays, int kv_head,
                              int num_kv_heads, int head_dim, Eigen::ArrayXf& scratch, float* out,
                              float* weights, const std::array<const float*, 3>& shared_scores) {
+    const CachedQuery head{q, out, weights, shared_scores};
+    cached_attention_outputs({&head, 1}, held, key_tier, value_tier, arrays, kv_head, num_kv_heads, head_dim, scratch);
+}
+
+void cached_attention_outputs(std::span<const CachedQuery> heads, std::span<const int32_t> held,
+                              std::span<const uint8_t> key_tier, std::span<const uint8_t> value_tier,
+                              const TierArrays& arrays, int kv_head, int num_kv_heads, int head_dim,
+                              Eigen::ArrayXf& scratch) {
+    if (heads.size() > kMaxGroup) throw std::invalid_argument("cached_attention_outputs: more than 64 query heads");
     const Eigen::Index n = static_cast<Eigen::Index>(held.size());
-    scratch.resize(n);
-    float* const scores = scratch.data();  // the hot loops index it plainly, without Eigen's checks
+    // Each head's scores start on a 64-byte boundary, as a lone head's Eigen array does.
+    const Eigen::Index stride = (n + 15) / 16 * 16;
+    const Eigen::Index needed = stride * static_cast<Eigen::Index>(heads.size());
+    if (scratch.size() < needed) scratch.resize(needed);
     const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-    for (Eigen::Index j = 0; j < n; ++j) {
-        const int32_t p = held[j];
-        const uint8_t tier = key_tier[p];
-        if (const float* row = shared_scores[tier]) {
-            scores[j] = row[p];
-            continue;
+    std::array<const float*, kMaxGroup> head_scores{};
+    std::array<float, kMaxGroup> inv_totals{};
+    std::array<float*, kMaxGroup> outs{};
+    std::size_t with_outputs = 0;
+    for (std::size_t h = 0; h < heads.size(); ++h) {
+        const CachedQuery& head = heads[h];
+        float* const scores = scratch.data() + static_cast<Eigen::Index>(h) * stride;  // plain indexing in the hot loops
+        for (Eigen::Index j = 0; j < n; ++j) {
+            const int32_t p = held[j];
+            const uint8_t tier = key_tier[p];
+            if (const float* row = head.shared_scores[tier]) {
+                scores[j] = row[p];
+                continue;
+            }
+            const float* k = arrays.k[tier] + (static_cast<int64_t>(p) * num_kv_heads + kv_head) * head_dim;
+            scores[j] = fixed_order_dot(head.q, k, head_dim) * scale;
         }
-        const float* k = arrays.k[tier] + (static_cast<int64_t>(p) * num_kv_heads + kv_head) * head_dim;
-        scores[j] = fixed_order_dot(q, k, head_dim) * scale;
+        const float inv_total = softmax_numerators(scores, n);
+        if (head.weights)
+            for (Eigen::Index j = 0; j < n; ++j) head.weights[j] = scores[j] * inv_total;
+        if (!head.out) continue;
+        head_scores[with_outputs] = scores;
+        inv_totals[with_outputs] = inv_total;
+        outs[with_outputs++] = head.out;
     }
-    const float inv_total = softmax_numerators(scratch);
-    if (weights)
-        for (Eigen::Index j = 0; j < n; ++j) weights[j] = scores[j] * inv_total;
-    if (!out) return;
+    if (with_outputs == 0) return;
     const auto value_row = [&](Eigen::Index j) {
         return arrays.v[value_tier[held[j]]] + (static_cast<int64_t>(held[j]) * num_kv_heads + kv_head) * head_dim;
     };
     // Each channel sums its weighted values in held order. For the common head sizes the sums stay
     // in registers (out may alias nothing, but the compiler cannot know it).
     switch (head_dim) {
-        case 64: accumulate_weighted_rows<64>(n, value_row, scores, inv_total, out); return;
-        case 128: accumulate_weighted_rows<128>(n, value_row, scores, inv_total, out); return;
+        case 64: return accumulate_group<64>(n, value_row, head_scores.data(), inv_totals.data(), outs.data(), with_outputs);
+        case 128: return accumulate_group<128>(n, value_row, head_scores.data(), inv_totals.data(), outs.data(), with_outputs);
         default: break;
     }
-    std::fill(out, out + head_dim, 0.0f);
-    for (Eigen::Index j = 0; j < n; ++j) {
-        const float* v = value_row(j);
-        const float w = scores[j] * inv_total;
-        for (int i = 0; i < head_dim; ++i) out[i] += w * v[i];
+    for (std::size_t h = 0; h < with_outputs; ++h) {
+        float* out = outs[h];
+        std::fill(out, out + head_dim, 0.0f);
+        for (Eigen::Index j = 0; j < n; ++j) {
+            const float* v = value_row(j);
+            const float w = head_scores[h][j] * inv_totals[h];
+            for (int i = 0; i < head_dim; ++i) out[i] += w * v[i];
+        }
     }
 }
 

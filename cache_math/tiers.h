@@ -81,6 +81,22 @@ void cached_attention_output(const float* q, std::span<const int32_t> held, std:
                              int num_kv_heads, int head_dim, Eigen::ArrayXf& scratch, float* out,
                              float* weights = nullptr, const std::array<const float*, 3>& shared_scores = {});
 
+// One query head of a group for cached_attention_outputs: what cached_attention_output takes of it.
+struct CachedQuery {
+    const float* q;
+    float* out;      // head_dim floats, or null
+    float* weights;  // held.size() floats, or null
+    std::array<const float*, 3> shared_scores;
+};
+
+// cached_attention_output for the query heads of one KV head at once, each head's output and
+// weights bit for bit its own call's; the value rows are read once for the group, not once a head.
+// scratch grows to the group's scores and is not shrunk.
+void cached_attention_outputs(std::span<const CachedQuery> heads, std::span<const int32_t> held,
+                              std::span<const uint8_t> key_tier, std::span<const uint8_t> value_tier,
+                              const TierArrays& arrays, int kv_head, int num_kv_heads, int head_dim,
+                              Eigen::ArrayXf& scratch);
+
 // The scores cached_attention_output gives positions 0..count-1 whose keys are `keys`
 // ([token][kv_head][d]): q.k / sqrt(d), bit for bit.
 void score_row(const float* q, const float* keys, int64_t count, int kv_head, int num_kv_heads, int head_dim,
@@ -90,6 +106,8 @@ void score_row(const float* q, const float* keys, int64_t count, int kv_head, in
 // it: scores become exp(score - max) in place; returns 1 / their sum, so weight j is
 // scores[j] * (returned value). Shared with the runtime's CPU backend, which must match it bit for bit.
 float softmax_numerators(Eigen::ArrayXf& scores);
+// The same on n scores at `scores`, which must be aligned as an Eigen array's storage is.
+float softmax_numerators(float* scores, Eigen::Index n);
 
 // A dot product whose summation order depends only on n (not on alignment or the caller):
 // sixteen lanes summed in a fixed order, vectorisable. Inline, so the runtime's hot loop inlines it.

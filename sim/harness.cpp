@@ -456,18 +456,20 @@ void Harness::attend_cached(const GroupStep& s, bool with_outputs) {
         shared[tier] = !s.tier_scores[tier].empty() && s.tier_scores_keys[tier] == values_.arrays->k[tier];
     last_outputs_.resize(s.queries.size() * d);
     cached_weights_.assign(want_weights ? s.queries.size() * attended_.size() : 0, 0.0f);
-    for (std::size_t h = 0; h < s.queries.size(); ++h) {
-        float* out = with_outputs ? last_outputs_.data() + h * d : nullptr;
-        if (state) {  // a streaming head shows its policy no weights: it keeps by position
-            if (out) state->output(s.queries[h], out);
-        } else {
-            std::array<const float*, 3> scores{};
-            for (int tier = 0; tier < 3; ++tier)
-                if (shared[tier]) scores[tier] = s.tier_scores[tier][h];
-            cached_attention_output(s.queries[h], attended_, key_tier_, value_tier_, *values_.arrays, values_.kv_head,
-                                    values_.num_kv_heads, d, scratch_, out,
-                                    want_weights ? cached_weights_.data() + h * attended_.size() : nullptr, scores);
+    if (state) {  // a streaming head shows its policy no weights: it keeps by position
+        if (with_outputs)
+            for (std::size_t h = 0; h < s.queries.size(); ++h) state->output(s.queries[h], last_outputs_.data() + h * d);
+    } else {
+        group_queries_.resize(s.queries.size());
+        for (std::size_t h = 0; h < s.queries.size(); ++h) {
+            CachedQuery& head = group_queries_[h];
+            head.q = s.queries[h];
+            head.out = with_outputs ? last_outputs_.data() + h * d : nullptr;
+            head.weights = want_weights ? cached_weights_.data() + h * attended_.size() : nullptr;
+            for (int tier = 0; tier < 3; ++tier) head.shared_scores[tier] = shared[tier] ? s.tier_scores[tier][h] : nullptr;
         }
+        cached_attention_outputs(group_queries_, attended_, key_tier_, value_tier_, *values_.arrays, values_.kv_head,
+                                 values_.num_kv_heads, d, scratch_);
     }
     attended_step_ = with_outputs ? t : -1;
 }

@@ -137,7 +137,7 @@ struct CacheValues {
     int key_dim = 0, value_dim = 0;
     double byte_share = 1.0;
     double fixed_bytes = 0.0;
-    OutputErrorSample sample;  // steps null: output error at every measured step
+    OutputErrorSample sample{};  // steps null: output error at every measured step
     // The cached view computes the cache's outputs only at steps whose output error is measured
     // (a replay's); otherwise at every step, for last_outputs (kvsim eval's model reads them).
     bool outputs_when_measured = false;
@@ -205,6 +205,7 @@ private:
     std::vector<int32_t> attended_;  // kept_ plus the current token
     std::vector<float> last_outputs_;
     Eigen::ArrayXf scratch_;
+    std::vector<CachedQuery> group_queries_;  // attend_cached's heads, kept to reuse its memory
     int64_t state_next_ = 0;  // the next position a streaming head's linear state takes
 
     void measure_values(const GroupStep& s);

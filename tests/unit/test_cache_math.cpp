@@ -232,3 +232,61 @@ TEST_CASE("cached attention: tiers mixed, shared scores of any tier and weights 
         CHECK(worst_out < 1e-5 * std::max(1.0, norm));
     }
 }
+
+TEST_CASE("cached attention for a query group: each head's output and weights are its lone call's bits") {
+    // Groups of 1 to 6 heads (a pass takes up to four: 5 and 6 take two), head sizes with the fused
+    // accumulation (64, 128) and without (48); some heads ask for weights alone, some for outputs
+    // alone, and one head's scores come shared.
+    std::mt19937 rng(5);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (const int d : {48, 64, 128})
+        for (std::size_t group = 1; group <= 6; ++group) {
+            CAPTURE(d);
+            CAPTURE(group);
+            const int tokens = 260, kv_heads = 3, kv = 2;
+            std::array<std::vector<float>, 3> k, v;
+            TierArrays arrays;
+            for (int tier = 0; tier < 3; ++tier) {
+                k[tier].resize(static_cast<std::size_t>(tokens) * kv_heads * d);
+                v[tier].resize(k[tier].size());
+                for (float& x : k[tier]) x = normal(rng);
+                for (float& x : v[tier]) x = normal(rng);
+                arrays.k[tier] = k[tier].data();
+                arrays.v[tier] = v[tier].data();
+            }
+            std::vector<int32_t> held;
+            std::vector<uint8_t> key_tier(tokens), value_tier(tokens);
+            for (int p = 0; p < tokens; ++p) {
+                if (p % 4 != 2) held.push_back(p);
+                key_tier[p] = static_cast<uint8_t>(p % 6 == 0 ? 1 : p % 5 == 0 ? 2 : 0);
+                value_tier[p] = static_cast<uint8_t>(p % 3 == 0 ? 2 : p % 7 == 0 ? 1 : 0);
+            }
+            std::vector<std::vector<float>> q(group, std::vector<float>(d)), shared_row(group, std::vector<float>(tokens));
+            std::vector<std::vector<float>> out(group, std::vector<float>(d, -1.0f)), weights(group),
+                lone_out(group, std::vector<float>(d, -1.0f)), lone_weights(group);
+            std::vector<CachedQuery> heads(group);
+            Eigen::ArrayXf scratch, lone_scratch;
+            for (std::size_t h = 0; h < group; ++h) {
+                for (float& x : q[h]) x = normal(rng) * 0.5f;
+                const bool wants_out = h % 3 != 1, wants_weights = h % 2 == 0;
+                weights[h].assign(wants_weights ? held.size() : 0, -1.0f);
+                lone_weights[h] = weights[h];
+                std::array<const float*, 3> shared{};
+                if (h == 1) {  // fp16 keys' scores shared, as a replay step shares them
+                    score_row(q[h].data(), arrays.k[0], tokens, kv, kv_heads, d, shared_row[h].data());
+                    shared[0] = shared_row[h].data();
+                }
+                heads[h] = {q[h].data(), wants_out ? out[h].data() : nullptr, wants_weights ? weights[h].data() : nullptr,
+                            shared};
+                cached_attention_output(q[h].data(), held, key_tier, value_tier, arrays, kv, kv_heads, d, lone_scratch,
+                                        wants_out ? lone_out[h].data() : nullptr,
+                                        wants_weights ? lone_weights[h].data() : nullptr, shared);
+            }
+            cached_attention_outputs(heads, held, key_tier, value_tier, arrays, kv, kv_heads, d, scratch);
+            for (std::size_t h = 0; h < group; ++h) {
+                CAPTURE(h);
+                CHECK(std::memcmp(out[h].data(), lone_out[h].data(), d * sizeof(float)) == 0);
+                CHECK(std::memcmp(weights[h].data(), lone_weights[h].data(), weights[h].size() * sizeof(float)) == 0);
+            }
+        }
+}
