@@ -153,16 +153,12 @@ TEST_CASE("online softmax: chunks attended apart and merged give the sequential 
     CHECK(theirs == 1.0f);
 }
 
-TEST_CASE("cached attention: tiers mixed, shared scores of any tier and weights alone give the same bits; the output is the softmax's") {
-    // Head sizes with a fixed-size accumulation (64, 128) and without (48), over a held subset
-    // whose keys and values sit at all three tiers (random arrays stand in for each tier).
-    std::mt19937 rng(11);
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    for (const int d : {48, 64, 128}) {
-        CAPTURE(d);
-        const int tokens = 300, kv_heads = 2, kv = 1;
-        std::array<std::vector<float>, 3> k, v;
-        TierArrays arrays;
+// Random keys and values standing in for each tier's arrays, [token][kv_head][d].
+struct RandomTiers {
+    std::array<std::vector<float>, 3> k, v;
+    TierArrays arrays;
+    RandomTiers(int tokens, int kv_heads, int d, std::mt19937& rng) {
+        std::normal_distribution<float> normal(0.0f, 1.0f);
         for (int tier = 0; tier < 3; ++tier) {
             k[tier].resize(static_cast<std::size_t>(tokens) * kv_heads * d);
             v[tier].resize(k[tier].size());
@@ -171,6 +167,19 @@ TEST_CASE("cached attention: tiers mixed, shared scores of any tier and weights 
             arrays.k[tier] = k[tier].data();
             arrays.v[tier] = v[tier].data();
         }
+    }
+};
+
+TEST_CASE("cached attention: tiers mixed, shared scores of any tier and weights alone give the same bits; the output is the softmax's") {
+    // Head sizes with a fixed-size accumulation (64, 128) and without (48), over a held subset
+    // whose keys and values sit at all three tiers (random arrays stand in for each tier).
+    std::mt19937 rng(11);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (const int d : {48, 64, 128}) {
+        CAPTURE(d);
+        const int tokens = 300, kv_heads = 2, kv = 1;
+        const RandomTiers random(tokens, kv_heads, d, rng);
+        const TierArrays& arrays = random.arrays;
         std::vector<float> q(d);
         for (float& x : q) x = normal(rng);
         std::vector<int32_t> held;
@@ -244,16 +253,8 @@ TEST_CASE("cached attention for a query group: each head's output and weights ar
             CAPTURE(d);
             CAPTURE(group);
             const int tokens = 260, kv_heads = 3, kv = 2;
-            std::array<std::vector<float>, 3> k, v;
-            TierArrays arrays;
-            for (int tier = 0; tier < 3; ++tier) {
-                k[tier].resize(static_cast<std::size_t>(tokens) * kv_heads * d);
-                v[tier].resize(k[tier].size());
-                for (float& x : k[tier]) x = normal(rng);
-                for (float& x : v[tier]) x = normal(rng);
-                arrays.k[tier] = k[tier].data();
-                arrays.v[tier] = v[tier].data();
-            }
+            const RandomTiers random(tokens, kv_heads, d, rng);
+            const TierArrays& arrays = random.arrays;
             std::vector<int32_t> held;
             std::vector<uint8_t> key_tier(tokens), value_tier(tokens);
             for (int p = 0; p < tokens; ++p) {
