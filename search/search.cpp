@@ -230,6 +230,8 @@ SearchSetup::SearchSetup(const SearchSpec& spec, const SearchRun& run) : reader(
                                                 "(precision leaves retained mass unchanged); with fit: [tiers] the "
                                                 "objective must be output_rel_error");
     harness = named_harness_options(run.attention_view, run.group_reduce, qkv, 0, run.config_file);
+    // A search by output error reads no retained mass or heavy-hitter hits: not summed.
+    harness.attention_metrics = !output_error;
     if (!qkv && fit_tiers)
         throw InputError(spec.fits_where + ": tier profiles are fitted by their output error, which needs a Q/K/V "
                                            "trace, but " + run.trace_path + " records attention only");

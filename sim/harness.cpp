@@ -630,7 +630,9 @@ void Harness::observe(const GroupStep& s) {
     const bool shown_as_summed = shown && !cached_view && !renormalized && group == 1 && s.combined == s.rows[0];
     attn_.resize(shown ? held : 0);
     float* const copy = shown_as_summed ? attn_.data() : gathered_.empty() ? nullptr : gathered_.data();
-    if (shown || options_.attention_metrics)
+    // The cached view shows the policy its own cache's weights (attend_cached): the full rows'
+    // kept sums serve the metrics and the other views alone.
+    if (options_.attention_metrics || (shown && !cached_view))
         sum_kept_weights(s.rows, kept_, copy, retained_.data(), s.interleaved, s.interleaved_bounded);
     if (measured) {
         for (std::size_t h = 0; h < group && options_.attention_metrics; ++h) {
