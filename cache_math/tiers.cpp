@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <stdexcept>
 
 #include "base/errors.h"
 #include "cache_math/lowrank.h"
@@ -232,7 +231,7 @@ void accumulate_group(Eigen::Index n, const Row& row, const float* const* scores
     }
 }
 
-constexpr std::size_t kMaxGroup = 64;  // query heads a call takes (GQA groups are 1 to 16)
+constexpr std::size_t kMaxGroup = 64;  // query heads a pass over the group takes (GQA groups are 1 to 16)
 
 }  // namespace
 
@@ -256,7 +255,12 @@ void cached_attention_outputs(std::span<const CachedQuery> heads, std::span<cons
                               std::span<const uint8_t> key_tier, std::span<const uint8_t> value_tier,
                               const TierArrays& arrays, int kv_head, int num_kv_heads, int head_dim,
                               Eigen::ArrayXf& scratch) {
-    if (heads.size() > kMaxGroup) throw std::invalid_argument("cached_attention_outputs: more than 64 query heads");
+    if (heads.size() > kMaxGroup) {  // (multi-query models group 71 heads and more) each head is its own: in parts
+        for (std::size_t first = 0; first < heads.size(); first += kMaxGroup)
+            cached_attention_outputs(heads.subspan(first, std::min(kMaxGroup, heads.size() - first)), held, key_tier,
+                                     value_tier, arrays, kv_head, num_kv_heads, head_dim, scratch);
+        return;
+    }
     const Eigen::Index n = static_cast<Eigen::Index>(held.size());
     // Each head's scores start on a 64-byte boundary, as a lone head's Eigen array does.
     const Eigen::Index stride = (n + 15) / 16 * 16;

@@ -243,13 +243,14 @@ TEST_CASE("cached attention: tiers mixed, shared scores of any tier and weights 
 }
 
 TEST_CASE("cached attention for a query group: each head's output and weights are its lone call's bits") {
-    // Groups of 1 to 6 heads (a pass takes up to four: 5 and 6 take two), head sizes with the fused
-    // accumulation (64, 128) and without (48); some heads ask for weights alone, some for outputs
-    // alone, and one head's scores come shared.
+    // Groups of 1 to 6 heads (a pass takes up to four: 5 and 6 take two) and of 71 (a multi-query
+    // model's: a call takes 64 at a time), head sizes with the fused accumulation (64, 128) and
+    // without (48); some heads ask for weights alone, some for outputs alone, and one head's scores
+    // come shared.
     std::mt19937 rng(5);
     std::normal_distribution<float> normal(0.0f, 1.0f);
     for (const int d : {48, 64, 128})
-        for (std::size_t group = 1; group <= 6; ++group) {
+        for (const std::size_t group : {1, 2, 3, 4, 5, 6, 71}) {
             CAPTURE(d);
             CAPTURE(group);
             const int tokens = 260, kv_heads = 3, kv = 2;
