@@ -145,9 +145,14 @@ public:
                                              " the file allows");
         return j;
     }
-    std::vector<std::string> strings(const Json& j, const std::string& field, std::size_t size) const {
+    // A list of exactly `size` entries; `what` names them in the message ("the 12 numbers of a stream").
+    const Json& exactly(const Json& j, const std::string& field, std::size_t size, const std::string& what) const {
         list(j, field, size);
-        if (j.size() != size) fail(field, std::to_string(j.size()) + " entries, expected " + std::to_string(size));
+        if (j.size() != size) fail(field, std::to_string(j.size()) + " entries, expected " + what);
+        return j;
+    }
+    std::vector<std::string> strings(const Json& j, const std::string& field, std::size_t size) const {
+        exactly(j, field, size, std::to_string(size));
         std::vector<std::string> out;
         for (std::size_t i = 0; i < j.size(); ++i) out.push_back(string(j[i], field + "[" + std::to_string(i) + "]"));
         return out;
@@ -184,8 +189,7 @@ int64_t bound_product(int64_t a, int64_t b) {
 // sequence) in groups of `group`; fractions summed per step at most the steps (rounding allows
 // 1e-6 more), hits at most the possible ones, one eviction call per KV head and step at most.
 StreamMetrics read_stream(const PartialReader& r, const Json& j, const std::string& field, int64_t length, int group) {
-    r.list(j, field, 12);
-    if (j.size() != 12) r.fail(field, "expected the 12 numbers of a stream, got " + std::to_string(j.size()));
+    r.exactly(j, field, 12, "the 12 numbers of a stream");
     const auto at = [&](int i, const char* name) { return field + "[" + std::to_string(i) + "] (" + name + ")"; };
     const int64_t most_steps = length > 0 ? bound_product(group, length - 1) : int64_t{1} << 50;
     StreamMetrics m;
@@ -252,9 +256,8 @@ ResultFrame read_frame(const PartialReader& r, const Json& j) {
             r.integer(lengths[s], "frame.sequence_lengths[" + std::to_string(s) + "]", 1, kMaxSequenceTokens));
     const std::size_t sequences = f.sequence_lengths.size();
     f.sequence_names = r.strings(r.at(j, "frame", "sequence_names"), "frame.sequence_names", sequences);
-    const Json& index = r.list(r.at(j, "frame", "sequence_index"), "frame.sequence_index", sequences);
-    if (index.size() != sequences)
-        r.fail("frame.sequence_index", std::to_string(index.size()) + " entries, expected " + std::to_string(sequences));
+    const Json& index =
+        r.exactly(r.at(j, "frame", "sequence_index"), "frame.sequence_index", sequences, std::to_string(sequences));
     for (std::size_t s = 0; s < sequences; ++s) {
         const std::string field = "frame.sequence_index[" + std::to_string(s) + "]";
         f.sequence_index.push_back(static_cast<int>(r.integer(index[s], field, 0, kMaxSequenceTokens)));
@@ -471,10 +474,8 @@ Partial read_partial(const std::string& path) {
         UnitResult result;
         result.policy_bytes_per_slot = static_cast<std::size_t>(
             r.integer(r.at(results[i], field, "policy_bytes_per_slot"), field + ".policy_bytes_per_slot", 0, 1 << 20));
-        const Json& list = r.list(r.at(results[i], field, "streams"), field + ".streams", streams);
-        if (list.size() != streams)
-            r.fail(field + ".streams", std::to_string(list.size()) + " streams, expected one per (sequence, KV head): " +
-                                           std::to_string(streams));
+        const Json& list = r.exactly(r.at(results[i], field, "streams"), field + ".streams", streams,
+                                     "one stream per (sequence, KV head): " + std::to_string(streams));
         for (std::size_t k = 0; k < streams; ++k) {
             const std::string at = field + ".streams[" + std::to_string(k) + "]";
             const std::size_t sequence = k / kv_heads;
@@ -891,14 +892,11 @@ SearchPartial read_search_partial(const std::string& path) {
         if (u.pass == SearchUnit::Pass::streaming) {
             // Per KV head: lambda, error, error sum, calibrated lambda, errors at 0.99, calibrated
             // and stateless, the stateless error's sum.
-            const Json& heads = r.list(r.at(results[i], field, "heads"), field + ".heads", kv_heads);
-            if (heads.size() != kv_heads)
-                r.fail(field + ".heads", std::to_string(heads.size()) + " heads, expected one per KV head: " +
-                                             std::to_string(kv_heads));
+            const Json& heads = r.exactly(r.at(results[i], field, "heads"), field + ".heads", kv_heads,
+                                          "one head per KV head: " + std::to_string(kv_heads));
             for (std::size_t k = 0; k < kv_heads; ++k) {
                 const std::string at = field + ".heads[" + std::to_string(k) + "]";
-                const Json& h = r.list(heads[k], at, 8);
-                if (h.size() != 8) r.fail(at, "expected the 8 numbers of a head's streaming fit, got " + std::to_string(h.size()));
+                const Json& h = r.exactly(heads[k], at, 8, "the 8 numbers of a head's streaming fit");
                 // A lambda is a number in [0, 1]; an error may be NaN (null), as a stream's may.
                 auto lambda = [&](int n) { return r.number(h[n], at + "[" + std::to_string(n) + "]", 0, 1); };
                 auto error = [&](int n) { return r.number(h[n], at + "[" + std::to_string(n) + "]", 0, 1e300, true); };
@@ -909,11 +907,9 @@ SearchPartial read_search_partial(const std::string& path) {
             const std::size_t sequences = p.sequences_of(u).size();
             const std::size_t first_sequence = u.pass == SearchUnit::Pass::tier_bytes ? p.fitting_sequences.size() : 0;
             const std::size_t unit_streams_count = sequences * kv_heads;
-            const Json& list = r.list(r.at(results[i], field, "streams"), field + ".streams", unit_streams_count);
-            if (list.size() != unit_streams_count)
-                r.fail(field + ".streams", std::to_string(list.size()) + " streams, expected one per (" +
-                                               (first_sequence ? "held-out" : "fitting") + " sequence, KV head): " +
-                                               std::to_string(unit_streams_count));
+            const Json& list = r.exactly(r.at(results[i], field, "streams"), field + ".streams", unit_streams_count,
+                                         std::string("one stream per (") + (first_sequence ? "held-out" : "fitting") +
+                                             " sequence, KV head): " + std::to_string(unit_streams_count));
             for (std::size_t k = 0; k < unit_streams_count; ++k) {
                 const std::string at = field + ".streams[" + std::to_string(k) + "]";
                 // A search's partial holds no sequence lengths: the steps are checked against each other.
