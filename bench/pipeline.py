@@ -12,7 +12,8 @@ process (os.wait4):
   5. generate kvsim generate with the fitted tier profile in the runtime, --generate tokens
 
     python3 bench/pipeline.py [--sequences 8] [--tokens 4096] [--layers 16] [--type Q4_K]
-                              [--heldout 2] [--sample 0.125] [--targets 2x,4x] [--generate 32]
+                              [--heldout 2] [--sample 0.125] [--screen STEPS[:KEEP]]
+                              [--targets 2x,4x] [--generate 32]
                               [--dir DIR] [--build build]
 
 The defaults are issue 34's 1B case (8 x 4,096 tokens, 16 layers); --sequences 3 --tokens 1024
@@ -54,6 +55,8 @@ def main():
     parser.add_argument("--type", default="Q4_K", choices=["F32", "Q8_0", "Q4_K", "Q6_K"])
     parser.add_argument("--heldout", type=int, default=2, help="the last N sequences are held out")
     parser.add_argument("--sample", type=float, default=0.125, help="search.sample steps (1: exact)")
+    parser.add_argument("--screen", default="", help="search.screen: the tier candidates screened on the first STEPS "
+                                                      "decode steps, KEEP a head (default 10) replayed in full")
     parser.add_argument("--generate", type=int, default=32, help="tokens kvsim generate writes")
     parser.add_argument("--targets", default="2x,4x", help="search.target, comma-separated")
     parser.add_argument("--dir", default="/tmp/kvsim-pipeline")
@@ -63,12 +66,19 @@ def main():
         sys.exit("pipeline: --heldout must leave at least one sequence to fit on")
     if not 0 < args.sample <= 1:
         sys.exit("pipeline: --sample must be in (0, 1]")
+    screen = ""
+    if args.screen:
+        steps, _, keep = args.screen.partition(":")
+        if not steps.isdigit() or (keep and not keep.isdigit()):
+            sys.exit("pipeline: --screen must be STEPS or STEPS:KEEP, e.g. 1024:10")
+        screen = f"  screen: {{steps: {int(steps)}, keep: {int(keep or 10)}}}\n"
     os.makedirs(args.dir, exist_ok=True)
     kvsim = os.path.join(args.build, "kvsim")
     stem = os.path.join(args.dir, f"{args.sequences}x{args.tokens}-l{args.layers}-{args.type}")
     trace, search_dir = stem + ".h5", stem + "-search"
     print(f"pipeline: {args.sequences} x {args.tokens} tokens, {args.layers} layers of Llama-3.2-1B's shape, "
-          f"{args.type} weights, sample {args.sample:g}; {os.cpu_count()} CPUs", flush=True)
+          f"{args.type} weights, sample {args.sample:g}" + (f", screen {args.screen}" if args.screen else "") +
+          f"; {os.cpu_count()} CPUs", flush=True)
 
     # bench_capture names the model and text it writes; --model-only prints them.
     printed = subprocess.run([os.path.join(args.build, "bench", "bench_capture"), "--model-only",
@@ -92,6 +102,7 @@ def main():
                   "  streaming: {sinks: 4, recent: 64}\n"
                   "  tiers: {recent: 64}\n"
                   + (f"  sample: {{steps: {args.sample!r}, seed: 1}}\n" if args.sample < 1 else "")
+                  + screen
                   + f"output: {{dir: {json.dumps(search_dir)}}}\n")
 
     totals = [0.0, 0.0, 0.0]

@@ -157,6 +157,74 @@ std::vector<std::size_t> choose_by_marginal_gain(const std::vector<UnitOptions>&
     return result;
 }
 
+std::vector<double> error_above_hull(const UnitOptions& o) {
+    if (o.bytes.empty() || o.bytes.size() != o.error.size())
+        throw std::invalid_argument("error_above_hull: a unit without options, or bytes and errors differ in size");
+    std::vector<std::size_t> order(o.bytes.size());
+    std::iota(order.begin(), order.end(), std::size_t{0});
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return o.bytes[a] < o.bytes[b]; });
+    std::vector<double> x, y;
+    for (std::size_t i : order) x.push_back(o.bytes[i]), y.push_back(o.error[i]);
+    const std::vector<std::size_t> hull = falling_lower_hull(x, y);
+    std::vector<double> above(o.bytes.size());
+    std::size_t segment = 0;  // the hull segment [hull[segment], hull[segment + 1]] that x[i] falls in
+    for (std::size_t i = 0; i < x.size(); ++i) {
+        while (segment + 1 < hull.size() && x[hull[segment + 1]] <= x[i]) ++segment;
+        double floor = y[hull[segment]];
+        if (segment + 1 < hull.size()) {
+            const std::size_t a = hull[segment], b = hull[segment + 1];
+            if (x[b] > x[a]) floor = y[a] + (y[b] - y[a]) * (x[i] - x[a]) / (x[b] - x[a]);
+        }
+        above[order[i]] = std::max(0.0, y[i] - floor);
+    }
+    return above;
+}
+
+std::vector<std::size_t> screen_options(const UnitOptions& o, std::size_t keep, std::size_t always) {
+    const std::vector<double> above = error_above_hull(o);  // checks the options
+    const std::size_t count = o.bytes.size();
+    if (always >= count) throw std::invalid_argument("screen_options: no such option to keep");
+    keep = std::max<std::size_t>(1, std::min(keep, count));
+    std::vector<std::size_t> order(count);
+    std::iota(order.begin(), order.end(), std::size_t{0});
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return o.bytes[a] < o.bytes[b]; });
+    std::vector<double> x, y;
+    for (std::size_t i : order) x.push_back(o.bytes[i]), y.push_back(o.error[i]);
+    std::vector<std::size_t> hull = falling_lower_hull(x, y);  // positions in `order`
+    const bool always_on_hull = std::any_of(hull.begin(), hull.end(), [&](std::size_t h) { return order[h] == always; });
+    const std::size_t hull_room = always_on_hull ? keep : keep - 1;
+    // Thinned one point at a time, never the cheapest nor `always`.
+    while (hull.size() > std::max<std::size_t>(hull_room, 1)) {
+        std::size_t drop = 0;
+        double least = 0;
+        for (std::size_t i = 1; i < hull.size(); ++i) {
+            if (order[hull[i]] == always) continue;
+            double loss;  // what the greedy loses without the point
+            if (i + 1 == hull.size()) {
+                loss = y[hull[i - 1]] - y[hull[i]];
+            } else {
+                const std::size_t a = hull[i - 1], b = hull[i], c = hull[i + 1];
+                const double chord = x[c] > x[a] ? y[a] + (y[c] - y[a]) * (x[b] - x[a]) / (x[c] - x[a]) : y[a];
+                loss = chord - y[b];
+            }
+            if (drop == 0 || loss < least) least = loss, drop = i;
+        }
+        if (drop == 0) break;  // only the cheapest and `always` left
+        hull.erase(hull.begin() + static_cast<std::ptrdiff_t>(drop));
+    }
+    std::vector<std::size_t> kept;
+    std::vector<bool> taken(count, false);
+    for (std::size_t h : hull) kept.push_back(order[h]), taken[order[h]] = true;
+    if (!taken[always] && kept.size() < keep) kept.push_back(always), taken[always] = true;
+    std::vector<std::size_t> rest;
+    for (std::size_t i = 0; i < count; ++i)
+        if (!taken[i]) rest.push_back(i);
+    std::stable_sort(rest.begin(), rest.end(), [&](std::size_t a, std::size_t b) { return above[a] < above[b]; });
+    for (std::size_t i = 0; kept.size() < keep; ++i) kept.push_back(rest[i]);
+    std::sort(kept.begin(), kept.end());
+    return kept;
+}
+
 Allocation allocate_by_marginal_gain(const std::vector<UnitCurve>& curves, const std::vector<int>& grid,
                                      const UnitBytes& bytes, double target_bytes_per_token) {
     const std::vector<double> x = grid_bytes(grid, bytes);

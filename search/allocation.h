@@ -87,6 +87,17 @@ struct UnitOptions {
 };
 std::vector<std::size_t> choose_by_marginal_gain(const std::vector<UnitOptions>& units, double target_bytes_per_token);
 
+// Per option, how far its error lies above the unit's falling lower hull of (bytes, error) at its
+// bytes (0 on the hull; past the hull's last point, the distance above that point's error): how
+// nearly the greedy above could want it. What a screening pass ranks options by.
+std::vector<double> error_above_hull(const UnitOptions& unit);
+
+// The `keep` options of a unit most worth measuring again, indices ascending: option `always`,
+// and its falling lower hull, thinned while too long by dropping the point whose loss costs least
+// (an inner point: its depth below the chord of its neighbours; the last: how much lower its error
+// is than the point before; never the cheapest), then the options nearest above the hull.
+std::vector<std::size_t> screen_options(const UnitOptions& unit, std::size_t keep, std::size_t always);
+
 // Where a curve departs from diminishing returns: grid budgets above its lower convex hull (the
 // greedy steps over them) and budgets where the objective rises although the cache grew.
 struct CurveShape {

@@ -117,9 +117,9 @@ void fit_mixed_heads(const FitInput& in, const MixedTables& t, SearchOutcome& ou
                 c.estimated_bytes += options[u].bytes[pick[u]] / static_cast<double>(units);
                 if (o.method == HeadMethod::evict) plan.budgets[u] = t.grid[o.index];
                 if (o.method == HeadMethod::tiers) {
-                    plan.fp16[u] = t.tier_candidates[o.index][0];
-                    plan.int8[u] = t.tier_candidates[o.index][1];
-                    plan.int4[u] = t.tier_candidates[o.index][2];
+                    plan.fp16[u] = t.tier_shares[u][o.index][0];
+                    plan.int8[u] = t.tier_shares[u][o.index][1];
+                    plan.int4[u] = t.tier_shares[u][o.index][2];
                 }
                 if (o.method == HeadMethod::streaming) plan.lambda[u] = t.lambda[u], plan.stateless[u] = t.stateless[u];
             }

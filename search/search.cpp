@@ -235,6 +235,9 @@ SearchSetup::SearchSetup(const SearchSpec& spec, const SearchRun& run) : reader(
     if (!qkv && fit_tiers)
         throw InputError(spec.fits_where + ": tier profiles are fitted by their output error, which needs a Q/K/V "
                                            "trace, but " + run.trace_path + " records attention only");
+    if (spec.screen_steps > 0 && !fit_tiers)
+        throw InputError(spec.screen_where + ": screens the tier fit's candidates on a prefix, and search.fit has no "
+                                             "tiers; remove search.screen or add tiers to search.fit");
     if (meta.head_dim <= 0)
         throw InputError(run.trace_path + ": the trace records no head size, and byte targets are counted from it");
 
@@ -474,6 +477,11 @@ SearchShardWork::SearchShardWork(const SearchSpec& spec, const SearchRun& run)
         throw InputError(spec.deploy_where + ": --shard divides the measurements of kvsim's budget, tier, streaming "
                                              "and rank fits; a search that deploys to " + spec.deploy +
                          " runs on one machine (without --shard)");
+    // The screened survivors of each head are chosen from every candidate's prefix errors: a unit
+    // of one plan could not know them alone.
+    if (spec.screen_steps > 0)
+        throw InputError(spec.screen_where + ": a search whose tier candidates are screened runs on one machine "
+                                             "(without --shard) for now; remove search.screen to divide it");
     // Every search fits one of them: a mixed fit alone is refused by the setup.
     if (!setup_->fit_budgets && !setup_->fit_tiers && !setup_->fit_streaming && !setup_->fit_ranks)
         throw std::logic_error("search shards: no fit to divide");
@@ -997,6 +1005,7 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
         FitInput input{&spec, fitting_source.get(), heldout_source.get(), out.shape, harness, scratch.path(),
                        [&](double f) { stage_progress(tiers_stage, f); }, run.trace_path, fitting, mixed,
                        &setup.full_outputs, run.measured_units ? &measured : nullptr};
+        input.max_steps = run.max_steps;
         fit_tier_profiles(input, out);
     }
     // Ranks of low-rank K/V latents, with grouping at the same bytes.

@@ -217,9 +217,9 @@ struct MixedTables {
     ParamValues evict_params;
     std::vector<int> grid;
     std::vector<UnitOptions> evict;
-    // Tiers: stratigraphic's candidate share triples (options: candidates).
+    // Tiers: per head, the share triples of its options (every candidate, or the screen's survivors).
     ParamValues tier_params;
-    std::vector<std::array<double, 3>> tier_candidates;
+    std::vector<std::vector<std::array<double, 3>>> tier_shares;
     std::vector<UnitOptions> tiers;
     // Streaming: one option per head, its fitted lambda or no state, whichever erred less.
     int sinks = 0, recent = 0;
@@ -246,6 +246,7 @@ struct FitInput {
     const TierMeasurements* tier_measured = nullptr;  // fit: tiers: its passes measured by shards
     const std::vector<StreamingHeadFit>* streaming_measured = nullptr;  // fit: streaming: per (layer, KV head), by shards
     const std::vector<ComboResult>* rank_measured = nullptr;  // fit: ranks: its fitting pass, per plan, by shards
+    int64_t max_steps = 0;  // the decode steps replayed of each sequence (SearchRun::max_steps; 0: every one)
 };
 
 // The half-width of the 95% interval of a sampled output error's mean (StreamMetrics), normal

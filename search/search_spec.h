@@ -55,6 +55,12 @@ struct SearchSpec {
     double sample_steps = 1.0;
     uint64_t sample_seed = 1;
     std::string sample_where;
+    // screen: the tier fit's candidates first replayed on the first screen_steps decode steps of
+    // each fitting sequence; per head, the screen_keep nearest its lower hull of bytes and error
+    // (the whole hull at least) go on to the full passes. 0: every candidate replayed in full.
+    int64_t screen_steps = 0;
+    int screen_keep = 10;
+    std::string screen_where;
     std::vector<std::string> fits = {"layer_budgets", "head_budgets"};
     std::string fits_where;
     std::vector<int> grid;              // budgets measured per unit; empty: chosen from the trace

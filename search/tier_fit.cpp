@@ -4,11 +4,14 @@
 #include <array>
 #include <cmath>
 #include <cstdio>
+#include <memory>
+#include <numeric>
 
 #include "base/atomic_file.h"
 #include "base/errors.h"
 #include "policies/policy.h"
 #include "search/allocation.h"
+#include "sim/attention_source.h"
 #include "sim/replay.h"
 #include "sim/sweep.h"
 
@@ -85,14 +88,56 @@ std::vector<TierResult> tier_results(const std::vector<ComboResult>& results) {
     return out;
 }
 
+// The fit's progress over one of its passes: `done` of it before the pass, `share` of it the pass.
+std::function<void(double)> pass_progress(const FitInput& in, double done, double share) {
+    if (!in.progress) return nullptr;
+    return [&in, done, share](double f) { in.progress(done + f * share); };
+}
+
 // Every plan side by side in one lockstep pass over every layer.
-// progress_done: the share of the fit done before this pass (each of its three passes is a third);
-// negative: the pass reports no progress.
 std::vector<TierResult> replay_plans(const FitInput& in, const ParamValues& params, AttentionSource& source,
-                                     const std::vector<TierShares>& plans, bool output_error, double progress_done) {
-    std::function<void(double)> progress;
-    if (in.progress && progress_done >= 0) progress = [&in, done = progress_done](double f) { in.progress(done + f / 3); };
+                                     const std::vector<TierShares>& plans, bool output_error,
+                                     const std::function<void(double)>& progress) {
     return tier_results(replay_tier_plans(in, params, source, plans, output_error, {}, progress));
+}
+
+// Per (layer, KV head), the candidates its options are drawn from (indices, ascending). Screened
+// (search.screen): every candidate replayed on the first steps of each fitting sequence, and per
+// head the search.screen.keep of them that best describe the lower hull of their bytes and error
+// there (screen_options); every head keeps as many, so that the k-th options of all heads make one
+// plan.
+struct CandidateScreen {
+    std::vector<std::vector<std::size_t>> kept;  // per head
+    int64_t steps = 0;                           // 0: not screened, every candidate kept
+};
+
+CandidateScreen screen_candidates(const FitInput& in, const TierFitPlans& plans, std::size_t units,
+                                  const std::function<void(double)>& progress) {
+    const SearchSpec& spec = *in.spec;
+    const std::size_t count = plans.candidates.size();
+    CandidateScreen screen;
+    if (spec.screen_steps <= 0 || static_cast<std::size_t>(spec.screen_keep) >= count) {
+        std::vector<std::size_t> every(count);
+        std::iota(every.begin(), every.end(), std::size_t{0});
+        screen.kept.assign(units, every);
+        return screen;
+    }
+    screen.steps = in.max_steps > 0 ? std::min(in.max_steps, spec.screen_steps) : spec.screen_steps;
+    const std::unique_ptr<AttentionSource> prefix = open_trace_source(in.trace_path, screen.steps, in.fitting_indices);
+    FitInput prefix_input = in;
+    prefix_input.full_outputs = nullptr;  // the memo keeps whole sequences' outputs, on their own sampled steps
+    const std::vector<TierShares> candidate_plans(plans.plans.begin(), plans.plans.begin() + static_cast<std::ptrdiff_t>(count));
+    const std::vector<TierResult> results = replay_plans(prefix_input, plans.params, *prefix, candidate_plans, true, progress);
+
+    screen.kept.resize(units);
+    for (std::size_t u = 0; u < units; ++u) {
+        UnitOptions o;
+        for (const TierResult& r : results) o.bytes.push_back(r.head_bytes[u]), o.error.push_back(r.head_error[u]);
+        // Every share 0 stays: the first plan is then the fit's cheapest, which decides whether a
+        // target is reachable.
+        screen.kept[u] = screen_options(o, static_cast<std::size_t>(spec.screen_keep), 0);
+    }
+    return screen;
 }
 
 }  // namespace
@@ -175,12 +220,31 @@ void fit_tier_profiles(const FitInput& in, SearchOutcome& out) {
     const ParamValues& params = fit_plans.params;
     const std::vector<std::array<double, 3>>& candidates = fit_plans.candidates;
     const std::vector<double>& scales = fit_plans.scales;
-    const std::vector<TierShares>& plans = fit_plans.plans;
     const double published_sum = fit_plans.published_sum;
     const double full_fp16 = 4.0 * in.shape.head_dim;
     if (in.tier_measured &&
-        (in.tier_measured->heldout_bytes.size() != plans.size() || in.tier_measured->fitting_errors.size() != candidates.size()))
+        (in.tier_measured->heldout_bytes.size() != fit_plans.plans.size() ||
+         in.tier_measured->fitting_errors.size() != candidates.size() || spec.screen_steps > 0))
         throw std::logic_error("tier fit: measured plans missing");
+    // The passes' shares of the fit's progress: the screen (where asked) a quarter, then bytes,
+    // errors and the held-out confirmation in equal shares.
+    const bool screening = spec.screen_steps > 0 && static_cast<std::size_t>(spec.screen_keep) < candidates.size();
+    const double first_pass = screening ? 0.25 : 0.0, pass_share = (1 - first_pass) / 3;
+
+    // Each head's options, and the plans that measure them: the k-th plan gives every head its
+    // k-th option (unscreened: the k-th candidate, uniform over the heads).
+    const CandidateScreen screen = screen_candidates(in, fit_plans, units, pass_progress(in, 0, first_pass));
+    const std::size_t option_count = screen.kept.front().size();
+    std::vector<TierShares> plans;
+    for (std::size_t k = 0; k < option_count; ++k) {
+        TierShares plan{L, K, {}, {}, {}};
+        for (std::size_t u = 0; u < units; ++u) {
+            const std::array<double, 3>& c = candidates[screen.kept[u][k]];
+            plan.fp16.push_back(c[0]), plan.int8.push_back(c[1]), plan.int4.push_back(c[2]);
+        }
+        plans.push_back(std::move(plan));
+    }
+    plans.insert(plans.end(), fit_plans.plans.begin() + static_cast<std::ptrdiff_t>(candidates.size()), fit_plans.plans.end());
 
     // Bytes on the held-out sequences (what the target holds them to), errors on the fitting ones.
     // The first candidate (every share 0) is each head's cheapest, since a zone only adds tokens
@@ -193,10 +257,11 @@ void fit_tier_profiles(const FitInput& in, SearchOutcome& out) {
     } else {
         bytes = {tier_result(refuse_unreachable_tier_targets(in, fit_plans))};
         const std::vector<TierShares> rest(plans.begin() + 1, plans.end());
-        std::vector<TierResult> more = replay_plans(in, params, *in.heldout, rest, false, 0.0);
+        std::vector<TierResult> more =
+            replay_plans(in, params, *in.heldout, rest, false, pass_progress(in, first_pass, pass_share));
         bytes.insert(bytes.end(), std::make_move_iterator(more.begin()), std::make_move_iterator(more.end()));
     }
-    const std::vector<TierShares> candidate_plans(plans.begin(), plans.begin() + static_cast<std::ptrdiff_t>(candidates.size()));
+    const std::vector<TierShares> option_plans(plans.begin(), plans.begin() + static_cast<std::ptrdiff_t>(option_count));
 
     struct Chosen {
         std::string method;
@@ -211,7 +276,7 @@ void fit_tier_profiles(const FitInput& in, SearchOutcome& out) {
     for (const SearchTarget& target : spec.targets) {
         const double wanted = target.bytes(full_fp16);
         // The published shape: the scale whose bytes meet the target, between two measured ones.
-        const std::size_t first_scale = candidates.size();
+        const std::size_t first_scale = option_count;
         std::size_t below = scales.size();
         for (std::size_t i = 0; i < scales.size(); ++i)
             if (bytes[first_scale + i].bytes_per_token <= wanted) below = i;
@@ -239,28 +304,40 @@ void fit_tier_profiles(const FitInput& in, SearchOutcome& out) {
     if (in.tier_measured) {
         errors = tier_results(in.tier_measured->fitting_errors);
         std::vector<TierResult> more;
-        if (!baselines.empty()) more = replay_plans(in, params, *in.fitting, baselines, true, 1.0 / 3);
+        if (!baselines.empty())
+            more = replay_plans(in, params, *in.fitting, baselines, true, pass_progress(in, first_pass + pass_share, pass_share));
         errors.insert(errors.end(), std::make_move_iterator(more.begin()), std::make_move_iterator(more.end()));
     } else {
-        std::vector<TierShares> fitting_plans = candidate_plans;
+        std::vector<TierShares> fitting_plans = option_plans;
         fitting_plans.insert(fitting_plans.end(), baselines.begin(), baselines.end());
-        errors = replay_plans(in, params, *in.fitting, fitting_plans, true, 1.0 / 3);
+        errors = replay_plans(in, params, *in.fitting, fitting_plans, true, pass_progress(in, first_pass + pass_share, pass_share));
     }
     const double fitting_steps = errors.front().steps;
     for (std::size_t b = 0; b < baselines.size(); ++b)
-        chosen[baseline_of[b]].fitting_error = errors[candidates.size() + b].error_sum;
+        chosen[baseline_of[b]].fitting_error = errors[option_count + b].error_sum;
 
-    // Every head's options: each candidate's held-out bytes and fitting error.
+    // Every head's options: each one's held-out bytes and fitting error.
     std::vector<UnitOptions> options(units);
     for (std::size_t u = 0; u < units; ++u)
-        for (std::size_t c = 0; c < candidates.size(); ++c) {
-            options[u].bytes.push_back(bytes[c].head_bytes[u]);
-            options[u].error.push_back(errors[c].head_error[u]);
+        for (std::size_t k = 0; k < option_count; ++k) {
+            options[u].bytes.push_back(bytes[k].head_bytes[u]);
+            options[u].error.push_back(errors[k].head_error[u]);
         }
     if (in.mixed) {  // fit: mixed chooses among them beside the other families'
         in.mixed->tier_params = params;
-        in.mixed->tier_candidates = candidates;
+        in.mixed->tier_shares.assign(units, {});
+        for (std::size_t u = 0; u < units; ++u)
+            for (const std::size_t c : screen.kept[u]) in.mixed->tier_shares[u].push_back(candidates[c]);
         in.mixed->tiers = options;
+    }
+    if (screen.steps > 0) {
+        char line[400];
+        std::snprintf(line, sizeof line,
+                      "The tier fit screened its %zu candidates on the first %lld decode steps of each fitting "
+                      "sequence (search.screen) and replayed %zu per head in full: those that best describe the lower "
+                      "hull of the head's bytes and error there.",
+                      candidates.size(), static_cast<long long>(screen.steps), option_count);
+        lines.push_back(line);
     }
     // The fitted profile per target: one candidate per head by marginal gain.
     for (const SearchTarget& target : spec.targets) {
@@ -268,9 +345,10 @@ void fit_tier_profiles(const FitInput& in, SearchOutcome& out) {
         TierShares shares{L, K, {}, {}, {}};
         double fitting_error = 0;
         for (std::size_t u = 0; u < units; ++u) {
-            shares.fp16.push_back(candidates[pick[u]][0]);
-            shares.int8.push_back(candidates[pick[u]][1]);
-            shares.int4.push_back(candidates[pick[u]][2]);
+            const std::array<double, 3>& c = candidates[screen.kept[u][pick[u]]];
+            shares.fp16.push_back(c[0]);
+            shares.int8.push_back(c[1]);
+            shares.int4.push_back(c[2]);
             fitting_error += errors[pick[u]].head_error[u];
         }
         chosen.push_back({"fitted tier profile", &target, shares, fitting_error});
@@ -286,7 +364,8 @@ void fit_tier_profiles(const FitInput& in, SearchOutcome& out) {
     for (const Chosen& c : chosen) confirm_plans.push_back(c.shares);
     const bool has_published = published_sum > 0 && published_sum <= 1 + 1e-12;
     if (has_published) confirm_plans.push_back(published_shares(params, 1.0, L, K));
-    const std::vector<TierResult> confirmed = replay_plans(in, params, *in.heldout, confirm_plans, true, 2.0 / 3);
+    const std::vector<TierResult> confirmed =
+        replay_plans(in, params, *in.heldout, confirm_plans, true, pass_progress(in, first_pass + 2 * pass_share, pass_share));
 
     for (std::size_t i = 0; i < chosen.size(); ++i) {
         const Chosen& c = chosen[i];

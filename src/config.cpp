@@ -106,7 +106,7 @@ public:
         SearchSpec spec;
         spec.where = where(node, "search");
         only_keys(node, "search", {"policy", "split", "target", "objective", "fit", "grid", "streaming", "tiers", "ranks",
-                                   "deploy", "prompt", "sample"});
+                                   "deploy", "prompt", "sample", "screen"});
         spec.deploy_where = spec.where;
         if (const YAML::Node deploy = node["deploy"]) {
             spec.deploy = string(deploy, "search.deploy");
@@ -291,6 +291,16 @@ public:
                 fail(steps, "search.sample.steps", "must be in (0, 1], got " + steps.Scalar());
             if (const YAML::Node seed = sample["seed"])
                 spec.sample_seed = static_cast<uint64_t>(integer(seed, "search.sample.seed", 0, (int64_t{1} << 32) - 1));
+        }
+        if (const YAML::Node screen = node["screen"]) {
+            spec.screen_where = where(screen, "search.screen");
+            if (!screen.IsMap()) fail(screen, "search.screen", "expected {steps: 1024, keep: 10}");
+            only_keys(screen, "search.screen", {"steps", "keep"});
+            const YAML::Node steps = screen["steps"];
+            if (!steps)
+                fail(screen, "search.screen", "missing key 'steps' (the decode steps of each fitting sequence screened, e.g. 1024)");
+            spec.screen_steps = integer(steps, "search.screen.steps", 16, kMaxSequenceTokens);
+            if (const YAML::Node keep = screen["keep"]) spec.screen_keep = int32(keep, "search.screen.keep", 2, 1000);
         }
         if (const YAML::Node fit = node["fit"]) {
             spec.fits_where = where(fit, "search.fit");

@@ -448,6 +448,13 @@ class SearchShards(KvsimTestCase):
                                       "  prompt: {tokens: 16}").replace("  grid: [10, 16, 24, 32, 48]\n", "")
                              .replace("target: [2x]", "target: [1.2x]"))
         self.assert_input_error(self.search_shard(kvpress, "0/2", self.path("t")), "search.deploy", "without --shard")
+        # Screened tier candidates are chosen from every candidate's prefix: one machine, for now.
+        screened = self.write("screened.yaml", SEARCH.replace("fit: [layer_budgets, head_budgets]",
+                                                              "fit: [tiers]\n  tiers: {sinks: 2, recent: 8}\n"
+                                                              "  screen: {steps: 32, keep: 4}"))
+        self.assert_input_error(self.search_shard(screened, "0/2", self.path("w")), "search.screen",
+                                "without --shard")
+        self.assertFalse(os.path.exists(self.path("w")))
         sweep = self.path("sweep")
         self.assertEqual(kvsim("sweep", POLICYBOOK, "--shard", "1/2", "--out", sweep, "-q", cwd=ROOT).returncode, 0)
         self.assert_input_error(kvsim("merge", out, sweep, "--out", merged_dir, cwd=ROOT), "partial-1-of-2.json",

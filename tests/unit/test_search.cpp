@@ -186,6 +186,36 @@ TEST_CASE("marginal-gain choice over options in any order matches brute force on
     CHECK(units[2].bytes[pick[2]] > units[0].bytes[pick[0]]);
 }
 
+TEST_CASE("error above the hull: zero on the falling lower hull, the gap to it elsewhere, in any order") {
+    // bytes 1..6, errors 10, 6, 5, 3, 4, 3.5: the falling hull runs (1, 10), (2, 6), (4, 3); (3, 5)
+    // is 0.5 above the chord at 4.5; past the last hull point the floor is its error, 3.
+    const std::vector<double> bytes = {1, 2, 3, 4, 5, 6}, error = {10, 6, 5, 3, 4, 3.5};
+    const std::vector<double> want = {0, 0, 0.5, 0, 1, 0.5};
+    const int order[6] = {4, 0, 5, 2, 3, 1};
+    UnitOptions scrambled;
+    for (int i : order) scrambled.bytes.push_back(bytes[i]), scrambled.error.push_back(error[i]);
+    const std::vector<double> above = error_above_hull(scrambled);
+    REQUIRE(above.size() == 6);
+    for (int k = 0; k < 6; ++k) {
+        CAPTURE(order[k]);
+        CHECK(above[k] == doctest::Approx(want[order[k]]).epsilon(1e-12));
+    }
+    CHECK_THROWS_AS(error_above_hull(UnitOptions{}), std::invalid_argument);
+
+    // Screening keeps the hull, thinned where it is too long (the inner point (2, 6) lies 1.67
+    // below the chord from (1, 10) to (4, 3); dropping (4, 3) would lose 3), then the options
+    // nearest above it; and the option asked for, always.
+    const UnitOptions in_order{bytes, error};
+    using Kept = std::vector<std::size_t>;
+    CHECK(screen_options(in_order, 2, 0) == Kept{0, 3});
+    CHECK(screen_options(in_order, 3, 0) == Kept{0, 1, 3});
+    CHECK(screen_options(in_order, 4, 0) == Kept{0, 1, 2, 3});  // (3, 5) and (6, 3.5) tie 0.5 above: the first
+    CHECK(screen_options(in_order, 3, 4) == Kept{0, 3, 4});
+    CHECK(screen_options(in_order, 2, 3) == Kept{0, 3});
+    CHECK(screen_options(in_order, 9, 0) == Kept{0, 1, 2, 3, 4, 5});
+    CHECK_THROWS_AS(screen_options(in_order, 2, 6), std::invalid_argument);
+}
+
 TEST_CASE("shape allocations follow their weights and meet the same bytes") {
     const std::vector<int> grid = budget_grid(4, 400);
     const ByteModel bytes({400, 300}, kDim, 8);
