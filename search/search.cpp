@@ -454,8 +454,8 @@ SearchPassPlans search_pass_plans(const SearchSpec& spec, const SearchSetup& set
     if (setup.fit_budgets) plans[0] = setup.out.grid.size();
     if (setup.fit_tiers) {
         const TierFitPlans tiers = tier_fit_plans(spec, setup.num_layers, setup.num_kv_heads);
-        plans[1] = tiers.plans.size();
-        plans[2] = tiers.candidates.size();
+        plans[2] = tier_option_count(spec, tiers);
+        plans[1] = plans[2] + tiers.scales.size();
     }
     if (setup.fit_streaming && spec.deploy == "kvsim") plans[3] = 1;  // deploy duo's fit is not sharded
     if (setup.fit_ranks) plans[4] = rank_fit_plan_count(setup.head_dim, setup.num_kv_heads);
@@ -472,16 +472,12 @@ FitInput shard_fit_input(const SearchSpec& spec, SearchSetup& setup, const std::
 }  // namespace
 
 SearchShardWork::SearchShardWork(const SearchSpec& spec, const SearchRun& run)
-    : setup_(std::make_unique<SearchSetup>(spec, run)), spec_(spec), trace_path_(run.trace_path), progress_(run.progress) {
+    : setup_(std::make_unique<SearchSetup>(spec, run)), spec_(spec), trace_path_(run.trace_path), max_steps_(run.max_steps),
+      progress_(run.progress) {
     if (spec.deploy != "kvsim")
         throw InputError(spec.deploy_where + ": --shard divides the measurements of kvsim's budget, tier, streaming "
                                              "and rank fits; a search that deploys to " + spec.deploy +
                          " runs on one machine (without --shard)");
-    // The screened survivors of each head are chosen from every candidate's prefix errors: a unit
-    // of one plan could not know them alone.
-    if (spec.screen_steps > 0)
-        throw InputError(spec.screen_where + ": a search whose tier candidates are screened runs on one machine "
-                                             "(without --shard) for now; remove search.screen to divide it");
     // Every search fits one of them: a mixed fit alone is refused by the setup.
     if (!setup_->fit_budgets && !setup_->fit_tiers && !setup_->fit_streaming && !setup_->fit_ranks)
         throw std::logic_error("search shards: no fit to divide");
@@ -543,10 +539,13 @@ void SearchShardWork::run_units(const std::vector<std::size_t>& units, const Lay
     std::optional<TempFolder> scratch;
     if (any_tier_unit || any_streaming_unit || any_rank_unit) scratch.emplace("search");
     auto fit_input = [&](std::function<void(double)> progress) {
-        return shard_fit_input(spec, setup, scratch->path(), trace_path_, std::move(progress));
+        FitInput input = shard_fit_input(spec, setup, scratch->path(), trace_path_, std::move(progress));
+        input.max_steps = max_steps_;
+        return input;
     };
     // A target a fit cannot reach is refused before hours of its units, as on one machine.
     std::optional<TierFitPlans> tier_plans;
+    std::map<int, TierOptions> tier_options_of_layer;
     if (any_tier_unit) {
         tier_plans = tier_fit_plans(spec, L, setup.num_kv_heads);
         (void)refuse_unreachable_tier_targets(fit_input(nullptr), *tier_plans);
@@ -587,8 +586,13 @@ void SearchShardWork::run_units(const std::vector<std::size_t>& units, const Lay
             } else if (pass == Pass::rank_errors) {
                 results = replay_rank_plans(fit_input(nullptr), bases_path, plans, {layer}, progress);
             } else {
+                // A screened layer's options come from its own screen, which every shard with a
+                // unit of the layer replays: the same options as one machine's.
+                auto options = tier_options_of_layer.find(layer);
+                if (options == tier_options_of_layer.end())
+                    options = tier_options_of_layer.emplace(layer, tier_options(fit_input(nullptr), *tier_plans, {layer}, nullptr)).first;
                 std::vector<TierShares> shares;
-                for (std::size_t plan : plans) shares.push_back(tier_plans->plans[plan]);
+                for (std::size_t plan : plans) shares.push_back(options->second.plans.at(plan));
                 results = replay_tier_plans(fit_input(nullptr), tier_plans->params, source, shares,
                                             pass == Pass::tier_errors, {layer}, progress);
             }

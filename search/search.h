@@ -203,6 +203,7 @@ private:
     std::unique_ptr<SearchSetup> setup_;
     SearchSpec spec_;
     std::string trace_path_;
+    int64_t max_steps_ = 0;
     std::function<void(double)> progress_;
     SearchPassPlans pass_plans_{};
 };

@@ -101,45 +101,6 @@ std::vector<TierResult> replay_plans(const FitInput& in, const ParamValues& para
     return tier_results(replay_tier_plans(in, params, source, plans, output_error, {}, progress));
 }
 
-// Per (layer, KV head), the candidates its options are drawn from (indices, ascending). Screened
-// (search.screen): every candidate replayed on the first steps of each fitting sequence, and per
-// head the search.screen.keep of them that best describe the lower hull of their bytes and error
-// there (screen_options); every head keeps as many, so that the k-th options of all heads make one
-// plan.
-struct CandidateScreen {
-    std::vector<std::vector<std::size_t>> kept;  // per head
-    int64_t steps = 0;                           // 0: not screened, every candidate kept
-};
-
-CandidateScreen screen_candidates(const FitInput& in, const TierFitPlans& plans, std::size_t units,
-                                  const std::function<void(double)>& progress) {
-    const SearchSpec& spec = *in.spec;
-    const std::size_t count = plans.candidates.size();
-    CandidateScreen screen;
-    if (spec.screen_steps <= 0 || static_cast<std::size_t>(spec.screen_keep) >= count) {
-        std::vector<std::size_t> every(count);
-        std::iota(every.begin(), every.end(), std::size_t{0});
-        screen.kept.assign(units, every);
-        return screen;
-    }
-    screen.steps = in.max_steps > 0 ? std::min(in.max_steps, spec.screen_steps) : spec.screen_steps;
-    const std::unique_ptr<AttentionSource> prefix = open_trace_source(in.trace_path, screen.steps, in.fitting_indices);
-    FitInput prefix_input = in;
-    prefix_input.full_outputs = nullptr;  // the memo keeps whole sequences' outputs, on their own sampled steps
-    const std::vector<TierShares> candidate_plans(plans.plans.begin(), plans.plans.begin() + static_cast<std::ptrdiff_t>(count));
-    const std::vector<TierResult> results = replay_plans(prefix_input, plans.params, *prefix, candidate_plans, true, progress);
-
-    screen.kept.resize(units);
-    for (std::size_t u = 0; u < units; ++u) {
-        UnitOptions o;
-        for (const TierResult& r : results) o.bytes.push_back(r.head_bytes[u]), o.error.push_back(r.head_error[u]);
-        // Every share 0 stays: the first plan is then the fit's cheapest, which decides whether a
-        // target is reachable.
-        screen.kept[u] = screen_options(o, static_cast<std::size_t>(spec.screen_keep), 0);
-    }
-    return screen;
-}
-
 }  // namespace
 
 TierFitPlans tier_fit_plans(const SearchSpec& spec, int L, int K) {
@@ -182,6 +143,59 @@ std::vector<ComboResult> replay_tier_plans(const FitInput& in, const ParamValues
     return replay(source, expand_sweep(entries, {}, std::vector<int>{1}), options);
 }
 
+std::size_t tier_option_count(const SearchSpec& spec, const TierFitPlans& plans) {
+    const std::size_t count = plans.candidates.size();
+    return spec.screen_steps > 0 ? std::min(count, static_cast<std::size_t>(spec.screen_keep)) : count;
+}
+
+TierOptions tier_options(const FitInput& in, const TierFitPlans& plans, const std::vector<int>& layers,
+                         const std::function<void(double)>& progress) {
+    const SearchSpec& spec = *in.spec;
+    const int L = in.shape.num_layers, K = in.shape.num_kv_heads;
+    const std::size_t units = static_cast<std::size_t>(L) * K, count = plans.candidates.size();
+    const std::size_t keep = tier_option_count(spec, plans);
+    TierOptions out;
+    std::vector<std::size_t> first(keep);
+    std::iota(first.begin(), first.end(), std::size_t{0});
+    out.kept.assign(units, first);  // unscreened: every candidate; screened: the layers not asked for
+    if (keep < count) {
+        // Every candidate on the first steps of each fitting sequence; then per head the options
+        // that best describe the lower hull of their bytes and error there. Every share 0 stays:
+        // the first plan is then the fit's cheapest, which decides whether a target is reachable.
+        out.screen_steps = in.max_steps > 0 ? std::min(in.max_steps, spec.screen_steps) : spec.screen_steps;
+        const std::unique_ptr<AttentionSource> prefix =
+            open_trace_source(in.trace_path, out.screen_steps, in.fitting_indices);
+        FitInput prefix_input = in;
+        prefix_input.full_outputs = nullptr;  // the memo keeps whole sequences' outputs, on their own sampled steps
+        const std::vector<TierShares> candidate_plans(plans.plans.begin(),
+                                                      plans.plans.begin() + static_cast<std::ptrdiff_t>(count));
+        const std::vector<ComboResult> results =
+            replay_tier_plans(prefix_input, plans.params, *prefix, candidate_plans, true, layers, progress);
+        for (int l = 0; l < L; ++l) {
+            if (!layers.empty() && std::find(layers.begin(), layers.end(), l) == layers.end()) continue;
+            for (int kv = 0; kv < K; ++kv) {
+                const std::size_t u = static_cast<std::size_t>(l) * K + kv;
+                UnitOptions o;
+                for (const ComboResult& r : results) {
+                    const TierResult t = tier_result(r);
+                    o.bytes.push_back(t.head_bytes[u]), o.error.push_back(t.head_error[u]);
+                }
+                out.kept[u] = screen_options(o, keep, 0);
+            }
+        }
+    }
+    for (std::size_t k = 0; k < keep; ++k) {
+        TierShares plan{L, K, {}, {}, {}};
+        for (std::size_t u = 0; u < units; ++u) {
+            const std::array<double, 3>& c = plans.candidates[out.kept[u][k]];
+            plan.fp16.push_back(c[0]), plan.int8.push_back(c[1]), plan.int4.push_back(c[2]);
+        }
+        out.plans.push_back(std::move(plan));
+    }
+    out.plans.insert(out.plans.end(), plans.plans.begin() + static_cast<std::ptrdiff_t>(count), plans.plans.end());
+    return out;
+}
+
 namespace {
 
 // InputError naming the target when even every share 0 (its result on the held-out sequences)
@@ -222,29 +236,21 @@ void fit_tier_profiles(const FitInput& in, SearchOutcome& out) {
     const std::vector<double>& scales = fit_plans.scales;
     const double published_sum = fit_plans.published_sum;
     const double full_fp16 = 4.0 * in.shape.head_dim;
-    if (in.tier_measured &&
-        (in.tier_measured->heldout_bytes.size() != fit_plans.plans.size() ||
-         in.tier_measured->fitting_errors.size() != candidates.size() || spec.screen_steps > 0))
-        throw std::logic_error("tier fit: measured plans missing");
     // The passes' shares of the fit's progress: the screen (where asked) a quarter, then bytes,
     // errors and the held-out confirmation in equal shares.
-    const bool screening = spec.screen_steps > 0 && static_cast<std::size_t>(spec.screen_keep) < candidates.size();
+    const std::size_t option_count = tier_option_count(spec, fit_plans);
+    const bool screening = option_count < candidates.size();
     const double first_pass = screening ? 0.25 : 0.0, pass_share = (1 - first_pass) / 3;
 
     // Each head's options, and the plans that measure them: the k-th plan gives every head its
-    // k-th option (unscreened: the k-th candidate, uniform over the heads).
-    const CandidateScreen screen = screen_candidates(in, fit_plans, units, pass_progress(in, 0, first_pass));
-    const std::size_t option_count = screen.kept.front().size();
-    std::vector<TierShares> plans;
-    for (std::size_t k = 0; k < option_count; ++k) {
-        TierShares plan{L, K, {}, {}, {}};
-        for (std::size_t u = 0; u < units; ++u) {
-            const std::array<double, 3>& c = candidates[screen.kept[u][k]];
-            plan.fp16.push_back(c[0]), plan.int8.push_back(c[1]), plan.int4.push_back(c[2]);
-        }
-        plans.push_back(std::move(plan));
-    }
-    plans.insert(plans.end(), fit_plans.plans.begin() + static_cast<std::ptrdiff_t>(candidates.size()), fit_plans.plans.end());
+    // k-th option (unscreened: the k-th candidate, uniform over the heads); then the scales'.
+    // With shards, each screened its layers alone; here every layer is screened again, to the same
+    // options (a head's figures do not depend on the other layers replayed beside it).
+    const TierOptions screen = tier_options(in, fit_plans, {}, pass_progress(in, 0, first_pass));
+    const std::vector<TierShares>& plans = screen.plans;
+    if (in.tier_measured &&
+        (in.tier_measured->heldout_bytes.size() != plans.size() || in.tier_measured->fitting_errors.size() != option_count))
+        throw std::logic_error("tier fit: measured plans missing");
 
     // Bytes on the held-out sequences (what the target holds them to), errors on the fitting ones.
     // The first candidate (every share 0) is each head's cheapest, since a zone only adds tokens
@@ -330,13 +336,13 @@ void fit_tier_profiles(const FitInput& in, SearchOutcome& out) {
             for (const std::size_t c : screen.kept[u]) in.mixed->tier_shares[u].push_back(candidates[c]);
         in.mixed->tiers = options;
     }
-    if (screen.steps > 0) {
+    if (screen.screen_steps > 0) {
         char line[400];
         std::snprintf(line, sizeof line,
                       "The tier fit screened its %zu candidates on the first %lld decode steps of each fitting "
                       "sequence (search.screen) and replayed %zu per head in full: those that best describe the lower "
                       "hull of the head's bytes and error there.",
-                      candidates.size(), static_cast<long long>(screen.steps), option_count);
+                      candidates.size(), static_cast<long long>(screen.screen_steps), option_count);
         lines.push_back(line);
     }
     // The fitted profile per target: one candidate per head by marginal gain.

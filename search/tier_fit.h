@@ -37,9 +37,26 @@ TierFitPlans tier_fit_plans(const SearchSpec& spec, int num_layers, int num_kv_h
 // The fit's two big passes, measured by a search's shards (kvsim search --shard) and summed:
 // every plan's bytes on the held-out sequences, every candidate's errors on the fitting ones.
 struct TierMeasurements {
-    std::vector<ComboResult> heldout_bytes;   // per plan of TierFitPlans
-    std::vector<ComboResult> fitting_errors;  // per candidate
+    std::vector<ComboResult> heldout_bytes;   // per plan of TierOptions
+    std::vector<ComboResult> fitting_errors;  // per option
 };
+
+// The tier fit's options per (layer, KV head), and the plans that measure them.
+struct TierOptions {
+    std::vector<std::vector<std::size_t>> kept;  // per head: its options' candidate indices, ascending
+    int64_t screen_steps = 0;                    // search.screen's prefix; 0: every candidate an option
+    std::vector<TierShares> plans;               // the k-th gives every head its k-th option; then the scales'
+};
+
+// Options per head: search.screen.keep where it screens, else every candidate.
+std::size_t tier_option_count(const SearchSpec& spec, const TierFitPlans& plans);
+
+// Screened (search.screen): every candidate replayed on the first steps of each fitting sequence
+// (of `layers`, or every layer where empty), then per head the options that best describe the
+// lower hull of their bytes and error there (screen_options), every share 0 first; the heads of
+// layers not screened get the first candidates, a plan's place-holders. Unscreened: every candidate.
+TierOptions tier_options(const FitInput& input, const TierFitPlans& plans, const std::vector<int>& layers,
+                         const std::function<void(double)>& progress);
 
 // Replays the fit's cheapest plan (every share 0: a zone only adds tokens kept) on the held-out
 // sequences, and returns its result: InputError naming the target when even it holds more bytes

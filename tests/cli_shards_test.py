@@ -356,6 +356,28 @@ class SearchShards(KvsimTestCase):
                 self.assertEqual(merged.stdout, one.stdout)
                 self.assertEqual(self.search_outputs(self.path(name + "-merged")), expected)
 
+    def test_a_screened_tier_search_in_3_shards_merges_to_the_one_machine_outputs(self):
+        # search.screen: each shard screens the layers of its tier units on the prefix (16 steps)
+        # and replays their options; the merge screens every layer again to name each head's
+        # options, and writes what one machine writes, the mix across families included.
+        screened = SEARCH.replace("fit: [layer_budgets, head_budgets]",
+                                  "fit: [head_budgets, tiers, mixed]\n  tiers: {sinks: 2, recent: 8}\n"
+                                  "  screen: {steps: 16, keep: 5}")
+        config = self.write("screened.yaml", screened)
+        one, expected = self.whole_search(config, "whole")
+        self.assertIn("replayed 5 per head in full", expected["search.json"])
+        self.assertIn("profile-mixed-2x.json", expected)
+        out = self.path("shards")
+        for i in (1, 2, 0):
+            ran = self.search_shard(config, "%d/3" % i, out)
+            self.assertEqual(ran.returncode, 0, ran.stderr)
+            partial = json.loads(read(os.path.join(out, "partial-%d-of-3.json" % i)))
+            self.assertEqual(partial["tier_candidates"], 5)  # each head's options, not the 52 candidates
+        merged = kvsim("merge", out, "--out", self.path("merged"), "-q", cwd=ROOT)
+        self.assertEqual(merged.returncode, 0, merged.stderr)
+        self.assertEqual(merged.stdout, one.stdout)
+        self.assertEqual(self.search_outputs(self.path("merged")), expected)
+
     def test_a_tier_streaming_and_rank_search_in_3_shards_merges_to_the_one_machine_outputs(self):
         # The shards measure the tier fit's two big passes (every plan's bytes on the held-out
         # sequences, every candidate's errors on the fitting ones), the streaming fit's lambda
@@ -448,13 +470,6 @@ class SearchShards(KvsimTestCase):
                                       "  prompt: {tokens: 16}").replace("  grid: [10, 16, 24, 32, 48]\n", "")
                              .replace("target: [2x]", "target: [1.2x]"))
         self.assert_input_error(self.search_shard(kvpress, "0/2", self.path("t")), "search.deploy", "without --shard")
-        # Screened tier candidates are chosen from every candidate's prefix: one machine, for now.
-        screened = self.write("screened.yaml", SEARCH.replace("fit: [layer_budgets, head_budgets]",
-                                                              "fit: [tiers]\n  tiers: {sinks: 2, recent: 8}\n"
-                                                              "  screen: {steps: 32, keep: 4}"))
-        self.assert_input_error(self.search_shard(screened, "0/2", self.path("w")), "search.screen",
-                                "without --shard")
-        self.assertFalse(os.path.exists(self.path("w")))
         sweep = self.path("sweep")
         self.assertEqual(kvsim("sweep", POLICYBOOK, "--shard", "1/2", "--out", sweep, "-q", cwd=ROOT).returncode, 0)
         self.assert_input_error(kvsim("merge", out, sweep, "--out", merged_dir, cwd=ROOT), "partial-1-of-2.json",
