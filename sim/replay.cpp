@@ -365,16 +365,18 @@ private:
         for (const auto& [arrays, count] : readers)  // by pointer order: any one of equal counts serves
             if (count > most) most = count, shared_tiers_ = arrays;
         if (most < 4 * static_cast<std::size_t>(kv_heads_)) shared_tiers_ = nullptr;
-        if (options_.output_error && options_.full_outputs) find_memo_streams(s, layer, harnesses);
-    }
-
-    // Per KV head, the memo's stream of this (sequence, layer) to read the full outputs from, or
-    // to keep them in; and whether a harness of the head attends through the shared scores (a
-    // streaming head does not: where every head streams, a memo's outputs leave no score to make).
-    void find_memo_streams(int s, int layer, const std::vector<Harness>& harnesses) {
+        // Whether a harness of each KV head attends through the shared scores: a streaming head
+        // does not (its output is its state's), so where every one streams the scores are made
+        // for the full cache's output alone.
         scores_wanted_.assign(kv_heads_, 0);
         for (std::size_t job = 0; job < harnesses.size(); ++job)
             if (!harnesses[job].policy().linear_state()) scores_wanted_[job / combos_.size()] = 1;
+        if (options_.output_error && options_.full_outputs) find_memo_streams(s, layer);
+    }
+
+    // Per KV head, the memo's stream of this (sequence, layer) to read the full outputs from, or
+    // to keep them in.
+    void find_memo_streams(int s, int layer) {
         for (int kv = 0; kv < kv_heads_; ++kv) {
             std::size_t measured = 0;
             for (int64_t t = 1; t <= last_step_; ++t) measured += full_output_at(kv, t);
@@ -512,10 +514,12 @@ private:
         return options_.output_error && ((cached_view_ && shared_runs_) || full_output_at(kv, t));
     }
     // Whether step t of KV head kv has its query heads' scores against every fp16 key made in
-    // shared_work: where harnesses attend, unless the memo gives the full cache's output and no
-    // harness of the head reads fp16 scores (one that did would make the same ones).
+    // shared_work: where harnesses attend and one of them reads fp16 scores (it would make the
+    // same ones), or where the full cache's output is made from them (not read from the memo).
+    // Where every harness of the head streams, nothing else reads them: the streaming fit's
+    // probes, several to a head, made them at every step (a quarter of that fit at 4,096 tokens).
     bool scores_made(int kv, int64_t t) const {
-        return shared_attention_at(kv, t) && ((cached_view_ && shared_runs_) || !memo_read_[kv] || scores_wanted_[kv]);
+        return shared_attention_at(kv, t) && (scores_wanted_[kv] || (full_output_at(kv, t) && !memo_read_[kv]));
     }
     // Whether some stream of KV head kv measures the output error of step t (the full cache's
     // output is then made for it).
