@@ -169,17 +169,14 @@ TierOptions tier_options(const FitInput& in, const TierFitPlans& plans, const st
         prefix_input.full_outputs = nullptr;  // the memo keeps whole sequences' outputs, on their own sampled steps
         const std::vector<TierShares> candidate_plans(plans.plans.begin(),
                                                       plans.plans.begin() + static_cast<std::ptrdiff_t>(count));
-        const std::vector<ComboResult> results =
-            replay_tier_plans(prefix_input, plans.params, *prefix, candidate_plans, true, layers, progress);
+        const std::vector<TierResult> results = tier_results(
+            replay_tier_plans(prefix_input, plans.params, *prefix, candidate_plans, true, layers, progress));
         for (int l = 0; l < L; ++l) {
             if (!layers.empty() && std::find(layers.begin(), layers.end(), l) == layers.end()) continue;
             for (int kv = 0; kv < K; ++kv) {
                 const std::size_t u = static_cast<std::size_t>(l) * K + kv;
                 UnitOptions o;
-                for (const ComboResult& r : results) {
-                    const TierResult t = tier_result(r);
-                    o.bytes.push_back(t.head_bytes[u]), o.error.push_back(t.head_error[u]);
-                }
+                for (const TierResult& r : results) o.bytes.push_back(r.head_bytes[u]), o.error.push_back(r.head_error[u]);
                 out.kept[u] = screen_options(o, keep, 0);
             }
         }
