@@ -5,6 +5,7 @@
 #include <limits>
 #include <numeric>
 #include <stdexcept>
+#include <string>
 
 #include "policies/prompt_press.h"
 
@@ -80,6 +81,46 @@ std::vector<std::size_t> falling_lower_hull(const std::vector<double>& x, const 
     return hull;
 }
 
+// A unit's options in ascending bytes (ties in their given order): their indices, bytes and
+// errors, and the falling lower hull of them (positions in that order).
+struct OptionsByBytes {
+    std::vector<std::size_t> order;
+    std::vector<double> x, y;
+    std::vector<std::size_t> hull;
+};
+
+OptionsByBytes options_by_bytes(const UnitOptions& o, const char* caller) {
+    if (o.bytes.empty() || o.bytes.size() != o.error.size())
+        throw std::invalid_argument(std::string(caller) + ": a unit without options, or bytes and errors differ in size");
+    OptionsByBytes s;
+    s.order.resize(o.bytes.size());
+    std::iota(s.order.begin(), s.order.end(), std::size_t{0});
+    std::stable_sort(s.order.begin(), s.order.end(), [&](std::size_t a, std::size_t b) { return o.bytes[a] < o.bytes[b]; });
+    for (std::size_t i : s.order) s.x.push_back(o.bytes[i]), s.y.push_back(o.error[i]);
+    s.hull = falling_lower_hull(s.x, s.y);
+    return s;
+}
+
+// The error of the chord from position a to position c at bytes x (a's error where both hold
+// the same bytes).
+double chord_at(const OptionsByBytes& s, std::size_t a, std::size_t c, double x) {
+    return s.x[c] > s.x[a] ? s.y[a] + (s.y[c] - s.y[a]) * (x - s.x[a]) / (s.x[c] - s.x[a]) : s.y[a];
+}
+
+// Per option (by index), how far its error lies above `hull` at its bytes; past the hull's last
+// point, above that point's error.
+std::vector<double> above(const OptionsByBytes& s, const std::vector<std::size_t>& hull) {
+    std::vector<double> out(s.x.size());
+    std::size_t segment = 0;  // the hull segment [hull[segment], hull[segment + 1]] that x[i] falls in
+    for (std::size_t i = 0; i < s.x.size(); ++i) {
+        while (segment + 1 < hull.size() && s.x[hull[segment + 1]] <= s.x[i]) ++segment;
+        const double floor =
+            segment + 1 < hull.size() ? chord_at(s, hull[segment], hull[segment + 1], s.x[i]) : s.y[hull[segment]];
+        out[s.order[i]] = std::max(0.0, s.y[i] - floor);
+    }
+    return out;
+}
+
 }  // namespace
 
 CurveShape curve_shape(const UnitCurve& curve, const std::vector<int>& grid, const UnitBytes& bytes) {
@@ -104,15 +145,11 @@ std::vector<std::size_t> choose_by_marginal_gain(const std::vector<UnitOptions>&
     std::vector<std::size_t> chosen(count, 0);  // index into the unit's order
     double used = 0;
     for (std::size_t u = 0; u < count; ++u) {
-        const UnitOptions& o = units[u];
-        if (o.bytes.empty() || o.bytes.size() != o.error.size())
-            throw std::invalid_argument("choose_by_marginal_gain: a unit without options, or bytes and errors differ in size");
-        order[u].resize(o.bytes.size());
-        std::iota(order[u].begin(), order[u].end(), std::size_t{0});
-        std::stable_sort(order[u].begin(), order[u].end(),
-                         [&](std::size_t a, std::size_t b) { return o.bytes[a] < o.bytes[b]; });
-        for (std::size_t i : order[u]) x[u].push_back(o.bytes[i]), y[u].push_back(o.error[i]);
-        hulls[u] = falling_lower_hull(x[u], y[u]);
+        OptionsByBytes sorted = options_by_bytes(units[u], "choose_by_marginal_gain");
+        order[u] = std::move(sorted.order);
+        x[u] = std::move(sorted.x);
+        y[u] = std::move(sorted.y);
+        hulls[u] = std::move(sorted.hull);
         used += x[u][0];
     }
 
@@ -158,55 +195,28 @@ std::vector<std::size_t> choose_by_marginal_gain(const std::vector<UnitOptions>&
 }
 
 std::vector<double> error_above_hull(const UnitOptions& o) {
-    if (o.bytes.empty() || o.bytes.size() != o.error.size())
-        throw std::invalid_argument("error_above_hull: a unit without options, or bytes and errors differ in size");
-    std::vector<std::size_t> order(o.bytes.size());
-    std::iota(order.begin(), order.end(), std::size_t{0});
-    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return o.bytes[a] < o.bytes[b]; });
-    std::vector<double> x, y;
-    for (std::size_t i : order) x.push_back(o.bytes[i]), y.push_back(o.error[i]);
-    const std::vector<std::size_t> hull = falling_lower_hull(x, y);
-    std::vector<double> above(o.bytes.size());
-    std::size_t segment = 0;  // the hull segment [hull[segment], hull[segment + 1]] that x[i] falls in
-    for (std::size_t i = 0; i < x.size(); ++i) {
-        while (segment + 1 < hull.size() && x[hull[segment + 1]] <= x[i]) ++segment;
-        double floor = y[hull[segment]];
-        if (segment + 1 < hull.size()) {
-            const std::size_t a = hull[segment], b = hull[segment + 1];
-            if (x[b] > x[a]) floor = y[a] + (y[b] - y[a]) * (x[i] - x[a]) / (x[b] - x[a]);
-        }
-        above[order[i]] = std::max(0.0, y[i] - floor);
-    }
-    return above;
+    const OptionsByBytes sorted = options_by_bytes(o, "error_above_hull");
+    return above(sorted, sorted.hull);
 }
 
 std::vector<std::size_t> screen_options(const UnitOptions& o, std::size_t keep, std::size_t always) {
-    const std::vector<double> above = error_above_hull(o);  // checks the options
+    const OptionsByBytes s = options_by_bytes(o, "screen_options");
     const std::size_t count = o.bytes.size();
     if (always >= count) throw std::invalid_argument("screen_options: no such option to keep");
     keep = std::max<std::size_t>(1, std::min(keep, count));
-    std::vector<std::size_t> order(count);
-    std::iota(order.begin(), order.end(), std::size_t{0});
-    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return o.bytes[a] < o.bytes[b]; });
-    std::vector<double> x, y;
-    for (std::size_t i : order) x.push_back(o.bytes[i]), y.push_back(o.error[i]);
-    std::vector<std::size_t> hull = falling_lower_hull(x, y);  // positions in `order`
-    const bool always_on_hull = std::any_of(hull.begin(), hull.end(), [&](std::size_t h) { return order[h] == always; });
+    const std::vector<double> gap = above(s, s.hull);  // before thinning: the nearest above the whole hull
+    std::vector<std::size_t> hull = s.hull;
+    const bool always_on_hull = std::any_of(hull.begin(), hull.end(), [&](std::size_t h) { return s.order[h] == always; });
     const std::size_t hull_room = always_on_hull ? keep : keep - 1;
     // Thinned one point at a time, never the cheapest nor `always`.
     while (hull.size() > std::max<std::size_t>(hull_room, 1)) {
         std::size_t drop = 0;
         double least = 0;
         for (std::size_t i = 1; i < hull.size(); ++i) {
-            if (order[hull[i]] == always) continue;
-            double loss;  // what the greedy loses without the point
-            if (i + 1 == hull.size()) {
-                loss = y[hull[i - 1]] - y[hull[i]];
-            } else {
-                const std::size_t a = hull[i - 1], b = hull[i], c = hull[i + 1];
-                const double chord = x[c] > x[a] ? y[a] + (y[c] - y[a]) * (x[b] - x[a]) / (x[c] - x[a]) : y[a];
-                loss = chord - y[b];
-            }
+            if (s.order[hull[i]] == always) continue;
+            // What the greedy loses without the point.
+            const double loss = i + 1 == hull.size() ? s.y[hull[i - 1]] - s.y[hull[i]]
+                                                     : chord_at(s, hull[i - 1], hull[i + 1], s.x[hull[i]]) - s.y[hull[i]];
             if (drop == 0 || loss < least) least = loss, drop = i;
         }
         if (drop == 0) break;  // only the cheapest and `always` left
@@ -214,12 +224,12 @@ std::vector<std::size_t> screen_options(const UnitOptions& o, std::size_t keep, 
     }
     std::vector<std::size_t> kept;
     std::vector<bool> taken(count, false);
-    for (std::size_t h : hull) kept.push_back(order[h]), taken[order[h]] = true;
+    for (std::size_t h : hull) kept.push_back(s.order[h]), taken[s.order[h]] = true;
     if (!taken[always] && kept.size() < keep) kept.push_back(always), taken[always] = true;
     std::vector<std::size_t> rest;
     for (std::size_t i = 0; i < count; ++i)
         if (!taken[i]) rest.push_back(i);
-    std::stable_sort(rest.begin(), rest.end(), [&](std::size_t a, std::size_t b) { return above[a] < above[b]; });
+    std::stable_sort(rest.begin(), rest.end(), [&](std::size_t a, std::size_t b) { return gap[a] < gap[b]; });
     for (std::size_t i = 0; kept.size() < keep; ++i) kept.push_back(rest[i]);
     std::sort(kept.begin(), kept.end());
     return kept;

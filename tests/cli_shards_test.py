@@ -295,6 +295,13 @@ class SearchShards(KvsimTestCase):
     def search_shard(self, config, spec, out, *flags):
         return kvsim("search", config, "--shard", spec, "--out", out, "-q", *flags, cwd=ROOT)
 
+    def assert_merges_to(self, folders, merged_name, one, expected):
+        """kvsim merge of the partials in `folders` prints one machine's table and writes its files."""
+        merged = kvsim("merge", *folders, "--out", self.path(merged_name), "-q", cwd=ROOT)
+        self.assertEqual(merged.returncode, 0, merged.stderr)
+        self.assertEqual(merged.stdout, one.stdout)
+        self.assertEqual(self.search_outputs(self.path(merged_name)), expected)
+
     def test_search_in_1_2_and_3_shards_merges_to_the_one_machine_outputs_byte_for_byte(self):
         config = self.write("search.yaml", SEARCH)
         one, expected = self.whole_search(config, "whole")
@@ -314,11 +321,7 @@ class SearchShards(KvsimTestCase):
                     self.assertTrue(partial["complete"])
                     if out not in folders:
                         folders.append(out)
-                merged_dir = self.path("merged%d" % n)
-                merged = kvsim("merge", *folders, "--out", merged_dir, "-q", cwd=ROOT)
-                self.assertEqual(merged.returncode, 0, merged.stderr)
-                self.assertEqual(merged.stdout, one.stdout)
-                self.assertEqual(self.search_outputs(merged_dir), expected)
+                self.assert_merges_to(folders, "merged%d" % n, one, expected)
 
         # A shard cut short after its first layer (complete: false) resumes the rest.
         out = self.path("s2")
@@ -351,10 +354,7 @@ class SearchShards(KvsimTestCase):
                 for i in range(2):
                     ran = self.search_shard(config, "%d/2" % i, out)
                     self.assertEqual(ran.returncode, 0, ran.stderr)
-                merged = kvsim("merge", out, "--out", self.path(name + "-merged"), "-q", cwd=ROOT)
-                self.assertEqual(merged.returncode, 0, merged.stderr)
-                self.assertEqual(merged.stdout, one.stdout)
-                self.assertEqual(self.search_outputs(self.path(name + "-merged")), expected)
+                self.assert_merges_to([out], name + "-merged", one, expected)
 
     def test_a_screened_tier_search_in_3_shards_merges_to_the_one_machine_outputs(self):
         # search.screen: each shard screens the layers of its tier units on the prefix (16 steps)
@@ -373,10 +373,7 @@ class SearchShards(KvsimTestCase):
             self.assertEqual(ran.returncode, 0, ran.stderr)
             partial = json.loads(read(os.path.join(out, "partial-%d-of-3.json" % i)))
             self.assertEqual(partial["tier_candidates"], 5)  # each head's options, not the 52 candidates
-        merged = kvsim("merge", out, "--out", self.path("merged"), "-q", cwd=ROOT)
-        self.assertEqual(merged.returncode, 0, merged.stderr)
-        self.assertEqual(merged.stdout, one.stdout)
-        self.assertEqual(self.search_outputs(self.path("merged")), expected)
+        self.assert_merges_to([out], "merged", one, expected)
 
     def test_a_tier_streaming_and_rank_search_in_3_shards_merges_to_the_one_machine_outputs(self):
         # The shards measure the tier fit's two big passes (every plan's bytes on the held-out
@@ -410,10 +407,7 @@ class SearchShards(KvsimTestCase):
                 else:
                     self.assertEqual(len(r["streams"]), (2 if r["pass"] == "tier bytes" else 3) * partial["num_kv_heads"])
         self.assertEqual(passes, {"tier bytes", "tier errors", "streaming", "rank errors"})
-        merged = kvsim("merge", out, "--out", self.path("merged"), "-q", cwd=ROOT)
-        self.assertEqual(merged.returncode, 0, merged.stderr)
-        self.assertEqual(merged.stdout, one.stdout)
-        self.assertEqual(self.search_outputs(self.path("merged")), expected)
+        self.assert_merges_to([out], "merged", one, expected)
 
         # A unit's pass edited: the merge names the field.
         path = os.path.join(out, "partial-1-of-3.json")
