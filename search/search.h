@@ -247,7 +247,9 @@ struct FitInput {
     const TierMeasurements* tier_measured = nullptr;  // fit: tiers: its passes measured by shards
     const std::vector<StreamingHeadFit>* streaming_measured = nullptr;  // fit: streaming: per (layer, KV head), by shards
     const std::vector<ComboResult>* rank_measured = nullptr;  // fit: ranks: its fitting pass, per plan, by shards
-    int64_t max_steps = 0;  // the decode steps replayed of each sequence (SearchRun::max_steps; 0: every one)
+    // The decode steps replayed of each sequence (SearchRun::max_steps; 0: every one). Read by the
+    // tier fit's screen, which opens the trace again; set where a tier fit runs.
+    int64_t max_steps = 0;
 };
 
 // The half-width of the 95% interval of a sampled output error's mean (StreamMetrics), normal

@@ -158,27 +158,29 @@ TierOptions tier_options(const FitInput& in, const TierFitPlans& plans, const st
     std::vector<std::size_t> first(keep);
     std::iota(first.begin(), first.end(), std::size_t{0});
     out.kept.assign(units, first);  // unscreened: every candidate; screened: the layers not asked for
-    if (keep < count) {
-        // Every candidate on the first steps of each fitting sequence; then per head the options
-        // that best describe the lower hull of their bytes and error there. Every share 0 stays:
-        // the first plan is then the fit's cheapest, which decides whether a target is reachable.
-        out.screen_steps = in.max_steps > 0 ? std::min(in.max_steps, spec.screen_steps) : spec.screen_steps;
-        const std::unique_ptr<AttentionSource> prefix =
-            open_trace_source(in.trace_path, out.screen_steps, in.fitting_indices);
-        FitInput prefix_input = in;
-        prefix_input.full_outputs = nullptr;  // the memo keeps whole sequences' outputs, on their own sampled steps
-        const std::vector<TierShares> candidate_plans(plans.plans.begin(),
-                                                      plans.plans.begin() + static_cast<std::ptrdiff_t>(count));
-        const std::vector<TierResult> results = tier_results(
-            replay_tier_plans(prefix_input, plans.params, *prefix, candidate_plans, true, layers, progress));
-        for (int l = 0; l < L; ++l) {
-            if (!layers.empty() && std::find(layers.begin(), layers.end(), l) == layers.end()) continue;
-            for (int kv = 0; kv < K; ++kv) {
-                const std::size_t u = static_cast<std::size_t>(l) * K + kv;
-                UnitOptions o;
-                for (const TierResult& r : results) o.bytes.push_back(r.head_bytes[u]), o.error.push_back(r.head_error[u]);
-                out.kept[u] = screen_options(o, keep, 0);
-            }
+    if (keep == count) {  // every candidate, uniform over the heads: the fit's own plans
+        out.plans = plans.plans;
+        return out;
+    }
+    // Every candidate on the first steps of each fitting sequence; then per head the options
+    // that best describe the lower hull of their bytes and error there. Every share 0 stays:
+    // the first plan is then the fit's cheapest, which decides whether a target is reachable.
+    out.screen_steps = in.max_steps > 0 ? std::min(in.max_steps, spec.screen_steps) : spec.screen_steps;
+    const std::unique_ptr<AttentionSource> prefix =
+        open_trace_source(in.trace_path, out.screen_steps, in.fitting_indices);
+    FitInput prefix_input = in;
+    prefix_input.full_outputs = nullptr;  // the memo keeps whole sequences' outputs, on their own sampled steps
+    const std::vector<TierShares> candidate_plans(plans.plans.begin(),
+                                                  plans.plans.begin() + static_cast<std::ptrdiff_t>(count));
+    const std::vector<TierResult> results = tier_results(
+        replay_tier_plans(prefix_input, plans.params, *prefix, candidate_plans, true, layers, progress));
+    for (int l = 0; l < L; ++l) {
+        if (!layers.empty() && std::find(layers.begin(), layers.end(), l) == layers.end()) continue;
+        for (int kv = 0; kv < K; ++kv) {
+            const std::size_t u = static_cast<std::size_t>(l) * K + kv;
+            UnitOptions o;
+            for (const TierResult& r : results) o.bytes.push_back(r.head_bytes[u]), o.error.push_back(r.head_error[u]);
+            out.kept[u] = screen_options(o, keep, 0);
         }
     }
     for (std::size_t k = 0; k < keep; ++k) {

@@ -516,8 +516,7 @@ private:
     // Whether step t of KV head kv has its query heads' scores against every fp16 key made in
     // shared_work: where harnesses attend and one of them reads fp16 scores (it would make the
     // same ones), or where the full cache's output is made from them (not read from the memo).
-    // Where every harness of the head streams, nothing else reads them: the streaming fit's
-    // probes, several to a head, made them at every step (a quarter of that fit at 4,096 tokens).
+    // Where every harness of the head streams (the streaming fit's probes), nothing else reads them.
     bool scores_made(int kv, int64_t t) const {
         return shared_attention_at(kv, t) && (scores_wanted_[kv] || (full_output_at(kv, t) && !memo_read_[kv]));
     }
