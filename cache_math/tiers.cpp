@@ -240,7 +240,32 @@ void score_row(const float* q, const float* keys, int64_t count, int kv_head, in
     const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
     const float* k = keys + static_cast<int64_t>(kv_head) * head_dim;
     const int64_t stride = static_cast<int64_t>(num_kv_heads) * head_dim;
-    for (int64_t p = 0; p < count; ++p, k += stride) scores[p] = fixed_order_dot(q, k, head_dim) * scale;
+    int64_t p = 0;
+    // fixed_order_dot's arithmetic, 16 keys at a time: one key's lanes summed one after another
+    // are a chain of 16 dependent additions, which 16 keys side by side overlap. Each key's
+    // additions keep their order, so each score keeps its bits.
+    constexpr int kKeys = 16;
+    if (head_dim >= 16) {
+        const int blocked = head_dim / 16 * 16;
+        for (; p + kKeys <= count; p += kKeys) {
+            alignas(64) float lanes[kKeys][16];
+            alignas(64) float total[kKeys];
+            for (int j = 0; j < kKeys; ++j) {
+                const float* key = k + (p + j) * stride;
+                float acc[16] = {};
+                for (int i = 0; i < blocked; i += 16)
+                    for (int l = 0; l < 16; ++l) acc[l] += q[i + l] * key[i + l];
+                for (int l = 0; l < 16; ++l) lanes[j][l] = acc[l];
+                float tail = 0;
+                for (int i = blocked; i < head_dim; ++i) tail += q[i] * key[i];
+                total[j] = tail;
+            }
+            for (int l = 0; l < 16; ++l)
+                for (int j = 0; j < kKeys; ++j) total[j] += lanes[j][l];
+            for (int j = 0; j < kKeys; ++j) scores[p + j] = total[j] * scale;
+        }
+    }
+    for (k += p * stride; p < count; ++p, k += stride) scores[p] = fixed_order_dot(q, k, head_dim) * scale;
 }
 
 void cached_attention_output(const float* q, std::span<const int32_t> held, std::span<const uint8_t> key_tier,

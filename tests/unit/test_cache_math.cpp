@@ -178,6 +178,30 @@ struct RandomTiers {
     }
 };
 
+TEST_CASE("score_row gives each key fixed_order_dot's bits, scaled, whatever the count and head size") {
+    std::mt19937 rng(5);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (const int d : {8, 16, 20, 48, 64, 128}) {
+        for (const int64_t count : {int64_t{1}, int64_t{15}, int64_t{16}, int64_t{17}, int64_t{300}}) {
+            CAPTURE(d);
+            CAPTURE(count);
+            const int kv_heads = 3, kv = 2;
+            std::vector<float> keys(static_cast<std::size_t>(count) * kv_heads * d), q(d);
+            for (float& x : keys) x = normal(rng);
+            for (float& x : q) x = normal(rng);
+            std::vector<float> scores(count);
+            score_row(q.data(), keys.data(), count, kv, kv_heads, d, scores.data());
+            const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+            bool same = true;
+            for (int64_t p = 0; p < count; ++p) {
+                const float expected = fixed_order_dot(q.data(), keys.data() + (p * kv_heads + kv) * d, d) * scale;
+                same = same && std::bit_cast<uint32_t>(scores[p]) == std::bit_cast<uint32_t>(expected);
+            }
+            CHECK(same);
+        }
+    }
+}
+
 TEST_CASE("cached attention: tiers mixed, shared scores of any tier and weights alone give the same bits; the output is the softmax's") {
     // Head sizes with a fixed-size accumulation (64, 128) and without (48), over a held subset
     // whose keys and values sit at all three tiers (random arrays stand in for each tier).
