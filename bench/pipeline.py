@@ -12,7 +12,7 @@ process (os.wait4):
   5. generate kvsim generate with the fitted tier profile in the runtime, --generate tokens
 
     python3 bench/pipeline.py [--sequences 8] [--tokens 4096] [--layers 16] [--type Q4_K]
-                              [--heldout 2] [--sample 0.125] [--screen STEPS[:KEEP]]
+                              [--heldout 2] [--sample 0.125] [--screen STEPS[:KEEP]] [--coarse-grid N]
                               [--targets 2x,4x] [--generate 32]
                               [--dir DIR] [--build build]
 
@@ -57,6 +57,8 @@ def main():
     parser.add_argument("--sample", type=float, default=0.125, help="search.sample steps (1: exact)")
     parser.add_argument("--screen", default="", help="search.screen: the tier candidates screened on the first STEPS "
                                                       "decode steps, KEEP a head (default 10) replayed in full")
+    parser.add_argument("--coarse-grid", type=int, default=0, help="search.coarse_grid: the budget fits measure every "
+                                                                      "Nth grid budget first, then refine (0: every one)")
     parser.add_argument("--generate", type=int, default=32, help="tokens kvsim generate writes")
     parser.add_argument("--targets", default="2x,4x", help="search.target, comma-separated")
     parser.add_argument("--dir", default="/tmp/kvsim-pipeline")
@@ -72,12 +74,15 @@ def main():
         if not steps.isdigit() or (keep and not keep.isdigit()):
             sys.exit("pipeline: --screen must be STEPS or STEPS:KEEP, e.g. 1024:10")
         screen = f"  screen: {{steps: {int(steps)}, keep: {int(keep or 10)}}}\n"
+    if args.coarse_grid == 1 or args.coarse_grid < 0:
+        sys.exit("pipeline: --coarse-grid must be 0 (every grid budget) or at least 2")
     os.makedirs(args.dir, exist_ok=True)
     kvsim = os.path.join(args.build, "kvsim")
     stem = os.path.join(args.dir, f"{args.sequences}x{args.tokens}-l{args.layers}-{args.type}")
     trace, search_dir = stem + ".h5", stem + "-search"
     print(f"pipeline: {args.sequences} x {args.tokens} tokens, {args.layers} layers of Llama-3.2-1B's shape, "
           f"{args.type} weights, sample {args.sample:g}" + (f", screen {args.screen}" if args.screen else "") +
+          (f", coarse grid {args.coarse_grid}" if args.coarse_grid else "") +
           f"; {os.cpu_count()} CPUs", flush=True)
 
     # bench_capture names the model and text it writes; --model-only prints them.
@@ -103,6 +108,7 @@ def main():
                   "  tiers: {recent: 64}\n"
                   + (f"  sample: {{steps: {args.sample!r}, seed: 1}}\n" if args.sample < 1 else "")
                   + screen
+                  + (f"  coarse_grid: {args.coarse_grid}\n" if args.coarse_grid else "")
                   + f"output: {{dir: {json.dumps(search_dir)}}}\n")
 
     totals = [0.0, 0.0, 0.0]

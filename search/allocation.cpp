@@ -124,12 +124,18 @@ std::vector<double> above(const OptionsByBytes& s, const std::vector<std::size_t
 }  // namespace
 
 CurveShape curve_shape(const UnitCurve& curve, const std::vector<int>& grid, const UnitBytes& bytes) {
-    const std::vector<double> x = grid_bytes(grid, bytes);
-    const std::vector<std::size_t> hull = falling_lower_hull(x, curve.error);
+    // Over the budgets measured: a refined search leaves the rest unmeasured (NaN).
+    std::vector<double> x, y;
+    std::vector<int> budgets;
+    for (std::size_t i = 0; i < grid.size(); ++i)
+        if (!std::isnan(curve.error.at(i)))
+            x.push_back(bytes.bytes_per_token(grid[i])), y.push_back(curve.error[i]), budgets.push_back(grid[i]);
     CurveShape shape;
-    for (std::size_t i = 1; i < grid.size(); ++i) {
-        if (curve.error[i] > curve.error[i - 1]) shape.rising.push_back(grid[i]);
-        if (i < hull.back() && !std::binary_search(hull.begin(), hull.end(), i)) shape.above_hull.push_back(grid[i]);
+    if (x.empty()) return shape;
+    const std::vector<std::size_t> hull = falling_lower_hull(x, y);
+    for (std::size_t i = 1; i < x.size(); ++i) {
+        if (y[i] > y[i - 1]) shape.rising.push_back(budgets[i]);
+        if (i < hull.back() && !std::binary_search(hull.begin(), hull.end(), i)) shape.above_hull.push_back(budgets[i]);
     }
     return shape;
 }
@@ -238,18 +244,23 @@ std::vector<std::size_t> screen_options(const UnitOptions& o, std::size_t keep, 
 Allocation allocate_by_marginal_gain(const std::vector<UnitCurve>& curves, const std::vector<int>& grid,
                                      const UnitBytes& bytes, double target_bytes_per_token) {
     const std::vector<double> x = grid_bytes(grid, bytes);
-    std::vector<UnitOptions> units;
-    for (const UnitCurve& c : curves) {
-        if (c.error.size() != grid.size())
+    // Each unit's options: the grid budgets its curve measured (every one, unless refined).
+    std::vector<std::vector<std::size_t>> measured(curves.size());
+    std::vector<UnitOptions> units(curves.size());
+    for (std::size_t u = 0; u < curves.size(); ++u) {
+        if (curves[u].error.size() != grid.size())
             throw std::invalid_argument("allocate_by_marginal_gain: curve and grid differ in size");
-        units.push_back({x, c.error});
+        for (std::size_t i = 0; i < grid.size(); ++i)
+            if (!std::isnan(curves[u].error[i]))
+                measured[u].push_back(i), units[u].bytes.push_back(x[i]), units[u].error.push_back(curves[u].error[i]);
     }
     const std::vector<std::size_t> chosen = choose_by_marginal_gain(units, target_bytes_per_token);
     Allocation result;
     for (std::size_t u = 0; u < curves.size(); ++u) {
-        result.budgets.push_back(grid[chosen[u]]);
-        result.error += curves[u].error[chosen[u]];
-        result.bytes_per_token += x[chosen[u]];
+        const std::size_t i = measured[u][chosen[u]];
+        result.budgets.push_back(grid[i]);
+        result.error += curves[u].error[i];
+        result.bytes_per_token += x[i];
     }
     result.bytes_per_token /= static_cast<double>(curves.size());
     return result;
@@ -308,7 +319,11 @@ double allocation_error(const std::vector<UnitCurve>& curves, const std::vector<
         const auto it = std::lower_bound(grid.begin(), grid.end(), budgets.at(u));
         if (it == grid.end() || *it != budgets[u])
             throw std::invalid_argument("allocation_error: budget " + std::to_string(budgets[u]) + " is not on the grid");
-        sum += curves[u].error[static_cast<std::size_t>(it - grid.begin())];
+        const double error = curves[u].error[static_cast<std::size_t>(it - grid.begin())];
+        if (std::isnan(error))
+            throw std::logic_error("allocation_error: " + curves[u].name + " was not measured at budget " +
+                                   std::to_string(budgets[u]));
+        sum += error;
     }
     return sum;
 }
@@ -342,6 +357,26 @@ std::vector<int> budget_grid(int lowest, int highest, int units) {
     std::sort(grid.begin(), grid.end());
     grid.erase(std::unique(grid.begin(), grid.end()), grid.end());
     return grid;
+}
+
+std::vector<std::size_t> grid_stride_indices(std::size_t size, int stride) {
+    if (stride < 1) throw std::invalid_argument("grid_stride_indices: stride must be >= 1");
+    std::vector<std::size_t> out;
+    for (std::size_t i = 0; i < size; i += static_cast<std::size_t>(stride)) out.push_back(i);
+    if (size > 0 && out.back() != size - 1) out.push_back(size - 1);
+    return out;
+}
+
+std::vector<std::size_t> refine_bracket(std::size_t chosen, int step, int next, std::size_t size) {
+    if (next < 1 || next >= step || chosen >= size) throw std::invalid_argument("refine_bracket: bad stride or index");
+    std::vector<std::size_t> out;
+    const auto s = static_cast<std::size_t>(step), n = static_cast<std::size_t>(next);
+    // Down from the chosen index while less than `step` away, then up likewise.
+    for (std::size_t d = (s - 1) / n * n; d > 0; d -= n)
+        if (d <= chosen) out.push_back(chosen - d);
+    out.push_back(chosen);
+    for (std::size_t d = n; d < s && chosen + d < size; d += n) out.push_back(chosen + d);
+    return out;
 }
 
 }  // namespace kvsim

@@ -64,7 +64,7 @@ double kvpress_ratio(int kept_thousandths);
 // One unit's objective (lower is better, summed over its measured steps) at each grid budget.
 struct UnitCurve {
     std::string name;            // "layer 3" or "layer 3, KV head 1"
-    std::vector<double> error;   // index-aligned with the grid
+    std::vector<double> error;   // index-aligned with the grid; NaN: a budget not measured (a refined grid)
 };
 
 struct Allocation {
@@ -75,7 +75,8 @@ struct Allocation {
 
 // Greedy by marginal gain on each unit's lower convex hull of (bytes, error): from the smallest
 // grid budget everywhere, repeatedly take the hull step that cuts the most error per byte and
-// still fits; then spend what is left on any single upgrade that fits and cuts error.
+// still fits; then spend what is left on any single upgrade that fits and cuts error. A unit's
+// options are the budgets its curve measured.
 Allocation allocate_by_marginal_gain(const std::vector<UnitCurve>& curves, const std::vector<int>& grid,
                                      const UnitBytes& bytes, double target_bytes_per_token);
 
@@ -99,7 +100,8 @@ std::vector<double> error_above_hull(const UnitOptions& unit);
 std::vector<std::size_t> screen_options(const UnitOptions& unit, std::size_t keep, std::size_t always);
 
 // Where a curve departs from diminishing returns: grid budgets above its lower convex hull (the
-// greedy steps over them) and budgets where the objective rises although the cache grew.
+// greedy steps over them) and budgets where the objective rises although the cache grew; over the
+// budgets the curve measured.
 struct CurveShape {
     std::vector<int> above_hull;
     std::vector<int> rising;
@@ -112,7 +114,8 @@ CurveShape curve_shape(const UnitCurve& curve, const std::vector<int>& grid, con
 Allocation allocate_by_shape(const std::vector<double>& weights, const std::vector<int>& grid,
                              const UnitBytes& bytes, double target_bytes_per_token);
 
-// The summed error of an allocation read off the curves (every budget must be a grid budget).
+// The summed error of an allocation read off the curves (every budget must be a grid budget, and
+// measured: std::logic_error otherwise).
 double allocation_error(const std::vector<UnitCurve>& curves, const std::vector<int>& grid,
                         const std::vector<int>& budgets);
 
@@ -124,5 +127,14 @@ std::vector<double> inverted_weights(int num_layers, double slope);    // early 
 // bytes of `units` units by at most about 0.5%: every integer while that holds, then steps of
 // min(4%, 0.5% * units) (always distinct, ascending).
 std::vector<int> budget_grid(int lowest, int highest, int units = 8);
+
+// Coarse to fine over a grid of `size` points: every stride-th index from 0, and the last.
+std::vector<std::size_t> grid_stride_indices(std::size_t size, int stride);
+
+// The indices a refinement from stride `step` to stride `next` (1 <= next < step) measures
+// around a chosen index: those less than `step` away on either side, `next` apart and aligned on
+// it, inside the grid (the chosen one included). Where a fit chose `chosen` among points `step`
+// apart, its choice among points `next` apart lies in this bracket wherever its curve is convex.
+std::vector<std::size_t> refine_bracket(std::size_t chosen, int step, int next, std::size_t size);
 
 }  // namespace kvsim

@@ -115,7 +115,7 @@ void fit_mixed_heads(const FitInput& in, const MixedTables& t, SearchOutcome& ou
                 c.head_bytes.push_back(options[u].bytes[pick[u]]);
                 c.fitting_error += options[u].error[pick[u]];
                 c.estimated_bytes += options[u].bytes[pick[u]] / static_cast<double>(units);
-                if (o.method == HeadMethod::evict) plan.budgets[u] = t.grid[o.index];
+                if (o.method == HeadMethod::evict) plan.budgets[u] = t.evict_budgets[u][o.index];
                 if (o.method == HeadMethod::tiers) {
                     plan.fp16[u] = t.tier_shares[u][o.index][0];
                     plan.int8[u] = t.tier_shares[u][o.index][1];

@@ -11,6 +11,7 @@
 #include <map>
 #include <optional>
 #include <random>
+#include <set>
 
 #include "base/atomic_file.h"
 #include "base/errors.h"
@@ -66,6 +67,13 @@ struct Method {
     double model_bytes = 0;  // bytes per token on the held-out sequences, by the byte model
     bool adakv = false;      // Ada-KV at these budgets: the layer's heads share its total
 };
+
+// "2nd", "3rd", "4th", "11th", "21st", ...
+std::string ordinal(int n) {
+    const int tens = n % 100, ones = n % 10;
+    const char* suffix = tens >= 11 && tens <= 13 ? "th" : ones == 1 ? "st" : ones == 2 ? "nd" : ones == 3 ? "rd" : "th";
+    return std::to_string(n) + suffix;
+}
 
 // Each layer's mean of its heads' budgets, rounded: what the tables show for a head allocation.
 std::vector<int> layer_means(const std::vector<int>& head_budgets, int num_layers, int num_kv_heads) {
@@ -157,6 +165,10 @@ struct SearchSetup {
     HarnessOptions harness;
     ReplayOptions options;
     double full_fp16 = 0;  // bytes per token of the full fp16 cache on the held-out sequences
+    // The grid budgets the budget fits measure first, side by side: every one, or with
+    // search.coarse_grid every coarse_grid-th and the last (indices into out.grid, ascending).
+    std::vector<std::size_t> first_pass;
+    std::vector<int> first_pass_budgets;
     // The full cache's outputs at the measured steps, computed once for every fit's replays: on
     // issue 34's 1B case (8 x 4,096 tokens, output error on 1/8 of the steps) they take 1.07 GB.
     // At most a quarter of the memory limit (--max-memory), so a smaller machine keeps fewer.
@@ -235,6 +247,10 @@ SearchSetup::SearchSetup(const SearchSpec& spec, const SearchRun& run) : reader(
     if (!qkv && fit_tiers)
         throw InputError(spec.fits_where + ": tier profiles are fitted by their output error, which needs a Q/K/V "
                                            "trace, but " + run.trace_path + " records attention only");
+    if (spec.coarse_grid > 0 && (!fit_budgets || spec.deploy == "kvpress"))
+        throw InputError(spec.coarse_grid_where + ": refines the budget fits' grid, and " +
+                         (fit_budgets ? "deploy kvpress fits prompt ratios instead; remove search.coarse_grid"
+                                      : "search.fit has no layer_budgets or head_budgets; remove search.coarse_grid or add one"));
     if (spec.screen_steps > 0 && !fit_tiers)
         throw InputError(spec.screen_where + ": screens the tier fit's candidates on a prefix, and search.fit has no "
                                              "tiers; remove search.screen or add tiers to search.fit");
@@ -307,6 +323,8 @@ SearchSetup::SearchSetup(const SearchSpec& spec, const SearchRun& run) : reader(
         const std::string problem = policy->check_budget(params, out.grid.front());
         if (!problem.empty()) throw InputError(spec.grid_where + ": " + problem + " (the grid's smallest budget)");
     }
+    first_pass = grid_stride_indices(out.grid.size(), std::max(spec.coarse_grid, 1));
+    for (std::size_t i : first_pass) first_pass_budgets.push_back(out.grid[i]);
 
     const int slot_bytes = static_cast<int>(
         policy->make(params, PolicyContext{out.grid.front(), out.grid.front() + 1, 0, L, 0, K, head_dim})->bytes_per_slot());
@@ -451,7 +469,7 @@ std::vector<StreamingHeadFit> combine_streaming_units(const std::vector<SearchUn
 // merge reads them back.
 SearchPassPlans search_pass_plans(const SearchSpec& spec, const SearchSetup& setup) {
     SearchPassPlans plans{};
-    if (setup.fit_budgets) plans[0] = setup.out.grid.size();
+    if (setup.fit_budgets) plans[0] = setup.first_pass.empty() ? setup.out.grid.size() : setup.first_pass.size();
     if (setup.fit_tiers) {
         const TierFitPlans tiers = tier_fit_plans(spec, setup.num_layers, setup.num_kv_heads);
         plans[2] = tier_option_count(spec, tiers);
@@ -488,7 +506,7 @@ SearchShardWork::~SearchShardWork() = default;
 
 const std::vector<int>& SearchShardWork::grid() const {
     static const std::vector<int> none;
-    return setup_->fit_budgets ? setup_->out.grid : none;
+    return setup_->fit_budgets ? setup_->first_pass_budgets : none;
 }
 const SearchPassPlans& SearchShardWork::pass_plans() const { return pass_plans_; }
 int SearchShardWork::num_layers() const { return setup_->num_layers; }
@@ -822,86 +840,202 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
         fit_prompt_ratios(setup, spec, run, [&](double f) { stage_progress(0, f); }, curve_notes);
     } else if (fit_budgets) {
         const ByteModel& heldout_bytes = *heldout_bytes_model;
-        // One lockstep pass over the fitting set: every grid budget side by side.
+        const std::vector<int>& grid = out.grid;
+        const std::size_t G = grid.size();
+        const bool refined = setup.first_pass.size() < G;
+        // One lockstep pass over the fitting set: every first-pass grid budget side by side.
         // Or its units' streams, measured by shards (kvsim search --shard) and summed as replay sums.
         std::vector<ComboResult> measured;
         if (run.measured_units) {
             measured = combine_units(*run.measured_units, measured_ranges[0], fitting.size(), L, K);
         } else {
-            const std::vector<ReplayCombo> grid_combos = expand_sweep({entry}, {}, out.grid);
-            if (run.progress) options.progress = [&](double f) { stage_progress(0, 0.7 * f); };
+            const std::vector<ReplayCombo> grid_combos = expand_sweep({entry}, {}, setup.first_pass_budgets);
+            if (run.progress) options.progress = [&](double f) { stage_progress(0, (refined ? 0.5 : 0.7) * f); };
             measured = replay(*fitting_source, grid_combos, options);
         }
 
+        // Per-unit curves over the grid; NaN where a refined grid measured no budget.
         std::vector<UnitCurve> layer_curves(L), head_curves(static_cast<std::size_t>(L) * K);
         for (int l = 0; l < L; ++l) {
             layer_curves[l].name = "layer " + std::to_string(l);
-            for (int kv = 0; kv < K; ++kv)
-                head_curves[static_cast<std::size_t>(l) * K + kv].name =
-                    "layer " + std::to_string(l) + ", KV head " + std::to_string(kv);
+            layer_curves[l].error.assign(G, std::numeric_limits<double>::quiet_NaN());
+            for (int kv = 0; kv < K; ++kv) {
+                UnitCurve& c = head_curves[static_cast<std::size_t>(l) * K + kv];
+                c.name = "layer " + std::to_string(l) + ", KV head " + std::to_string(kv);
+                c.error.assign(G, std::numeric_limits<double>::quiet_NaN());
+            }
         }
-        for (const ComboResult& r : measured) {
-            for (int l = 0; l < L; ++l) layer_curves[l].error.push_back(error_sum(r.by_layer[l], output_error));
-            for (std::size_t u = 0; u < head_curves.size(); ++u) head_curves[u].error.push_back(error_sum(r.by_head[u], output_error));
+        for (std::size_t i = 0; i < measured.size(); ++i) {
+            const std::size_t g = setup.first_pass.at(i);
+            for (int l = 0; l < L; ++l) layer_curves[l].error[g] = error_sum(measured[i].by_layer[l], output_error);
+            for (std::size_t u = 0; u < head_curves.size(); ++u) head_curves[u].error[g] = error_sum(measured[i].by_head[u], output_error);
         }
         const double fitting_steps = step_count(measured.front().total, output_error);
-        if (mixed) {  // fit: mixed: each head's curve, a grid budget an option, at the byte model's bytes
+
+        // The baselines' layer allocations at a target: uniform, and with fit: layer_budgets
+        // PyramidKV's schedule and the best PyramidKV ratio and inverted slope. The best are chosen
+        // by the first pass's curves (every grid budget's, unless the grid is refined) and then
+        // allocated on the whole grid.
+        const int default_ratio =
+            static_cast<int>(resolve_params(*find_policy("pyramidkv"), {}, "pyramidkv").at("pyramid_ratio"));
+        std::vector<UnitCurve> first_layer_curves = layer_curves;
+        for (UnitCurve& c : first_layer_curves) {
+            std::vector<double> first;
+            for (std::size_t g : setup.first_pass) first.push_back(c.error[g]);
+            c.error = std::move(first);
+        }
+        auto baselines = [&](double bytes) {
+            std::vector<std::pair<std::string, Allocation>> chosen;
+            chosen.emplace_back("uniform", allocate_by_shape(std::vector<double>(L, 1.0), grid, heldout_bytes, bytes));
+            if (!fit_layers) return chosen;
+            chosen.emplace_back("PyramidKV schedule (ratio " + std::to_string(default_ratio) + ")",
+                                allocate_by_shape(pyramid_weights(L, default_ratio), grid, heldout_bytes, bytes));
+            auto best_shape = [&](auto weights_of, const std::vector<double>& candidates) {
+                double best_value = candidates.front(), best_error = std::numeric_limits<double>::infinity();
+                for (double c : candidates) {
+                    const Allocation a = allocate_by_shape(weights_of(c), setup.first_pass_budgets, heldout_bytes, bytes);
+                    const double e = allocation_error(first_layer_curves, setup.first_pass_budgets, a.budgets);
+                    if (e < best_error) best_value = c, best_error = e;
+                }
+                return std::make_pair(best_value, allocate_by_shape(weights_of(best_value), grid, heldout_bytes, bytes));
+            };
+            const auto [ratio, pyramid] = best_shape([&](double r) { return pyramid_weights(L, static_cast<int>(r)); },
+                                                     {2, 3, 4, 6, 8, 12, 16, 20, 32, 64});
+            chosen.emplace_back("PyramidKV schedule (best ratio " + format_number(ratio) + ")", pyramid);
+            const auto [slope, inverted] = best_shape([&](double s) { return inverted_weights(L, s); },
+                                                      {0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9});
+            chosen.emplace_back("inverted schedule (best slope " + format_number(slope) + ")", inverted);
+            return chosen;
+        };
+
+        // search.coarse_grid: from the first pass's stride, a quarter of it each pass, measure only the
+        // budgets beside what each fit chose at each target (and, in the first, the baselines'
+        // budgets), every unit in the same plans. Nothing is interpolated: every option the fits
+        // choose from, and every figure read off a curve, was measured.
+        if (refined) {
+            // Each pass divides the stride by 4: a pass costs about what 15 plans cost (every
+            // step's attention rows), so fewer passes with wider brackets cost least.
+            auto next_stride = [](int step) { return std::max(1, step / 4); };
+            int passes = 0;
+            for (int step = spec.coarse_grid; step > 1; step = next_stride(step)) ++passes;
+            auto index_of = [&](int budget) {
+                return static_cast<std::size_t>(std::lower_bound(grid.begin(), grid.end(), budget) - grid.begin());
+            };
+            std::size_t plans_replayed = 0;
+            int pass = 0;
+            for (int step = spec.coarse_grid; step > 1; step = next_stride(step), ++pass) {
+                const int next = next_stride(step);
+                std::vector<std::set<std::size_t>> wanted(head_curves.size());
+                auto want_layer = [&](int l, std::size_t g) {
+                    for (int kv = 0; kv < K; ++kv) wanted[static_cast<std::size_t>(l) * K + kv].insert(g);
+                };
+                for (const SearchTarget& target : spec.targets) {
+                    const double bytes = target.bytes(full_fp16);
+                    if (fit_heads) {
+                        const Allocation a = allocate_by_marginal_gain(head_curves, grid, heldout_bytes, bytes);
+                        for (std::size_t u = 0; u < head_curves.size(); ++u)
+                            for (std::size_t g : refine_bracket(index_of(a.budgets[u]), step, next, G)) wanted[u].insert(g);
+                    }
+                    if (fit_layers) {
+                        const Allocation a = allocate_by_marginal_gain(layer_curves, grid, heldout_bytes, bytes);
+                        for (int l = 0; l < L; ++l)
+                            for (std::size_t g : refine_bracket(index_of(a.budgets[l]), step, next, G)) want_layer(l, g);
+                    }
+                    if (pass == 0)
+                        for (const auto& [name, a] : baselines(bytes))
+                            for (int l = 0; l < L; ++l) want_layer(l, index_of(a.budgets[l]));
+                }
+                // Per head, the budgets not measured yet; the k-th plan gives each head its k-th.
+                std::vector<std::vector<std::size_t>> todo(head_curves.size());
+                std::size_t plans = 0;
+                for (std::size_t u = 0; u < head_curves.size(); ++u) {
+                    for (std::size_t g : wanted[u])
+                        if (std::isnan(head_curves[u].error[g])) todo[u].push_back(g);
+                    plans = std::max(plans, todo[u].size());
+                }
+                std::vector<BudgetColumn> columns;
+                for (std::size_t k = 0; k < plans; ++k) {
+                    std::vector<int> head_budgets(head_curves.size());
+                    // A head with fewer budgets to measure fills the plan with the cheapest (discarded).
+                    for (std::size_t u = 0; u < head_curves.size(); ++u)
+                        head_budgets[u] = k < todo[u].size() ? grid[todo[u][k]] : grid.front();
+                    columns.push_back(profile_budget_column("refinement " + std::to_string(pass) + "." + std::to_string(k),
+                                                            spec.coarse_grid_where, layer_means(head_budgets, L, K),
+                                                            head_budgets));
+                }
+                if (columns.empty()) continue;
+                ReplayOptions refine_options = options;
+                refine_options.progress = nullptr;
+                if (run.progress)
+                    refine_options.progress = [&](double f) { stage_progress(0, 0.5 + 0.2 * (pass + f) / passes); };
+                const std::vector<ComboResult> refinement =
+                    replay(*fitting_source, expand_sweep({entry}, {}, columns), refine_options);
+                plans_replayed += columns.size();
+                for (std::size_t k = 0; k < refinement.size(); ++k)
+                    for (std::size_t u = 0; u < head_curves.size(); ++u)
+                        if (k < todo[u].size())
+                            head_curves[u].error[todo[u][k]] = error_sum(refinement[k].by_head[u], output_error);
+                // A layer's curve, where every head of it is measured: the sum of theirs.
+                for (int l = 0; l < L; ++l)
+                    for (std::size_t g = 0; g < G; ++g) {
+                        if (!std::isnan(layer_curves[l].error[g])) continue;
+                        double sum = 0;
+                        for (int kv = 0; kv < K; ++kv) sum += head_curves[static_cast<std::size_t>(l) * K + kv].error[g];
+                        if (!std::isnan(sum)) layer_curves[l].error[g] = sum;
+                    }
+            }
+            std::size_t points = 0;
+            for (const UnitCurve& c : head_curves)
+                for (double e : c.error) points += !std::isnan(e);
+            curve_notes.push_back(
+                "The budget fits measured every " + ordinal(spec.coarse_grid) + " of the " + std::to_string(G) +
+                " grid budgets, then in " + std::to_string(passes) + " passes, a quarter of the stride each, only the budgets "
+                "beside what each fit and baseline chose (search.coarse_grid): " + std::to_string(points) + " of " +
+                std::to_string(G * head_curves.size()) + " (KV head, budget) points, in " +
+                std::to_string(setup.first_pass.size() + plans_replayed) + " plans. The fits chose among measured "
+                "budgets only, and every figure is measured, none interpolated.");
+        }
+
+        if (mixed) {  // fit: mixed: each head's measured budgets an option, at the byte model's bytes
             mixed->evict_policy = policy->name;
             mixed->evict_params = params;
-            mixed->grid = out.grid;
             for (const UnitCurve& c : head_curves) {
                 UnitOptions o;
-                for (int b : out.grid) o.bytes.push_back(heldout_bytes.bytes_per_token(b));
-                o.error = c.error;
+                std::vector<int> budgets;
+                for (std::size_t g = 0; g < G; ++g)
+                    if (!std::isnan(c.error[g])) {
+                        budgets.push_back(grid[g]);
+                        o.bytes.push_back(heldout_bytes.bytes_per_token(grid[g]));
+                        o.error.push_back(c.error[g]);
+                    }
                 mixed->evict.push_back(o);
+                mixed->evict_budgets.push_back(budgets);
             }
         }
 
         // The methods, per target, all at the same bytes on the held-out sequences.
-        const int default_ratio =
-            static_cast<int>(resolve_params(*find_policy("pyramidkv"), {}, "pyramidkv").at("pyramid_ratio"));
-
         std::vector<std::pair<const SearchTarget*, Method>> methods;
         for (const SearchTarget& target : spec.targets) {
             const double bytes = target.bytes(full_fp16);
             auto layer_method = [&](std::string name, const Allocation& a) {
-                Method m{std::move(name), "layer_budgets", a.budgets, {}, allocation_error(layer_curves, out.grid, a.budgets),
+                Method m{std::move(name), "layer_budgets", a.budgets, {}, allocation_error(layer_curves, grid, a.budgets),
                          a.bytes_per_token};
                 methods.push_back({&target, m});
             };
-            auto best_shape = [&](auto weights_of, const std::vector<double>& candidates, double& best_value) {
-                Allocation best;
-                double best_error = std::numeric_limits<double>::infinity();
-                for (double c : candidates) {
-                    const Allocation a = allocate_by_shape(weights_of(c), out.grid, heldout_bytes, bytes);
-                    const double e = allocation_error(layer_curves, out.grid, a.budgets);
-                    if (e < best_error) best = a, best_error = e, best_value = c;
-                }
-                return best;
-            };
-            layer_method("uniform", allocate_by_shape(std::vector<double>(L, 1.0), out.grid, heldout_bytes, bytes));
-            if (fit_layers) {
-                layer_method("PyramidKV schedule (ratio " + std::to_string(default_ratio) + ")",
-                             allocate_by_shape(pyramid_weights(L, default_ratio), out.grid, heldout_bytes, bytes));
-                double ratio = 0, slope = 0;
-                const Allocation best_pyramid = best_shape([&](double r) { return pyramid_weights(L, static_cast<int>(r)); },
-                                                           {2, 3, 4, 6, 8, 12, 16, 20, 32, 64}, ratio);
-                layer_method("PyramidKV schedule (best ratio " + format_number(ratio) + ")", best_pyramid);
-                const Allocation best_inverted = best_shape([&](double s) { return inverted_weights(L, s); },
-                                                            {0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9}, slope);
-                layer_method("inverted schedule (best slope " + format_number(slope) + ")", best_inverted);
-                layer_method("fitted layer budgets", allocate_by_marginal_gain(layer_curves, out.grid, heldout_bytes, bytes));
-            }
+            const std::vector<std::pair<std::string, Allocation>> shapes = baselines(bytes);
+            for (const auto& [name, a] : shapes) layer_method(name, a);
+            if (fit_layers)
+                layer_method("fitted layer budgets", allocate_by_marginal_gain(layer_curves, grid, heldout_bytes, bytes));
             if (fit_heads) {
-                const Allocation a = allocate_by_marginal_gain(head_curves, out.grid, heldout_bytes, bytes);
+                const Allocation a = allocate_by_marginal_gain(head_curves, grid, heldout_bytes, bytes);
                 Method m{"fitted head budgets", "head_budgets", layer_means(a.budgets, L, K), a.budgets,
-                         allocation_error(head_curves, out.grid, a.budgets), a.bytes_per_token};
+                         allocation_error(head_curves, grid, a.budgets), a.bytes_per_token};
                 methods.push_back({&target, m});
                 // Ada-KV's head allocation, chosen per step by the policy's scores rather than fitted:
                 // uniform's per-layer totals, so the same bytes; its fitting error is measured below.
                 // Only a scored policy has scores to share a layer's budget by.
                 if (policy->scored) {
-                    const Allocation u = allocate_by_shape(std::vector<double>(L, 1.0), out.grid, heldout_bytes, bytes);
+                    const Allocation& u = shapes.front().second;
                     Method ada{"Ada-KV (floor " + format_number(kSearchAdaKvFloor) + ")", "head_budgets", u.budgets,
                                {}, 0, u.bytes_per_token, true};
                     methods.push_back({&target, ada});
@@ -935,7 +1069,7 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
                 non_convex += !shape.above_hull.empty();
                 rising += !shape.rising.empty();
                 above += shape.above_hull.size();
-                points += out.grid.size();
+                for (double e : c.error) points += !std::isnan(e);
             }
             char line[400];
             std::snprintf(line, sizeof line,

@@ -181,7 +181,9 @@ public:
     SearchShardWork(const SearchSpec& spec, const SearchRun& run);
     ~SearchShardWork();
 
-    const std::vector<int>& grid() const;  // empty without budget fits
+    // The grid budgets the grid units measure: every one, or search.coarse_grid's first pass (the
+    // merge measures the refinements); empty without budget fits.
+    const std::vector<int>& grid() const;
     const SearchPassPlans& pass_plans() const;
     int num_layers() const;
     int num_kv_heads() const;
@@ -213,10 +215,11 @@ private:
 // fitting steps. Filled by the fits as they run (a family that did not run leaves its table
 // empty), so the mixed fit replays nothing a family already measured.
 struct MixedTables {
-    // Eviction: the budget fit's per-head curves over the grid (options: grid budgets).
+    // Eviction: the budget fit's per-head curves (options: the grid budgets measured, per head in
+    // evict_budgets: every one, or a refined grid's).
     std::string evict_policy;
     ParamValues evict_params;
-    std::vector<int> grid;
+    std::vector<std::vector<int>> evict_budgets;
     std::vector<UnitOptions> evict;
     // Tiers: per head, the share triples of its options (every candidate, or the screen's survivors).
     ParamValues tier_params;

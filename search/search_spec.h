@@ -65,6 +65,11 @@ struct SearchSpec {
     std::string fits_where;
     std::vector<int> grid;              // budgets measured per unit; empty: chosen from the trace
     std::string grid_where;
+    // coarse_grid: the budget fits first measure every coarse_grid-th grid budget (and the last),
+    // then, a quarter of the stride each pass, only the budgets beside what each fit and baseline
+    // chose. 0: every grid budget measured.
+    int coarse_grid = 0;
+    std::string coarse_grid_where;
     // fit: streaming: the tokens a streaming head keeps exactly.
     int streaming_sinks = 4;
     int streaming_recent = 64;

@@ -106,7 +106,7 @@ public:
         SearchSpec spec;
         spec.where = where(node, "search");
         only_keys(node, "search", {"policy", "split", "target", "objective", "fit", "grid", "streaming", "tiers", "ranks",
-                                   "deploy", "prompt", "sample", "screen"});
+                                   "deploy", "prompt", "sample", "screen", "coarse_grid"});
         spec.deploy_where = spec.where;
         if (const YAML::Node deploy = node["deploy"]) {
             spec.deploy = string(deploy, "search.deploy");
@@ -301,6 +301,10 @@ public:
                 fail(screen, "search.screen", "missing key 'steps' (the decode steps of each fitting sequence screened, e.g. 1024)");
             spec.screen_steps = integer(steps, "search.screen.steps", 16, kMaxSequenceTokens);
             if (const YAML::Node keep = screen["keep"]) spec.screen_keep = int32(keep, "search.screen.keep", 2, 1000);
+        }
+        if (const YAML::Node coarse = node["coarse_grid"]) {
+            spec.coarse_grid_where = where(coarse, "search.coarse_grid");
+            spec.coarse_grid = int32(coarse, "search.coarse_grid", 2, 1024);
         }
         if (const YAML::Node fit = node["fit"]) {
             spec.fits_where = where(fit, "search.fit");

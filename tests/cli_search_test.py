@@ -787,6 +787,14 @@ class Search(KvsimTestCase):
              "search.screen: missing key 'steps'"),
             ("  fit: [layer_budgets, head_budgets]\n", "  fit: [tiers]\n  screen: {steps: 64, survivors: 4}\n",
              "search.screen.survivors: unknown key"),
+            ("  fit: [layer_budgets, head_budgets]\n", "  fit: [layer_budgets]\n  coarse_grid: 1\n",
+             "search.coarse_grid: must be >= 2"),
+            ("  fit: [layer_budgets, head_budgets]\n", "  fit: [layer_budgets]\n  coarse_grid: [8]\n",
+             "search.coarse_grid: expected a number"),
+            ("  fit: [layer_budgets, head_budgets]\n", "  fit: [layer_budgets]\n  coarse_grid: 2.5\n",
+             "search.coarse_grid: expected an integer"),
+            ("  fit: [layer_budgets, head_budgets]\n", "  fit: [tiers]\n  coarse_grid: 8\n",
+             "search.coarse_grid: refines the budget fits' grid, and search.fit has no layer_budgets or head_budgets"),
         ]
         for old, new, fragment in cases:
             with self.subTest(new=new):

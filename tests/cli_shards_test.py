@@ -375,6 +375,22 @@ class SearchShards(KvsimTestCase):
             self.assertEqual(partial["tier_candidates"], 5)  # each head's options, not the 52 candidates
         self.assert_merges_to([out], "merged", one, expected)
 
+    def test_a_coarse_grid_search_in_2_shards_merges_to_the_one_machine_outputs(self):
+        # search.coarse_grid: the shards measure the first pass's budgets (every 4th of 8, and the
+        # last); the merge refines around each fit's choices as one machine does, byte for byte.
+        coarse = SEARCH.replace("grid: [10, 16, 24, 32, 48]", "grid: [10, 12, 16, 20, 24, 32, 40, 48]\n  coarse_grid: 4")
+        config = self.write("coarse.yaml", coarse)
+        one, expected = self.whole_search(config, "whole")
+        self.assertIn("measured every 4th of the 8 grid budgets", expected["search.json"])
+        out = self.path("shards")
+        for i in (1, 0):
+            ran = self.search_shard(config, "%d/2" % i, out)
+            self.assertEqual(ran.returncode, 0, ran.stderr)
+            partial = json.loads(read(os.path.join(out, "partial-%d-of-2.json" % i)))
+            self.assertEqual(partial["grid"], [10, 24, 48])
+            self.assertEqual(partial["units"], 3 * 5)  # the first pass's 3 budgets x 5 layers
+        self.assert_merges_to([out], "merged", one, expected)
+
     def test_a_tier_streaming_and_rank_search_in_3_shards_merges_to_the_one_machine_outputs(self):
         # The shards measure the tier fit's two big passes (every plan's bytes on the held-out
         # sequences, every candidate's errors on the fitting ones), the streaming fit's lambda

@@ -186,6 +186,47 @@ TEST_CASE("marginal-gain choice over options in any order matches brute force on
     CHECK(units[2].bytes[pick[2]] > units[0].bytes[pick[0]]);
 }
 
+TEST_CASE("a refined grid: stride indices, the brackets around a choice, and curves measured in part") {
+    using Indices = std::vector<std::size_t>;
+    CHECK(grid_stride_indices(10, 4) == Indices{0, 4, 8, 9});
+    CHECK(grid_stride_indices(9, 4) == Indices{0, 4, 8});
+    CHECK(grid_stride_indices(3, 1) == Indices{0, 1, 2});
+    CHECK_THROWS_AS(grid_stride_indices(3, 0), std::invalid_argument);
+    CHECK(refine_bracket(8, 4, 2, 20) == Indices{6, 8, 10});
+    CHECK(refine_bracket(8, 2, 1, 20) == Indices{7, 8, 9});
+    CHECK(refine_bracket(8, 3, 1, 20) == Indices{6, 7, 8, 9, 10});
+    CHECK(refine_bracket(1, 8, 2, 20) == Indices{1, 3, 5, 7});   // nothing below 0
+    CHECK(refine_bracket(18, 4, 1, 20) == Indices{15, 16, 17, 18, 19});  // nothing past the last
+    CHECK_THROWS_AS(refine_bracket(8, 2, 2, 20), std::invalid_argument);
+    CHECK_THROWS_AS(refine_bracket(20, 2, 1, 20), std::invalid_argument);
+
+    // A curve measured at some budgets only: the allocation chooses among those, as it would on
+    // the grid of them; reading an unmeasured budget is refused.
+    const std::vector<int> grid = budget_grid(2, 60);
+    const ByteModel bytes({60, 60}, kDim, 8);
+    UnitCurve steep{"steep", {}}, flat{"flat", {}};
+    std::vector<int> measured_grid;
+    for (std::size_t i = 0; i < grid.size(); ++i) {
+        const bool measured = i % 3 == 0 || i + 1 == grid.size();
+        if (measured) measured_grid.push_back(grid[i]);
+        steep.error.push_back(measured ? 100.0 / grid[i] : NAN);
+        flat.error.push_back(measured ? 1.0 / grid[i] : NAN);
+    }
+    UnitCurve steep_part = steep, flat_part = flat;
+    steep_part.error.clear(), flat_part.error.clear();
+    for (int b : measured_grid) steep_part.error.push_back(100.0 / b), flat_part.error.push_back(1.0 / b);
+    const double target = bytes.bytes_per_token(20);
+    const Allocation a = allocate_by_marginal_gain({steep, flat}, grid, bytes, target);
+    const Allocation b = allocate_by_marginal_gain({steep_part, flat_part}, measured_grid, bytes, target);
+    CHECK(a.budgets == b.budgets);
+    CHECK(a.error == b.error);
+    CHECK(allocation_error({steep, flat}, grid, a.budgets) == a.error);
+    CHECK_THROWS_AS(allocation_error({steep, flat}, grid, {grid[1], grid[0]}), std::logic_error);
+    const CurveShape shape = curve_shape(steep, grid, bytes), part = curve_shape(steep_part, measured_grid, bytes);
+    CHECK(shape.above_hull == part.above_hull);
+    CHECK(shape.rising == part.rising);
+}
+
 TEST_CASE("error above the hull: zero on the falling lower hull, the gap to it elsewhere, in any order") {
     // bytes 1..6, errors 10, 6, 5, 3, 4, 3.5: the falling hull runs (1, 10), (2, 6), (4, 3); (3, 5)
     // is 0.5 above the chord at 4.5; past the last hull point the floor is its error, 3.
@@ -286,6 +327,49 @@ TEST_CASE("search gives a wide-attention layer more cache than a sink-only one, 
     CHECK(o.profiles[0].layer_budgets == record(o, "fitted layer budgets", "2").layer_budgets);
     CHECK(o.profiles[0].heldout_value == record(o, "fitted layer budgets", "2").heldout);
     CHECK(o.profiles[0].model.same_as(ModelShape{"", 3, 1, 1, kDim}));
+}
+
+TEST_CASE("a refined grid's search: the same figures wherever it chose what every budget's search chose") {
+    // Two layers of three KV heads, wide and narrow mixed; the last sequence held out.
+    const std::string path =
+        write_shaped_trace("refined", 2, 3, {true, false, true, false, true, true}, {300, 260, 280});
+    const SearchSpec every = streaming_llm_search({"layer_budgets", "head_budgets"}, {"2", "3"});
+    SearchSpec coarse = every;
+    coarse.coarse_grid = 8;
+    coarse.coarse_grid_where = "test: search.coarse_grid";
+    const SearchOutcome full = run_search(every, run_on(path));
+    const SearchOutcome refined = run_search(coarse, run_on(path));
+    CHECK(refined.grid == full.grid);
+    REQUIRE(refined.records.size() == full.records.size());
+    std::size_t same = 0;
+    for (std::size_t i = 0; i < full.records.size(); ++i) {
+        const SearchRecord &f = full.records[i], &r = refined.records[i];
+        INFO(r.method << " @ " << r.target);
+        // The best PyramidKV ratio and inverted slope are chosen on the first pass's curves, and
+        // may differ; every other method is the same.
+        if (r.method.find("(best") == std::string::npos) CHECK(r.method == f.method);
+        // Measured, never interpolated: where both chose the same budgets, the same figures (a
+        // layer's sum of its heads is added in another order than the replay's: to rounding).
+        if (r.layer_budgets == f.layer_budgets && r.head_budgets == f.head_budgets) {
+            ++same;
+            CHECK(r.fitting == doctest::Approx(f.fitting).epsilon(1e-12));
+            CHECK(r.heldout == f.heldout);
+        }
+        if (r.method.rfind("fitted", 0) == 0) CHECK(r.fitting <= f.fitting * 1.01);
+    }
+    CHECK(same >= 4);  // uniform and PyramidKV's schedule at both targets are allocated by bytes alone
+    bool noted = false;
+    for (const std::string& n : refined.notes) noted = noted || contains(n, "search.coarse_grid");
+    CHECK(noted);
+
+    coarse.fits = {"streaming"};
+    coarse.policy.name.clear();
+    try {
+        run_search(coarse, run_on(path));
+        FAIL("a coarse grid without budget fits was not refused");
+    } catch (const InputError& e) {
+        CHECK(contains(e.what(), "test: search.coarse_grid: refines the budget fits' grid"));
+    }
 }
 
 TEST_CASE("head budgets: within a layer, the wide KV head gets more than the narrow one") {
