@@ -908,6 +908,24 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
             return chosen;
         };
 
+        // Ada-KV's head allocation (fit: head_budgets, a scored policy), chosen per step by the
+        // policy's scores: the policy wrapped in Ada-KV at uniform's per-layer totals, one plan a
+        // target, measured on the fitting sequences.
+        const std::string ada_name = "Ada-KV (floor " + format_number(kSearchAdaKvFloor) + ")";
+        PolicyEntry ada_entry = entry;
+        ada_entry.adakv = true;
+        ada_entry.adakv_params = {{"floor", kSearchAdaKvFloor}};
+        ada_entry.adakv_where = spec.fits_where;
+        const bool with_ada = fit_heads && policy->scored;
+        std::vector<ReplayCombo> ada_combos;
+        std::vector<ComboResult> ada_fitting;
+        if (with_ada)
+            for (const SearchTarget& target : spec.targets)
+                for (ReplayCombo& c : expand_sweep({ada_entry}, {},
+                                                   {profile_budget_column(ada_name + " @ " + target.label, target.where,
+                                                                          baselines(target.bytes(full_fp16)).front().second.budgets)}))
+                    ada_combos.push_back(std::move(c));
+
         // search.coarse_grid: from the first pass's stride, a quarter of it each pass, measure only the
         // budgets beside what each fit chose at each target (and, in the first, the baselines'
         // budgets), every unit in the same plans. Nothing is interpolated: every option the fits
@@ -963,13 +981,20 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
                                                             spec.coarse_grid_where, layer_means(head_budgets, L, K),
                                                             head_budgets));
                 }
-                if (columns.empty()) continue;
+                // The first pass takes Ada-KV's plans along: a pass of their own would make every
+                // step's attention rows again.
+                std::vector<ReplayCombo> combos = expand_sweep({entry}, {}, columns);
+                if (pass == 0) combos.insert(combos.end(), ada_combos.begin(), ada_combos.end());
+                if (combos.empty()) continue;
                 ReplayOptions refine_options = options;
                 refine_options.progress = nullptr;
                 if (run.progress)
                     refine_options.progress = [&](double f) { stage_progress(0, 0.5 + 0.2 * (pass + f) / passes); };
-                const std::vector<ComboResult> refinement =
-                    replay(*fitting_source, expand_sweep({entry}, {}, columns), refine_options);
+                std::vector<ComboResult> refinement = replay(*fitting_source, combos, refine_options);
+                if (pass == 0) {
+                    ada_fitting.assign(refinement.begin() + static_cast<std::ptrdiff_t>(columns.size()), refinement.end());
+                    refinement.resize(columns.size());
+                }
                 plans_replayed += columns.size();
                 for (std::size_t k = 0; k < refinement.size(); ++k)
                     for (std::size_t u = 0; u < head_curves.size(); ++u)
@@ -1036,30 +1061,21 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
                 // Only a scored policy has scores to share a layer's budget by.
                 if (policy->scored) {
                     const Allocation& u = shapes.front().second;
-                    Method ada{"Ada-KV (floor " + format_number(kSearchAdaKvFloor) + ")", "head_budgets", u.budgets,
-                               {}, 0, u.bytes_per_token, true};
+                    Method ada{ada_name, "head_budgets", u.budgets, {}, 0, u.bytes_per_token, true};
                     methods.push_back({&target, ada});
                 }
             }
         }
-        // Ada-KV's rows: the policy wrapped in Ada-KV, measured on the fitting sequences in one pass.
-        PolicyEntry ada_entry = entry;
-        ada_entry.adakv = true;
-        ada_entry.adakv_params = {{"floor", kSearchAdaKvFloor}};
-        ada_entry.adakv_where = spec.fits_where;
-        if (fit_heads && policy->scored) {
-            std::vector<ReplayCombo> ada_combos;
-            for (const auto& [target, m] : methods)
-                if (m.adakv)
-                    for (ReplayCombo& c : expand_sweep({ada_entry}, {}, {profile_budget_column(m.name + " @ " + target->label,
-                                                                                              target->where, m.layer_budgets)}))
-                        ada_combos.push_back(std::move(c));
-            ReplayOptions ada_options = options;
-            ada_options.progress = nullptr;
-            const std::vector<ComboResult> ada_fitting = replay(*fitting_source, ada_combos, ada_options);
+        // Ada-KV's rows, measured on the fitting sequences: with the first refining pass, or here.
+        if (with_ada) {
+            if (ada_fitting.empty()) {
+                ReplayOptions ada_options = options;
+                ada_options.progress = nullptr;
+                ada_fitting = replay(*fitting_source, ada_combos, ada_options);
+            }
             std::size_t next = 0;
             for (auto& [target, m] : methods)
-                if (m.adakv) m.fitting_errors = error_sum(ada_fitting[next++].total, output_error);
+                if (m.adakv) m.fitting_errors = error_sum(ada_fitting.at(next++).total, output_error);
         }
         // How far the measured curves are from diminishing returns: what the greedy had to step over.
         auto describe_curves = [&](const std::vector<UnitCurve>& curves, const char* what) {
