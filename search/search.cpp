@@ -907,6 +907,10 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
             chosen.emplace_back("inverted schedule (best slope " + format_number(slope) + ")", inverted);
             return chosen;
         };
+        // Per target, in the config's order: they read the first pass's curves alone, so the
+        // refinement, Ada-KV's plans and the methods all take these.
+        std::vector<std::vector<std::pair<std::string, Allocation>>> target_baselines;
+        for (const SearchTarget& target : spec.targets) target_baselines.push_back(baselines(target.bytes(full_fp16)));
 
         // Ada-KV's head allocation (fit: head_budgets, a scored policy), chosen per step by the
         // policy's scores: the policy wrapped in Ada-KV at uniform's per-layer totals, one plan a
@@ -920,10 +924,11 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
         std::vector<ReplayCombo> ada_combos;
         std::vector<ComboResult> ada_fitting;
         if (with_ada)
-            for (const SearchTarget& target : spec.targets)
+            for (std::size_t t = 0; t < spec.targets.size(); ++t)
                 for (ReplayCombo& c : expand_sweep({ada_entry}, {},
-                                                   {profile_budget_column(ada_name + " @ " + target.label, target.where,
-                                                                          baselines(target.bytes(full_fp16)).front().second.budgets)}))
+                                                   {profile_budget_column(ada_name + " @ " + spec.targets[t].label,
+                                                                          spec.targets[t].where,
+                                                                          target_baselines[t].front().second.budgets)}))
                     ada_combos.push_back(std::move(c));
 
         // search.coarse_grid: from the first pass's stride, a quarter of it each pass, measure only the
@@ -947,8 +952,8 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
                 auto want_layer = [&](int l, std::size_t g) {
                     for (int kv = 0; kv < K; ++kv) wanted[static_cast<std::size_t>(l) * K + kv].insert(g);
                 };
-                for (const SearchTarget& target : spec.targets) {
-                    const double bytes = target.bytes(full_fp16);
+                for (std::size_t t = 0; t < spec.targets.size(); ++t) {
+                    const double bytes = spec.targets[t].bytes(full_fp16);
                     if (fit_heads) {
                         const Allocation a = allocate_by_marginal_gain(head_curves, grid, heldout_bytes, bytes);
                         for (std::size_t u = 0; u < head_curves.size(); ++u)
@@ -960,7 +965,7 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
                             for (std::size_t g : refine_bracket(index_of(a.budgets[l]), step, next, G)) want_layer(l, g);
                     }
                     if (pass == 0)
-                        for (const auto& [name, a] : baselines(bytes))
+                        for (const auto& [name, a] : target_baselines[t])
                             for (int l = 0; l < L; ++l) want_layer(l, index_of(a.budgets[l]));
                 }
                 // Per head, the budgets not measured yet; the k-th plan gives each head its k-th.
@@ -1040,14 +1045,15 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
 
         // The methods, per target, all at the same bytes on the held-out sequences.
         std::vector<std::pair<const SearchTarget*, Method>> methods;
-        for (const SearchTarget& target : spec.targets) {
+        for (std::size_t t = 0; t < spec.targets.size(); ++t) {
+            const SearchTarget& target = spec.targets[t];
             const double bytes = target.bytes(full_fp16);
             auto layer_method = [&](std::string name, const Allocation& a) {
                 Method m{std::move(name), "layer_budgets", a.budgets, {}, allocation_error(layer_curves, grid, a.budgets),
                          a.bytes_per_token};
                 methods.push_back({&target, m});
             };
-            const std::vector<std::pair<std::string, Allocation>> shapes = baselines(bytes);
+            const std::vector<std::pair<std::string, Allocation>>& shapes = target_baselines[t];
             for (const auto& [name, a] : shapes) layer_method(name, a);
             if (fit_layers)
                 layer_method("fitted layer budgets", allocate_by_marginal_gain(layer_curves, grid, heldout_bytes, bytes));
