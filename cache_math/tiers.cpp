@@ -190,6 +190,8 @@ namespace {
 // at a time read it once a head: sixty-four channels of every head at a time, H x 4 sums of sixteen that stay in
 // registers (GCC's vector extension, split to the target's width; left to itself the compiler
 // unrolled and jammed the plain loop into scalar code).
+constexpr Eigen::Index kAhead = 8;  // rows fetched ahead of the one being read (value and key rows)
+
 template <int D, int H, class Row>
 void accumulate_weighted_rows(Eigen::Index n, const Row& row, const float* const* scores, const float* inv_totals,
                               float* const* outs) {
@@ -203,6 +205,12 @@ void accumulate_weighted_rows(Eigen::Index n, const Row& row, const float* const
     for (int c0 = 0; c0 < D; c0 += 64) {
         Lanes sums[H][4] = {};
         for (Eigen::Index j = 0; j < n; ++j) {
+            // Rows of one KV head lie a page apart or more, where the hardware prefetcher does not
+            // follow: fetch the row kAhead rows on while this one is summed.
+            if (j + kAhead < n) {
+                const float* ahead = row(j + kAhead) + c0;
+                for (int l = 0; l < 64; l += 16) __builtin_prefetch(ahead + l);
+            }
             const float* v = row(j) + c0;
             const Lanes x0 = load(v), x1 = load(v + 16), x2 = load(v + 32), x3 = load(v + 48);
             for (int h = 0; h < H; ++h) {
@@ -233,39 +241,97 @@ void accumulate_group(Eigen::Index n, const Row& row, const float* const* scores
 
 constexpr std::size_t kMaxGroup = 64;  // query heads a pass over the group takes (GQA groups are 1 to 16)
 
+using Lanes16 = float __attribute__((vector_size(64)));
+using LaneIndex16 = int32_t __attribute__((vector_size(64)));
+
+[[gnu::always_inline]] inline Lanes16 load16(const float* at) {
+    Lanes16 x;
+    std::memcpy(&x, at, sizeof x);
+    return x;
+}
+
+// The 16 x 16 transpose of rows[0..15] in place: four rounds, each swapping the off-diagonal m x m
+// blocks of every 2m x 2m block (m = 8, 4, 2, 1), each row a two-source shuffle.
+template <int M>
+[[gnu::always_inline]] inline void swap_blocks(Lanes16 (&rows)[16]) {
+    LaneIndex16 upper, lower;  // row r takes row r + M's columns c - M where c & M; row r + M, row r's c + M
+    for (int c = 0; c < 16; ++c) {
+        upper[c] = c & M ? 16 + c - M : c;
+        lower[c] = c & M ? 16 + c : c + M;
+    }
+    for (int r = 0; r < 16; ++r) {
+        if (r & M) continue;
+        const Lanes16 top = rows[r], bottom = rows[r + M];
+        rows[r] = __builtin_shuffle(top, bottom, upper);
+        rows[r + M] = __builtin_shuffle(top, bottom, lower);
+    }
+}
+
+// 16 / H keys against H query heads (16 sums in all), fixed_order_dot's arithmetic: each (head,
+// key) sums its products in 16 lanes, chunk after chunk; the channels past the last whole sixteen
+// one after another; then the lanes onto that, one after another from 0. So every score keeps
+// fixed_order_dot's bits. The keys' chunks are loaded once for the H heads (a key is read from
+// memory once for the group, not once a head); the 16 sums are independent chains, and the lanes
+// are added for all 16 at once, transposed, where each key's were a chain of scalar additions.
+template <int H>
+void score_key_block(const float* const* queries, const float* first_key, int64_t stride, int head_dim, float scale,
+                     float* const* scores, int64_t p) {
+    constexpr int kKeys = 16 / H;
+    const int blocked = head_dim / 16 * 16;
+    Lanes16 sums[16] = {};  // sums[h * kKeys + j]
+    for (int c = 0; c < blocked; c += 16) {
+        Lanes16 x[kKeys];
+        for (int j = 0; j < kKeys; ++j) x[j] = load16(first_key + j * stride + c);
+        for (int h = 0; h < H; ++h) {
+            const Lanes16 q = load16(queries[h] + c);
+            for (int j = 0; j < kKeys; ++j) sums[h * kKeys + j] += q * x[j];
+        }
+    }
+    Lanes16 total = {};
+    for (int c = blocked; c < head_dim; ++c)  // a tail, where the head size is no whole sixteens
+        for (int h = 0; h < H; ++h)
+            for (int j = 0; j < kKeys; ++j) total[h * kKeys + j] += queries[h][c] * first_key[j * stride + c];
+    swap_blocks<8>(sums);
+    swap_blocks<4>(sums);
+    swap_blocks<2>(sums);
+    swap_blocks<1>(sums);
+    for (int l = 0; l < 16; ++l) total += sums[l];  // sums[l] now holds lane l of every (head, key)
+    total *= scale;
+    for (int h = 0; h < H; ++h) std::memcpy(scores[h] + p, &total[h * kKeys], kKeys * sizeof(float));
+}
+
 }  // namespace
 
-void score_row(const float* q, const float* keys, int64_t count, int kv_head, int num_kv_heads, int head_dim,
-               float* scores) {
+void score_rows_of_group(const float* const* queries, int heads, const float* keys, int64_t count, int kv_head,
+                         int num_kv_heads, int head_dim, float* const* scores) {
     const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
     const float* k = keys + static_cast<int64_t>(kv_head) * head_dim;
     const int64_t stride = static_cast<int64_t>(num_kv_heads) * head_dim;
     int64_t p = 0;
-    // fixed_order_dot's arithmetic, 16 keys at a time: one key's lanes summed one after another
-    // are a chain of 16 dependent additions, which 16 keys side by side overlap. Each key's
-    // additions keep their order, so each score keeps its bits.
-    constexpr int kKeys = 16;
     if (head_dim >= 16) {
-        const int blocked = head_dim / 16 * 16;
-        for (; p + kKeys <= count; p += kKeys) {
-            alignas(64) float lanes[kKeys][16];
-            alignas(64) float total[kKeys];
-            for (int j = 0; j < kKeys; ++j) {
-                const float* key = k + (p + j) * stride;
-                float acc[16] = {};
-                for (int i = 0; i < blocked; i += 16)
-                    for (int l = 0; l < 16; ++l) acc[l] += q[i + l] * key[i + l];
-                for (int l = 0; l < 16; ++l) lanes[j][l] = acc[l];
-                float tail = 0;
-                for (int i = blocked; i < head_dim; ++i) tail += q[i] * key[i];
-                total[j] = tail;
+        // Sixteen keys at a time, two heads a pass (16 sums and 8 keys fill half of AVX-512's
+        // registers), the 16 keys' chunks read from memory by the first pass.
+        for (; p + 16 <= count; p += 16) {
+            const float* first_key = k + p * stride;
+            if (p + 32 <= count)  // the next sixteen keys, a page apart each (see accumulate_weighted_rows)
+                for (int j = 16; j < 32; ++j)
+                    for (int c = 0; c < head_dim; c += 16) __builtin_prefetch(first_key + j * stride + c, 0, 2);
+            int h = 0;
+            for (; h + 2 <= heads; h += 2) {
+                score_key_block<2>(queries + h, first_key, stride, head_dim, scale, scores + h, p);
+                score_key_block<2>(queries + h, first_key + 8 * stride, stride, head_dim, scale, scores + h, p + 8);
             }
-            for (int l = 0; l < 16; ++l)
-                for (int j = 0; j < kKeys; ++j) total[j] += lanes[j][l];
-            for (int j = 0; j < kKeys; ++j) scores[p + j] = total[j] * scale;
+            if (h < heads) score_key_block<1>(queries + h, first_key, stride, head_dim, scale, scores + h, p);
         }
     }
-    for (k += p * stride; p < count; ++p, k += stride) scores[p] = fixed_order_dot(q, k, head_dim) * scale;
+    // Head sizes under 16, and the last keys: one dot product at a time.
+    for (; p < count; ++p)
+        for (int h = 0; h < heads; ++h) scores[h][p] = fixed_order_dot(queries[h], k + p * stride, head_dim) * scale;
+}
+
+void score_row(const float* q, const float* keys, int64_t count, int kv_head, int num_kv_heads, int head_dim,
+               float* scores) {
+    score_rows_of_group(&q, 1, keys, count, kv_head, num_kv_heads, head_dim, &scores);
 }
 
 void cached_attention_output(const float* q, std::span<const int32_t> held, std::span<const uint8_t> key_tier,

@@ -101,6 +101,10 @@ void cached_attention_outputs(std::span<const CachedQuery> heads, std::span<cons
 // ([token][kv_head][d]): q.k / sqrt(d), bit for bit.
 void score_row(const float* q, const float* keys, int64_t count, int kv_head, int num_kv_heads, int head_dim,
                float* scores);
+// score_row for `heads` query heads of one KV head at once (scores[h] for queries[h]), each score
+// the same bits; each key is read once for the group, not once a head.
+void score_rows_of_group(const float* const* queries, int heads, const float* keys, int64_t count, int kv_head,
+                         int num_kv_heads, int head_dim, float* const* scores);
 
 // The softmax of `scores` (q.k / sqrt(d), one per cached token) as cached_attention_output computes
 // it: scores become exp(score - max) in place; returns 1 / their sum, so weight j is

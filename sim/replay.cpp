@@ -542,26 +542,37 @@ private:
         const int64_t rows = end - first;
         if (options_.output_error) {
             // By the same arithmetic as a policy's cached output: the full cache errs by exactly 0.
-            tbb::parallel_for(int64_t{0}, group_ * rows, [&](int64_t index) {
-                const int head = kv * group_ + static_cast<int>(index / rows);
-                const int64_t t = first + index % rows;
-                const int64_t job = head * rows + index % rows;
+            // A step's query heads at once: each key is read once for the group.
+            tbb::parallel_for(int64_t{0}, rows, [&](int64_t row) {
+                const int64_t t = first + row;
                 const bool fp16 = scores_made(kv, t), tiers = tier_scores_made(kv, t);
                 if (!fp16 && !tiers) return;
-                const float* q = layer_values_->q.data() + (t * query_heads_ + head) * head_dim_;
+                thread_local std::vector<const float*> queries;
+                thread_local std::vector<float*> scores;
+                thread_local std::vector<CachedQuery> heads;
+                queries.resize(group_);
+                scores.resize(group_);
+                for (int h = 0; h < group_; ++h)
+                    queries[h] = layer_values_->q.data() + (t * query_heads_ + kv * group_ + h) * head_dim_;
+                const auto score_tier = [&](int tier, const float* keys) {
+                    for (int h = 0; h < group_; ++h)
+                        scores[h] = tier_scores_[tier].data() + scores_at(kv * group_ + h, first, t);
+                    score_rows_of_group(queries.data(), group_, keys, t + 1, kv, kv_heads_, head_dim_, scores.data());
+                };
                 if (tiers)
-                    for (int tier = 1; tier < 3; ++tier)
-                        score_row(q, shared_tiers_->k[tier], t + 1, kv, kv_heads_, head_dim_,
-                                  tier_scores_[tier].data() + scores_at(head, first, t));
+                    for (int tier = 1; tier < 3; ++tier) score_tier(tier, shared_tiers_->k[tier]);
                 if (!fp16) return;
-                float* scores = tier_scores_[0].data() + scores_at(head, first, t);
-                score_row(q, fp16_arrays_->k[0], t + 1, kv, kv_heads_, head_dim_, scores);
+                score_tier(0, fp16_arrays_->k[0]);
                 // Sampled: only the steps some stream of this KV head measures; the memo's are read below.
                 if (!full_output_at(kv, t) || memo_read_[kv]) return;
+                heads.clear();
+                for (int h = 0; h < group_; ++h) {
+                    const int64_t job = (kv * group_ + h) * rows + row;
+                    heads.push_back({queries[h], full_output_.data() + job * head_dim_, nullptr, {scores[h], nullptr, nullptr}});
+                }
                 thread_local Eigen::ArrayXf scratch;
-                cached_attention_output(q, {every_position_.data(), static_cast<std::size_t>(t + 1)}, all_fp16_,
-                                        all_fp16_, *fp16_arrays_, kv, kv_heads_, head_dim_, scratch,
-                                        full_output_.data() + job * head_dim_, nullptr, {scores, nullptr, nullptr});
+                cached_attention_outputs(heads, {every_position_.data(), static_cast<std::size_t>(t + 1)}, all_fp16_,
+                                         all_fp16_, *fp16_arrays_, kv, kv_heads_, head_dim_, scratch);
             });
             if (memo_read_[kv] || memo_fill_[kv]) memo_outputs(kv, first, end);
         }

@@ -202,6 +202,40 @@ TEST_CASE("score_row gives each key fixed_order_dot's bits, scaled, whatever the
     }
 }
 
+TEST_CASE("score_rows_of_group gives each head score_row's bits, whatever the group, count and head size") {
+    std::mt19937 rng(9);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (const int d : {8, 16, 20, 64, 100, 128}) {
+        for (const int heads : {1, 2, 3, 4, 5}) {
+            for (const int64_t count : {int64_t{1}, int64_t{8}, int64_t{16}, int64_t{23}, int64_t{33}, int64_t{300}}) {
+                CAPTURE(d);
+                CAPTURE(heads);
+                CAPTURE(count);
+                const int kv_heads = 3, kv = 1;
+                std::vector<float> keys(static_cast<std::size_t>(count) * kv_heads * d), q(heads * d);
+                for (float& x : keys) x = normal(rng);
+                for (float& x : q) x = normal(rng);
+                std::vector<std::vector<float>> scores(heads, std::vector<float>(count));
+                std::vector<const float*> queries(heads);
+                std::vector<float*> outs(heads);
+                for (int h = 0; h < heads; ++h) {
+                    queries[h] = q.data() + h * d;
+                    outs[h] = scores[h].data();
+                }
+                score_rows_of_group(queries.data(), heads, keys.data(), count, kv, kv_heads, d, outs.data());
+                const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+                bool same = true;
+                for (int h = 0; h < heads; ++h)
+                    for (int64_t p = 0; p < count; ++p) {
+                        const float expected = fixed_order_dot(queries[h], keys.data() + (p * kv_heads + kv) * d, d) * scale;
+                        same = same && std::bit_cast<uint32_t>(scores[h][p]) == std::bit_cast<uint32_t>(expected);
+                    }
+                CHECK(same);
+            }
+        }
+    }
+}
+
 TEST_CASE("cached attention: tiers mixed, shared scores of any tier and weights alone give the same bits; the output is the softmax's") {
     // Head sizes with a fixed-size accumulation (64, 128) and without (48), over a held subset
     // whose keys and values sit at all three tiers (random arrays stand in for each tier).
