@@ -451,6 +451,23 @@ std::vector<ComboResult> combine_units(const std::vector<SearchUnitResult>& unit
     return results;
 }
 
+// A screened tier fit's options per (layer, KV head), from the first tier-errors unit of each
+// layer (the merge checked that every tier unit of a layer carries the same); empty where the
+// units carry none (an unscreened fit).
+std::vector<std::vector<std::size_t>> combine_tier_options(const std::vector<SearchUnitResult>& units, PassRange range,
+                                                           int layers, int kv_heads) {
+    const auto K = static_cast<std::size_t>(kv_heads);
+    const std::size_t per_layer = units.size() / static_cast<std::size_t>(layers);
+    std::vector<std::vector<std::size_t>> kept;
+    for (int layer = 0; layer < layers && range.plans > 0; ++layer) {
+        const SearchUnitResult& unit = units.at(static_cast<std::size_t>(layer) * per_layer + range.offset);
+        if (unit.tier_options.empty()) return {};
+        if (unit.tier_options.size() != K) throw std::logic_error("search: tier options missing");
+        kept.insert(kept.end(), unit.tier_options.begin(), unit.tier_options.end());
+    }
+    return kept;
+}
+
 // The streaming pass's per-layer head fits, per (layer, KV head).
 std::vector<StreamingHeadFit> combine_streaming_units(const std::vector<SearchUnitResult>& units, PassRange range,
                                                       int layers, int kv_heads) {
@@ -613,6 +630,10 @@ void SearchShardWork::run_units(const std::vector<std::size_t>& units, const Lay
                 for (std::size_t plan : plans) shares.push_back(options->second.plans.at(plan));
                 results = replay_tier_plans(fit_input(nullptr), tier_plans->params, source, shares,
                                             pass == Pass::tier_errors, {layer}, progress);
+                if (options->second.screen_steps > 0)
+                    for (SearchUnitResult& r : out)
+                        for (std::size_t kv = 0; kv < K; ++kv)
+                            r.tier_options.push_back(options->second.kept.at(static_cast<std::size_t>(layer) * K + kv));
             }
             // Each unit's streams: its layer's, per (sequence, KV head).
             const std::size_t sequences = source.shape().sequence_names.size();
@@ -1161,6 +1182,7 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
             measured.heldout_bytes =
                 combine_units(*run.measured_units, measured_ranges[1], setup.heldout.size(), L, K);
             measured.fitting_errors = combine_units(*run.measured_units, measured_ranges[2], fitting.size(), L, K);
+            measured.kept = combine_tier_options(*run.measured_units, measured_ranges[2], L, K);
         }
         FitInput input{&spec, fitting_source.get(), heldout_source.get(), out.shape, harness, scratch.path(),
                        [&](double f) { stage_progress(tiers_stage, f); }, run.trace_path, fitting, mixed,

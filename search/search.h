@@ -144,6 +144,9 @@ struct StreamingHeadFit {
 struct SearchUnitResult {
     std::vector<StreamMetrics> streams;  // grid and tier units: per (sequence, KV head), sequence-major
     std::vector<StreamingHeadFit> heads;  // streaming units: per KV head of the layer
+    // Tier units of a screened fit (search.screen): per KV head of the layer, its options'
+    // candidate indices (TierOptions::kept), so the merge need not screen the layer again.
+    std::vector<std::vector<std::size_t>> tier_options;
 };
 
 // What one work unit of a search's shards measures: one layer, every KV head, of

@@ -183,15 +183,25 @@ TierOptions tier_options(const FitInput& in, const TierFitPlans& plans, const st
             out.kept[u] = screen_options(o, keep, 0);
         }
     }
+    out.plans = screened_plans(plans, out.kept, L, K);
+    return out;
+}
+
+std::vector<TierShares> screened_plans(const TierFitPlans& plans, const std::vector<std::vector<std::size_t>>& kept,
+                                       int num_layers, int num_kv_heads) {
+    const std::size_t units = static_cast<std::size_t>(num_layers) * num_kv_heads;
+    const std::size_t keep = kept.empty() ? 0 : kept.front().size();
+    if (kept.size() != units) throw std::logic_error("tier fit: options of every head wanted");
+    std::vector<TierShares> out;
     for (std::size_t k = 0; k < keep; ++k) {
-        TierShares plan{L, K, {}, {}, {}};
+        TierShares plan{num_layers, num_kv_heads, {}, {}, {}};
         for (std::size_t u = 0; u < units; ++u) {
-            const std::array<double, 3>& c = plans.candidates[out.kept[u][k]];
+            const std::array<double, 3>& c = plans.candidates.at(kept[u].at(k));
             plan.fp16.push_back(c[0]), plan.int8.push_back(c[1]), plan.int4.push_back(c[2]);
         }
-        out.plans.push_back(std::move(plan));
+        out.push_back(std::move(plan));
     }
-    out.plans.insert(out.plans.end(), plans.plans.begin() + static_cast<std::ptrdiff_t>(count), plans.plans.end());
+    out.insert(out.end(), plans.plans.begin() + static_cast<std::ptrdiff_t>(plans.candidates.size()), plans.plans.end());
     return out;
 }
 
@@ -243,9 +253,16 @@ void fit_tier_profiles(const FitInput& in, SearchOutcome& out) {
 
     // Each head's options, and the plans that measure them: the k-th plan gives every head its
     // k-th option (unscreened: the k-th candidate, uniform over the heads); then the scales'.
-    // With shards, each screened its layers alone; here every layer is screened again, to the same
-    // options (a head's figures do not depend on the other layers replayed beside it).
-    const TierOptions screen = tier_options(in, fit_plans, {}, pass_progress(in, 0, first_pass));
+    // With shards, each screened its layers alone and its partial carries the options (a head's
+    // figures do not depend on the other layers replayed beside it): no layer is screened again.
+    TierOptions screen;
+    if (screening && in.tier_measured && !in.tier_measured->kept.empty()) {
+        screen.kept = in.tier_measured->kept;
+        screen.screen_steps = in.max_steps > 0 ? std::min(in.max_steps, spec.screen_steps) : spec.screen_steps;
+        screen.plans = screened_plans(fit_plans, screen.kept, L, K);
+    } else {
+        screen = tier_options(in, fit_plans, {}, pass_progress(in, 0, first_pass));
+    }
     const std::vector<TierShares>& plans = screen.plans;
     if (in.tier_measured &&
         (in.tier_measured->heldout_bytes.size() != plans.size() || in.tier_measured->fitting_errors.size() != option_count))

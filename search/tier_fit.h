@@ -39,6 +39,10 @@ TierFitPlans tier_fit_plans(const SearchSpec& spec, int num_layers, int num_kv_h
 struct TierMeasurements {
     std::vector<ComboResult> heldout_bytes;   // per plan of TierOptions
     std::vector<ComboResult> fitting_errors;  // per option
+    // Screened (search.screen): per (layer, KV head), its options' candidate indices as the shard
+    // that measured its layer screened them (TierOptions::kept), so the merge screens no layer
+    // again; empty where the fit does not screen.
+    std::vector<std::vector<std::size_t>> kept;
 };
 
 // The tier fit's options per (layer, KV head), and the plans that measure them.
@@ -57,6 +61,11 @@ std::size_t tier_option_count(const SearchSpec& spec, const TierFitPlans& plans)
 // layers not screened get the first candidates, a plan's place-holders. Unscreened: every candidate.
 TierOptions tier_options(const FitInput& input, const TierFitPlans& plans, const std::vector<int>& layers,
                          const std::function<void(double)>& progress);
+
+// The plans that measure options `kept` (per (layer, KV head), as TierOptions::kept): the k-th
+// gives every head its k-th option; then the scales' plans.
+std::vector<TierShares> screened_plans(const TierFitPlans& plans, const std::vector<std::vector<std::size_t>>& kept,
+                                       int num_layers, int num_kv_heads);
 
 // Replays the fit's cheapest plan (every share 0: a zone only adds tokens kept) on the held-out
 // sequences, and returns its result: InputError naming the target when even it holds more bytes

@@ -22,6 +22,7 @@
 #include "base/output_folder.h"
 #include "base/sha256.h"
 #include "kvsim_version.h"
+#include "search/tier_fit.h"
 #include "src/report.h"
 
 namespace kvsim {
@@ -707,12 +708,16 @@ MergeOutcome merge_partials(const std::vector<std::string>& inputs) {
 // shard is, and their merge, which runs the rest of the search as one machine would.
 namespace {
 
-constexpr int kSearchPartialFormat = 3;  // 2: a stream's output_error_variance; 3: tier and streaming units
+// 2: a stream's output_error_variance; 3: tier and streaming units; 4: a screened tier fit's options
+constexpr int kSearchPartialFormat = 4;
 
 struct SearchPartial : PartialHeader {
     ModelInput confirm;
     std::vector<int> grid;
     std::size_t tier_plans = 0, tier_candidates = 0, rank_plans = 0;
+    // A screened tier fit (search.screen): the candidates each head's tier_candidates options are
+    // chosen from, and which every tier unit names per KV head; 0 where the fit screens nothing.
+    std::size_t tier_screened = 0;
     bool streaming = false;
     int num_layers = 0, num_kv_heads = 0;
     std::vector<std::string> fitting_sequences, heldout_sequences;
@@ -767,6 +772,7 @@ std::string search_config_hash(const std::string& config_path, const SearchParti
     return config_sha256_of(config_path, '\0' + Json{{"grid", p.grid},
                                                      {"tier_plans", p.tier_plans},
                                                      {"tier_candidates", p.tier_candidates},
+                                                     {"tier_screened", p.tier_screened},
                                                      {"streaming", p.streaming},
                                                      {"rank_plans", p.rank_plans},
                                                      {"num_layers", p.num_layers},
@@ -797,6 +803,7 @@ std::string search_partial_text(const SearchPartial& p) {
             Json list = Json::array();
             for (const StreamMetrics& m : measured.streams) list.push_back(stream_json(m));
             result["streams"] = list;
+            if (!measured.tier_options.empty()) result["options"] = measured.tier_options;
         }
         results.push_back(result);
     }
@@ -808,6 +815,7 @@ std::string search_partial_text(const SearchPartial& p) {
     j["grid"] = p.grid;
     j["tier_plans"] = p.tier_plans;
     j["tier_candidates"] = p.tier_candidates;
+    j["tier_screened"] = p.tier_screened;
     j["streaming"] = p.streaming;
     j["rank_plans"] = p.rank_plans;
     j["num_layers"] = p.num_layers;
@@ -816,6 +824,29 @@ std::string search_partial_text(const SearchPartial& p) {
     j["heldout_sequences"] = p.heldout_sequences;
     j["results"] = results;
     return to_json_text(j) + "\n";
+}
+
+// A screened tier unit's options: per KV head, the candidate indices of its options, as many as
+// the fit keeps a head (tier_candidates), ascending, each one of the tier_screened candidates.
+std::vector<std::vector<std::size_t>> read_tier_options(const PartialReader& r, const Json& options,
+                                                        const std::string& field, const SearchPartial& p) {
+    const auto kv_heads = static_cast<std::size_t>(p.num_kv_heads);
+    const Json& heads = r.exactly(options, field, kv_heads, "one list per KV head: " + std::to_string(kv_heads));
+    std::vector<std::vector<std::size_t>> out;
+    for (std::size_t k = 0; k < kv_heads; ++k) {
+        const std::string at = field + "[" + std::to_string(k) + "]";
+        const Json& list = r.exactly(heads[k], at, p.tier_candidates,
+                                     "the head's " + std::to_string(p.tier_candidates) + " options");
+        std::vector<std::size_t> kept;
+        for (std::size_t n = 0; n < list.size(); ++n) {
+            const std::string item = at + "[" + std::to_string(n) + "]";
+            kept.push_back(static_cast<std::size_t>(
+                r.integer(list[n], item, 0, static_cast<int64_t>(p.tier_screened) - 1)));
+            if (n > 0 && kept[n] <= kept[n - 1]) r.fail(item, "options must ascend");
+        }
+        out.push_back(std::move(kept));
+    }
+    return out;
 }
 
 SearchPartial read_search_partial(const std::string& path) {
@@ -848,6 +879,10 @@ SearchPartial read_search_partial(const std::string& path) {
                                                            static_cast<int64_t>(p.tier_plans)));
     if ((p.tier_plans == 0) != (p.tier_candidates == 0))
         r.fail("tier_candidates", "a tier fit has candidates among its plans, and no tier fit has neither");
+    p.tier_screened = static_cast<std::size_t>(r.integer(r.at(j, "", "tier_screened"), "tier_screened", 0, 1 << 16));
+    if (p.tier_screened != 0 && p.tier_screened <= p.tier_candidates)
+        r.fail("tier_screened", "a screened tier fit chooses its " + std::to_string(p.tier_candidates) +
+                                    " options per head from more candidates than that, or is 0");
     const Json& streaming = r.at(j, "", "streaming");
     if (!streaming.is_boolean()) r.fail("streaming", "expected true or false, got " + PartialReader::shown(streaming));
     p.streaming = streaming.get<bool>();
@@ -916,6 +951,12 @@ SearchPartial read_search_partial(const std::string& path) {
                 measured.streams.push_back(read_stream(r, list[k], at, 0, 1));
                 steps.check(r, at + "[1] (steps)", first_sequence + k / kv_heads, measured.streams.back().steps);
             }
+            const bool tier_unit = u.pass == SearchUnit::Pass::tier_bytes || u.pass == SearchUnit::Pass::tier_errors;
+            if (tier_unit && p.tier_screened > 0)
+                measured.tier_options = read_tier_options(r, r.at(results[i], field, "options"), field + ".options", p);
+            else if (results[i].contains("options"))
+                r.fail(field + ".options", tier_unit ? "a tier fit that screens nothing (tier_screened 0) has none"
+                                                     : "only a tier unit has options");
         }
         p.done[unit] = std::move(measured);
     }
@@ -960,6 +1001,10 @@ SearchShardOutcome run_search_shard(const SearchSpec& spec, const SearchRun& run
     partial.grid = work.grid();
     partial.tier_plans = work.pass_plans()[1];
     partial.tier_candidates = work.pass_plans()[2];
+    if (partial.tier_plans > 0) {
+        const std::size_t candidates = tier_fit_plans(spec, work.num_layers(), work.num_kv_heads()).candidates.size();
+        partial.tier_screened = partial.tier_candidates < candidates ? candidates : 0;
+    }
     partial.streaming = work.pass_plans()[3] > 0;
     partial.rank_plans = work.pass_plans()[4];
     partial.num_layers = work.num_layers();
@@ -1053,6 +1098,19 @@ SearchMerge merge_search_partials(const std::vector<std::string>& files) {
     if (trace_sha != first.trace_sha256)
         throw InputError(out.config.trace.path + ": changed since the shards ran (trace_sha256 " + trace_sha + ", " +
                          first.path + " has " + first.trace_sha256 + "); rerun the shards");
+    // A screened tier fit's options per layer, from whichever shard screened it: every tier unit
+    // of a layer must name the same, or the shards' screens differed.
+    std::map<int, std::pair<const std::vector<std::vector<std::size_t>>*, std::string>> options_of_layer;
+    for (const SearchPartial& p : partials)
+        for (const auto& [u, measured] : p.done) {
+            if (measured.tier_options.empty()) continue;
+            const int layer = p.unit(u).layer;
+            const std::string where = p.path + ": unit " + std::to_string(u);
+            const auto [it, inserted] = options_of_layer.emplace(layer, std::make_pair(&measured.tier_options, where));
+            if (!inserted && *it->second.first != measured.tier_options)
+                throw InputError(where + "'s tier options (layer " + std::to_string(layer) + ") differ from " +
+                                 it->second.second + "'s: the shards screened differently; rerun the shards");
+        }
     out.confirm = first.confirm;
     out.units.resize(first.units);
     for (const SearchPartial& p : partials)

@@ -358,8 +358,8 @@ class SearchShards(KvsimTestCase):
 
     def test_a_screened_tier_search_in_3_shards_merges_to_the_one_machine_outputs(self):
         # search.screen: each shard screens the layers of its tier units on the prefix (16 steps)
-        # and replays their options; the merge screens every layer again to name each head's
-        # options, and writes what one machine writes, the mix across families included.
+        # and replays their options; its partial names each head's options, which the merge reads
+        # instead of screening again, and it writes what one machine writes, the mix included.
         screened = SEARCH.replace("fit: [layer_budgets, head_budgets]",
                                   "fit: [head_budgets, tiers, mixed]\n  tiers: {sinks: 2, recent: 8}\n"
                                   "  screen: {steps: 16, keep: 5}")
@@ -373,7 +373,51 @@ class SearchShards(KvsimTestCase):
             self.assertEqual(ran.returncode, 0, ran.stderr)
             partial = json.loads(read(os.path.join(out, "partial-%d-of-3.json" % i)))
             self.assertEqual(partial["tier_candidates"], 5)  # each head's options, not the 52 candidates
+            self.assertEqual(partial["tier_screened"], 52)
+            for r in partial["results"]:
+                if r["pass"].startswith("tier"):
+                    self.assertEqual(len(r["options"]), 4)  # per KV head: 5 of the 52, ascending
+                    for head in r["options"]:
+                        self.assertEqual(len(head), 5)
+                        self.assertEqual(head, sorted(set(head)))
+                        self.assertLess(head[-1], 52)
+                else:
+                    self.assertNotIn("options", r)
         self.assert_merges_to([out], "merged", one, expected)
+
+        def edit_layer_0_options(edit, first_unit_only=False):
+            # Every tier unit of layer 0, in whichever partial holds it (or the first such alone).
+            for i in range(3):
+                path = os.path.join(out, "partial-%d-of-3.json" % i)
+                partial = json.loads(read(path))
+                units = [r for r in partial["results"] if "options" in r and r["layer"] == 0]
+                for r in units[:1] if first_unit_only else units:
+                    r["options"] = edit(r["options"])
+                with open(path, "w") as f:
+                    json.dump(partial, f)
+                if first_unit_only and units:
+                    return
+
+        # The merge takes each head's options from the partials: layer 0's heads named as choosing
+        # other candidates (each index one along, 51 to 0) change what it fits.
+        edit_layer_0_options(lambda heads: [sorted((i + 1) % 52 for i in h) for h in heads])
+        moved = kvsim("merge", out, "--out", self.path("moved"), "-q", cwd=ROOT)
+        self.assertEqual(moved.returncode, 0, moved.stderr)
+        self.assertNotEqual(self.search_outputs(self.path("moved")), expected)
+
+        def other_last_option(head):  # the same options but the last, for one not among them
+            free = [c for c in range(52) if c not in head]
+            return sorted(head[:-1] + [free[-1] if free[-1] > head[-2] else free[0]])
+
+        for name, edit, fragment in (
+                ("differ", lambda heads: [other_last_option(heads[0])] + heads[1:],
+                 "tier options (layer 0) differ from"),
+                ("unordered", lambda heads: [heads[0][::-1]] + heads[1:], "options must ascend")):
+            with self.subTest(name):
+                edit_layer_0_options(edit, first_unit_only=True)
+                refused = kvsim("merge", out, "--out", self.path("refused"), cwd=ROOT)
+                self.assert_input_error(refused, "partial-", fragment)
+                self.assertFalse(os.path.exists(self.path("refused")))
 
     def test_a_coarse_grid_search_in_2_shards_merges_to_the_one_machine_outputs(self):
         # search.coarse_grid: the shards measure the first pass's budgets (every 4th of 8, and the
