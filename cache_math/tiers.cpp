@@ -190,7 +190,7 @@ namespace {
 // at a time read it once a head: sixty-four channels of every head at a time, H x 4 sums of sixteen that stay in
 // registers (GCC's vector extension, split to the target's width; left to itself the compiler
 // unrolled and jammed the plain loop into scalar code).
-constexpr Eigen::Index kAhead = 8;  // rows fetched ahead of the one being read (value and key rows)
+constexpr Eigen::Index kAhead = 8;  // value rows fetched ahead of the one being read
 
 template <int D, int H, class Row>
 void accumulate_weighted_rows(Eigen::Index n, const Row& row, const float* const* scores, const float* inv_totals,
@@ -309,7 +309,7 @@ void score_rows_of_group(const float* const* queries, int heads, const float* ke
     const int64_t stride = static_cast<int64_t>(num_kv_heads) * head_dim;
     int64_t p = 0;
     if (head_dim >= 16) {
-        // Sixteen keys at a time, two heads a pass (16 sums and 8 keys fill half of AVX-512's
+        // Sixteen keys at a time, two heads a pass (16 sums and 8 keys: 24 of AVX-512's 32
         // registers), the 16 keys' chunks read from memory by the first pass.
         for (; p + 16 <= count; p += 16) {
             const float* first_key = k + p * stride;

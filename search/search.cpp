@@ -459,7 +459,8 @@ std::vector<std::vector<std::size_t>> combine_tier_options(const std::vector<Sea
     const auto K = static_cast<std::size_t>(kv_heads);
     const std::size_t per_layer = units.size() / static_cast<std::size_t>(layers);
     std::vector<std::vector<std::size_t>> kept;
-    for (int layer = 0; layer < layers && range.plans > 0; ++layer) {
+    if (range.plans == 0) return kept;
+    for (int layer = 0; layer < layers; ++layer) {
         const SearchUnitResult& unit = units.at(static_cast<std::size_t>(layer) * per_layer + range.offset);
         if (unit.tier_options.empty()) return {};
         if (unit.tier_options.size() != K) throw std::logic_error("search: tier options missing");

@@ -148,6 +148,30 @@ std::size_t tier_option_count(const SearchSpec& spec, const TierFitPlans& plans)
     return spec.screen_steps > 0 ? std::min(count, static_cast<std::size_t>(spec.screen_keep)) : count;
 }
 
+namespace {
+
+// The plans that measure options `kept` (per (layer, KV head), as TierOptions::kept): the k-th
+// gives every head its k-th option; then the scales' plans.
+std::vector<TierShares> screened_plans(const TierFitPlans& plans, const std::vector<std::vector<std::size_t>>& kept,
+                                       int num_layers, int num_kv_heads) {
+    const std::size_t units = static_cast<std::size_t>(num_layers) * num_kv_heads;
+    const std::size_t keep = kept.empty() ? 0 : kept.front().size();
+    if (kept.size() != units) throw std::logic_error("tier fit: options of every head wanted");
+    std::vector<TierShares> out;
+    for (std::size_t k = 0; k < keep; ++k) {
+        TierShares plan{num_layers, num_kv_heads, {}, {}, {}};
+        for (std::size_t u = 0; u < units; ++u) {
+            const std::array<double, 3>& c = plans.candidates.at(kept[u].at(k));
+            plan.fp16.push_back(c[0]), plan.int8.push_back(c[1]), plan.int4.push_back(c[2]);
+        }
+        out.push_back(std::move(plan));
+    }
+    out.insert(out.end(), plans.plans.begin() + static_cast<std::ptrdiff_t>(plans.candidates.size()), plans.plans.end());
+    return out;
+}
+
+}  // namespace
+
 TierOptions tier_options(const FitInput& in, const TierFitPlans& plans, const std::vector<int>& layers,
                          const std::function<void(double)>& progress) {
     const SearchSpec& spec = *in.spec;
@@ -162,10 +186,17 @@ TierOptions tier_options(const FitInput& in, const TierFitPlans& plans, const st
         out.plans = plans.plans;
         return out;
     }
+    out.screen_steps = in.max_steps > 0 ? std::min(in.max_steps, spec.screen_steps) : spec.screen_steps;
+    // A merge: each layer's shard screened it, and its partial names the options (a head's figures
+    // do not depend on the other layers replayed beside it), so no layer is screened again.
+    if (in.tier_measured && !in.tier_measured->kept.empty()) {
+        out.kept = in.tier_measured->kept;
+        out.plans = screened_plans(plans, out.kept, L, K);
+        return out;
+    }
     // Every candidate on the first steps of each fitting sequence; then per head the options
     // that best describe the lower hull of their bytes and error there. Every share 0 stays:
     // the first plan is then the fit's cheapest, which decides whether a target is reachable.
-    out.screen_steps = in.max_steps > 0 ? std::min(in.max_steps, spec.screen_steps) : spec.screen_steps;
     const std::unique_ptr<AttentionSource> prefix =
         open_trace_source(in.trace_path, out.screen_steps, in.fitting_indices);
     FitInput prefix_input = in;
@@ -184,24 +215,6 @@ TierOptions tier_options(const FitInput& in, const TierFitPlans& plans, const st
         }
     }
     out.plans = screened_plans(plans, out.kept, L, K);
-    return out;
-}
-
-std::vector<TierShares> screened_plans(const TierFitPlans& plans, const std::vector<std::vector<std::size_t>>& kept,
-                                       int num_layers, int num_kv_heads) {
-    const std::size_t units = static_cast<std::size_t>(num_layers) * num_kv_heads;
-    const std::size_t keep = kept.empty() ? 0 : kept.front().size();
-    if (kept.size() != units) throw std::logic_error("tier fit: options of every head wanted");
-    std::vector<TierShares> out;
-    for (std::size_t k = 0; k < keep; ++k) {
-        TierShares plan{num_layers, num_kv_heads, {}, {}, {}};
-        for (std::size_t u = 0; u < units; ++u) {
-            const std::array<double, 3>& c = plans.candidates.at(kept[u].at(k));
-            plan.fp16.push_back(c[0]), plan.int8.push_back(c[1]), plan.int4.push_back(c[2]);
-        }
-        out.push_back(std::move(plan));
-    }
-    out.insert(out.end(), plans.plans.begin() + static_cast<std::ptrdiff_t>(plans.candidates.size()), plans.plans.end());
     return out;
 }
 
@@ -253,16 +266,8 @@ void fit_tier_profiles(const FitInput& in, SearchOutcome& out) {
 
     // Each head's options, and the plans that measure them: the k-th plan gives every head its
     // k-th option (unscreened: the k-th candidate, uniform over the heads); then the scales'.
-    // With shards, each screened its layers alone and its partial carries the options (a head's
-    // figures do not depend on the other layers replayed beside it): no layer is screened again.
-    TierOptions screen;
-    if (screening && in.tier_measured && !in.tier_measured->kept.empty()) {
-        screen.kept = in.tier_measured->kept;
-        screen.screen_steps = in.max_steps > 0 ? std::min(in.max_steps, spec.screen_steps) : spec.screen_steps;
-        screen.plans = screened_plans(fit_plans, screen.kept, L, K);
-    } else {
-        screen = tier_options(in, fit_plans, {}, pass_progress(in, 0, first_pass));
-    }
+    // With shards, each screened its layers alone and the merge takes their options.
+    const TierOptions screen = tier_options(in, fit_plans, {}, pass_progress(in, 0, first_pass));
     const std::vector<TierShares>& plans = screen.plans;
     if (in.tier_measured &&
         (in.tier_measured->heldout_bytes.size() != plans.size() || in.tier_measured->fitting_errors.size() != option_count))

@@ -59,13 +59,9 @@ std::size_t tier_option_count(const SearchSpec& spec, const TierFitPlans& plans)
 // (of `layers`, or every layer where empty), then per head the options that best describe the
 // lower hull of their bytes and error there (screen_options), every share 0 first; the heads of
 // layers not screened get the first candidates, a plan's place-holders. Unscreened: every candidate.
+// In a merge (input.tier_measured with options), the options the shards screened, screening nothing.
 TierOptions tier_options(const FitInput& input, const TierFitPlans& plans, const std::vector<int>& layers,
                          const std::function<void(double)>& progress);
-
-// The plans that measure options `kept` (per (layer, KV head), as TierOptions::kept): the k-th
-// gives every head its k-th option; then the scales' plans.
-std::vector<TierShares> screened_plans(const TierFitPlans& plans, const std::vector<std::vector<std::size_t>>& kept,
-                                       int num_layers, int num_kv_heads);
 
 // Replays the fit's cheapest plan (every share 0: a zone only adds tokens kept) on the held-out
 // sequences, and returns its result: InputError naming the target when even it holds more bytes

@@ -534,7 +534,7 @@ private:
     }
 
     // Once per block and KV head for all its combinations: each query head's scores against every
-    // fp16 key (score_row), the full cache's output from them (for the output error), and (raw
+    // fp16 key (score_rows_of_group), the full cache's output from them (for the output error), and (raw
     // view, grouped heads) its combined row. A combination's cache reads the same scores for the
     // keys it holds at fp16 (Harness::attend_cached): one dot product a key and step, not one a
     // combination.
