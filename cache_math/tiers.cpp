@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <utility>
 
 #include "base/errors.h"
 #include "cache_math/lowrank.h"
@@ -242,7 +243,6 @@ void accumulate_group(Eigen::Index n, const Row& row, const float* const* scores
 constexpr std::size_t kMaxGroup = 64;  // query heads a pass over the group takes (GQA groups are 1 to 16)
 
 using Lanes16 = float __attribute__((vector_size(64)));
-using LaneIndex16 = int32_t __attribute__((vector_size(64)));
 
 [[gnu::always_inline]] inline Lanes16 load16(const float* at) {
     Lanes16 x;
@@ -250,20 +250,27 @@ using LaneIndex16 = int32_t __attribute__((vector_size(64)));
     return x;
 }
 
+// Two-source shuffles of swap_blocks<M>, their lanes constants as both gcc and clang require:
+// row r takes row r + M's columns c - M where c & M; row r + M takes row r's c + M where not.
+template <int M, std::size_t... C>
+[[gnu::always_inline]] inline Lanes16 upper_of(Lanes16 top, Lanes16 bottom, std::index_sequence<C...>) {
+    return __builtin_shufflevector(top, bottom, ((C & M) ? 16 + C - M : C)...);
+}
+template <int M, std::size_t... C>
+[[gnu::always_inline]] inline Lanes16 lower_of(Lanes16 top, Lanes16 bottom, std::index_sequence<C...>) {
+    return __builtin_shufflevector(top, bottom, ((C & M) ? 16 + C : C + M)...);
+}
+
 // The 16 x 16 transpose of rows[0..15] in place: four rounds, each swapping the off-diagonal m x m
 // blocks of every 2m x 2m block (m = 8, 4, 2, 1), each row a two-source shuffle.
 template <int M>
 [[gnu::always_inline]] inline void swap_blocks(Lanes16 (&rows)[16]) {
-    LaneIndex16 upper, lower;  // row r takes row r + M's columns c - M where c & M; row r + M, row r's c + M
-    for (int c = 0; c < 16; ++c) {
-        upper[c] = c & M ? 16 + c - M : c;
-        lower[c] = c & M ? 16 + c : c + M;
-    }
+    constexpr auto lanes = std::make_index_sequence<16>{};
     for (int r = 0; r < 16; ++r) {
         if (r & M) continue;
         const Lanes16 top = rows[r], bottom = rows[r + M];
-        rows[r] = __builtin_shuffle(top, bottom, upper);
-        rows[r + M] = __builtin_shuffle(top, bottom, lower);
+        rows[r] = upper_of<M>(top, bottom, lanes);
+        rows[r + M] = lower_of<M>(top, bottom, lanes);
     }
 }
 
@@ -297,7 +304,9 @@ void score_key_block(const float* const* queries, const float* first_key, int64_
     swap_blocks<1>(sums);
     for (int l = 0; l < 16; ++l) total += sums[l];  // sums[l] now holds lane l of every (head, key)
     total *= scale;
-    for (int h = 0; h < H; ++h) std::memcpy(scores[h] + p, &total[h * kKeys], kKeys * sizeof(float));
+    float out[16];
+    std::memcpy(out, &total, sizeof out);
+    for (int h = 0; h < H; ++h) std::memcpy(scores[h] + p, out + h * kKeys, kKeys * sizeof(float));
 }
 
 }  // namespace
