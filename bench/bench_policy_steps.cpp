@@ -1,6 +1,8 @@
 // The policies' own work per decode step (observe, score, evict), without the harness, the
 // attention or the metrics: each policy at budgets 256, 512 and 1024 through 4,096 steps of
-// random weights, one victim a step once full. Prints the median of five runs in ns per step.
+// random weights, one victim a step once full. A policy that sizes itself (stratigraphic's shares)
+// is asked to evict every step, as the harness asks it, and runs at 4,096 too, where its shares
+// alone size it (the search's tier fit). Prints the median of five runs in ns per step.
 // Run by hand: build/bench/bench_policy_steps [policy ...]
 #include <algorithm>
 #include <chrono>
@@ -28,7 +30,10 @@ int main(int argc, char** argv) {
             std::fprintf(stderr, "no policy %s\n", name.c_str());
             return 2;
         }
-        for (int budget : {256, 512, 1024}) {
+        std::vector<int> budgets = {256, 512, 1024};
+        const bool sizes_itself = d->make(resolve_params(*d, {}, "bench"), PolicyContext{2, 4, 0, 1, 0, 1, 128})->sizes_itself();
+        if (sizes_itself) budgets.push_back(kSteps);
+        for (int budget : budgets) {
             std::vector<double> ns;
             for (int run = 0; run < kRuns; ++run) {
                 auto policy = d->make(resolve_params(*d, {}, "bench"), PolicyContext{budget, budget + 2, 0, 1, 0, 1, 128});
@@ -39,7 +44,7 @@ int main(int argc, char** argv) {
                     if (at + held > weights.size()) at = 0;
                     policy->on_decode_step(t, std::span<const float>(weights.data() + at, held));
                     at += held++;
-                    if (held > static_cast<std::size_t>(budget)) {
+                    if (held > static_cast<std::size_t>(budget) || sizes_itself) {
                         victims.clear();
                         policy->evict(budget, victims);
                         held -= victims.size();
