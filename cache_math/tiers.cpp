@@ -2,6 +2,8 @@
 
 #include <Eigen/Core>
 #include <algorithm>
+#include <bit>
+#include <stdexcept>
 #include <cmath>
 #include <cstring>
 #include <utility>
@@ -240,7 +242,7 @@ void accumulate_group(Eigen::Index n, const Row& row, const float* const* scores
     }
 }
 
-constexpr std::size_t kMaxGroup = 64;  // query heads a pass over the group takes (GQA groups are 1 to 16)
+constexpr std::size_t kMaxGroup = kMaxCachedGroup;  // query heads a pass over the group takes (GQA groups are 1 to 16)
 
 using Lanes16 = float __attribute__((vector_size(64)));
 
@@ -355,22 +357,27 @@ void cached_attention_outputs(std::span<const CachedQuery> heads, std::span<cons
                               std::span<const uint8_t> key_tier, std::span<const uint8_t> value_tier,
                               const TierArrays& arrays, int kv_head, int num_kv_heads, int head_dim,
                               Eigen::ArrayXf& scratch) {
-    if (heads.size() > kMaxGroup) {  // (multi-query models group 71 heads and more) each head is its own: in parts
-        for (std::size_t first = 0; first < heads.size(); first += kMaxGroup)
-            cached_attention_outputs(heads.subspan(first, std::min(kMaxGroup, heads.size() - first)), held, key_tier,
-                                     value_tier, arrays, kv_head, num_kv_heads, head_dim, scratch);
-        return;
-    }
+    // (multi-query models group 71 heads and more) each head is its own: in parts
+    for (std::size_t first = 0; first < heads.size(); first += kMaxGroup)
+        cached_attention_values(cached_attention_weights(heads.subspan(first, std::min(kMaxGroup, heads.size() - first)),
+                                                         held, key_tier, value_tier, arrays, kv_head, num_kv_heads,
+                                                         head_dim, scratch));
+}
+
+CachedValueSums cached_attention_weights(std::span<const CachedQuery> heads, std::span<const int32_t> held,
+                                         std::span<const uint8_t> key_tier, std::span<const uint8_t> value_tier,
+                                         const TierArrays& arrays, int kv_head, int num_kv_heads, int head_dim,
+                                         Eigen::ArrayXf& scratch) {
+    if (heads.size() > kMaxGroup) throw std::logic_error("cached_attention_weights: more heads than a pass takes");
+    CachedValueSums sums;
+    sums.held = held, sums.value_tier = value_tier, sums.arrays = &arrays;
+    sums.kv_head = kv_head, sums.num_kv_heads = num_kv_heads, sums.head_dim = head_dim;
     const Eigen::Index n = static_cast<Eigen::Index>(held.size());
     // Each head's scores start on a 64-byte boundary, as a lone head's Eigen array does.
     const Eigen::Index stride = (n + 15) / 16 * 16;
     const Eigen::Index needed = stride * static_cast<Eigen::Index>(heads.size());
     if (scratch.size() < needed) scratch.resize(needed);
     const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-    std::array<const float*, kMaxGroup> head_scores{};
-    std::array<float, kMaxGroup> inv_totals{};
-    std::array<float*, kMaxGroup> outs{};
-    std::size_t with_outputs = 0;
     for (std::size_t h = 0; h < heads.size(); ++h) {
         const CachedQuery& head = heads[h];
         float* const scores = scratch.data() + static_cast<Eigen::Index>(h) * stride;  // plain indexing in the hot loops
@@ -388,30 +395,148 @@ void cached_attention_outputs(std::span<const CachedQuery> heads, std::span<cons
         if (head.weights)
             for (Eigen::Index j = 0; j < n; ++j) head.weights[j] = scores[j] * inv_total;
         if (!head.out) continue;
-        head_scores[with_outputs] = scores;
-        inv_totals[with_outputs] = inv_total;
-        outs[with_outputs++] = head.out;
+        sums.numerators[sums.heads] = scores;
+        sums.inv_totals[sums.heads] = inv_total;
+        sums.outs[sums.heads++] = head.out;
     }
-    if (with_outputs == 0) return;
-    const auto value_row = [&](Eigen::Index j) {
-        return arrays.v[value_tier[held[j]]] + (static_cast<int64_t>(held[j]) * num_kv_heads + kv_head) * head_dim;
-    };
+    return sums;
+}
+
+namespace {
+
+// Where position p's value row lies in a cache.
+inline const float* value_row_of(const CachedValueSums& c, int32_t p) {
+    return c.arrays->v[c.value_tier[p]] + (static_cast<int64_t>(p) * c.num_kv_heads + c.kv_head) * c.head_dim;
+}
+
+}  // namespace
+
+void cached_attention_values(const CachedValueSums& c) {
+    if (c.heads == 0) return;
+    const Eigen::Index n = static_cast<Eigen::Index>(c.held.size());
+    const auto value_row = [&](Eigen::Index j) { return value_row_of(c, c.held[j]); };
     // Each channel sums its weighted values in held order. For the common head sizes the sums stay
     // in registers (out may alias nothing, but the compiler cannot know it).
-    switch (head_dim) {
-        case 64: return accumulate_group<64>(n, value_row, head_scores.data(), inv_totals.data(), outs.data(), with_outputs);
-        case 128: return accumulate_group<128>(n, value_row, head_scores.data(), inv_totals.data(), outs.data(), with_outputs);
+    switch (c.head_dim) {
+        case 64: return accumulate_group<64>(n, value_row, c.numerators.data(), c.inv_totals.data(), c.outs.data(), c.heads);
+        case 128: return accumulate_group<128>(n, value_row, c.numerators.data(), c.inv_totals.data(), c.outs.data(), c.heads);
         default: break;
     }
-    for (std::size_t h = 0; h < with_outputs; ++h) {
-        float* out = outs[h];
-        std::fill(out, out + head_dim, 0.0f);
+    for (std::size_t h = 0; h < c.heads; ++h) {
+        float* out = c.outs[h];
+        std::fill(out, out + c.head_dim, 0.0f);
         for (Eigen::Index j = 0; j < n; ++j) {
             const float* v = value_row(j);
-            const float w = head_scores[h][j] * inv_totals[h];
-            for (int i = 0; i < head_dim; ++i) out[i] += w * v[i];
+            const float w = c.numerators[h][j] * c.inv_totals[h];
+            for (int i = 0; i < c.head_dim; ++i) out[i] += w * v[i];
         }
     }
+}
+
+namespace {
+
+// Held positions a block of cached_attention_values_of_caches spans: the rows of 256 positions
+// (128 KiB at 128 channels) stay in the second-level cache while every cache adds those it holds.
+constexpr int32_t kBlockPositions = 256;
+
+// Cache c's rows j0..j1-1 added into its running sums (head h's channels at sums + h * D), in held
+// order: accumulate_weighted_rows' arithmetic, its sums carried through memory between blocks
+// (a float stored and loaded is the same float).
+template <int D, int H>
+void add_rows_to_sums(const CachedValueSums& c, std::size_t h0, std::size_t j0, std::size_t j1, float* sums) {
+    using Lanes = float __attribute__((vector_size(64)));
+    const auto load = [](const float* at) {
+        Lanes x;
+        std::memcpy(&x, at, sizeof x);
+        return x;
+    };
+    for (int c0 = 0; c0 < D; c0 += 64) {
+        Lanes acc[H][4];
+        for (int h = 0; h < H; ++h)
+            for (int k = 0; k < 4; ++k) acc[h][k] = load(sums + (h0 + h) * D + c0 + 16 * k);
+        for (std::size_t j = j0; j < j1; ++j) {
+            if (j + kAhead < c.held.size()) {
+                const float* ahead = value_row_of(c, c.held[j + kAhead]) + c0;
+                for (int l = 0; l < 64; l += 16) __builtin_prefetch(ahead + l);
+            }
+            const float* v = value_row_of(c, c.held[j]) + c0;
+            const Lanes x0 = load(v), x1 = load(v + 16), x2 = load(v + 32), x3 = load(v + 48);
+            for (int h = 0; h < H; ++h) {
+                const float w = c.numerators[h0 + h][j] * c.inv_totals[h0 + h];
+                acc[h][0] += w * x0;
+                acc[h][1] += w * x1;
+                acc[h][2] += w * x2;
+                acc[h][3] += w * x3;
+            }
+        }
+        for (int h = 0; h < H; ++h)
+            for (int k = 0; k < 4; ++k) std::memcpy(sums + (h0 + h) * D + c0 + 16 * k, &acc[h][k], sizeof(Lanes));
+    }
+}
+
+template <int D>
+void add_rows_of_heads(const CachedValueSums& c, std::size_t j0, std::size_t j1, float* sums) {
+    for (std::size_t h = 0; h < c.heads; h += 4) {
+        switch (std::min<std::size_t>(4, c.heads - h)) {
+            case 1: add_rows_to_sums<D, 1>(c, h, j0, j1, sums); break;
+            case 2: add_rows_to_sums<D, 2>(c, h, j0, j1, sums); break;
+            case 3: add_rows_to_sums<D, 3>(c, h, j0, j1, sums); break;
+            default: add_rows_to_sums<D, 4>(c, h, j0, j1, sums); break;
+        }
+    }
+}
+
+// Any head size: cached_attention_values' plain loop, its sums carried the same way.
+void add_rows_plain(const CachedValueSums& c, std::size_t j0, std::size_t j1, float* sums) {
+    const int d = c.head_dim;
+    for (std::size_t h = 0; h < c.heads; ++h) {
+        float* out = sums + h * d;
+        for (std::size_t j = j0; j < j1; ++j) {
+            const float* v = value_row_of(c, c.held[j]);
+            const float w = c.numerators[h][j] * c.inv_totals[h];
+            for (int i = 0; i < d; ++i) out[i] += w * v[i];
+        }
+    }
+}
+
+}  // namespace
+
+void cached_attention_values_of_caches(std::span<const CachedValueSums* const> caches) {
+    thread_local std::vector<float> sums;       // each cache's heads' running sums
+    thread_local std::vector<std::size_t> first_sum, next;  // where a cache's sums start; its next held index
+    first_sum.resize(caches.size());
+    next.assign(caches.size(), 0);
+    std::size_t floats = 0;
+    int32_t end = 0;
+    for (std::size_t s = 0; s < caches.size(); ++s) {
+        first_sum[s] = floats;
+        floats += caches[s]->heads * static_cast<std::size_t>(caches[s]->head_dim);
+        if (caches[s]->heads > 0 && !caches[s]->held.empty()) end = std::max(end, caches[s]->held.back() + 1);
+    }
+    sums.assign(floats, 0.0f);
+    // Block by block of positions, each cache adds the rows it holds there: a row one cache brought
+    // in serves the others that hold it, where one cache after another read every row again.
+    for (int32_t block = 0; block < end; block += kBlockPositions) {
+        const int32_t block_end = block + kBlockPositions;
+        for (std::size_t s = 0; s < caches.size(); ++s) {
+            const CachedValueSums& c = *caches[s];
+            if (c.heads == 0) continue;
+            const std::size_t j0 = next[s];
+            std::size_t j1 = j0;
+            while (j1 < c.held.size() && c.held[j1] < block_end) ++j1;
+            next[s] = j1;
+            if (j1 == j0) continue;
+            float* at = sums.data() + first_sum[s];
+            switch (c.head_dim) {
+                case 64: add_rows_of_heads<64>(c, j0, j1, at); break;
+                case 128: add_rows_of_heads<128>(c, j0, j1, at); break;
+                default: add_rows_plain(c, j0, j1, at); break;
+            }
+        }
+    }
+    for (std::size_t s = 0; s < caches.size(); ++s)
+        for (std::size_t h = 0; h < caches[s]->heads; ++h)
+            std::copy_n(sums.data() + first_sum[s] + h * caches[s]->head_dim, caches[s]->head_dim, caches[s]->outs[h]);
 }
 
 }  // namespace kvsim

@@ -97,6 +97,35 @@ void cached_attention_outputs(std::span<const CachedQuery> heads, std::span<cons
                               const TierArrays& arrays, int kv_head, int num_kv_heads, int head_dim,
                               Eigen::ArrayXf& scratch);
 
+// cached_attention_outputs in two halves, so that several caches of one KV head at one step (a
+// replay's plans) can share the second: the first makes each head's weights (and `weights`), the
+// second sums the weighted value rows into each head's `out`. Each head's output is bit for bit
+// cached_attention_outputs'.
+inline constexpr std::size_t kMaxCachedGroup = 64;  // heads one CachedValueSums holds
+struct CachedValueSums {
+    std::span<const int32_t> held;            // ascending positions
+    std::span<const uint8_t> value_tier;      // by position
+    const TierArrays* arrays = nullptr;
+    int kv_head = 0, num_kv_heads = 1, head_dim = 0;
+    std::size_t heads = 0;                    // heads with an output
+    std::array<const float*, kMaxCachedGroup> numerators{};  // exp(score - peak), one per held position
+    std::array<float, kMaxCachedGroup> inv_totals{};
+    std::array<float*, kMaxCachedGroup> outs{};
+};
+// The first half for at most kMaxCachedGroup heads; the numerators live in `scratch` until the
+// sums are made.
+CachedValueSums cached_attention_weights(std::span<const CachedQuery> heads, std::span<const int32_t> held,
+                                         std::span<const uint8_t> key_tier, std::span<const uint8_t> value_tier,
+                                         const TierArrays& arrays, int kv_head, int num_kv_heads, int head_dim,
+                                         Eigen::ArrayXf& scratch);
+// The second half for one cache.
+void cached_attention_values(const CachedValueSums& cache);
+// The second half for several caches at once (a replay step's plans of one KV head): block by
+// block of positions, each cache adds the rows it holds there, so a row one cache brought into the
+// processor's caches serves the others that hold it. Each cache's sums are taken in its own held
+// order, so each output is the same bits as its own call's.
+void cached_attention_values_of_caches(std::span<const CachedValueSums* const> caches);
+
 // The scores cached_attention_output gives positions 0..count-1 whose keys are `keys`
 // ([token][kv_head][d]): q.k / sqrt(d), bit for bit.
 void score_row(const float* q, const float* keys, int64_t count, int kv_head, int num_kv_heads, int head_dim,

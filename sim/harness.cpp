@@ -441,6 +441,13 @@ void Harness::feed_linear_state(int32_t t) {
 // `with_outputs`), and with the cached view each head's weights on the attended positions (into
 // cached_weights_).
 void Harness::attend_cached(const GroupStep& s, bool with_outputs) {
+    if (const CachedValueSums* sums = attend_cached_weights(s, with_outputs)) cached_attention_values(*sums);
+    attended_step_ = with_outputs ? s.t : -1;
+}
+
+// attend_cached's weights; returns the value sums still to make (null for a streaming head, whose
+// state made its outputs).
+const CachedValueSums* Harness::attend_cached_weights(const GroupStep& s, bool with_outputs) {
     const int32_t t = s.t;
     const int d = values_.head_dim;
     StreamingHeadState* state = policy_->linear_state();
@@ -459,19 +466,33 @@ void Harness::attend_cached(const GroupStep& s, bool with_outputs) {
     if (state) {  // a streaming head shows its policy no weights: it keeps by position
         if (with_outputs)
             for (std::size_t h = 0; h < s.queries.size(); ++h) state->output(s.queries[h], last_outputs_.data() + h * d);
-    } else {
-        group_queries_.resize(s.queries.size());
-        for (std::size_t h = 0; h < s.queries.size(); ++h) {
-            CachedQuery& head = group_queries_[h];
-            head.q = s.queries[h];
-            head.out = with_outputs ? last_outputs_.data() + h * d : nullptr;
-            head.weights = want_weights ? cached_weights_.data() + h * attended_.size() : nullptr;
-            for (int tier = 0; tier < 3; ++tier) head.shared_scores[tier] = shared[tier] ? s.tier_scores[tier][h] : nullptr;
-        }
+        return nullptr;
+    }
+    group_queries_.resize(s.queries.size());
+    for (std::size_t h = 0; h < s.queries.size(); ++h) {
+        CachedQuery& head = group_queries_[h];
+        head.q = s.queries[h];
+        head.out = with_outputs ? last_outputs_.data() + h * d : nullptr;
+        head.weights = want_weights ? cached_weights_.data() + h * attended_.size() : nullptr;
+        for (int tier = 0; tier < 3; ++tier) head.shared_scores[tier] = shared[tier] ? s.tier_scores[tier][h] : nullptr;
+    }
+    if (group_queries_.size() > kMaxCachedGroup) {  // in parts, each made whole (a multi-query model's group)
         cached_attention_outputs(group_queries_, attended_, key_tier_, value_tier_, *values_.arrays, values_.kv_head,
                                  values_.num_kv_heads, d, scratch_);
+        return nullptr;
     }
-    attended_step_ = with_outputs ? t : -1;
+    pending_values_ = cached_attention_weights(group_queries_, attended_, key_tier_, value_tier_, *values_.arrays,
+                                               values_.kv_head, values_.num_kv_heads, d, scratch_);
+    return &pending_values_;
+}
+
+const CachedValueSums* Harness::weights_for_shared_values(const GroupStep& s) {
+    // Where observe would make this step's outputs in measure_values (not the cached view's
+    // earlier call, nor a streaming head's state), and has not yet.
+    if (options_.view == AttentionView::cached || !output_measured(s.t) || attended_step_ == s.t ||
+        policy_->linear_state() || s.queries.size() > kMaxCachedGroup)
+        return nullptr;
+    return attend_cached_weights(s, true);
 }
 
 // Whether this step's output error is measured (the sample's steps, or every decode step).

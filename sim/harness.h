@@ -150,6 +150,13 @@ public:
             std::string label, std::string where);
 
     void step(const GroupStep& s);
+    // Where this step's output error is measured, its cached attention without the value sums,
+    // for a caller that makes several harnesses' sums in one pass (cached_attention_values_of_caches,
+    // as LockstepReplay does for a KV head's plans); then values_shared(s.t) before step(s), which
+    // then takes those outputs as its own. Null where step() makes them itself; the outputs are
+    // the same bits either way.
+    const CachedValueSums* weights_for_shared_values(const GroupStep& s);
+    void values_shared(int32_t t) { attended_step_ = t; }
     // A step in two halves, for heads that share one budget (Ada-KV): observe() measures the step,
     // shows the policy its attention and admits the token; evict_to() then brings the cache down
     // to `keep` positions (Policy::evict_to) once a prefill is over, and assigns tiers.
@@ -215,10 +222,12 @@ private:
     double sample_error_ = 0, sample_error_squares_ = 0, sample_cosine_ = 0;
     int64_t sampled_steps_ = 0, population_steps_ = 0;
     void attend_cached(const GroupStep& s, bool with_outputs);
+    const CachedValueSums* attend_cached_weights(const GroupStep& s, bool with_outputs);
     bool output_measured(int32_t t) const;
     void feed_linear_state(int32_t t);
     std::vector<float> cached_weights_;  // cached view: [head][attended position] weights
     int64_t attended_step_ = -1;         // the step last_outputs_ holds (-1: none)
+    CachedValueSums pending_values_;     // attend_cached_weights' sums still to make
 };
 
 }  // namespace kvsim

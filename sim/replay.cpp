@@ -633,8 +633,29 @@ private:
                 step.tier_scores[tier] = {scores_of_group[tier], static_cast<std::size_t>(group_)};
                 step.tier_scores_keys[tier] = tier == 0 ? fp16_arrays_->k[0] : shared_tiers_->k[tier];
             }
+            if (options_.output_error && shared) share_value_sums(harnesses, job, step);
             for (std::size_t c : job.combos) harnesses[job.kv * combos_.size() + c].step(step);
         }
+    }
+
+    // The step's cached outputs of the run's combinations, their value sums made together: a value
+    // row one cache brought in serves the others holding it, where a call per harness read every
+    // row again from memory (cached attention was about 30% of a budget fit's time, mostly those
+    // sums). The same bits either way.
+    void share_value_sums(std::vector<Harness>& harnesses, const Job& job, const GroupStep& step) const {
+        thread_local std::vector<const CachedValueSums*> sums;
+        thread_local std::vector<Harness*> owners;
+        sums.clear();
+        owners.clear();
+        for (std::size_t c : job.combos) {
+            Harness& harness = harnesses[job.kv * combos_.size() + c];
+            if (const CachedValueSums* pending = harness.weights_for_shared_values(step)) {
+                sums.push_back(pending);
+                owners.push_back(&harness);
+            }
+        }
+        cached_attention_values_of_caches(sums);
+        for (Harness* harness : owners) harness->values_shared(step.t);
     }
 
     // An Ada-KV combination: every KV head of the layer through the block's steps together. Per

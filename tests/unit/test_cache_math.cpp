@@ -308,6 +308,64 @@ TEST_CASE("cached attention: tiers mixed, shared scores of any tier and weights 
     }
 }
 
+TEST_CASE("value sums of many caches at once: each output is its own cache's call's bits") {
+    // Caches of one step as a replay's plans are: held sets that overlap, ascending, each ending at
+    // the current token, over more than one block of positions; value tiers that differ between
+    // caches; 1 to 5 heads (a pass takes four); 70 caches; two caches of another KV head; a cache
+    // whose heads ask for no output.
+    std::mt19937 rng(11);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (const int d : {8, 20, 64, 128})
+        for (const std::size_t group : {std::size_t{1}, std::size_t{4}, std::size_t{5}}) {
+            CAPTURE(d);
+            CAPTURE(group);
+            const int tokens = 600, kv_heads = 3, caches = 70, t = tokens - 1;
+            const RandomTiers random(tokens, kv_heads, d, rng);
+            std::vector<std::vector<int32_t>> held(caches);
+            std::vector<std::vector<uint8_t>> key_tier(caches, std::vector<uint8_t>(tokens)), value_tier = key_tier;
+            std::vector<std::vector<float>> q(group, std::vector<float>(d));
+            for (auto& qh : q)
+                for (float& x : qh) x = normal(rng) * 0.5f;
+            std::uniform_real_distribution<double> uniform(0.0, 1.0);
+            std::vector<std::vector<std::vector<float>>> fused_out(caches), own_out(caches);
+            std::vector<Eigen::ArrayXf> scratch(caches);
+            std::vector<CachedValueSums> sums(caches);
+            std::vector<const CachedValueSums*> pointers;
+            for (int c = 0; c < caches; ++c) {
+                const double keep = 0.1 + 0.9 * c / caches;  // larger budgets hold more, mostly the same
+                for (int p = 0; p < t; ++p)
+                    if (uniform(rng) < keep) held[c].push_back(p);
+                held[c].push_back(t);
+                for (int p = 0; p < tokens; ++p) {
+                    key_tier[c][p] = static_cast<uint8_t>(c % 3 == 0 ? p % 3 : 0);
+                    value_tier[c][p] = static_cast<uint8_t>(c % 3 == 0 ? (p + c) % 3 : c % 5 == 0 ? 1 : 0);
+                }
+                const int kv = c >= caches - 2 ? 1 : 2;
+                fused_out[c].assign(group, std::vector<float>(d, -1.0f));
+                own_out[c] = fused_out[c];
+                std::vector<CachedQuery> heads(group), own_heads(group);
+                for (std::size_t h = 0; h < group; ++h) {
+                    const bool wants_out = c != 7;
+                    heads[h] = {q[h].data(), wants_out ? fused_out[c][h].data() : nullptr, nullptr, {}};
+                    own_heads[h] = {q[h].data(), wants_out ? own_out[c][h].data() : nullptr, nullptr, {}};
+                }
+                Eigen::ArrayXf own_scratch;
+                cached_attention_outputs(own_heads, held[c], key_tier[c], value_tier[c], random.arrays, kv, kv_heads, d,
+                                         own_scratch);
+                sums[c] = cached_attention_weights(heads, held[c], key_tier[c], value_tier[c], random.arrays, kv,
+                                                   kv_heads, d, scratch[c]);
+                pointers.push_back(&sums[c]);
+            }
+            cached_attention_values_of_caches(pointers);
+            for (int c = 0; c < caches; ++c)
+                for (std::size_t h = 0; h < group; ++h) {
+                    CAPTURE(c);
+                    CAPTURE(h);
+                    CHECK(same_bits(fused_out[c][h], own_out[c][h]));
+                }
+        }
+}
+
 TEST_CASE("cached attention for a query group: each head's output and weights are its lone call's bits") {
     // Groups of 1 to 6 heads (a pass takes up to four: 5 and 6 take two) and of 71 (a multi-query
     // model's: a call takes 64 at a time), head sizes with the fused accumulation (64, 128) and

@@ -328,18 +328,20 @@ TEST_CASE("combinations on one KV head read its four heads' rows interleaved, an
 TEST_CASE("combinations replayed together share each step's scores, and give the bits they give alone") {
     // Together, a KV head's combinations take each key's score from one row per query head and tier
     // computed once a step (cached view: every step; otherwise the steps whose output error is
-    // measured); alone, each computes its own. The cached view's weights, the output error
+    // measured), and outside the cached view make their value sums in one pass over the step's
+    // rows (cached_attention_values_of_caches); alone, each computes its own. The cached view's weights, the output error
     // (every step and sampled) and the memory must not move by a bit, tiered policies included.
     SyntheticQkvSpec spec = synthetic_qkv_trace("small-1024", "test");
     spec.num_layers = 1;
     tbb::global_control one_thread(tbb::global_control::max_allowed_parallelism, 1);
-    auto source = make_synthetic_qkv_source(spec, 200);
+    // 600 steps: the shared value sums run over three blocks of positions, their sums carried.
+    auto source = make_synthetic_qkv_source(spec, 600);
     // Four stratigraphic shapes of one tier format: together their INT8 and INT4 scores are shared too.
     const std::vector<PolicyEntry> policies = {entry("h2o"), entry("tova"), entry("stratigraphic"),
                                                entry("stratigraphic", {{"surface", 0.1}}),
                                                entry("stratigraphic", {{"surface", 0.5}, {"int4_share", 0.1}}),
                                                entry("stratigraphic", {{"int8_share", 0.4}})};
-    for (AttentionView view : {AttentionView::cached, AttentionView::raw}) {
+    for (AttentionView view : {AttentionView::cached, AttentionView::raw, AttentionView::renormalized}) {
         for (double sample : {1.0, 0.25}) {
             CAPTURE(static_cast<int>(view));
             CAPTURE(sample);
