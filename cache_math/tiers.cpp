@@ -187,61 +187,6 @@ float softmax_numerators(float* scores, Eigen::Index n) {
 
 namespace {
 
-// For H query heads at once, out_h[i] = sum over j of (scores_h[j] * inv_total_h) * row(j)[i], j
-// ascending: one head alone's arithmetic, element for element (each head's sums are its own), with
-// a fixed head size (a multiple of 64). The group's heads read each value row once, where a head
-// at a time read it once a head: sixty-four channels of every head at a time, H x 4 sums of sixteen that stay in
-// registers (GCC's vector extension, split to the target's width; left to itself the compiler
-// unrolled and jammed the plain loop into scalar code).
-constexpr Eigen::Index kAhead = 8;  // value rows fetched ahead of the one being read
-
-template <int D, int H, class Row>
-void accumulate_weighted_rows(Eigen::Index n, const Row& row, const float* const* scores, const float* inv_totals,
-                              float* const* outs) {
-    using Lanes = float __attribute__((vector_size(64)));
-    static_assert(D % 64 == 0);
-    const auto load = [](const float* at) {
-        Lanes x;
-        std::memcpy(&x, at, sizeof x);
-        return x;
-    };
-    for (int c0 = 0; c0 < D; c0 += 64) {
-        Lanes sums[H][4] = {};
-        for (Eigen::Index j = 0; j < n; ++j) {
-            // Rows of one KV head lie a page apart or more, where the hardware prefetcher does not
-            // follow: fetch the row kAhead rows on while this one is summed.
-            if (j + kAhead < n) {
-                const float* ahead = row(j + kAhead) + c0;
-                for (int l = 0; l < 64; l += 16) __builtin_prefetch(ahead + l);
-            }
-            const float* v = row(j) + c0;
-            const Lanes x0 = load(v), x1 = load(v + 16), x2 = load(v + 32), x3 = load(v + 48);
-            for (int h = 0; h < H; ++h) {
-                const float w = scores[h][j] * inv_totals[h];
-                sums[h][0] += w * x0;
-                sums[h][1] += w * x1;
-                sums[h][2] += w * x2;
-                sums[h][3] += w * x3;
-            }
-        }
-        for (int h = 0; h < H; ++h) std::memcpy(outs[h] + c0, sums[h], sizeof sums[h]);
-    }
-}
-
-// Up to four heads a pass (16 sums of 16 lanes at D = 64 or more: half of AVX-512's registers).
-template <int D, class Row>
-void accumulate_group(Eigen::Index n, const Row& row, const float* const* scores, const float* inv_totals,
-                      float* const* outs, std::size_t heads) {
-    for (std::size_t h = 0; h < heads; h += 4) {
-        switch (std::min<std::size_t>(4, heads - h)) {
-            case 1: accumulate_weighted_rows<D, 1>(n, row, scores + h, inv_totals + h, outs + h); break;
-            case 2: accumulate_weighted_rows<D, 2>(n, row, scores + h, inv_totals + h, outs + h); break;
-            case 3: accumulate_weighted_rows<D, 3>(n, row, scores + h, inv_totals + h, outs + h); break;
-            default: accumulate_weighted_rows<D, 4>(n, row, scores + h, inv_totals + h, outs + h); break;
-        }
-    }
-}
-
 constexpr std::size_t kMaxGroup = kMaxCachedGroup;  // query heads a pass over the group takes (GQA groups are 1 to 16)
 
 using Lanes16 = float __attribute__((vector_size(64)));
@@ -324,7 +269,7 @@ void score_rows_of_group(const float* const* queries, int heads, const float* ke
         // registers), the 16 keys' chunks read from memory by the first pass.
         for (; p + 16 <= count; p += 16) {
             const float* first_key = k + p * stride;
-            if (p + 32 <= count)  // the next sixteen keys, a page apart each (see accumulate_weighted_rows)
+            if (p + 32 <= count)  // the next sixteen keys, a page apart each (see add_rows_to_sums)
                 for (int j = 16; j < 32; ++j)
                     for (int c = 0; c < head_dim; c += 16) __builtin_prefetch(first_key + j * stride + c, 0, 2);
             int h = 0;
@@ -412,25 +357,8 @@ inline const float* value_row_of(const CachedValueSums& c, int32_t p) {
 }  // namespace
 
 void cached_attention_values(const CachedValueSums& c) {
-    if (c.heads == 0) return;
-    const Eigen::Index n = static_cast<Eigen::Index>(c.held.size());
-    const auto value_row = [&](Eigen::Index j) { return value_row_of(c, c.held[j]); };
-    // Each channel sums its weighted values in held order. For the common head sizes the sums stay
-    // in registers (out may alias nothing, but the compiler cannot know it).
-    switch (c.head_dim) {
-        case 64: return accumulate_group<64>(n, value_row, c.numerators.data(), c.inv_totals.data(), c.outs.data(), c.heads);
-        case 128: return accumulate_group<128>(n, value_row, c.numerators.data(), c.inv_totals.data(), c.outs.data(), c.heads);
-        default: break;
-    }
-    for (std::size_t h = 0; h < c.heads; ++h) {
-        float* out = c.outs[h];
-        std::fill(out, out + c.head_dim, 0.0f);
-        for (Eigen::Index j = 0; j < n; ++j) {
-            const float* v = value_row(j);
-            const float w = c.numerators[h][j] * c.inv_totals[h];
-            for (int i = 0; i < c.head_dim; ++i) out[i] += w * v[i];
-        }
-    }
+    const CachedValueSums* const one = &c;
+    cached_attention_values_of_caches({&one, 1});
 }
 
 namespace {
@@ -439,9 +367,15 @@ namespace {
 // (128 KiB at 128 channels) stay in the second-level cache while every cache adds those it holds.
 constexpr int32_t kBlockPositions = 256;
 
-// Cache c's rows j0..j1-1 added into its running sums (head h's channels at sums + h * D), in held
-// order: accumulate_weighted_rows' arithmetic, its sums carried through memory between blocks
-// (a float stored and loaded is the same float).
+constexpr std::size_t kAhead = 8;  // value rows fetched ahead of the one being read
+
+// Cache c's rows j0..j1-1 added into its running sums (head h's channels at sums + h * D), for H
+// query heads at once: sums_h[i] += (numerators_h[j] * inv_total_h) * row(j)[i], j ascending, one
+// head alone's arithmetic element for element (each head's sums are its own). The group's heads
+// read each value row once: sixty-four channels of every head at a time, H x 4 sums of sixteen that
+// stay in registers (GCC's vector extension, split to the target's width; left to itself the
+// compiler unrolled and jammed the plain loop into scalar code), carried through memory between
+// blocks (a float stored and loaded is the same float).
 template <int D, int H>
 void add_rows_to_sums(const CachedValueSums& c, std::size_t h0, std::size_t j0, std::size_t j1, float* sums) {
     using Lanes = float __attribute__((vector_size(64)));
@@ -455,6 +389,8 @@ void add_rows_to_sums(const CachedValueSums& c, std::size_t h0, std::size_t j0, 
         for (int h = 0; h < H; ++h)
             for (int k = 0; k < 4; ++k) acc[h][k] = load(sums + (h0 + h) * D + c0 + 16 * k);
         for (std::size_t j = j0; j < j1; ++j) {
+            // Rows of one KV head lie a page apart or more, where the hardware prefetcher does not
+            // follow: fetch the row kAhead rows on while this one is summed.
             if (j + kAhead < c.held.size()) {
                 const float* ahead = value_row_of(c, c.held[j + kAhead]) + c0;
                 for (int l = 0; l < 64; l += 16) __builtin_prefetch(ahead + l);

@@ -118,7 +118,7 @@ CachedValueSums cached_attention_weights(std::span<const CachedQuery> heads, std
                                          std::span<const uint8_t> key_tier, std::span<const uint8_t> value_tier,
                                          const TierArrays& arrays, int kv_head, int num_kv_heads, int head_dim,
                                          Eigen::ArrayXf& scratch);
-// The second half for one cache.
+// The second half for one cache: cached_attention_values_of_caches of it alone.
 void cached_attention_values(const CachedValueSums& cache);
 // The second half for several caches at once (a replay step's plans of one KV head): block by
 // block of positions, each cache adds the rows it holds there, so a row one cache brought into the
