@@ -323,18 +323,30 @@ CachedValueSums cached_attention_weights(std::span<const CachedQuery> heads, std
     const Eigen::Index needed = stride * static_cast<Eigen::Index>(heads.size());
     if (scratch.size() < needed) scratch.resize(needed);
     const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+    // Where every held key is at fp16 (an untiered cache) and a head's fp16 scores are shared, its
+    // scores are a plain gather: no tier looked up per position and head.
+    const int32_t* const positions = held.data();
+    const uint8_t* const tiers = key_tier.data();
+    bool all_fp16 = true;
+    for (Eigen::Index j = 0; j < n; ++j) all_fp16 &= tiers[positions[j]] == 0;
     for (std::size_t h = 0; h < heads.size(); ++h) {
         const CachedQuery& head = heads[h];
         float* const scores = scratch.data() + static_cast<Eigen::Index>(h) * stride;  // plain indexing in the hot loops
-        for (Eigen::Index j = 0; j < n; ++j) {
-            const int32_t p = held[j];
-            const uint8_t tier = key_tier[p];
-            if (const float* row = head.shared_scores[tier]) {
-                scores[j] = row[p];
-                continue;
+        const std::array<const float*, 3> shared = head.shared_scores;
+        if (all_fp16 && shared[0]) {
+            const float* const row = shared[0];
+            for (Eigen::Index j = 0; j < n; ++j) scores[j] = row[positions[j]];
+        } else {
+            for (Eigen::Index j = 0; j < n; ++j) {
+                const int32_t p = positions[j];
+                const uint8_t tier = tiers[p];
+                if (const float* row = shared[tier]) {
+                    scores[j] = row[p];
+                    continue;
+                }
+                const float* k = arrays.k[tier] + (static_cast<int64_t>(p) * num_kv_heads + kv_head) * head_dim;
+                scores[j] = fixed_order_dot(head.q, k, head_dim) * scale;
             }
-            const float* k = arrays.k[tier] + (static_cast<int64_t>(p) * num_kv_heads + kv_head) * head_dim;
-            scores[j] = fixed_order_dot(head.q, k, head_dim) * scale;
         }
         const float inv_total = softmax_numerators(scores, n);
         if (head.weights)
