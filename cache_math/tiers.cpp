@@ -2,7 +2,6 @@
 
 #include <Eigen/Core>
 #include <algorithm>
-#include <bit>
 #include <stdexcept>
 #include <cmath>
 #include <cstring>
@@ -187,8 +186,6 @@ float softmax_numerators(float* scores, Eigen::Index n) {
 
 namespace {
 
-constexpr std::size_t kMaxGroup = kMaxCachedGroup;  // query heads a pass over the group takes (GQA groups are 1 to 16)
-
 using Lanes16 = float __attribute__((vector_size(64)));
 
 [[gnu::always_inline]] inline Lanes16 load16(const float* at) {
@@ -303,8 +300,8 @@ void cached_attention_outputs(std::span<const CachedQuery> heads, std::span<cons
                               const TierArrays& arrays, int kv_head, int num_kv_heads, int head_dim,
                               Eigen::ArrayXf& scratch) {
     // (multi-query models group 71 heads and more) each head is its own: in parts
-    for (std::size_t first = 0; first < heads.size(); first += kMaxGroup)
-        cached_attention_values(cached_attention_weights(heads.subspan(first, std::min(kMaxGroup, heads.size() - first)),
+    for (std::size_t first = 0; first < heads.size(); first += kMaxCachedGroup)
+        cached_attention_values(cached_attention_weights(heads.subspan(first, std::min(kMaxCachedGroup, heads.size() - first)),
                                                          held, key_tier, value_tier, arrays, kv_head, num_kv_heads,
                                                          head_dim, scratch));
 }
@@ -313,7 +310,7 @@ CachedValueSums cached_attention_weights(std::span<const CachedQuery> heads, std
                                          std::span<const uint8_t> key_tier, std::span<const uint8_t> value_tier,
                                          const TierArrays& arrays, int kv_head, int num_kv_heads, int head_dim,
                                          Eigen::ArrayXf& scratch) {
-    if (heads.size() > kMaxGroup) throw std::logic_error("cached_attention_weights: more heads than a pass takes");
+    if (heads.size() > kMaxCachedGroup) throw std::logic_error("cached_attention_weights: more heads than a pass takes");
     CachedValueSums sums;
     sums.held = held, sums.value_tier = value_tier, sums.arrays = &arrays;
     sums.kv_head = kv_head, sums.num_kv_heads = num_kv_heads, sums.head_dim = head_dim;

@@ -101,7 +101,7 @@ void cached_attention_outputs(std::span<const CachedQuery> heads, std::span<cons
 // replay's plans) can share the second: the first makes each head's weights (and `weights`), the
 // second sums the weighted value rows into each head's `out`. Each head's output is bit for bit
 // cached_attention_outputs'.
-inline constexpr std::size_t kMaxCachedGroup = 64;  // heads one CachedValueSums holds
+inline constexpr std::size_t kMaxCachedGroup = 64;  // heads one CachedValueSums holds (GQA groups are 1 to 16)
 struct CachedValueSums {
     std::span<const int32_t> held;            // ascending positions
     std::span<const uint8_t> value_tier;      // by position

@@ -488,11 +488,11 @@ const CachedValueSums* Harness::attend_cached_weights(const GroupStep& s, bool w
 
 const CachedValueSums* Harness::weights_for_shared_values(const GroupStep& s) {
     // Where observe would make this step's outputs in measure_values (not the cached view's
-    // earlier call, nor a streaming head's state), and has not yet.
-    if (options_.view == AttentionView::cached || !output_measured(s.t) || attended_step_ == s.t ||
-        policy_->linear_state() || s.queries.size() > kMaxCachedGroup)
-        return nullptr;
-    return attend_cached_weights(s, true);
+    // earlier call), and has not yet.
+    if (options_.view == AttentionView::cached || !output_measured(s.t) || attended_step_ == s.t) return nullptr;
+    const CachedValueSums* sums = attend_cached_weights(s, true);
+    if (!sums) attended_step_ = s.t;  // made whole already (a streaming head's state, a group in parts)
+    return sums;
 }
 
 // Whether this step's output error is measured (the sample's steps, or every decode step).

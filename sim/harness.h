@@ -153,8 +153,8 @@ public:
     // Where this step's output error is measured, its cached attention without the value sums,
     // for a caller that makes several harnesses' sums in one pass (cached_attention_values_of_caches,
     // as LockstepReplay does for a KV head's plans); then values_shared(s.t) before step(s), which
-    // then takes those outputs as its own. Null where step() makes them itself; the outputs are
-    // the same bits either way.
+    // then takes those outputs as its own. Null where there are none to share (step() makes them
+    // itself, or they were made whole here); the outputs are the same bits either way.
     const CachedValueSums* weights_for_shared_values(const GroupStep& s);
     void values_shared(int32_t t) { attended_step_ = t; }
     // A step in two halves, for heads that share one budget (Ada-KV): observe() measures the step,
