@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -45,134 +46,249 @@ void validate_streaming_params(const StreamingHeadParams& params) {
 // ---------------------------------------------------------------------------------------------
 // StreamingHeadState
 
+namespace {
+
+using Packet = Eigen::Array<double, 8, 1>;
+
+// f of n doubles, eight at a time; the tail padded through the same arithmetic, so that an
+// element's bits depend on its value alone, not on where it lies.
+template <class F>
+void eight_at_a_time(const double* x, double* out, std::size_t n, F f) {
+    std::size_t i = 0;
+    for (; i + 8 <= n; i += 8) Eigen::Map<Packet>(out + i) = f(Eigen::Map<const Packet>(x + i));
+    if (i < n) {
+        Packet tail = Packet::Zero();
+        std::copy(x + i, x + n, tail.data());
+        const Packet result = f(tail);
+        std::copy(result.data(), result.data() + (n - i), out + i);
+    }
+}
+
+}  // namespace
+
+void streaming_features(const double* x, double* phi, std::size_t n) {
+    eight_at_a_time(x, phi, n, [](const Packet& in) -> Packet { return in.min(0.0).exp() + in.max(0.0); });
+}
+
+namespace {
+
+// out.col(g) = a * b.col(g) for every g, a read once per four queries: a's columns are walked
+// in blocks of 16 rows, each row block's four queries' sums in registers (16 independent sums,
+// so the multiply-adds do not wait on each other). No packing copy and no allocation, unlike a
+// general matrix product: output() runs at every decode step of the runtime.
+template <int Queries>
+void multiply_block(const double* __restrict a, std::ptrdiff_t lda, int rows, int inner, const double* __restrict b,
+                    std::ptrdiff_t ldb, double* __restrict out, std::ptrdiff_t ldo) {
+    typedef double Lanes __attribute__((vector_size(64)));  // 8 doubles: one AVX-512 register
+    auto load = [](const double* p) {
+        Lanes v;
+        std::memcpy(&v, p, sizeof v);
+        return v;
+    };
+    int r = 0;
+    for (; r + 16 <= rows; r += 16) {
+        Lanes sums[Queries][2] = {};
+        for (int k = 0; k < inner; ++k) {
+            const Lanes low = load(a + k * lda + r), high = load(a + k * lda + r + 8);
+            for (int g = 0; g < Queries; ++g) {
+                const double x = b[g * ldb + k];
+                sums[g][0] += low * x;
+                sums[g][1] += high * x;
+            }
+        }
+        for (int g = 0; g < Queries; ++g) {
+            std::memcpy(out + g * ldo + r, &sums[g][0], sizeof(Lanes));
+            std::memcpy(out + g * ldo + r + 8, &sums[g][1], sizeof(Lanes));
+        }
+    }
+    for (; r < rows; ++r)  // the last rows, in the same order: k ascending
+        for (int g = 0; g < Queries; ++g) {
+            double sum = 0.0;
+            for (int k = 0; k < inner; ++k) sum += a[k * lda + r] * b[g * ldb + k];
+            out[g * ldo + r] = sum;
+        }
+}
+
+// Sums in index order: Eigen's vector reductions start where the data is aligned, so a column's
+// sum would depend on where in its matrix it lies (which query of the group it is).
+double ordered_dot(const double* a, const double* b, int n) {
+    double sum = 0.0;
+    for (int i = 0; i < n; ++i) sum += a[i] * b[i];
+    return sum;
+}
+
+double ordered_sum(const double* a, int n) {
+    double sum = 0.0;
+    for (int i = 0; i < n; ++i) sum += a[i];
+    return sum;
+}
+
+void multiply_columns(const Eigen::Ref<const Eigen::MatrixXd>& a, const Eigen::MatrixXd& b, Eigen::MatrixXd& out) {
+    const int rows = static_cast<int>(a.rows()), inner = static_cast<int>(a.cols()), queries = static_cast<int>(b.cols());
+    for (int g = 0; g < queries; g += 4) {
+        const double* in = b.data() + static_cast<std::ptrdiff_t>(g) * b.rows();
+        double* to = out.data() + static_cast<std::ptrdiff_t>(g) * out.rows();
+        switch (std::min(4, queries - g)) {
+            case 4: multiply_block<4>(a.data(), a.outerStride(), rows, inner, in, b.rows(), to, out.rows()); break;
+            case 3: multiply_block<3>(a.data(), a.outerStride(), rows, inner, in, b.rows(), to, out.rows()); break;
+            case 2: multiply_block<2>(a.data(), a.outerStride(), rows, inner, in, b.rows(), to, out.rows()); break;
+            default: multiply_block<1>(a.data(), a.outerStride(), rows, inner, in, b.rows(), to, out.rows()); break;
+        }
+    }
+}
+
+}  // namespace
+
 StreamingHeadState::StreamingHeadState(int head_dim, const StreamingHeadParams& params)
     : dim_(head_dim), params_(params) {
     if (head_dim < 1) throw std::invalid_argument("StreamingHeadState: head_dim must be >= 1");
     validate_streaming_params(params);
-    state_ = Eigen::MatrixXd::Zero(dim_, dim_);
+    state_transposed_ = Eigen::MatrixXd::Zero(dim_, dim_);
     normaliser_ = Eigen::VectorXd::Zero(dim_);
-    sink_keys_.resize(dim_, params.sinks);
-    sink_values_.resize(dim_, params.sinks);
-    sink_positions_.reserve(params.sinks);
-    recent_keys_.resize(dim_, params.recent);
-    recent_values_.resize(dim_, params.recent);
-    sink_phi_.resize(dim_, params.sinks);
-    recent_phi_.resize(dim_, params.recent);
-    recent_positions_.assign(params.recent, -1);
-    for (Eigen::VectorXd* v : {&query_, &phi_q_, &linear_num_, &key_, &softmax_acc_, &phi_k_}) v->resize(dim_);
-    scores_.reserve(static_cast<std::size_t>(params.sinks) + params.recent);
-}
-
-void StreamingHeadState::fold(const Eigen::Ref<const Eigen::VectorXd>& phi_k, const float* v) {
-    const Eigen::Map<const Eigen::VectorXf> value(v, dim_);
-    state_.noalias() += phi_k * value.cast<double>().transpose();  // rank-1: S += phi(k) v^T
-    normaliser_ += phi_k;
-    ++folded_;
+    const int slots = params.sinks + params.recent;
+    exact_keys_.resize(slots, dim_);
+    exact_values_.resize(dim_, slots);
+    exact_phi_.resize(dim_, slots);
+    exact_positions_.assign(slots, -1);
+    waiting_phi_.resize(dim_, kMaxWaiting);
+    waiting_values_.resize(dim_, kMaxWaiting);
+    waiting_steps_.assign(kMaxWaiting, 0);
+    key_.resize(dim_, 1);
+    phi_key_.resize(dim_, 1);
+    phi_sum_.resize(dim_);
 }
 
 void StreamingHeadState::admit(int64_t t, const float* k, const float* v) {
     if (t <= last_position_)
         throw std::invalid_argument("StreamingHeadState::admit: position " + std::to_string(t) + " after " +
                                     std::to_string(last_position_) + "; positions must increase");
-    // Decay first, once per step since the last admit, so a token folded at this step enters with
-    // weight 1. An empty state needs no decay, and lambda = 1 is exact without the multiply.
-    if (folded_ > 0 && params_.lambda != 1.0) {
-        const double decay = std::pow(params_.lambda, static_cast<double>(t - last_position_));
-        state_ *= decay;
-        normaliser_ *= decay;
-    }
     last_position_ = t;
-
     const Eigen::Map<const Eigen::VectorXf> key(k, dim_), value(v, dim_);
-    Eigen::VectorXd& phi_k = phi_k_;
-    phi_k = key.cast<double>().unaryExpr(&streaming_feature);
-    if (static_cast<int>(sink_positions_.size()) < params_.sinks) {
-        const int slot = static_cast<int>(sink_positions_.size());
-        sink_keys_.col(slot) = key;
-        sink_values_.col(slot) = value;
-        sink_phi_.col(slot) = phi_k;
-        sink_positions_.push_back(t);
+    key_.col(0) = key.cast<double>().array();
+    streaming_features(key_.data(), phi_key_.data(), static_cast<std::size_t>(dim_));
+    auto fold = [&](const auto& phi_k, const auto& value_k) {  // waits beside the state until read
+        waiting_phi_.col(waiting_) = phi_k;
+        waiting_values_.col(waiting_) = value_k;
+        waiting_steps_[waiting_] = t;
+        ++waiting_;
+        ++folded_;
+    };
+    int slot;  // the slot the new token takes
+    if (sink_count_ < params_.sinks) {
+        slot = sink_count_++;
+    } else if (params_.recent == 0) {  // no window: the token goes straight into the state
+        fold(phi_key_.col(0).matrix(), value.cast<double>());
+        if (waiting_ == kMaxWaiting) enter_waiting();
         return;
-    }
-    if (params_.recent == 0) {  // no window: the token goes straight into the state
-        fold(phi_k, v);
-        return;
-    }
-    int slot;
-    if (recent_count_ == params_.recent) {
+    } else if (recent_count_ == params_.recent) {
         // The oldest recent token leaves the window now; its slot takes the new token.
-        slot = recent_head_;
-        fold(recent_phi_.col(slot), recent_values_.col(slot).data());
+        slot = params_.sinks + recent_head_;
+        fold(exact_phi_.col(slot), exact_values_.col(slot));
         recent_head_ = (recent_head_ + 1) % params_.recent;
     } else {
-        slot = (recent_head_ + recent_count_) % params_.recent;
+        slot = params_.sinks + (recent_head_ + recent_count_) % params_.recent;
         ++recent_count_;
     }
-    recent_keys_.col(slot) = key;
-    recent_values_.col(slot) = value;
-    recent_phi_.col(slot) = phi_k;
-    recent_positions_[slot] = t;
+    exact_keys_.row(slot) = key_.col(0).matrix().transpose();
+    exact_values_.col(slot) = value.cast<double>();
+    exact_phi_.col(slot) = phi_key_.col(0).matrix();
+    exact_positions_[slot] = t;
+    if (waiting_ == kMaxWaiting) enter_waiting();
 }
 
-void StreamingHeadState::output(const float* q, float* out) const {
-    Eigen::VectorXd &query = query_, &phi_q = phi_q_, &linear_num = linear_num_;
-    query = Eigen::Map<const Eigen::VectorXf>(q, dim_).cast<double>();
-    phi_q = query.unaryExpr(&streaming_feature);
-    linear_num.noalias() = state_.transpose() * phi_q;  // S^T phi(q)
-    const double linear_den = normaliser_.dot(phi_q);               // z . phi(q)
-    Eigen::Map<Eigen::VectorXf> result(out, dim_);
-
-    const int n_sinks = static_cast<int>(sink_positions_.size());
-    const int n_exact = n_sinks + recent_count_;
-    if (n_exact == 0) {
-        result = (linear_num / std::max(linear_den, kLinearEps)).cast<float>();
+void StreamingHeadState::enter_waiting() {
+    const int64_t now = last_position_;
+    const bool decays = entered_ > 0 && params_.lambda != 1.0 && now != state_step_;
+    const double decay = decays ? std::pow(params_.lambda, static_cast<double>(now - state_step_)) : 1.0;
+    state_step_ = now;
+    if (decays) normaliser_ *= decay;
+    if (waiting_ == 0) {
+        if (decays) state_transposed_ *= decay;
         return;
     }
-    auto key_of = [&](int i) {
-        return i < n_sinks ? sink_keys_.col(i) : recent_keys_.col((recent_head_ + i - n_sinks) % params_.recent);
-    };
-    auto phi_of = [&](int i) {
-        return i < n_sinks ? sink_phi_.col(i) : recent_phi_.col((recent_head_ + i - n_sinks) % params_.recent);
-    };
-    auto value_of = [&](int i) {
-        return i < n_sinks ? sink_values_.col(i) : recent_values_.col((recent_head_ + i - n_sinks) % params_.recent);
-    };
+    // Each waiting token at its decay since its fold (1 for one folded at this step).
+    for (int j = 0; j < waiting_; ++j)
+        if (waiting_steps_[j] != now && params_.lambda != 1.0)
+            waiting_phi_.col(j) *= std::pow(params_.lambda, static_cast<double>(now - waiting_steps_[j]));
+    // S += phi(k) v^T, so S^T += v phi(k)^T: one token (every step read) in the decay's own pass
+    // over S; more as one matrix product after it.
+    if (waiting_ == 1) {
+        const auto value = waiting_values_.col(0);
+        for (int k = 0; k < dim_; ++k)
+            state_transposed_.col(k) = state_transposed_.col(k) * decay + waiting_phi_(k, 0) * value;
+    } else {
+        if (decays) state_transposed_ *= decay;
+        state_transposed_.noalias() += waiting_values_.leftCols(waiting_) * waiting_phi_.leftCols(waiting_).transpose();
+    }
+    for (int j = 0; j < waiting_; ++j) normaliser_ += waiting_phi_.col(j);
+    entered_ += waiting_;
+    waiting_ = 0;
+}
 
-    // Softmax among the exact tokens (max-subtracted), and their kernel mass K_E.
-    const double inv_sqrt_d = 1.0 / std::sqrt(static_cast<double>(dim_));
-    std::vector<double>& scores = scores_;
-    scores.assign(n_exact, 0.0);
-    double kernel_mass = 0.0;
-    for (int i = 0; i < n_exact; ++i) {
-        Eigen::VectorXd& key = key_;
-        key = key_of(i).cast<double>();
-        scores[i] = query.dot(key) * inv_sqrt_d;
-        Eigen::VectorXd& phi_k = phi_k_;
-        phi_k = phi_of(i);  // aligned, as the vectors the dot product was written against
-        kernel_mass += phi_q.dot(phi_k);
+Eigen::MatrixXd StreamingHeadState::state_matrix() {
+    enter_waiting();
+    return state_transposed_.transpose();
+}
+
+const Eigen::VectorXd& StreamingHeadState::state_normaliser() {
+    enter_waiting();
+    return normaliser_;
+}
+
+void StreamingHeadState::output(std::span<const float* const> queries, float* out) {
+    const int d = dim_, group = static_cast<int>(queries.size());
+    enter_waiting();
+    if (queries_.cols() != group)
+        for (Eigen::MatrixXd* m : {&queries_, &phi_queries_, &linear_num_, &softmax_acc_}) m->resize(d, group);
+    for (int g = 0; g < group; ++g) queries_.col(g) = Eigen::Map<const Eigen::VectorXf>(queries[g], d).cast<double>();
+    streaming_features(queries_.data(), phi_queries_.data(), static_cast<std::size_t>(d) * group);
+    multiply_columns(state_transposed_, phi_queries_, linear_num_);  // S^T phi(q)
+
+    const int n_exact = sink_count_ + recent_count_;  // the first n_exact slots (see exact_keys_)
+    if (n_exact == 0) {
+        for (int g = 0; g < group; ++g) {
+            const double linear_den = ordered_dot(normaliser_.data(), phi_queries_.col(g).data(), d);
+            Eigen::Map<Eigen::VectorXf>(out + static_cast<std::size_t>(g) * d, d) =
+                (linear_num_.col(g) / std::max(linear_den, kLinearEps)).cast<float>();
+        }
+        return;
     }
-    const double max_score = *std::max_element(scores.begin(), scores.end());
-    Eigen::VectorXd& softmax_acc = softmax_acc_;
-    softmax_acc.setZero();
-    double softmax_sum = 0.0;
-    for (int i = 0; i < n_exact; ++i) {
-        const double w = std::exp(scores[i] - max_score);
-        softmax_sum += w;
-        softmax_acc += w * value_of(i).cast<double>();
+    if (scores_.rows() != n_exact || scores_.cols() != group) {
+        scores_.resize(n_exact, group);
+        weights_.resize(n_exact, group);
     }
-    // K_E > 0 because phi > 0, so the denominator never vanishes here.
-    result = ((kernel_mass * (softmax_acc / softmax_sum) + linear_num) / (kernel_mass + linear_den)).cast<float>();
+    // Scores against the exact keys, and their phi summed for the kernel masses.
+    multiply_columns(exact_keys_.topRows(n_exact), queries_, scores_);
+    scores_ *= 1.0 / std::sqrt(static_cast<double>(d));
+    phi_sum_.setZero();
+    for (int j = 0; j < n_exact; ++j) phi_sum_ += exact_phi_.col(j);
+    // Softmax among the exact tokens (max-subtracted).
+    for (int g = 0; g < group; ++g) {
+        const double max_score = scores_.col(g).maxCoeff();
+        eight_at_a_time(scores_.col(g).data(), weights_.col(g).data(), static_cast<std::size_t>(n_exact),
+                        [max_score](const Packet& in) -> Packet { return (in - max_score).exp(); });
+    }
+    multiply_columns(exact_values_.leftCols(n_exact), weights_, softmax_acc_);
+    for (int g = 0; g < group; ++g) {
+        const double kernel_mass = ordered_dot(phi_sum_.data(), phi_queries_.col(g).data(), d);
+        const double linear_den = ordered_dot(normaliser_.data(), phi_queries_.col(g).data(), d);
+        const double softmax_sum = ordered_sum(weights_.col(g).data(), n_exact);
+        // K_E > 0 because phi > 0, so the denominator never vanishes here.
+        Eigen::Map<Eigen::VectorXf>(out + static_cast<std::size_t>(g) * d, d) =
+            ((kernel_mass * (softmax_acc_.col(g) / softmax_sum) + linear_num_.col(g)) / (kernel_mass + linear_den))
+                .cast<float>();
+    }
 }
 
 std::vector<int64_t> StreamingHeadState::exact_positions() const {
-    std::vector<int64_t> positions(sink_positions_);
+    std::vector<int64_t> positions(exact_positions_.begin(), exact_positions_.begin() + sink_count_);
     for (int i = 0; i < recent_count_; ++i)
-        positions.push_back(recent_positions_[(recent_head_ + i) % params_.recent]);
+        positions.push_back(exact_positions_[params_.sinks + (recent_head_ + i) % params_.recent]);
     return positions;
 }
 
 double StreamingHeadState::bytes() const {
-    const double exact_tokens = static_cast<double>(sink_positions_.size()) + recent_count_;
+    const double exact_tokens = static_cast<double>(sink_count_) + recent_count_;
     const double d = dim_;
     return exact_tokens * 4.0 * d + 4.0 * (d * d + d);
 }

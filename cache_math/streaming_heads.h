@@ -8,15 +8,20 @@
 //     S_t = lambda^(t - t_prev) * S_prev + phi(k_j) v_j^T      (d x d)
 //     z_t = lambda^(t - t_prev) * z_prev + phi(k_j)            (d)
 //     phi(x) = elu(x) + 1 elementwise (x + 1 for x > 0, exp(x) otherwise), so phi > 0.
-// Decay rule: on every admit() the whole state is multiplied by lambda once per decode step that
-// has passed (lambda^(t - t_prev) when positions skip), and only THEN is the token that leaves the
-// recent window at this step folded in with weight 1. So a token folded at step t and read at step
-// t' weighs lambda^(t' - t); with recent = R a token at position j is folded at step j + R and
-// weighs lambda^(t' - j - R) at step t'.
+// Decay rule: the whole state decays by lambda once per decode step that has passed (lambda^(t -
+// t_prev) when positions skip), and a token that leaves the recent window at step t is folded in
+// with weight 1 after that step's decay. So a token folded at step t and read at step t' weighs
+// lambda^(t' - t); with recent = R a token at position j is folded at step j + R and weighs
+// lambda^(t' - j - R) at step t'.
+// The state is only read by output(), so the tokens folded since the last read wait beside it and
+// enter together when it is read: S = lambda^(t - t_read) S + sum_j lambda^(t - t_j) phi(k_j) v_j^T,
+// one matrix product instead of a pass over S per step. The sum is the rule above; its rounding
+// depends on how often the state is read (one token at a time where every step is read, as the
+// runtime and an unsampled replay read it: the same bits in both).
 //
 // Output for a query q (scores s_j = q.k_j / sqrt(d) over the exact set E, m = max s_j):
 //     p_j = exp(s_j - m) / sum_E exp(s_i - m)          softmax among the exact tokens
-//     K_E = sum_E phi(q).phi(k_j)                        kernel mass of the exact tokens
+//     K_E = sum_E phi(q).phi(k_j) = phi(q).sum_E phi(k_j)  kernel mass of the exact tokens
 //     o   = (K_E * sum_E p_j v_j + S^T phi(q)) / (K_E + z.phi(q))
 // Why this mix: the exact tokens keep their softmax distribution among themselves, and the split
 // of mass between exact and folded tokens follows the kernel scores phi(q).phi(k), the only scale
@@ -25,6 +30,7 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -44,20 +50,29 @@ void validate_streaming_params(const StreamingHeadParams& params);
 // phi(x) = elu(x) + 1, written as exp(x) for x <= 0 so tiny values do not cancel to 0.
 inline double streaming_feature(double x) { return x > 0.0 ? x + 1.0 : std::exp(x); }
 
+// The same of n elements in vector code: exp(min(x, 0)) + max(x, 0), which is x + 1 for x > 0 and
+// exp(x) otherwise. Every element takes the same path, eight at a time, so its bits depend on its
+// value alone; the exponentials are Eigen's, within an ulp or two of std::exp's.
+void streaming_features(const double* x, double* phi, std::size_t n);
+
 class StreamingHeadState {
 public:
     static constexpr double kLinearEps = 1e-6;  // floor of z.phi(q) in the pure linear readout
+    static constexpr int kMaxWaiting = 32;      // folded tokens held beside the state before they enter
 
     StreamingHeadState(int head_dim, const StreamingHeadParams& params);
 
-    // Step t: admit token t's key/value (d floats each) into the exact window; fold whatever
-    // leaves the window into the state, decay applied first. Positions must strictly increase
+    // Step t: admit token t's key/value (d floats each) into the exact window; whatever leaves the
+    // window is folded into the state (decay applied first). Positions must strictly increase
     // (std::invalid_argument otherwise); the first `sinks` tokens admitted become the sinks.
     void admit(int64_t t, const float* k, const float* v);
 
-    // The head's attention output for query q (d floats) at the current step, into out (d floats).
-    // With recent >= 1 the current token is in the window. Zeros before anything is admitted.
-    void output(const float* q, float* out) const;
+    // The head's attention output at the current step for each query of a group (d floats each),
+    // into out (queries.size() * d floats, query by query). With recent >= 1 the current token is
+    // in the window. Zeros before anything is admitted. The queries share the state's read and
+    // the exact tokens' keys and values, so a group is one call.
+    void output(std::span<const float* const> queries, float* out);
+    void output(const float* q, float* out) { output(std::span<const float* const>(&q, 1), out); }
 
     // Positions held exactly (ascending): sinks then the recent window.
     std::vector<int64_t> exact_positions() const;
@@ -69,34 +84,46 @@ public:
     int head_dim() const { return dim_; }
     const StreamingHeadParams& params() const { return params_; }
     int64_t folded_tokens() const { return folded_; }
-    // The state as of the last admit(); kept in double so long decays do not lose precision
-    // (bytes() still counts the fp32 footprint a deployment would hold).
-    const Eigen::MatrixXd& state_matrix() const { return state_; }
-    const Eigen::VectorXd& state_normaliser() const { return normaliser_; }
+    // The state S and z as of the last admit() (the waiting tokens enter first); kept in double so
+    // long decays do not lose precision (bytes() still counts the fp32 footprint a deployment would
+    // hold).
+    Eigen::MatrixXd state_matrix();
+    const Eigen::VectorXd& state_normaliser();
 
 private:
-    // Folds a token into the state: phi(k) given (an exact token's, computed when it arrived).
-    void fold(const Eigen::Ref<const Eigen::VectorXd>& phi_k, const float* v);
+    // Brings S and z to the last admitted step: the decay since they were last brought there,
+    // then every waiting token at its own decay.
+    void enter_waiting();
 
     int dim_;
     StreamingHeadParams params_;
-    Eigen::MatrixXd state_;       // S, d x d
+    // S stored transposed (d x d, S^T's columns are S's rows): S^T phi(q), what output() reads,
+    // then walks it column by column.
+    Eigen::MatrixXd state_transposed_;
     Eigen::VectorXd normaliser_;  // z, d
-    // Exact tokens, one column each: sinks in admission order, recent as a ring buffer.
-    Eigen::MatrixXf sink_keys_, sink_values_;
-    std::vector<int64_t> sink_positions_;
-    Eigen::MatrixXf recent_keys_, recent_values_;
-    // phi of each exact token's key, by the same columns: computed once on arrival, where output()
-    // took d exponentials per exact token at every step.
-    Eigen::MatrixXd sink_phi_, recent_phi_;
-    std::vector<int64_t> recent_positions_;  // ring slot -> position
-    int recent_head_ = 0;                    // ring slot of the oldest recent token
+    int64_t state_step_ = -1;     // the step S and z stand at (meaningful once entered_ > 0)
+    int64_t entered_ = 0;         // tokens in S and z
+    // Exact tokens in slots, in double (each a float widened exactly): the sinks in slots [0,
+    // sinks) in admission order, then the recent window as a ring in [sinks, sinks + recent). So
+    // the tokens held are always the first sink_count_ + recent_count_ slots. Keys by row (a
+    // slot's key is row `slot`: the scores are one product with the query), values by column.
+    Eigen::MatrixXd exact_keys_, exact_values_;
+    // phi of each exact token's key, a column a slot: computed once on arrival.
+    Eigen::MatrixXd exact_phi_;
+    std::vector<int64_t> exact_positions_;  // slot -> position
+    int sink_count_ = 0;
+    int recent_head_ = 0;  // ring slot (from 0) of the oldest recent token
     int recent_count_ = 0;
     int64_t last_position_ = -1;
     int64_t folded_ = 0;
-    // Scratch of output() and fold(), sized once: a decode step allocates nothing.
-    mutable Eigen::VectorXd query_, phi_q_, linear_num_, key_, softmax_acc_, phi_k_;
-    mutable std::vector<double> scores_;
+    // Tokens folded but not yet in S: phi(k) and v a column each, the step each was folded at.
+    Eigen::MatrixXd waiting_phi_, waiting_values_;
+    std::vector<int64_t> waiting_steps_;
+    int waiting_ = 0;
+    // Scratch of admit() and output(), sized once per group size: a decode step allocates nothing.
+    Eigen::ArrayXXd key_, phi_key_;
+    Eigen::MatrixXd queries_, phi_queries_, linear_num_, scores_, weights_, softmax_acc_;
+    Eigen::VectorXd phi_sum_;
 };
 
 // Per-(layer, KV head) plan: which heads stream, each head's lambda, and which streaming heads

@@ -287,8 +287,9 @@ void HeadCache::decode(int32_t t, const float* q, const float* k, const float* v
         // A streaming head: the state takes every token and folds what leaves its window.
         const int d = plan_.head_dim;
         state_->admit(t, k, v);
-        for (int h = 0; h < plan_.group; ++h)
-            state_->output(q + static_cast<std::size_t>(h) * d, out + static_cast<std::size_t>(h) * d);
+        group_queries_.resize(static_cast<std::size_t>(plan_.group));
+        for (int h = 0; h < plan_.group; ++h) group_queries_[h] = q + static_cast<std::size_t>(h) * d;
+        state_->output(group_queries_, out);
         attending_bytes_ = state_->bytes() + static_cast<double>(policy_->bytes_per_slot()) * (positions_.size() + 1);
         complete(t, -1, defer_eviction);
         return;

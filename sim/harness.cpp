@@ -464,8 +464,7 @@ const CachedValueSums* Harness::attend_cached_weights(const GroupStep& s, bool w
     last_outputs_.resize(s.queries.size() * d);
     cached_weights_.assign(want_weights ? s.queries.size() * attended_.size() : 0, 0.0f);
     if (state) {  // a streaming head shows its policy no weights: it keeps by position
-        if (with_outputs)
-            for (std::size_t h = 0; h < s.queries.size(); ++h) state->output(s.queries[h], last_outputs_.data() + h * d);
+        if (with_outputs) state->output(s.queries, last_outputs_.data());
         return nullptr;
     }
     group_queries_.resize(s.queries.size());

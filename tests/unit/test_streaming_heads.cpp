@@ -89,7 +89,7 @@ double max_abs_diff(const std::vector<float>& got, const std::vector<double>& wa
     return worst;
 }
 
-std::vector<float> output_of(const StreamingHeadState& head, const std::vector<float>& q) {
+std::vector<float> output_of(StreamingHeadState& head, const std::vector<float>& q) {
     std::vector<float> out(q.size());
     head.output(q.data(), out.data());
     return out;
@@ -205,6 +205,77 @@ TEST_CASE("sinks + window + folded tokens follow the documented mix") {
                 folded.emplace_back(j, std::pow(lambda, t - j - recent));
         }
         CHECK(max_abs_diff(output_of(head, s.queries[t]), reference_output(s, s.queries[t], exact, folded)) < 1e-5);
+    }
+}
+
+TEST_CASE("a state read now and then gives what one read every step gives") {
+    // Folded tokens wait beside the state until it is read, then enter as one product at their own
+    // decays (a sampled replay reads a head at one step in eight). So a head read on a sparse
+    // schedule, with gaps longer than kMaxWaiting among them, must give the outputs and the state
+    // of a head read at every step, to rounding, and both the reference formula's.
+    for (const int d : {8, 20, 128})
+        for (const double lambda : {0.0, 0.5, 0.93, 1.0})
+            for (const int recent : {0, 5}) {
+                CAPTURE(d);
+                CAPTURE(lambda);
+                CAPTURE(recent);
+                const int n = 150, sinks = 2;
+                const Sequence s = random_sequence(d, n, 91 + d);
+                StreamingHeadState every(d, {sinks, recent, lambda}), sparse(d, {sinks, recent, lambda});
+                Xoshiro128 rng(5);
+                int reads = 0;
+                for (int t = 0; t < n; ++t) {
+                    every.admit(t, s.keys[t].data(), s.values[t].data());
+                    sparse.admit(t, s.keys[t].data(), s.values[t].data());
+                    const std::vector<float> each = output_of(every, s.queries[t]);
+                    // Read at 1 step in 6, and not at all over steps 60 to 109 (past kMaxWaiting).
+                    if ((t < 60 || t >= 110) && rng.next_float() < 1.0 / 6) {
+                        ++reads;
+                        const std::vector<float> now_and_then = output_of(sparse, s.queries[t]);
+                        for (int i = 0; i < d; ++i) CHECK(std::abs(now_and_then[i] - each[i]) <= 1e-6 * (std::abs(each[i]) + 1e-3));
+                        std::vector<int> exact;
+                        std::vector<std::pair<int, double>> folded;
+                        for (int j = 0; j <= t; ++j) {
+                            if (j < sinks || (recent > 0 && j > t - recent))
+                                exact.push_back(j);
+                            else  // folded at step max(j + recent, j), read at step t
+                                folded.emplace_back(j, std::pow(lambda, t - j - recent));
+                        }
+                        CHECK(max_abs_diff(now_and_then, reference_output(s, s.queries[t], exact, folded)) < 1e-5);
+                    }
+                }
+                CHECK(reads > 10);
+                CHECK(sparse.folded_tokens() == every.folded_tokens());
+                const Eigen::MatrixXd a = every.state_matrix(), b = sparse.state_matrix();
+                CHECK((a - b).cwiseAbs().maxCoeff() <= 1e-12 * std::max(1.0, a.cwiseAbs().maxCoeff()));
+                CHECK((every.state_normaliser() - sparse.state_normaliser()).cwiseAbs().maxCoeff() <=
+                      1e-12 * std::max(1.0, every.state_normaliser().cwiseAbs().maxCoeff()));
+            }
+}
+
+TEST_CASE("a query's output does not depend on the group it is asked with") {
+    // The runtime and the replay ask for a KV head's query heads together; each query's output
+    // must be the one it has alone, so that neither the group size nor a query's place in it
+    // changes a figure.
+    for (const int d : {8, 20, 128}) {
+        CAPTURE(d);
+        const int n = 90;  // past the window of 40, so the state and 43 exact tokens both count
+        const Sequence s = random_sequence(d, n, 3 + d);
+        StreamingHeadState head(d, {3, 40, 0.9});
+        for (int t = 0; t < n; ++t) {
+            head.admit(t, s.keys[t].data(), s.values[t].data());
+            if (t % 9 != 0 && t != 1) continue;
+            for (int group = 1; group <= 6; ++group) {
+                std::vector<const float*> queries;
+                for (int g = 0; g < group; ++g) queries.push_back(s.queries[(t + 7 * g) % n].data());
+                std::vector<float> together(static_cast<std::size_t>(group) * d);
+                head.output(queries, together.data());
+                for (int g = 0; g < group; ++g) {
+                    const std::vector<float> alone = output_of(head, s.queries[(t + 7 * g) % n]);
+                    for (int i = 0; i < d; ++i) CHECK(together[g * d + i] == alone[i]);
+                }
+            }
+        }
     }
 }
 
