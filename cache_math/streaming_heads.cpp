@@ -123,16 +123,18 @@ double ordered_sum(const double* a, int n) {
     return sum;
 }
 
-void multiply_columns(const Eigen::Ref<const Eigen::MatrixXd>& a, const Eigen::MatrixXd& b, Eigen::MatrixXd& out) {
+// out(:, g) = a * b(:, g) for each of b's columns; out's columns `ldo` apart.
+void multiply_columns(const Eigen::Ref<const Eigen::MatrixXd>& a, const Eigen::Ref<const Eigen::MatrixXd>& b,
+                      double* out, std::ptrdiff_t ldo) {
     const int rows = static_cast<int>(a.rows()), inner = static_cast<int>(a.cols()), queries = static_cast<int>(b.cols());
     for (int g = 0; g < queries; g += 4) {
-        const double* in = b.data() + static_cast<std::ptrdiff_t>(g) * b.rows();
-        double* to = out.data() + static_cast<std::ptrdiff_t>(g) * out.rows();
+        const double* in = b.data() + static_cast<std::ptrdiff_t>(g) * b.outerStride();
+        double* to = out + static_cast<std::ptrdiff_t>(g) * ldo;
         switch (std::min(4, queries - g)) {
-            case 4: multiply_block<4>(a.data(), a.outerStride(), rows, inner, in, b.rows(), to, out.rows()); break;
-            case 3: multiply_block<3>(a.data(), a.outerStride(), rows, inner, in, b.rows(), to, out.rows()); break;
-            case 2: multiply_block<2>(a.data(), a.outerStride(), rows, inner, in, b.rows(), to, out.rows()); break;
-            default: multiply_block<1>(a.data(), a.outerStride(), rows, inner, in, b.rows(), to, out.rows()); break;
+            case 4: multiply_block<4>(a.data(), a.outerStride(), rows, inner, in, b.outerStride(), to, ldo); break;
+            case 3: multiply_block<3>(a.data(), a.outerStride(), rows, inner, in, b.outerStride(), to, ldo); break;
+            case 2: multiply_block<2>(a.data(), a.outerStride(), rows, inner, in, b.outerStride(), to, ldo); break;
+            default: multiply_block<1>(a.data(), a.outerStride(), rows, inner, in, b.outerStride(), to, ldo); break;
         }
     }
 }
@@ -238,11 +240,14 @@ const Eigen::VectorXd& StreamingHeadState::state_normaliser() {
 void StreamingHeadState::output(std::span<const float* const> queries, float* out) {
     const int d = dim_, group = static_cast<int>(queries.size());
     enter_waiting();
-    if (queries_.cols() != group)
+    if (queries_.cols() != group) {  // sized once per group size (every exact slot's score)
         for (Eigen::MatrixXd* m : {&queries_, &phi_queries_, &linear_num_, &softmax_acc_}) m->resize(d, group);
+        scores_.resize(exact_keys_.rows(), group);
+        weights_.resize(exact_keys_.rows(), group);
+    }
     for (int g = 0; g < group; ++g) queries_.col(g) = Eigen::Map<const Eigen::VectorXf>(queries[g], d).cast<double>();
     streaming_features(queries_.data(), phi_queries_.data(), static_cast<std::size_t>(d) * group);
-    multiply_columns(state_transposed_, phi_queries_, linear_num_);  // S^T phi(q)
+    multiply_columns(state_transposed_, phi_queries_, linear_num_.data(), d);  // S^T phi(q)
 
     const int n_exact = sink_count_ + recent_count_;  // the first n_exact slots (see exact_keys_)
     if (n_exact == 0) {
@@ -253,22 +258,20 @@ void StreamingHeadState::output(std::span<const float* const> queries, float* ou
         }
         return;
     }
-    if (scores_.rows() != n_exact || scores_.cols() != group) {
-        scores_.resize(n_exact, group);
-        weights_.resize(n_exact, group);
-    }
-    // Scores against the exact keys, and their phi summed for the kernel masses.
-    multiply_columns(exact_keys_.topRows(n_exact), queries_, scores_);
-    scores_ *= 1.0 / std::sqrt(static_cast<double>(d));
+    // Scores against the exact keys (the first n_exact rows of scores_), and their phi summed for
+    // the kernel masses.
+    const std::ptrdiff_t slots = scores_.rows();
+    multiply_columns(exact_keys_.topRows(n_exact), queries_, scores_.data(), slots);
+    scores_.topRows(n_exact) *= 1.0 / std::sqrt(static_cast<double>(d));
     phi_sum_.setZero();
     for (int j = 0; j < n_exact; ++j) phi_sum_ += exact_phi_.col(j);
     // Softmax among the exact tokens (max-subtracted).
     for (int g = 0; g < group; ++g) {
-        const double max_score = scores_.col(g).maxCoeff();
+        const double max_score = scores_.col(g).head(n_exact).maxCoeff();
         eight_at_a_time(scores_.col(g).data(), weights_.col(g).data(), static_cast<std::size_t>(n_exact),
                         [max_score](const Packet& in) -> Packet { return (in - max_score).exp(); });
     }
-    multiply_columns(exact_values_.leftCols(n_exact), weights_, softmax_acc_);
+    multiply_columns(exact_values_.leftCols(n_exact), weights_.topRows(n_exact), softmax_acc_.data(), d);
     for (int g = 0; g < group; ++g) {
         const double kernel_mass = ordered_dot(phi_sum_.data(), phi_queries_.col(g).data(), d);
         const double linear_den = ordered_dot(normaliser_.data(), phi_queries_.col(g).data(), d);
