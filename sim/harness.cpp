@@ -489,9 +489,33 @@ const CachedValueSums* Harness::weights_for_shared_values(const GroupStep& s) {
     // Where observe would make this step's outputs in measure_values (not the cached view's
     // earlier call), and has not yet.
     if (options_.view == AttentionView::cached || !output_measured(s.t) || attended_step_ == s.t) return nullptr;
+    if (holds_the_full_cache(s)) {
+        // The same arithmetic over the same rows in the same order as the full cache's output: its
+        // bits, copied rather than made again (a large budget's cache early in a sequence).
+        const std::size_t d = static_cast<std::size_t>(values_.head_dim);
+        last_outputs_.resize(s.queries.size() * d);
+        for (std::size_t h = 0; h < s.queries.size(); ++h)
+            std::copy(s.full_output[h], s.full_output[h] + d, last_outputs_.data() + h * d);
+        attended_step_ = s.t;
+        return nullptr;
+    }
     const CachedValueSums* sums = attend_cached_weights(s, true);
     if (!sums) attended_step_ = s.t;  // made whole already (a streaming head's state, a group in parts)
     return sums;
+}
+
+// Whether the cache holds every position before s.t, all at fp16, of the very arrays the full
+// cache's outputs were made from: then its output is theirs.
+bool Harness::holds_the_full_cache(const GroupStep& s) const {
+    const TierArrays* full = s.full_output_arrays;
+    if (!full || policy_->linear_state() || kept_.size() != static_cast<std::size_t>(s.t) ||
+        s.full_output.size() != s.queries.size() || !values_.arrays || values_.arrays->k[0] != full->k[0] ||
+        values_.arrays->v[0] != full->v[0])
+        return false;
+    if (tiered_)
+        for (int32_t p : kept_)
+            if (key_tier_[p] != 0 || value_tier_[p] != 0) return false;
+    return true;
 }
 
 // Whether this step's output error is measured (the sample's steps, or every decode step).

@@ -110,6 +110,9 @@ struct GroupStep {
     // Output error: each query head's query at t and the full cache's output (head_dim each).
     std::span<const float* const> queries;
     std::span<const float* const> full_output;
+    // The arrays the full outputs were made from (their fp16 keys and values): a cache that holds
+    // every position of them at fp16 has those outputs, bit for bit.
+    const TierArrays* full_output_arrays = nullptr;
     // Where the replay computed them once for every harness of the step, per tier (0 fp16, 1 INT8,
     // 2 INT4): each query head's scores against every position's key in `tier_scores_keys[tier]`
     // (cache_math/tiers.h, score_row). A harness whose keys at a tier are other arrays (another
@@ -224,6 +227,7 @@ private:
     void attend_cached(const GroupStep& s, bool with_outputs);
     const CachedValueSums* attend_cached_weights(const GroupStep& s, bool with_outputs);
     bool output_measured(int32_t t) const;
+    bool holds_the_full_cache(const GroupStep& s) const;
     void feed_linear_state(int32_t t);
     std::vector<float> cached_weights_;  // cached view: [head][attended position] weights
     int64_t attended_step_ = -1;         // the step last_outputs_ holds (-1: none)

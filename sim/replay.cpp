@@ -735,6 +735,7 @@ private:
         if (options_.output_error) {
             step.queries = {queries_of_group, group};
             step.full_output = {full_of_group, group};
+            step.full_output_arrays = fp16_arrays_;
         }
         if (raw_view_ && rows_)
             step.combined = group_ > 1 ? combined_[kv].data() + attention_row_offset(t) - attention_row_offset(first)
