@@ -97,8 +97,7 @@ private:
 
     int dim_;
     StreamingHeadParams params_;
-    // S stored transposed (d x d, S^T's columns are S's rows): S^T phi(q), what output() reads,
-    // then walks it column by column.
+    // S kept as S^T (d x d): output() reads S^T phi(q), a product that walks S^T by column.
     Eigen::MatrixXd state_transposed_;
     Eigen::VectorXd normaliser_;  // z, d
     int64_t state_step_ = -1;     // the step S and z stand at (meaningful once entered_ > 0)
