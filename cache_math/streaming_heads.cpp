@@ -64,14 +64,6 @@ void eight_at_a_time(const double* x, double* out, std::size_t n, F f) {
     }
 }
 
-}  // namespace
-
-void streaming_features(const double* x, double* phi, std::size_t n) {
-    eight_at_a_time(x, phi, n, [](const Packet& in) -> Packet { return in.min(0.0).exp() + in.max(0.0); });
-}
-
-namespace {
-
 // out.col(g) = a * b.col(g) for every g, a read once per four queries: a's columns are walked
 // in blocks of 16 rows, each row block's four queries' sums in registers (16 independent sums,
 // so the multiply-adds do not wait on each other). No packing copy and no allocation, unlike a
@@ -140,6 +132,10 @@ void multiply_columns(const Eigen::Ref<const Eigen::MatrixXd>& a, const Eigen::R
 }
 
 }  // namespace
+
+void streaming_features(const double* x, double* phi, std::size_t n) {
+    eight_at_a_time(x, phi, n, [](const Packet& in) -> Packet { return in.min(0.0).exp() + in.max(0.0); });
+}
 
 StreamingHeadState::StreamingHeadState(int head_dim, const StreamingHeadParams& params)
     : dim_(head_dim), params_(params) {

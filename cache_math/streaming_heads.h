@@ -47,7 +47,9 @@ struct StreamingHeadParams {
 // Throws kvsim::InputError when sinks < 0, recent < 0 or lambda is outside [0, 1].
 void validate_streaming_params(const StreamingHeadParams& params);
 
-// phi(x) = elu(x) + 1, written as exp(x) for x <= 0 so tiny values do not cancel to 0.
+// phi(x) = elu(x) + 1, written as exp(x) for x <= 0 so tiny values do not cancel to 0. The state
+// uses streaming_features below; this one element at a time, with std::exp, is what the tests'
+// reference computation uses.
 inline double streaming_feature(double x) { return x > 0.0 ? x + 1.0 : std::exp(x); }
 
 // The same of n elements in vector code: exp(min(x, 0)) + max(x, 0), which is x + 1 for x > 0 and

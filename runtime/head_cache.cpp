@@ -56,6 +56,7 @@ HeadCache::HeadCache(const HeadPlan& plan, PolicyMaker make_policy)
     value_row_.resize(d);
     attn_.reserve(capacity_);
     victims_.reserve(capacity_ + 1);
+    group_queries_.assign(static_cast<std::size_t>(plan_.group), nullptr);
     if (plan_.oracle) {
         weights_.reserve(static_cast<std::size_t>(plan_.group) * (capacity_ + 1));
         scores_.resize(capacity_ + 1);
@@ -287,7 +288,6 @@ void HeadCache::decode(int32_t t, const float* q, const float* k, const float* v
         // A streaming head: the state takes every token and folds what leaves its window.
         const int d = plan_.head_dim;
         state_->admit(t, k, v);
-        group_queries_.resize(static_cast<std::size_t>(plan_.group));
         for (int h = 0; h < plan_.group; ++h) group_queries_[h] = q + static_cast<std::size_t>(h) * d;
         state_->output(group_queries_, out);
         attending_bytes_ = state_->bytes() + static_cast<double>(policy_->bytes_per_slot()) * (positions_.size() + 1);

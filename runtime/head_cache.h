@@ -142,7 +142,7 @@ private:
     std::vector<uint8_t> slot_code_, slot_dirty_;  // by slot, when mirrored
     std::vector<int> dirty_slots_;
     double attending_bytes_ = 0;
-    std::vector<const float*> group_queries_;  // a streaming head's queries, by head (sized once)
+    std::vector<const float*> group_queries_;  // a streaming head's queries, by head (sized when planned)
 };
 
 }  // namespace kvsim::runtime

@@ -238,7 +238,7 @@ TEST_CASE("a state read now and then gives what one read every step gives") {
                         for (int j = 0; j <= t; ++j) {
                             if (j < sinks || (recent > 0 && j > t - recent))
                                 exact.push_back(j);
-                            else  // folded at step max(j + recent, j), read at step t
+                            else  // folded at step j + recent, read at step t
                                 folded.emplace_back(j, std::pow(lambda, t - j - recent));
                         }
                         CHECK(max_abs_diff(now_and_then, reference_output(s, s.queries[t], exact, folded)) < 1e-5);
