@@ -11,6 +11,92 @@ namespace kvsim::runtime {
 
 namespace {
 constexpr int kMaxUnpacked = 512;  // head sizes up to this unpack INT4 rows in one go
+
+// A row is written every time a token enters the cache or sinks a tier (a few rows a step and
+// head), so the writes below take eight numbers at a time where AVX2 and F16C are built in. Each
+// gives numerics.h's bits: the CPU's conversion rounds to nearest even as float_to_half_bits
+// does, and the quantiser's division, truncation and clamp are the same IEEE operations. The
+// scalar loops finish each row, from its last whole eight or its first NaN on (the CPU keeps a
+// NaN's payload in its half; numerics.h writes one canonical NaN).
+#if defined(__AVX2__) && defined(__F16C__)
+bool has_nan(__m256 v) { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0; }
+
+// round_to_fp16's clamp, then the CPU's conversion to half bits.
+__m128i clamped_half_bits(__m256 v) {
+    const __m256 clamped = _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-kFp16Max)), _mm256_set1_ps(kFp16Max));
+    return _mm256_cvtps_ph(clamped, _MM_FROUND_TO_NEAREST_INT);
+}
+#endif
+
+// out[i] = float_to_half_bits(round_to_fp16(x[i])).
+void write_half_bits(const float* x, int n, uint16_t* out) {
+    int i = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        if (has_nan(v)) break;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), clamped_half_bits(v));
+    }
+#endif
+    for (; i < n; ++i) out[i] = float_to_half_bits(round_to_fp16(x[i]));
+}
+
+// out[i] = round_to_fp16(x[i]) (a NaN stays a NaN: the quantiser below maps every NaN alike).
+void round_row_to_fp16(const float* x, int n, float* out) {
+    int i = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        if (has_nan(v)) break;
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(clamped_half_bits(v)));
+    }
+#endif
+    for (; i < n; ++i) out[i] = round_to_fp16(x[i]);
+}
+
+// The largest |x[i]|, a NaN passed over (as std::max(largest, |NaN|) keeps largest).
+float largest_magnitude(const float* x, int n) {
+    float largest = 0.0f;
+    int i = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+    if (n >= 8) {
+        const __m256 magnitude_bits = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        __m256 lanes = _mm256_setzero_ps();
+        // max_ps returns its second operand where either is NaN: the lanes, never the NaN.
+        for (; i + 8 <= n; i += 8) lanes = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + i), magnitude_bits), lanes);
+        alignas(32) float lane[8];
+        _mm256_store_ps(lane, lanes);
+        for (float m : lane) largest = std::max(largest, m);  // all >= +0 and none NaN: any order
+    }
+#endif
+    for (; i < n; ++i) largest = std::max(largest, std::abs(x[i]));
+    return largest;
+}
+
+// level[i] = quant_level(x[i], scale, qmax) as an int (x already at fp16).
+void quantise_levels(const float* x, int n, float scale, int qmax, int32_t* level) {
+    int i = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+    if (scale != 0.0f) {
+        const __m256 divisor = _mm256_set1_ps(scale), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+        const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+        const __m256 top = _mm256_set1_ps(static_cast<float>(qmax)), bottom = _mm256_set1_ps(-static_cast<float>(qmax));
+        for (; i + 8 <= n; i += 8) {
+            const __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), divisor);
+            // round_half_away: trunc(v), one further from zero where |v - trunc(v)| >= 1/2 (never
+            // for a NaN, which stays one).
+            const __m256 whole = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            const __m256 away = _mm256_cmp_ps(_mm256_andnot_ps(sign_bit, _mm256_sub_ps(v, whole)), half, _CMP_GE_OQ);
+            const __m256 rounded = _mm256_blendv_ps(whole, _mm256_add_ps(whole, _mm256_or_ps(_mm256_and_ps(v, sign_bit), one)), away);
+            // The clamp with the bound first: min_ps and max_ps pass a NaN second operand on, as
+            // quant_level's comparisons do; the conversion then gives INT_MIN, as a cast does here.
+            const __m256 clamped = _mm256_max_ps(bottom, _mm256_min_ps(top, rounded));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(level + i), _mm256_cvttps_epi32(clamped));
+        }
+    }
+#endif
+    for (; i < n; ++i) level[i] = static_cast<int32_t>(quant_level(x[i], scale, qmax));
+}
 }  // namespace
 
 void TierStore::plan(int tier, int slots, int head_dim, int group) {
@@ -29,6 +115,8 @@ void TierStore::plan(int tier, int slots, int head_dim, int group) {
     }
     row_of_slot_.assign(n, -1);
     slot_of_row_.assign(n, -1);
+    rounded_.assign(tier == 0 ? 0 : head_dim, 0.0f);
+    level_scratch_.assign(tier == 0 ? 0 : head_dim, 0);
     count_ = 0;
 }
 
@@ -91,25 +179,27 @@ void TierStore::read_with_channel_scales(int slot, const float* channel_scales, 
 
 void TierStore::write(int slot, const float* x) {
     const std::size_t row = row_of(slot);
-    if (tier_ == 0) {
-        uint16_t* out = half_.data() + row * head_dim_;
-        for (int i = 0; i < head_dim_; ++i) out[i] = float_to_half_bits(round_to_fp16(x[i]));
+    if (tier_ == 0) return write_half_bits(x, head_dim_, half_.data() + row * head_dim_);
+    const int qmax = quant_levels(tier_ == 1 ? 8 : 4);
+    float* rounded = rounded_.data();
+    int32_t* level = level_scratch_.data();
+    round_row_to_fp16(x, head_dim_, rounded);
+    uint16_t* scales = scales_.data() + row * groups_;
+    for (int g = 0; g < groups_; ++g) {
+        const int first = g * group_, count = std::min(head_dim_, first + group_) - first;
+        const float scale = group_scale(largest_magnitude(rounded + first, count), qmax);
+        scales[g] = float_to_half_bits(scale);  // exact: the scale is already an fp16 value
+        quantise_levels(rounded + first, count, scale, qmax, level + first);
+    }
+    uint8_t* out = levels_.data() + row * row_bytes_;
+    if (tier_ == 1) {
+        for (int i = 0; i < head_dim_; ++i) out[i] = static_cast<uint8_t>(static_cast<int8_t>(level[i]));
         return;
     }
-    const int qmax = quant_levels(tier_ == 1 ? 8 : 4);
-    uint8_t* out = levels_.data() + row * row_bytes_;
-    uint16_t* scales = scales_.data() + row * groups_;
-    if (tier_ == 2) std::fill(out, out + row_bytes_, uint8_t{0});
-    for (int g = 0; g < groups_; ++g) {
-        const int first = g * group_, end = std::min(head_dim_, first + group_);
-        float max_abs = 0.0f;
-        for (int i = first; i < end; ++i) max_abs = std::max(max_abs, std::abs(round_to_fp16(x[i])));
-        const float scale = group_scale(max_abs, qmax);
-        scales[g] = float_to_half_bits(scale);  // exact: the scale is already an fp16 value
-        for (int i = first; i < end; ++i) {
-            store_level(out, i, static_cast<int>(quant_level(round_to_fp16(x[i]), scale, qmax)));
-        }
-    }
+    // Two's-complement nibbles, low first (store_level's layout), a byte at a time.
+    for (int b = 0; b < head_dim_ / 2; ++b)
+        out[b] = static_cast<uint8_t>((level[2 * b] & 0x0f) | (level[2 * b + 1] & 0x0f) << 4);
+    if (head_dim_ % 2) out[head_dim_ / 2] = static_cast<uint8_t>(level[head_dim_ - 1] & 0x0f);
 }
 
 void TierStore::read(int slot, float* out) const {
@@ -152,7 +242,8 @@ void TierStore::read(int slot, float* out) const {
 
 std::size_t TierStore::reserved_bytes() const {
     return half_.size() * sizeof(uint16_t) + levels_.size() + scales_.size() * sizeof(uint16_t) +
-           (row_of_slot_.size() + slot_of_row_.size()) * sizeof(int32_t);
+           (row_of_slot_.size() + slot_of_row_.size() + level_scratch_.size()) * sizeof(int32_t) +
+           rounded_.size() * sizeof(float);
 }
 
 }  // namespace kvsim::runtime

@@ -92,6 +92,8 @@ private:
     std::vector<uint8_t> levels_;  // INT8: head_dim bytes a row; INT4: ceil(head_dim / 2)
     std::vector<uint16_t> scales_; // quantised tiers: `groups_` fp16 scales a row
     std::vector<int32_t> row_of_slot_, slot_of_row_;
+    std::vector<float> rounded_;         // write()'s scratch: a row at fp16
+    std::vector<int32_t> level_scratch_; // and its levels
 };
 
 }  // namespace kvsim::runtime

@@ -7,6 +7,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <map>
 #include <string>
@@ -225,6 +226,60 @@ TEST_CASE("tier store: rows stay packed at the front and every slot keeps its nu
                 store.read(slot, row.data());
                 REQUIRE(row == expected[slot]);
             }
+        }
+    }
+}
+
+TEST_CASE("tier store: a row is stored as numerics.h's scalar definitions give it, NaN, infinities and ties included") {
+    // write() takes eight numbers at a time through the CPU's conversions where it can; each stored
+    // bit must be what float_to_half_bits, group_scale and quant_level give one number at a time.
+    std::mt19937 rng(17);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    const float nan_payload = std::bit_cast<float>(0x7fa12345u), negative_nan = std::bit_cast<float>(0xffc00001u);
+    const float specials[] = {NAN, nan_payload, negative_nan, INFINITY, -INFINITY, 0.0f, -0.0f, 65504.0f, 65519.0f,
+                              65520.0f, -70000.0f, 1e9f, 6.1e-5f, 6.0e-8f, 2.9802322e-8f, -2.9802326e-8f, 1e-40f,
+                              -1e-40f, 1e-4f, 0.375f, -0.625f};
+    for (const Shape& shape : shapes()) {
+        if (shape.group == 0) continue;  // per-channel scales: write_with_channel_scales, scalar
+        const int d = shape.head_dim, slots = 60;
+        TierStore store;
+        store.plan(shape.tier, slots, d, shape.group);
+        std::vector<float> x(d);
+        for (int slot = 0; slot < slots; ++slot) {
+            const float magnitude = std::pow(10.0f, static_cast<float>(static_cast<int>(rng() % 13)) - 8.0f);
+            for (float& v : x) v = normal(rng) * magnitude;
+            if (slot % 3 == 1)  // a few special numbers anywhere in the row
+                for (int k = 0; k < 3; ++k) x[rng() % d] = specials[rng() % std::size(specials)];
+            if (slot % 5 == 2)  // halfway between two levels: the largest is 7 * 0.25, the rest ties
+                for (int c = 0; c < d; ++c) x[c] = c % 7 == 0 ? 1.75f : (static_cast<float>(rng() % 14) - 6.5f) * 0.25f;
+            if (slot % 11 == 4) std::fill(x.begin(), x.end(), 0.0f);  // scale 0
+            if (slot % 13 == 6) std::fill(x.begin(), x.end(), NAN);   // nothing but NaN: scale 0 too
+            store.add(slot);
+            store.write(slot, x.data());
+            const TierView view = store.view();
+            const std::size_t r = view.row(slot);
+            INFO("tier " << shape.tier << ", head size " << d << ", group " << shape.group << ", slot " << slot);
+            if (shape.tier == 0) {
+                for (int c = 0; c < d; ++c) REQUIRE(view.half[r * d + c] == float_to_half_bits(round_to_fp16(x[c])));
+                continue;
+            }
+            const int qmax = quant_levels(shape.tier == 1 ? 8 : 4);
+            const uint8_t* levels = view.levels + r * view.row_bytes;
+            for (int g = 0; g < view.groups; ++g) {
+                const int first = g * view.group_channels, end = std::min(d, first + view.group_channels);
+                float largest = 0.0f;
+                for (int c = first; c < end; ++c) largest = std::max(largest, std::abs(round_to_fp16(x[c])));
+                const float scale = group_scale(largest, qmax);
+                REQUIRE(view.scales[r * view.groups + g] == float_to_half_bits(scale));
+                for (int c = first; c < end; ++c) {
+                    const int level = static_cast<int>(quant_level(round_to_fp16(x[c]), scale, qmax));
+                    if (shape.tier == 1)
+                        REQUIRE(static_cast<int8_t>(levels[c]) == static_cast<int8_t>(level));
+                    else
+                        REQUIRE(int4_level(levels, c) == static_cast<int8_t>(static_cast<uint8_t>(level << 4)) >> 4);
+                }
+            }
+            if (shape.tier == 2 && d % 2) REQUIRE((levels[d / 2] & 0xf0) == 0);  // the last byte's spare nibble
         }
     }
 }
