@@ -19,7 +19,9 @@
 #include <string>
 #include <utility>
 
+
 #include "policies/policy.h"
+#include "policies/ranking.h"
 #include "cache_math/tier_shares.h"
 
 namespace kvsim {
@@ -72,8 +74,10 @@ public:
         positions_.reserve(capacity);
         importance_.reserve(capacity);
         tier_.reserve(capacity);
-        order_.reserve(capacity);
-        protected_.reserve(capacity);
+        rank_keys_.reserve(capacity);
+        rank_slots_.reserve(capacity);
+        rank_of_slot_.reserve(capacity);
+        sort_scratch_.reserve(capacity);
         zone_.reserve(capacity);
         gone_.reserve(capacity);
         slot_after_.reserve(capacity);
@@ -82,7 +86,8 @@ public:
 
     void on_decode_step(int32_t pos, std::span<const float> attn) override {
         const std::size_t observed = std::min(attn.size(), positions_.size());
-        for (std::size_t i = 0; i < observed; ++i) importance_[i] += attn[i];
+        double* importance = importance_.data();
+        for (std::size_t i = 0; i < observed; ++i) importance[i] += attn[i];
         if (static_cast<int>(positions_.size()) >= capacity_)
             throw std::logic_error("admitted past its capacity of " + std::to_string(capacity_));
         admit(pos);
@@ -95,18 +100,16 @@ public:
         if (!rezoning && positions_.size() <= target) return;  // tiers stay, nothing goes
 
         rank_by_importance();
-        find_protected();
-        zone_.assign(positions_.size(), kFp16);  // between re-zonings no zone moves a tier
-        if (rezoning) assign_zones();
-
-        // Sinking: a token's tier is the coarser of where it was and where its zone is.
-        for (std::size_t i = 0; i < positions_.size(); ++i) tier_[i] = std::max(tier_[i], zone_[i]);
-
-        const std::size_t kept = std::count_if(zone_.begin(), zone_.end(), [](uint8_t z) { return z != kEvicted; });
-        if (kept > target) trim_to_budget(kept - target);
+        const Protected guard = find_protected();
+        const std::size_t n = positions_.size();
+        zone_.resize(n);
+        // Between re-zonings no zone moves a tier; a re-zoning gives every token its zone, and a
+        // token's tier is the coarser of where it was and where its zone is (sinking).
+        std::size_t evicted = rezoning ? assign_zones(guard) : (std::fill(zone_.begin(), zone_.end(), kFp16), 0);
+        if (n - evicted > target) evicted += trim_to_budget(guard, n - evicted - target);
+        if (evicted == 0) return;
 
         // The evicted are few a step: memchr finds them without a branch per token.
-        const std::size_t n = positions_.size();
         gone_.clear();
         const uint8_t *zone = zone_.data(), *zone_end = zone + n;
         for (const uint8_t* at = zone; (at = static_cast<const uint8_t*>(std::memchr(at, kEvicted, zone_end - at))); ++at) {
@@ -114,36 +117,46 @@ public:
             gone_.push_back(i);
             victims.push_back(positions_[i]);  // slots ascend, so positions do
         }
-        if (gone_.empty()) return;
         positions_.erase(gone_);
         importance_.erase(gone_);
         tier_.erase(gone_);
-        // The order keeps its survivors, renumbered as the arrays closed up.
+        // The ranking keeps its survivors, renumbered as the arrays closed up.
         slot_after_.resize(n);
+        uint32_t* slot_after = slot_after_.data();
         for (std::size_t i = 0, closed = 0; i < n; ++i) {
-            slot_after_[i] = i - closed;
+            slot_after[i] = static_cast<uint32_t>(i - closed);
             closed += zone[i] == kEvicted ? 1 : 0;
         }
+        uint64_t* key = rank_keys_.data();
+        uint32_t* slot = rank_slots_.data();
+        uint32_t* rank_of = rank_of_slot_.data();
         std::size_t kept_rank = 0;
-        for (const RankKey& r : order_)
-            if (zone[r.second] != kEvicted) order_[kept_rank++] = {r.first, slot_after_[r.second]};
-        order_.resize(kept_rank);
+        for (std::size_t k = 0; k < n; ++k) {
+            if (zone[slot[k]] == kEvicted) continue;
+            key[kept_rank] = key[k];
+            slot[kept_rank] = slot_after[slot[k]];
+            rank_of[slot[kept_rank]] = static_cast<uint32_t>(kept_rank);
+            ++kept_rank;
+        }
+        rank_keys_.resize(kept_rank);
+        rank_slots_.resize(kept_rank);
+        rank_of_slot_.resize(kept_rank);
     }
 
     // The tiers were settled in evict(); this only reports them.
     void assign_tiers(int32_t t, std::span<const int32_t> held, std::span<uint8_t> key_tier,
                       std::span<uint8_t> value_tier) override {
         // After an eviction the harness holds what the policy holds, in the same order: one pass,
-        // every position checked, no search.
-        if (held.size() == positions_.size()) {
-            const std::size_t limit = std::min(key_tier.size(), value_tier.size());
-            bool differ = false;
-            for (std::size_t i = 0; i < held.size() && !differ; ++i) {
-                const auto pos = static_cast<std::size_t>(held[i]);
-                differ = held[i] != positions_[i] || pos >= limit;
-                if (!differ) key_tier[pos] = value_tier[pos] = tier_[i];
-            }
-            if (!differ) return;  // otherwise the walk below finds what is wrong
+        // no search. Positions ascend, so the last is the largest.
+        const std::size_t limit = std::min(key_tier.size(), value_tier.size());
+        if (held.size() == positions_.size() &&
+            (held.empty() || (held.front() >= 0 && static_cast<std::size_t>(held.back()) < limit)) &&
+            std::equal(held.begin(), held.end(), positions_.begin())) {
+            const int32_t* position = positions_.data();
+            const uint8_t* tier = tier_.data();
+            uint8_t *keys = key_tier.data(), *values = value_tier.data();
+            for (std::size_t i = 0; i < held.size(); ++i) keys[position[i]] = values[position[i]] = tier[i];
+            return;
         }
         std::size_t slot = 0;
         for (int32_t pos : held) {
@@ -168,113 +181,175 @@ public:
     }
 
 private:
-    // Importance order: higher cumulative attention first, the lower position on ties, a NaN
-    // importance (NaN attention fed in) last; as a pair of integers that ascends in that order
-    // (positions ascend with the slot, so the slot breaks ties).
-    using RankKey = std::pair<uint64_t, std::size_t>;
+    // Sinks, the recent window and anchors always sit in the FP16 zone. Positions ascend, so the
+    // sinks are the slots below sinks_end and the recent window those from recent_begin; the
+    // anchors are the first `anchors` tokens of the importance ranking.
+    struct Protected {
+        std::size_t sinks_end, recent_begin, anchors;
+        bool holds(std::size_t rank, std::size_t slot) const {
+            return rank < anchors || slot < sinks_end || slot >= recent_begin;
+        }
+    };
 
     void admit(int32_t pos) {
         positions_.push_back(pos);
         importance_.push_back(0.0);
         tier_.push_back(kFp16);  // a new token is recent, so FP16
-        order_.push_back({~ascending_key(0.0), positions_.size() - 1});
+        rank_keys_.push_back(~ascending_key(0.0));
+        rank_slots_.push_back(static_cast<uint32_t>(positions_.size() - 1));
+        rank_of_slot_.push_back(static_cast<uint32_t>(rank_slots_.size() - 1));
     }
 
-    // order_: every held token in importance order. Cumulative attention reorders few tokens a
-    // step, so last step's order, its keys renewed, is almost sorted: an insertion sort finishes it
-    // in about one pass, where each selection of a zone boundary was a pass of its own. Every
-    // selection below is then a walk along it; the order is total, so the zones are the same.
+    // The ranking: every held token in importance order (higher cumulative attention first, the
+    // lower position on ties, a NaN importance last), as pairs (key, slot) ascending in that order
+    // (positions ascend with the slot, so the slot breaks ties), kept as two arrays so that the
+    // keys are renewed and checked several at a time, with each slot's rank beside them.
+    // Cumulative attention reorders few tokens a step, so last step's ranking, its keys renewed, is
+    // almost sorted: an insertion sort finishes it in about one pass, where each selection of a
+    // zone boundary was a pass of its own. The order is total, so the zones are the same.
     void rank_by_importance() {
         const double* importance = importance_.data();
-        RankKey* order = order_.data();
-        const std::size_t n = order_.size();
-        for (std::size_t k = 0; k < n; ++k) order[k].first = ~ascending_key(importance[order[k].second]);
+        uint64_t* key = rank_keys_.data();
+        uint32_t* slot = rank_slots_.data();
+        const std::size_t n = rank_keys_.size();
+        for (std::size_t k = 0; k < n; ++k) key[k] = ~ascending_key(importance[slot[k]]);
         // Moves bounded at a few per token: past that (attention reshuffled the order), a sort.
         std::size_t moves = 0;
-        for (std::size_t j = 1; j < n; ++j) {
-            const RankKey x = order[j];
-            if (!(x < order[j - 1])) continue;
+        uint32_t* rank_of = rank_of_slot_.data();
+        std::size_t j = first_descent(key, slot, 1, n);
+        while (j < n) {
+            const uint64_t x_key = key[j];
+            const uint32_t x_slot = slot[j];
             std::size_t k = j;
             do {
-                order[k] = order[k - 1];
+                key[k] = key[k - 1];
+                slot[k] = slot[k - 1];
+                rank_of[slot[k]] = static_cast<uint32_t>(k);
                 --k;
-            } while (k > 0 && x < order[k - 1]);
-            order[k] = x;
+            } while (k > 0 && (x_key < key[k - 1] || (x_key == key[k - 1] && x_slot < slot[k - 1])));
+            key[k] = x_key;
+            slot[k] = x_slot;
+            rank_of[x_slot] = static_cast<uint32_t>(k);
             moves += j - k;
-            if (moves > 8 * n) {
-                std::sort(order, order + n);
-                return;
-            }
+            if (moves > 8 * n) return sort_ranking();
+            j = first_descent(key, slot, j + 1, n);
+        }
+    }
+
+    void sort_ranking() {
+        const std::size_t n = rank_keys_.size();
+        sort_scratch_.resize(n);
+        for (std::size_t k = 0; k < n; ++k) sort_scratch_[k] = {rank_keys_[k], rank_slots_[k]};
+        std::sort(sort_scratch_.begin(), sort_scratch_.end());
+        for (std::size_t k = 0; k < n; ++k) {
+            rank_keys_[k] = sort_scratch_[k].first;
+            rank_slots_[k] = sort_scratch_[k].second;
+            rank_of_slot_[rank_slots_[k]] = static_cast<uint32_t>(k);
         }
     }
 
     // The ascending key of the below-th least important token (0: the least).
-    uint64_t key_from_least(std::size_t below) const { return ~order_[order_.size() - 1 - below].first; }
+    uint64_t key_from_least(std::size_t below) const { return ~rank_keys_[rank_keys_.size() - 1 - below]; }
 
-    // Sinks, the recent window and anchors: the tokens that always sit in the FP16 zone.
-    void find_protected() {
+    Protected find_protected() const {
         const std::size_t n = positions_.size();
-        protected_.assign(n, 0);
-        // Positions ascend: the sinks are a prefix of the held tokens and the recent window a suffix.
         const int32_t* first = positions_.begin();
         const int32_t* sinks_end = std::lower_bound(first, positions_.end(), p_.sinks);
         const int32_t* recent_begin = std::upper_bound(first, positions_.end(), int64_t{step_} - p_.recent,
                                                        [](int64_t bound, int32_t pos) { return bound < pos; });
-        std::fill(protected_.begin(), protected_.begin() + (sinks_end - first), 1);
-        std::fill(protected_.begin() + (recent_begin - first), protected_.end(), 1);
-
+        Protected guard{static_cast<std::size_t>(sinks_end - first), static_cast<std::size_t>(recent_begin - first), 0};
         // Anchors: at or above the percentile (linear between order statistics), at most a fraction.
         const std::size_t max_anchors =
             static_cast<std::size_t>(std::floor(p_.anchor_max_frac * static_cast<double>(n) + 1e-9));
-        if (max_anchors == 0) return;
+        if (max_anchors == 0) return guard;
         const double rank = p_.anchor_percentile / 100.0 * static_cast<double>(n - 1);
         const std::size_t below = static_cast<std::size_t>(std::floor(rank));
         const double low = from_ascending_key(key_from_least(below));
         const double high = below + 1 < n ? from_ascending_key(key_from_least(below + 1)) : low;
         const double threshold = low + (rank - static_cast<double>(below)) * (high - low);
-        // Those at or above it lead the order; the most important max_anchors of them.
-        for (std::size_t k = 0; k < std::min(max_anchors, n) && importance_[order_[k].second] >= threshold; ++k)
-            protected_[order_[k].second] = 1;
+        // Those at or above it lead the ranking; the most important max_anchors of them.
+        while (guard.anchors < std::min(max_anchors, n) && importance_[rank_slots_[guard.anchors]] >= threshold)
+            ++guard.anchors;
+        return guard;
     }
 
-    // The zones of a re-zoning step: protected ones FP16, the rest in importance order into what
-    // the shares of the t + 1 tokens seen leave, then out.
-    void assign_zones() {
+    // The zones of a re-zoning step, and each token sunk to its zone: protected ones FP16, the
+    // rest in importance order into what the shares of the t + 1 tokens seen leave (FP16, INT8,
+    // INT4), then out. Returns how many are out.
+    std::size_t assign_zones(const Protected& guard) {
         const int64_t seen = int64_t{step_} + 1;
-        const int64_t fp16_count = share_count(p_.fp16_share, seen);
-        const int64_t protected_count = std::count(protected_.begin(), protected_.end(), 1);
-        const std::size_t sizes[] = {static_cast<std::size_t>(std::max<int64_t>(fp16_count - protected_count, 0)),
-                                     static_cast<std::size_t>(share_count(p_.int8_share, seen)),
-                                     static_cast<std::size_t>(share_count(p_.int4_share, seen))};
-        const uint8_t zones[] = {kFp16, kInt8, kInt4};
-        int z = 0;
-        std::size_t left = sizes[0];
-        for (const RankKey& r : order_) {
-            if (protected_[r.second]) continue;
-            while (z < 3 && left == 0) left = ++z < 3 ? sizes[z] : 0;
-            if (z == 3) {
-                zone_[r.second] = kEvicted;
+        const std::size_t n = positions_.size();
+        // Early on the sinks and the recent window overlap: every slot but those between them.
+        std::size_t protected_count = n - (guard.recent_begin > guard.sinks_end ? guard.recent_begin - guard.sinks_end : 0);
+        for (std::size_t k = 0; k < guard.anchors; ++k)
+            protected_count += rank_slots_[k] >= guard.sinks_end && rank_slots_[k] < guard.recent_begin ? 1 : 0;
+        // The unprotected tokens' ranks where FP16, INT8 and INT4 end.
+        const std::size_t fp16_end = static_cast<std::size_t>(
+            std::max<int64_t>(share_count(p_.fp16_share, seen) - static_cast<int64_t>(protected_count), 0));
+        const std::size_t int8_end = fp16_end + static_cast<std::size_t>(share_count(p_.int8_share, seen));
+        const std::size_t int4_end = int8_end + static_cast<std::size_t>(share_count(p_.int4_share, seen));
+        // The rank of the unprotected token that starts INT8, INT4 and the evicted (n where too few
+        // are unprotected): an unprotected token's zone is how many of them its rank reaches.
+        const std::size_t starts[3] = {fp16_end, int8_end, int4_end};
+        std::size_t zone_start[3] = {n, n, n};
+        const uint32_t* slot = rank_slots_.data();
+        constexpr std::size_t kBlock = 16;
+        std::size_t unprotected = 0, next = 0;
+        while (next < 3 && starts[next] == 0) zone_start[next++] = 0;
+        for (std::size_t first = 0; first < n && next < 3; first += kBlock) {
+            const std::size_t last = std::min(first + kBlock, n);
+            std::size_t in_block = 0;  // a count the compiler takes sixteen at a time
+            for (std::size_t k = first; k < last; ++k) in_block += guard.holds(k, slot[k]) ? 0 : 1;
+            if (unprotected + in_block <= starts[next]) {
+                unprotected += in_block;
                 continue;
             }
-            zone_[r.second] = zones[z];
-            --left;
+            for (std::size_t k = first; k < last; ++k) {
+                if (guard.holds(k, slot[k])) continue;
+                while (next < 3 && unprotected == starts[next]) zone_start[next++] = k;
+                ++unprotected;
+            }
         }
+        // Then every token by slot, in a loop without branches that the compiler takes many slots
+        // at a time (32-bit numbers throughout, copied out of arrays a byte store could alias):
+        // its zone, and the tier it sinks to.
+        const uint32_t* rank_of = rank_of_slot_.data();
+        uint8_t *zone = zone_.data(), *tier = tier_.data();
+        const auto narrow = [](std::size_t x) { return static_cast<uint32_t>(x); };
+        const uint32_t anchors = narrow(guard.anchors), sinks_end = narrow(guard.sinks_end),
+                       recent_begin = narrow(guard.recent_begin), int8_start = narrow(zone_start[0]),
+                       int4_start = narrow(zone_start[1]), evicted_start = narrow(zone_start[2]), count = narrow(n);
+        for (uint32_t i = 0; i < count; ++i) {
+            const uint32_t k = rank_of[i];
+            const bool fixed = (k < anchors) | (i < sinks_end) | (i >= recent_begin);
+            // Zones are numbered as tiers, kEvicted one past INT4.
+            const uint8_t z = fixed ? kFp16 : static_cast<uint8_t>((k >= int8_start) + (k >= int4_start) + (k >= evicted_start));
+            zone[i] = z;
+            tier[i] = std::max(tier[i], z);  // an evicted token's tier is never read again
+        }
+        // The evicted: the unprotected ranked from the evicted zone's start on.
+        std::size_t evicted = 0;
+        for (std::size_t k = zone_start[2]; k < n; ++k) evicted += guard.holds(k, slot[k]) ? 0 : 1;
+        return evicted;
     }
 
     // Still over the harness budget: the least important unprotected tokens go next. Should the
     // protected ones alone exceed it, the budget wins: the least important of them go, never the
-    // token just admitted.
-    void trim_to_budget(std::size_t excess) {
-        for (const uint8_t from_protected : {0, 1}) {
-            for (auto it = order_.rbegin(); it != order_.rend() && excess > 0; ++it) {
-                const std::size_t i = it->second;
-                if (zone_[i] == kEvicted || protected_[i] != from_protected || (from_protected && positions_[i] == step_))
+    // token just admitted. Returns how many went.
+    std::size_t trim_to_budget(const Protected& guard, std::size_t excess) {
+        const std::size_t wanted = excess;
+        for (const bool from_protected : {false, true}) {
+            for (std::size_t k = rank_slots_.size(); k-- > 0 && excess > 0;) {
+                const std::size_t i = rank_slots_[k];
+                if (zone_[i] == kEvicted || guard.holds(k, i) != from_protected ||
+                    (from_protected && positions_[i] == step_))
                     continue;
                 zone_[i] = kEvicted;
                 --excess;
             }
-            if (excess == 0) return;
+            if (excess == 0) break;
         }
+        return wanted - excess;
     }
 
     int capacity_;
@@ -283,12 +358,16 @@ private:
     SlotArray<int32_t> positions_;  // ascending
     SlotArray<double> importance_;  // cumulative attention of the query group (mean over it)
     SlotArray<uint8_t> tier_;       // Tier as uint8_t; only ever grows (coarser)
-    // Every held token in importance order, kept between steps: an index over the three arrays
-    // above, not state of the algorithm (bytes_per_slot leaves it out, as it does scratch).
-    std::vector<RankKey> order_;
+    // The ranking, kept between steps: an index over the three arrays above, not state of the
+    // algorithm (bytes_per_slot leaves it out, as it does scratch).
+    std::vector<uint64_t> rank_keys_;
+    std::vector<uint32_t> rank_slots_;
+    std::vector<uint32_t> rank_of_slot_;  // the inverse: each slot's rank
     // Scratch of one evict() call, kept to reuse its memory.
-    std::vector<uint8_t> protected_, zone_;
-    std::vector<std::size_t> gone_, slot_after_;
+    std::vector<std::pair<uint64_t, uint32_t>> sort_scratch_;
+    std::vector<uint8_t> zone_;
+    std::vector<std::size_t> gone_;
+    std::vector<uint32_t> slot_after_;
 };
 
 std::string format_number(double v) {
