@@ -265,7 +265,7 @@ void HeadCache::bench_fill(int tokens, const float* k, const float* v, const std
         keys_[tier].write(slot, k + static_cast<std::size_t>(p) * d);
         values_[tier].write(slot, v + static_cast<std::size_t>(p) * d);
         position_of_slot_[static_cast<std::size_t>(slot)] = p;
-        key_tier_[p] = value_tier_[p] = tier;
+        key_tier_[p] = value_tier_[p] = new_key_tier_[p] = new_value_tier_[p] = tier;
         mark(slot, slot_code(tier, tier));
         positions_.push_back(p);
         slot_of_.push_back(slot);
@@ -321,6 +321,7 @@ int HeadCache::admit(int32_t t, const float* k, const float* v) {
     values_[0].write(slot, v);
     position_of_slot_[static_cast<std::size_t>(slot)] = t;
     key_tier_[t] = value_tier_[t] = 0;
+    new_key_tier_[t] = new_value_tier_[t] = 0;
     mark(slot, 0);
     if (kivi_) add_group_key(t, k);
     return slot;
@@ -454,18 +455,27 @@ void HeadCache::take_dirty(const std::function<void(int slot, uint8_t code)>& se
 
 void HeadCache::assign_tiers(int32_t t) {
     if (!format_) return;
-    // The policy writes the tier of every held position; a change may only sink a token.
-    for (int32_t p : positions_) new_key_tier_[p] = key_tier_[p], new_value_tier_[p] = value_tier_[p];
+    // The policy writes the tier of every held position it changes; a change may only sink a
+    // token. What it writes into starts as the current tiers: every position enters at FP16 in
+    // both, and every change the loop below accepts is copied back. (Plain pointers: through the
+    // vectors, each byte stored would reload every vector's data pointer.)
     policy_->assign_tiers(t, positions_, new_key_tier_, new_value_tier_);
-    for (std::size_t i = 0; i < positions_.size(); ++i) {
-        const int32_t p = positions_[i];
-        const uint8_t key = new_key_tier_[p], value = new_value_tier_[p];
-        if (key == key_tier_[p] && value == value_tier_[p]) continue;
-        if (key < key_tier_[p] || value < value_tier_[p] || key > 2 || value > 2)
+    const int32_t* position = positions_.data();
+    const std::size_t held = positions_.size();
+    uint8_t *key_tier = key_tier_.data(), *value_tier = value_tier_.data();
+    uint8_t *new_key_tier = new_key_tier_.data(), *new_value_tier = new_value_tier_.data();
+    for (std::size_t i = 0; i < held; ++i) {
+        const int32_t p = position[i];
+        const uint8_t key = new_key_tier[p], value = new_value_tier[p];
+        if (key == key_tier[p] && value == value_tier[p]) continue;
+        if (key < key_tier[p] || value < value_tier[p] || key > 2 || value > 2) {
+            for (std::size_t j = i; j < held; ++j)
+                new_key_tier[position[j]] = key_tier[position[j]], new_value_tier[position[j]] = value_tier[position[j]];
             fail(t, "moved position " + std::to_string(p) + " to a finer or unknown tier (a token only sinks)");
+        }
         sink(i, key, value);
-        key_tier_[p] = key;
-        value_tier_[p] = value;
+        key_tier[p] = key;
+        value_tier[p] = value;
     }
 }
 
