@@ -453,24 +453,49 @@ void HeadCache::take_dirty(const std::function<void(int slot, uint8_t code)>& se
     dirty_slots_.clear();
 }
 
+namespace {
+// The first p in [from, end) where either pair of tier arrays differs; end if none. Thirty-two
+// positions a test (a loop the compiler vectorises), then one at a time inside a block that
+// differs: a step changes the tiers of a few positions among thousands.
+int32_t first_tier_change(const uint8_t* key, const uint8_t* new_key, const uint8_t* value, const uint8_t* new_value,
+                          int32_t from, int32_t end) {
+    constexpr int32_t kBlock = 32;
+    int32_t p = from;
+    for (; p + kBlock <= end; p += kBlock) {
+        uint8_t differ = 0;
+        for (int32_t q = p; q < p + kBlock; ++q) differ |= static_cast<uint8_t>((key[q] ^ new_key[q]) | (value[q] ^ new_value[q]));
+        if (differ) break;
+    }
+    for (; p < end; ++p)
+        if (key[p] != new_key[p] || value[p] != new_value[p]) return p;
+    return end;
+}
+}  // namespace
+
 void HeadCache::assign_tiers(int32_t t) {
     if (!format_) return;
     // The policy writes the tier of every held position it changes; a change may only sink a
     // token. What it writes into starts as the current tiers: every position enters at FP16 in
-    // both, and every change the loop below accepts is copied back. (Plain pointers: through the
-    // vectors, each byte stored would reload every vector's data pointer.)
+    // both, and every change the loop below accepts is copied back. So the changes are where the
+    // two differ, found by scanning the span of held positions (a position not held is never read
+    // again; whatever the policy left there is put back).
     policy_->assign_tiers(t, positions_, new_key_tier_, new_value_tier_);
-    const int32_t* position = positions_.data();
-    const std::size_t held = positions_.size();
+    if (positions_.empty()) return;
     uint8_t *key_tier = key_tier_.data(), *value_tier = value_tier_.data();
     uint8_t *new_key_tier = new_key_tier_.data(), *new_value_tier = new_value_tier_.data();
-    for (std::size_t i = 0; i < held; ++i) {
-        const int32_t p = position[i];
+    const int32_t end = positions_.back() + 1;
+    std::size_t i = 0;  // positions ascend: each change's index found after the last one's
+    for (int32_t p = first_tier_change(key_tier, new_key_tier, value_tier, new_value_tier, positions_.front(), end);
+         p < end; p = first_tier_change(key_tier, new_key_tier, value_tier, new_value_tier, p + 1, end)) {
+        i = static_cast<std::size_t>(std::lower_bound(positions_.begin() + static_cast<std::ptrdiff_t>(i), positions_.end(), p) -
+                                     positions_.begin());
         const uint8_t key = new_key_tier[p], value = new_value_tier[p];
-        if (key == key_tier[p] && value == value_tier[p]) continue;
+        if (positions_[i] != p) {  // not held
+            new_key_tier[p] = key_tier[p], new_value_tier[p] = value_tier[p];
+            continue;
+        }
         if (key < key_tier[p] || value < value_tier[p] || key > 2 || value > 2) {
-            for (std::size_t j = i; j < held; ++j)
-                new_key_tier[position[j]] = key_tier[position[j]], new_value_tier[position[j]] = value_tier[position[j]];
+            for (const int32_t q : positions_) new_key_tier[q] = key_tier[q], new_value_tier[q] = value_tier[q];
             fail(t, "moved position " + std::to_string(p) + " to a finer or unknown tier (a token only sinks)");
         }
         sink(i, key, value);

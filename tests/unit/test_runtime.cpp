@@ -749,3 +749,81 @@ TEST_CASE("runtime (cpu): a KIVI key group longer than the context reserves no m
     for (std::size_t i = 0; i < head.held().size(); ++i)
         CHECK(head.key_tier_of(i) == 0);  // the group never completed: every key still FP16
 }
+
+namespace {
+// A tiered policy for the runtime's bookkeeping alone: it sinks each position by its age (keys at
+// 37 and 70 steps, values at 45 and 90) and, from step 150 on, every position below 120 to INT8
+// at least (a run of changes longer than the runtime's 32-position scan); it evicts every seventh
+// position at age 11; it writes a tier for a position it evicted (to be ignored) and, at step
+// raise_at, an FP16 key for position 3, long at INT4 (to be refused).
+class SinksOnSchedule : public Policy {
+public:
+    explicit SinksOnSchedule(int32_t raise_at) : raise_at_(raise_at) { format_.per_token_keys = true, format_.value_group = 4; }
+    static uint8_t key_tier(int32_t p, int32_t t) {
+        const int32_t age = t - p;
+        return static_cast<uint8_t>(std::max((age >= 37) + (age >= 70), t >= 150 && p < 120 ? 1 : 0));
+    }
+    static uint8_t value_tier(int32_t p, int32_t t) {
+        const int32_t age = t - p;
+        return static_cast<uint8_t>(std::max((age >= 45) + (age >= 90), t >= 150 && p < 120 ? 1 : 0));
+    }
+    void on_decode_step(int32_t pos, std::span<const float>) override { step_ = pos; }
+    void evict(int, std::vector<int32_t>& victims) override {
+        if (const int32_t p = step_ - 11; p > 0 && p % 7 == 0) victims.push_back(last_evicted_ = p);
+    }
+    bool sizes_itself() const override { return true; }
+    std::size_t bytes_per_slot() const override { return 4; }
+    const TierFormat* tier_format() const override { return &format_; }
+    void assign_tiers(int32_t t, std::span<const int32_t> held, std::span<uint8_t> keys,
+                      std::span<uint8_t> values) override {
+        for (int32_t p : held) keys[p] = key_tier(p, t), values[p] = value_tier(p, t);
+        if (last_evicted_ > 0) keys[last_evicted_] = 2, values[last_evicted_] = 1;  // not held
+        if (t == raise_at_) keys[3] = 0;
+    }
+
+private:
+    TierFormat format_;
+    int32_t step_ = 0, last_evicted_ = 0, raise_at_;
+};
+}  // namespace
+
+TEST_CASE("runtime (cpu): a head finds every tier change, ignores tiers of positions it does not hold, refuses a rise") {
+    runtime::HeadPlan plan;
+    plan.group = 1, plan.head_dim = 8, plan.budget = 400, plan.max_context = 400;
+    std::vector<float> q(8, 0.5f), k(8, 0.25f), v(8, 1.0f), out(8);
+    {
+        runtime::HeadCache head(plan, [] { return std::make_unique<SinksOnSchedule>(-1); });
+        int checked = 0;
+        for (int32_t t = 0; t < 300; ++t) {
+            head.decode(t, q.data(), k.data(), v.data(), out.data());
+            int key_rows[3] = {}, value_rows[3] = {};
+            for (std::size_t i = 0; i < head.held().size(); ++i) {
+                const int32_t p = head.held()[i];
+                const bool evicted = p % 7 == 0 && t - p >= 11 && p > 0;
+                REQUIRE_FALSE(evicted);
+                REQUIRE(int{head.key_tier_of(i)} == int{SinksOnSchedule::key_tier(p, t)});
+                ++key_rows[SinksOnSchedule::key_tier(p, t)];
+                ++value_rows[SinksOnSchedule::value_tier(p, t)];
+                ++checked;
+            }
+            runtime::TierView keys[3], values[3];
+            head.tier_views(keys, values);
+            for (int tier = 0; tier < 3; ++tier) {
+                INFO("step " << t << ", tier " << tier);
+                // Every held key and value sits in its tier's store, and nothing else.
+                int key_held = 0, value_held = 0;
+                for (int slot = 0; slot < head.capacity(); ++slot) {
+                    key_held += keys[tier].row_of_slot[slot] >= 0 ? 1 : 0;
+                    value_held += values[tier].row_of_slot[slot] >= 0 ? 1 : 0;
+                }
+                REQUIRE(key_held == key_rows[tier]);
+                REQUIRE(value_held == value_rows[tier]);
+            }
+        }
+        CHECK(checked > 30000);
+    }
+    runtime::HeadCache head(plan, [] { return std::make_unique<SinksOnSchedule>(120); });
+    for (int32_t t = 0; t < 120; ++t) head.decode(t, q.data(), k.data(), v.data(), out.data());
+    CHECK_THROWS_WITH_AS(head.decode(120, q.data(), k.data(), v.data(), out.data()),
+                         doctest::Contains("moved position 3 to a finer or unknown tier"), std::logic_error);
+}
