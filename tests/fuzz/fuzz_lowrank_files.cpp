@@ -7,7 +7,8 @@
 // this harness fuzzes kvsim's readers, not HDF5's parser (as fuzz_trace.cpp), and raw bytes found
 // that parser unsafe on crafted files (Debian 12's libhdf5 1.10.8, 2026-12-06: a heap-buffer
 // overflow in H5MM_strdup under H5Aexists, an 8 GiB allocation sized from a local heap, a leak on
-// an error path). docs/lowrank.md says so to users.
+// an error path). docs/lowrank.md says so to users. kvsim's checks of an HDF5 bases file are
+// fuzzed by fuzz_bases_hdf5.cpp, which writes valid files and changes them through the HDF5 API.
 #include <cstdint>
 #include <cstdio>
 #include <string>
