@@ -73,7 +73,12 @@ float largest_magnitude(const float* x, int n) {
     return largest;
 }
 
-// level[i] = quant_level(x[i], scale, qmax) as an int (x already at fp16).
+// The integer a row keeps for quant_level's result: the level, or 0 for a NaN. No level stands for
+// a NaN, so such a number reads back as 0 (the simulator's tier arrays keep the NaN); and a NaN
+// cast to an integer is undefined behaviour.
+int32_t stored_level(float level) { return level == level ? static_cast<int32_t>(level) : 0; }
+
+// level[i] = stored_level(quant_level(x[i], scale, qmax)) (x already at fp16).
 void quantise_levels(const float* x, int n, float scale, int qmax, int32_t* level) {
     int i = 0;
 #if defined(__AVX2__) && defined(__F16C__)
@@ -89,13 +94,14 @@ void quantise_levels(const float* x, int n, float scale, int qmax, int32_t* leve
             const __m256 away = _mm256_cmp_ps(_mm256_andnot_ps(sign_bit, _mm256_sub_ps(v, whole)), half, _CMP_GE_OQ);
             const __m256 rounded = _mm256_blendv_ps(whole, _mm256_add_ps(whole, _mm256_or_ps(_mm256_and_ps(v, sign_bit), one)), away);
             // The clamp with the bound first: min_ps and max_ps pass a NaN second operand on, as
-            // quant_level's comparisons do; the conversion then gives INT_MIN, as a cast does here.
+            // quant_level's comparisons do; then a NaN becomes 0, as stored_level makes it.
             const __m256 clamped = _mm256_max_ps(bottom, _mm256_min_ps(top, rounded));
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(level + i), _mm256_cvttps_epi32(clamped));
+            const __m256 numbers = _mm256_and_ps(clamped, _mm256_cmp_ps(clamped, clamped, _CMP_ORD_Q));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(level + i), _mm256_cvttps_epi32(numbers));
         }
     }
 #endif
-    for (; i < n; ++i) level[i] = static_cast<int32_t>(quant_level(x[i], scale, qmax));
+    for (; i < n; ++i) level[i] = stored_level(quant_level(x[i], scale, qmax));
 }
 }  // namespace
 
@@ -165,7 +171,7 @@ void TierStore::write_with_channel_scales(int slot, const float* x, const float*
     uint8_t* out = levels_.data() + row_of(slot) * row_bytes_;
     if (tier_ == 2) std::fill(out, out + row_bytes_, uint8_t{0});
     for (int i = 0; i < head_dim_; ++i) {
-        store_level(out, i, static_cast<int>(quant_level(round_to_fp16(x[i]), channel_scales[i], qmax)));
+        store_level(out, i, stored_level(quant_level(round_to_fp16(x[i]), channel_scales[i], qmax)));
     }
 }
 
