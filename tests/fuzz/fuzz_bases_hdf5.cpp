@@ -192,7 +192,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     H5Fclose(file);
     // KVSIM_FUZZ_VERBOSE=1 says what became of each input (to check that the seeds reach past the
-    // first check).
+    // first check); KVSIM_FUZZ_KEEP=1 leaves the file written for it in /tmp.
     static const bool verbose = std::getenv("KVSIM_FUZZ_VERBOSE") != nullptr;
     try {
         const auto bases = kvsim::read_kv_bases(path);
