@@ -19,7 +19,6 @@
 #include <string>
 #include <utility>
 
-
 #include "policies/policy.h"
 #include "policies/ranking.h"
 #include "cache_math/tier_shares.h"
@@ -105,7 +104,11 @@ public:
         zone_.resize(n);
         // Between re-zonings no zone moves a tier; a re-zoning gives every token its zone, and a
         // token's tier is the coarser of where it was and where its zone is (sinking).
-        std::size_t evicted = rezoning ? assign_zones(guard) : (std::fill(zone_.begin(), zone_.end(), kFp16), 0);
+        std::size_t evicted = 0;
+        if (rezoning)
+            evicted = assign_zones(guard);
+        else
+            std::fill(zone_.begin(), zone_.end(), kFp16);
         if (n - evicted > target) evicted += trim_to_budget(guard, n - evicted - target);
         if (evicted == 0) return;
 
@@ -184,10 +187,11 @@ private:
     // Sinks, the recent window and anchors always sit in the FP16 zone. Positions ascend, so the
     // sinks are the slots below sinks_end and the recent window those from recent_begin; the
     // anchors are the first `anchors` tokens of the importance ranking.
+    // 32-bit numbers and no branch, so that the loops asking it vectorise.
     struct Protected {
-        std::size_t sinks_end, recent_begin, anchors;
-        bool holds(std::size_t rank, std::size_t slot) const {
-            return rank < anchors || slot < sinks_end || slot >= recent_begin;
+        uint32_t sinks_end, recent_begin, anchors;
+        bool holds(uint32_t rank, uint32_t slot) const {
+            return (rank < anchors) | (slot < sinks_end) | (slot >= recent_begin);
         }
     };
 
@@ -257,7 +261,7 @@ private:
         const int32_t* sinks_end = std::lower_bound(first, positions_.end(), p_.sinks);
         const int32_t* recent_begin = std::upper_bound(first, positions_.end(), int64_t{step_} - p_.recent,
                                                        [](int64_t bound, int32_t pos) { return bound < pos; });
-        Protected guard{static_cast<std::size_t>(sinks_end - first), static_cast<std::size_t>(recent_begin - first), 0};
+        Protected guard{static_cast<uint32_t>(sinks_end - first), static_cast<uint32_t>(recent_begin - first), 0};
         // Anchors: at or above the percentile (linear between order statistics), at most a fraction.
         const std::size_t max_anchors =
             static_cast<std::size_t>(std::floor(p_.anchor_max_frac * static_cast<double>(n) + 1e-9));
@@ -293,43 +297,43 @@ private:
         const std::size_t starts[3] = {fp16_end, int8_end, int4_end};
         std::size_t zone_start[3] = {n, n, n};
         const uint32_t* slot = rank_slots_.data();
+        const auto narrow = [](std::size_t x) { return static_cast<uint32_t>(x); };
         constexpr std::size_t kBlock = 16;
         std::size_t unprotected = 0, next = 0;
         while (next < 3 && starts[next] == 0) zone_start[next++] = 0;
         for (std::size_t first = 0; first < n && next < 3; first += kBlock) {
             const std::size_t last = std::min(first + kBlock, n);
             std::size_t in_block = 0;  // a count the compiler takes sixteen at a time
-            for (std::size_t k = first; k < last; ++k) in_block += guard.holds(k, slot[k]) ? 0 : 1;
+            for (std::size_t k = first; k < last; ++k) in_block += guard.holds(narrow(k), slot[k]) ? 0 : 1;
             if (unprotected + in_block <= starts[next]) {
                 unprotected += in_block;
                 continue;
             }
             for (std::size_t k = first; k < last; ++k) {
-                if (guard.holds(k, slot[k])) continue;
+                if (guard.holds(narrow(k), slot[k])) continue;
                 while (next < 3 && unprotected == starts[next]) zone_start[next++] = k;
                 ++unprotected;
             }
         }
         // Then every token by slot, in a loop without branches that the compiler takes many slots
-        // at a time (32-bit numbers throughout, copied out of arrays a byte store could alias):
-        // its zone, and the tier it sinks to.
+        // at a time (32-bit numbers throughout, copied out of what a byte store could alias): its
+        // zone, and the tier it sinks to.
         const uint32_t* rank_of = rank_of_slot_.data();
         uint8_t *zone = zone_.data(), *tier = tier_.data();
-        const auto narrow = [](std::size_t x) { return static_cast<uint32_t>(x); };
-        const uint32_t anchors = narrow(guard.anchors), sinks_end = narrow(guard.sinks_end),
-                       recent_begin = narrow(guard.recent_begin), int8_start = narrow(zone_start[0]),
-                       int4_start = narrow(zone_start[1]), evicted_start = narrow(zone_start[2]), count = narrow(n);
+        const Protected fixed = guard;
+        const uint32_t int8_start = narrow(zone_start[0]), int4_start = narrow(zone_start[1]),
+                       evicted_start = narrow(zone_start[2]), count = narrow(n);
         for (uint32_t i = 0; i < count; ++i) {
             const uint32_t k = rank_of[i];
-            const bool fixed = (k < anchors) | (i < sinks_end) | (i >= recent_begin);
             // Zones are numbered as tiers, kEvicted one past INT4.
-            const uint8_t z = fixed ? kFp16 : static_cast<uint8_t>((k >= int8_start) + (k >= int4_start) + (k >= evicted_start));
+            const uint8_t z = fixed.holds(k, i) ? kFp16
+                                                 : static_cast<uint8_t>((k >= int8_start) + (k >= int4_start) + (k >= evicted_start));
             zone[i] = z;
             tier[i] = std::max(tier[i], z);  // an evicted token's tier is never read again
         }
         // The evicted: the unprotected ranked from the evicted zone's start on.
         std::size_t evicted = 0;
-        for (std::size_t k = zone_start[2]; k < n; ++k) evicted += guard.holds(k, slot[k]) ? 0 : 1;
+        for (std::size_t k = zone_start[2]; k < n; ++k) evicted += guard.holds(narrow(k), slot[k]) ? 0 : 1;
         return evicted;
     }
 
@@ -340,8 +344,8 @@ private:
         const std::size_t wanted = excess;
         for (const bool from_protected : {false, true}) {
             for (std::size_t k = rank_slots_.size(); k-- > 0 && excess > 0;) {
-                const std::size_t i = rank_slots_[k];
-                if (zone_[i] == kEvicted || guard.holds(k, i) != from_protected ||
+                const uint32_t i = rank_slots_[k];
+                if (zone_[i] == kEvicted || guard.holds(static_cast<uint32_t>(k), i) != from_protected ||
                     (from_protected && positions_[i] == step_))
                     continue;
                 zone_[i] = kEvicted;
