@@ -30,7 +30,10 @@ protected:
             for (int i = 0; i < d; ++i) anchor[i] += k[i] / scale;
         }
         double anchor_norm = 0;
-        for (double& a : anchor) anchor_norm += (a /= static_cast<double>(p.length)) * a;
+        for (double& a : anchor) {
+            a /= static_cast<double>(p.length);
+            anchor_norm += a * a;
+        }
         anchor_norm = std::sqrt(anchor_norm);
         for (int64_t j = 0; j < p.length; ++j) {
             const float* k = p.key(j, p.kv_head);
