@@ -69,7 +69,10 @@ public:
     // --- Precision: only policies that quantise override these. ---
 
     // After step t's eviction: the tier of each held position's key and value (indexed by
-    // position; entries of positions not held are ignored). The default keeps everything at fp16.
+    // position; entries of positions not held are ignored). The caller keeps both arrays between
+    // calls: a held position's entries are what this policy last gave it, fp16 (0) where it was
+    // admitted since. So a policy may write only the entries it changes (thousands of positions
+    // are held, and a step sinks a few). The default keeps everything at fp16.
     virtual void assign_tiers(int32_t t, std::span<const int32_t> held, std::span<uint8_t> key_tier,
                               std::span<uint8_t> value_tier) {
         (void)t, (void)held, (void)key_tier, (void)value_tier;

@@ -80,6 +80,7 @@ public:
         zone_.reserve(capacity);
         gone_.reserve(capacity);
         slot_after_.reserve(capacity);
+        sunk_.reserve(capacity);
         admit(0);
     }
 
@@ -95,6 +96,8 @@ public:
 
     void evict(int budget, std::vector<int32_t>& victims) override {
         const bool rezoning = step_ % p_.rezone_every == 0;
+        // What assign_tiers reports: the tokens this step sinks (none unless it re-zones).
+        sunk_.clear();
         const std::size_t target = static_cast<std::size_t>(std::max(budget, 0));
         if (!rezoning && positions_.size() <= target) return;  // tiers stay, nothing goes
 
@@ -149,18 +152,19 @@ public:
     // The tiers were settled in evict(); this only reports them.
     void assign_tiers(int32_t t, std::span<const int32_t> held, std::span<uint8_t> key_tier,
                       std::span<uint8_t> value_tier) override {
-        // After an eviction the harness holds what the policy holds, in the same order: one pass,
-        // no search. Positions ascend, so the last is the largest.
+        // After an eviction the harness holds what the policy holds, in the same order, and its
+        // arrays hold the tiers reported before (Policy::assign_tiers): only the tokens sunk since
+        // are written. Positions ascend, so the last is the largest.
         const std::size_t limit = std::min(key_tier.size(), value_tier.size());
         if (held.size() == positions_.size() &&
             (held.empty() || (held.front() >= 0 && static_cast<std::size_t>(held.back()) < limit)) &&
             std::equal(held.begin(), held.end(), positions_.begin())) {
-            const int32_t* position = positions_.data();
-            const uint8_t* tier = tier_.data();
-            uint8_t *keys = key_tier.data(), *values = value_tier.data();
-            for (std::size_t i = 0; i < held.size(); ++i) keys[position[i]] = values[position[i]] = tier[i];
+            // A token sunk and then trimmed away in the same step is written too: not held, ignored.
+            for (const auto& [position, tier] : sunk_) key_tier[position] = value_tier[position] = tier;
+            sunk_.clear();
             return;
         }
+        sunk_.clear();
         std::size_t slot = 0;
         for (int32_t pos : held) {
             // Both lists ascend: walk them together.
@@ -317,7 +321,7 @@ private:
         }
         // Then every token by slot, in a loop without branches that the compiler takes many slots
         // at a time (32-bit numbers throughout, copied out of what a byte store could alias): its
-        // zone, and the tier it sinks to.
+        // zone.
         const uint32_t* rank_of = rank_of_slot_.data();
         uint8_t *zone = zone_.data(), *tier = tier_.data();
         const Protected fixed = guard;
@@ -326,10 +330,20 @@ private:
         for (uint32_t i = 0; i < count; ++i) {
             const uint32_t k = rank_of[i];
             // Zones are numbered as tiers, kEvicted one past INT4.
-            const uint8_t z = fixed.holds(k, i) ? kFp16
-                                                 : static_cast<uint8_t>((k >= int8_start) + (k >= int4_start) + (k >= evicted_start));
-            zone[i] = z;
-            tier[i] = std::max(tier[i], z);  // an evicted token's tier is never read again
+            zone[i] = fixed.holds(k, i) ? kFp16
+                                        : static_cast<uint8_t>((k >= int8_start) + (k >= int4_start) + (k >= evicted_start));
+        }
+        // Each token sinks to its zone. Thirty-two slots are tested at a time for one that sinks
+        // and stays (an evicted token's tier is never read again); those are kept for assign_tiers.
+        constexpr uint32_t kSinkBlock = 32;
+        for (uint32_t first = 0; first < count; first += kSinkBlock) {
+            const uint32_t last = std::min(first + kSinkBlock, count);
+            uint8_t sinks = 0;
+            for (uint32_t i = first; i < last; ++i) sinks |= static_cast<uint8_t>((zone[i] > tier[i]) & (zone[i] != kEvicted));
+            if (sinks)
+                for (uint32_t i = first; i < last; ++i)
+                    if (zone[i] > tier[i] && zone[i] != kEvicted) sunk_.emplace_back(positions_[i], zone[i]);
+            for (uint32_t i = first; i < last; ++i) tier[i] = std::max(tier[i], zone[i]);
         }
         // The evicted: the unprotected ranked from the evicted zone's start on.
         std::size_t evicted = 0;
@@ -372,6 +386,8 @@ private:
     std::vector<uint8_t> zone_;
     std::vector<std::size_t> gone_;
     std::vector<uint32_t> slot_after_;
+    // The tokens sunk since the last assign_tiers: (position, tier).
+    std::vector<std::pair<int32_t, uint8_t>> sunk_;
 };
 
 std::string format_number(double v) {

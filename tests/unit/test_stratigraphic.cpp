@@ -125,8 +125,8 @@ void replay(Policy& policy, uint32_t seed, const std::function<void(const StepVi
         }
         std::erase_if(held, [&](int32_t pos) { return evicted[pos]; });
 
-        std::fill(key_tier.begin(), key_tier.end(), uint8_t{255});
-        std::fill(value_tier.begin(), value_tier.end(), uint8_t{255});
+        // The arrays keep what the policy reported before (Policy::assign_tiers); t enters at FP16.
+        key_tier[t] = value_tier[t] = 0;
         policy.assign_tiers(t, held, key_tier, value_tier);
         const std::vector<int> previous_tier = [&] {
             std::vector<int> prev(kSteps, kNotHeld);
