@@ -76,7 +76,8 @@ const char* const kDatasets[] = {"/heads/key_energy",   "/heads/key_mean",   "/h
                                  "/joint/value_energy", "/joint/value_mean", "/joint/value_vectors",
                                  "/head_distance"};
 
-// An attribute written as `type` (an integer, a double, a string), with one value or `count`.
+// An attribute rewritten as the input chooses: 64-bit or 8-bit integers, doubles or a string, a
+// scalar or an array of up to four (or left out).
 void write_attribute(hid_t root, const char* name, Bytes& in) {
     if (H5Aexists(root, name) > 0) H5Adelete(root, name);
     const int kind = in.u8() % 4;
@@ -97,11 +98,12 @@ void write_attribute(hid_t root, const char* name, Bytes& in) {
         static const char* const kWords[] = {"kvsim-kv-bases", "post_rope", "pre_rope", "adjacent", "halves", "", "x"};
         std::string s = kWords[in.u8() % std::size(kWords)];
         if (in.u8() % 4 == 0) s.push_back(static_cast<char>(in.u8()));
+        const std::size_t width = std::max<std::size_t>(s.size(), 1);  // HDF5 has no empty fixed-length string
         const hid_t type = H5Tcopy(H5T_C_S1);
-        H5Tset_size(type, std::max<std::size_t>(s.size(), 1));
+        H5Tset_size(type, width);
         const hid_t a = H5Acreate2(root, name, type, space, H5P_DEFAULT, H5P_DEFAULT);
-        std::vector<char> text(std::max<std::size_t>(s.size(), 1) * count, '\0');
-        for (hsize_t i = 0; i < count; ++i) std::copy(s.begin(), s.end(), text.begin() + static_cast<std::ptrdiff_t>(i * std::max<std::size_t>(s.size(), 1)));
+        std::vector<char> text(width * count, '\0');
+        for (hsize_t i = 0; i < count; ++i) std::copy(s.begin(), s.end(), text.begin() + static_cast<std::ptrdiff_t>(i * width));
         if (a >= 0) H5Awrite(a, type, text.data()), H5Aclose(a);
         H5Tclose(type);
     }
