@@ -1,7 +1,7 @@
 // A ranking kept between steps as two arrays, keys and slots, meant to ascend as pairs (the key,
 // then the slot): where it does not any more. A policy that ranks tokens by a score that changes a
 // little each step (stratigraphic's cumulative attention) renews the keys and finishes the order
-// with an insertion sort, which moves only the tokens found here.
+// with an insertion sort, which moves only the tokens marked here.
 #pragma once
 #include <bit>
 #include <cstddef>
@@ -13,23 +13,27 @@
 
 namespace kvsim {
 
-// The first j >= from (from >= 1) where the ranking descends: pair j before pair j - 1; n if none.
-// Slots are below 2^31. From 3% to a quarter of the tokens move a step (measured in the runtime's
-// benchmark, the tier fit and random weights), at places no branch predicts, so the search
-// compares eight pairs (four with AVX2) at once and branches once for them.
-inline std::size_t first_descent(const uint64_t* key, const uint32_t* slot, std::size_t from, std::size_t n) {
-    std::size_t j = from;
+// Every j in [1, n) where the ranking descends (pair j before pair j - 1), as bits: bit j % 64 of
+// word j / 64; bit 0 is never set. `words` holds (n + 63) / 64. Slots are below 2^31.
+// From 3% to a quarter of the tokens move a step (measured in the runtime's benchmark, the tier fit
+// and random weights), at places no branch predicts: one pass marks them all, eight pairs (four
+// with AVX2) compared at once and no branch on what they hold, so that the insertion sort walks
+// the bits instead of restarting a search after every move.
+inline void mark_descents(const uint64_t* key, const uint32_t* slot, std::size_t n, uint64_t* words) {
+    const std::size_t word_count = (n + 63) / 64;
+    for (std::size_t w = 0; w < word_count; ++w) words[w] = 0;
+    auto descends = [&](std::size_t j) { return key[j] < key[j - 1] || (key[j] == key[j - 1] && slot[j] < slot[j - 1]); };
+    std::size_t j = 1;
+    // Up to the first multiple of eight, one at a time: the vector loops then fill whole bytes.
+    for (; j < n && j < 8; ++j) words[0] |= uint64_t{descends(j)} << j;
 #if defined(__AVX512F__)
     for (; j + 8 <= n; j += 8) {
         const __m512i here = _mm512_loadu_si512(key + j), before = _mm512_loadu_si512(key + j - 1);
-        __mmask8 descent = _mm512_cmplt_epu64_mask(here, before);
-        if (const __mmask8 tied = _mm512_cmpeq_epu64_mask(here, before)) {
-            const __m512i slot_here = _mm512_cvtepu32_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(slot + j)));
-            const __m512i slot_before =
-                _mm512_cvtepu32_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(slot + j - 1)));
-            descent |= tied & _mm512_cmplt_epu64_mask(slot_here, slot_before);
-        }
-        if (descent) return j + static_cast<std::size_t>(std::countr_zero(static_cast<unsigned>(descent)));
+        const __m512i slot_here = _mm512_cvtepu32_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(slot + j)));
+        const __m512i slot_before = _mm512_cvtepu32_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(slot + j - 1)));
+        const __mmask8 descent = _mm512_cmplt_epu64_mask(here, before) |
+                                 (_mm512_cmpeq_epu64_mask(here, before) & _mm512_cmplt_epu64_mask(slot_here, slot_before));
+        words[j / 64] |= uint64_t{descent} << (j % 64);
     }
 #endif
 #if defined(__AVX2__)
@@ -45,13 +49,11 @@ inline std::size_t first_descent(const uint64_t* key, const uint32_t* slot, std:
         const __m256i descent = _mm256_or_si256(
             _mm256_cmpgt_epi64(before, here),
             _mm256_and_si256(_mm256_cmpeq_epi64(here, before), _mm256_cmpgt_epi64(slot_before, slot_here)));
-        if (const int mask = _mm256_movemask_pd(_mm256_castsi256_pd(descent)))
-            return j + static_cast<std::size_t>(std::countr_zero(static_cast<unsigned>(mask)));
+        const auto mask = static_cast<unsigned>(_mm256_movemask_pd(_mm256_castsi256_pd(descent)));
+        words[j / 64] |= uint64_t{mask} << (j % 64);
     }
 #endif
-    for (; j < n; ++j)
-        if (key[j] < key[j - 1] || (key[j] == key[j - 1] && slot[j] < slot[j - 1])) return j;
-    return n;
+    for (; j < n; ++j) words[j / 64] |= uint64_t{descends(j)} << (j % 64);
 }
 
 }  // namespace kvsim

@@ -77,6 +77,7 @@ public:
         rank_slots_.reserve(capacity);
         rank_of_slot_.reserve(capacity);
         sort_scratch_.reserve(capacity);
+        descents_.reserve((static_cast<std::size_t>(capacity) + 63) / 64);
         zone_.reserve(capacity);
         gone_.reserve(capacity);
         slot_after_.reserve(capacity);
@@ -221,26 +222,40 @@ private:
         uint32_t* slot = rank_slots_.data();
         const std::size_t n = rank_keys_.size();
         for (std::size_t k = 0; k < n; ++k) key[k] = ~ascending_key(importance[slot[k]]);
+        descents_.resize((n + 63) / 64);
+        mark_descents(key, slot, n, descents_.data());
         // Moves bounded at a few per token: past that (attention reshuffled the order), a sort.
         std::size_t moves = 0;
         uint32_t* rank_of = rank_of_slot_.data();
-        std::size_t j = first_descent(key, slot, 1, n);
-        while (j < n) {
-            const uint64_t x_key = key[j];
-            const uint32_t x_slot = slot[j];
-            std::size_t k = j;
-            do {
-                key[k] = key[k - 1];
-                slot[k] = slot[k - 1];
-                rank_of[slot[k]] = static_cast<uint32_t>(k);
-                --k;
-            } while (k > 0 && (x_key < key[k - 1] || (x_key == key[k - 1] && x_slot < slot[k - 1])));
-            key[k] = x_key;
-            slot[k] = x_slot;
-            rank_of[x_slot] = static_cast<uint32_t>(k);
-            moves += j - k;
-            if (moves > 8 * n) return sort_ranking();
-            j = first_descent(key, slot, j + 1, n);
+        const auto descends = [&](std::size_t j) {
+            return key[j] < key[j - 1] || (key[j] == key[j - 1] && slot[j] < slot[j - 1]);
+        };
+        // The ranking ascends up to `settled` (every pair up to it checked). An insertion at j
+        // changes pairs up to j + 1 alone, and j + 1 is checked next, so a mark past `settled`
+        // still says what it said when it was made.
+        std::size_t settled = 0;
+        for (std::size_t w = 0; w < descents_.size(); ++w) {
+            for (uint64_t bits = descents_[w]; bits; bits &= bits - 1) {
+                std::size_t j = 64 * w + static_cast<std::size_t>(std::countr_zero(bits));
+                if (j <= settled) continue;
+                for (; j < n && descends(j); ++j) {
+                    const uint64_t x_key = key[j];
+                    const uint32_t x_slot = slot[j];
+                    std::size_t k = j;
+                    do {
+                        key[k] = key[k - 1];
+                        slot[k] = slot[k - 1];
+                        rank_of[slot[k]] = static_cast<uint32_t>(k);
+                        --k;
+                    } while (k > 0 && (x_key < key[k - 1] || (x_key == key[k - 1] && x_slot < slot[k - 1])));
+                    key[k] = x_key;
+                    slot[k] = x_slot;
+                    rank_of[x_slot] = static_cast<uint32_t>(k);
+                    moves += j - k;
+                    if (moves > 8 * n) return sort_ranking();
+                }
+                settled = j;
+            }
         }
     }
 
@@ -381,6 +396,7 @@ private:
     std::vector<uint64_t> rank_keys_;
     std::vector<uint32_t> rank_slots_;
     std::vector<uint32_t> rank_of_slot_;  // the inverse: each slot's rank
+    std::vector<uint64_t> descents_;      // mark_descents' bits, renewed every ranking
     // Scratch of one evict() call, kept to reuse its memory.
     std::vector<std::pair<uint64_t, uint32_t>> sort_scratch_;
     std::vector<uint8_t> zone_;

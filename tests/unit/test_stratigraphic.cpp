@@ -502,14 +502,15 @@ TEST_CASE("stratigraphic: parameter checks, bookkeeping bytes and tier format") 
     CHECK(make_policy({{"value_group", 64}}, 0, 4)->tier_format()->value_group == 64);
 }
 
-TEST_CASE("ranking: the first descent of (key, slot) pairs, eight, four and one at a time") {
-    // Every length up to 41 and every start, so each element is met by each path the build holds
-    // (AVX-512's eights, AVX2's fours, the scalar tail); keys from a small range, so ties are
-    // common and the slots decide; slots distinct.
+TEST_CASE("ranking: every descent of (key, slot) pairs marked, eight, four and one at a time") {
+    // Every length up to 150 (three words of bits), so each element is met by each path the build
+    // holds (the first seven one at a time, AVX-512's eights, AVX2's fours, the scalar tail); keys
+    // from a small range, so ties are common and the slots decide; slots distinct. The words are
+    // filled with ones first: marking must clear what it does not set.
     std::mt19937 rng(23);
     int descents_found = 0;
-    for (int trial = 0; trial < 400; ++trial) {
-        const std::size_t n = 1 + rng() % 41;
+    for (int trial = 0; trial < 600; ++trial) {
+        const std::size_t n = 1 + rng() % 150;
         std::vector<uint64_t> key(n);
         std::vector<uint32_t> slot(n);
         for (std::size_t i = 0; i < n; ++i) slot[i] = static_cast<uint32_t>(i);
@@ -528,14 +529,17 @@ TEST_CASE("ranking: the first descent of (key, slot) pairs, eight, four and one 
         std::vector<uint64_t> k(n);
         std::vector<uint32_t> s(n);
         for (std::size_t i = 0; i < n; ++i) k[i] = key[order[i]], s[i] = slot[order[i]];
-        for (std::size_t from = 1; from <= n; ++from) {
-            std::size_t expected = from;
-            while (expected < n && !(k[expected] < k[expected - 1] || (k[expected] == k[expected - 1] && s[expected] < s[expected - 1])))
-                ++expected;
-            INFO("trial " << trial << ", n " << n << ", from " << from);
-            REQUIRE(first_descent(k.data(), s.data(), from, n) == expected);
-            descents_found += expected < n ? 1 : 0;
+        const std::size_t words = (n + 63) / 64;
+        std::vector<uint64_t> marked(words + 1, ~uint64_t{0});  // one word past the end: left alone
+        mark_descents(k.data(), s.data(), n, marked.data());
+        INFO("trial " << trial << ", n " << n);
+        REQUIRE(marked[words] == ~uint64_t{0});
+        for (std::size_t j = 0; j < 64 * words; ++j) {
+            const bool expected = j >= 1 && j < n && (k[j] < k[j - 1] || (k[j] == k[j - 1] && s[j] < s[j - 1]));
+            INFO("position " << j);
+            REQUIRE(((marked[j / 64] >> (j % 64)) & 1) == uint64_t{expected});
+            descents_found += expected ? 1 : 0;
         }
     }
-    CHECK(descents_found > 1000);
+    CHECK(descents_found > 5000);
 }
