@@ -80,7 +80,8 @@ public:
         descents_.reserve((static_cast<std::size_t>(capacity) + 63) / 64);
         zone_.reserve(capacity);
         gone_.reserve(capacity);
-        slot_after_.reserve(capacity);
+        gone_ranks_.reserve(capacity);
+        value_after_.reserve(capacity);
         sunk_.reserve(capacity);
         admit(0);
     }
@@ -127,27 +128,7 @@ public:
         positions_.erase(gone_);
         importance_.erase(gone_);
         tier_.erase(gone_);
-        // The ranking keeps its survivors, renumbered as the arrays closed up.
-        slot_after_.resize(n);
-        uint32_t* slot_after = slot_after_.data();
-        for (std::size_t i = 0, closed = 0; i < n; ++i) {
-            slot_after[i] = static_cast<uint32_t>(i - closed);
-            closed += zone[i] == kEvicted ? 1 : 0;
-        }
-        uint64_t* key = rank_keys_.data();
-        uint32_t* slot = rank_slots_.data();
-        uint32_t* rank_of = rank_of_slot_.data();
-        std::size_t kept_rank = 0;
-        for (std::size_t k = 0; k < n; ++k) {
-            if (zone[slot[k]] == kEvicted) continue;
-            key[kept_rank] = key[k];
-            slot[kept_rank] = slot_after[slot[k]];
-            rank_of[slot[kept_rank]] = static_cast<uint32_t>(kept_rank);
-            ++kept_rank;
-        }
-        rank_keys_.resize(kept_rank);
-        rank_slots_.resize(kept_rank);
-        rank_of_slot_.resize(kept_rank);
+        close_ranking();
     }
 
     // The tiers were settled in evict(); this only reports them.
@@ -257,6 +238,44 @@ private:
                 settled = j;
             }
         }
+    }
+
+    // The ranking keeps its survivors, renumbered as the arrays closed up: the evicted (gone_,
+    // ascending slots) leave the keys and slots at their ranks and the ranks at their slots, one
+    // block move per gap, as the other arrays; then each slot drops by the evicted slots below it
+    // and each rank by the evicted ranks below it. A step evicts one or two tokens, so those
+    // counts are a few compares per token, which vectorise; more, and a table gives them.
+    void close_ranking() {
+        uint32_t* rank_of = rank_of_slot_.data();
+        gone_ranks_.clear();
+        for (const std::size_t i : gone_) gone_ranks_.push_back(rank_of[i]);
+        std::sort(gone_ranks_.begin(), gone_ranks_.end());
+        rank_keys_.erase(gone_ranks_);
+        rank_slots_.erase(gone_ranks_);
+        rank_of_slot_.erase(gone_);
+        renumber(rank_slots_.data(), rank_slots_.size(), gone_);
+        renumber(rank_of_slot_.data(), rank_of_slot_.size(), gone_ranks_);
+    }
+
+    // Each value less the count of `gone` (ascending, none equal to a value) below it.
+    void renumber(uint32_t* value, std::size_t n, const std::vector<std::size_t>& gone) {
+        constexpr std::size_t kFew = 8;
+        if (gone.size() <= kFew) {
+            // Largest first: a value above one removed is still above every smaller one once lowered.
+            for (std::size_t e = gone.size(); e-- > 0;) {
+                const auto g = static_cast<uint32_t>(gone[e]);
+                for (std::size_t i = 0; i < n; ++i) value[i] -= value[i] > g ? 1 : 0;
+            }
+            return;
+        }
+        const std::size_t before = n + gone.size();
+        value_after_.resize(before);
+        uint32_t* after = value_after_.data();
+        for (std::size_t v = 0, e = 0; v < before; ++v) {
+            e += e < gone.size() && gone[e] < v ? 1 : 0;
+            after[v] = static_cast<uint32_t>(v - e);
+        }
+        for (std::size_t i = 0; i < n; ++i) value[i] = after[value[i]];
     }
 
     void sort_ranking() {
@@ -393,15 +412,16 @@ private:
     SlotArray<uint8_t> tier_;       // Tier as uint8_t; only ever grows (coarser)
     // The ranking, kept between steps: an index over the three arrays above, not state of the
     // algorithm (bytes_per_slot leaves it out, as it does scratch).
-    std::vector<uint64_t> rank_keys_;
-    std::vector<uint32_t> rank_slots_;
-    std::vector<uint32_t> rank_of_slot_;  // the inverse: each slot's rank
+    SlotArray<uint64_t> rank_keys_;
+    SlotArray<uint32_t> rank_slots_;
+    SlotArray<uint32_t> rank_of_slot_;  // the inverse: each slot's rank
     std::vector<uint64_t> descents_;      // mark_descents' bits, renewed every ranking
     // Scratch of one evict() call, kept to reuse its memory.
     std::vector<std::pair<uint64_t, uint32_t>> sort_scratch_;
     std::vector<uint8_t> zone_;
     std::vector<std::size_t> gone_;
-    std::vector<uint32_t> slot_after_;
+    std::vector<std::size_t> gone_ranks_;
+    std::vector<uint32_t> value_after_;  // renumber's table
     // The tokens sunk since the last assign_tiers: (position, tier).
     std::vector<std::pair<int32_t, uint8_t>> sunk_;
 };
