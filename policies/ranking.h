@@ -13,6 +13,11 @@
 
 namespace kvsim {
 
+// Whether pair (a_key, a_slot) comes before pair (b_key, b_slot) in the ranking's order.
+inline bool pair_before(uint64_t a_key, uint32_t a_slot, uint64_t b_key, uint32_t b_slot) {
+    return a_key < b_key || (a_key == b_key && a_slot < b_slot);
+}
+
 // Every j in [1, n) where the ranking descends (pair j before pair j - 1), as bits: bit j % 64 of
 // word j / 64; bit 0 is never set. `words` holds (n + 63) / 64. Slots are below 2^31.
 // From 3% to a quarter of the tokens move a step (measured in the runtime's benchmark, the tier fit
@@ -22,7 +27,7 @@ namespace kvsim {
 inline void mark_descents(const uint64_t* key, const uint32_t* slot, std::size_t n, uint64_t* words) {
     const std::size_t word_count = (n + 63) / 64;
     for (std::size_t w = 0; w < word_count; ++w) words[w] = 0;
-    auto descends = [&](std::size_t j) { return key[j] < key[j - 1] || (key[j] == key[j - 1] && slot[j] < slot[j - 1]); };
+    auto descends = [&](std::size_t j) { return pair_before(key[j], slot[j], key[j - 1], slot[j - 1]); };
     std::size_t j = 1;
     // Up to the first multiple of eight, one at a time: the vector loops then fill whole bytes.
     for (; j < n && j < 8; ++j) words[0] |= uint64_t{descends(j)} << j;

@@ -208,9 +208,7 @@ private:
         // Moves bounded at a few per token: past that (attention reshuffled the order), a sort.
         std::size_t moves = 0;
         uint32_t* rank_of = rank_of_slot_.data();
-        const auto descends = [&](std::size_t j) {
-            return key[j] < key[j - 1] || (key[j] == key[j - 1] && slot[j] < slot[j - 1]);
-        };
+        const auto descends = [&](std::size_t j) { return pair_before(key[j], slot[j], key[j - 1], slot[j - 1]); };
         // The ranking ascends up to `settled` (every pair up to it checked). An insertion at j
         // changes pairs up to j + 1 alone, and j + 1 is checked next, so a mark past `settled`
         // still says what it said when it was made.
@@ -228,7 +226,7 @@ private:
                         slot[k] = slot[k - 1];
                         rank_of[slot[k]] = static_cast<uint32_t>(k);
                         --k;
-                    } while (k > 0 && (x_key < key[k - 1] || (x_key == key[k - 1] && x_slot < slot[k - 1])));
+                    } while (k > 0 && pair_before(x_key, x_slot, key[k - 1], slot[k - 1]));
                     key[k] = x_key;
                     slot[k] = x_slot;
                     rank_of[x_slot] = static_cast<uint32_t>(k);
@@ -415,8 +413,8 @@ private:
     SlotArray<uint64_t> rank_keys_;
     SlotArray<uint32_t> rank_slots_;
     SlotArray<uint32_t> rank_of_slot_;  // the inverse: each slot's rank
-    std::vector<uint64_t> descents_;      // mark_descents' bits, renewed every ranking
     // Scratch of one evict() call, kept to reuse its memory.
+    std::vector<uint64_t> descents_;  // mark_descents' bits
     std::vector<std::pair<uint64_t, uint32_t>> sort_scratch_;
     std::vector<uint8_t> zone_;
     std::vector<std::size_t> gone_;
