@@ -524,6 +524,63 @@ bool Harness::output_measured(int32_t t) const {
     return !values_.sample.steps || values_.sample.steps[t];
 }
 
+double held_tier_bytes(double start, std::span<const int32_t> kept, const uint8_t* key_tier,
+                       const uint8_t* value_tier, const double key_bytes[3], const double value_bytes[3]) {
+    bool whole = start >= 0 && start <= 0x1p52 && start == std::trunc(start);
+    for (int tier = 0; tier < 3; ++tier)
+        for (const double b : {key_bytes[tier], value_bytes[tier]})
+            whole = whole && b >= 0 && b <= 0x1p20 && b == std::trunc(b);
+    if (!whole) {
+        double bytes = start;
+        for (int32_t p : kept) bytes += key_bytes[key_tier[p]] + value_bytes[value_tier[p]];
+        return bytes;
+    }
+    // Tiers are 0, 1 or 2: the INT4 count is the sum of tier / 2, the INT8 count what the sum of
+    // tiers leaves. The tiers are bytes by position: sixteen at a time, each is the byte of the
+    // aligned 32-bit word that holds it (read whole, so never past the array's own words).
+    int64_t key_sum = 0, key_int4 = 0, value_sum = 0, value_int4 = 0;
+    unsigned top = 0;
+    std::size_t j = 0;
+#if defined(__AVX512F__)
+    {
+        const auto key_misalign = static_cast<int>(reinterpret_cast<uintptr_t>(key_tier) & 3);
+        const auto value_misalign = static_cast<int>(reinterpret_cast<uintptr_t>(value_tier) & 3);
+        const void* key_words = key_tier - key_misalign;
+        const void* value_words = value_tier - value_misalign;
+        const __m512i three = _mm512_set1_epi32(3), byte = _mm512_set1_epi32(0xff);
+        auto tiers = [&](__m512i p, int misalign, const void* words) {
+            p = _mm512_add_epi32(p, _mm512_set1_epi32(misalign));
+            const __m512i word = _mm512_i32gather_epi32(_mm512_srli_epi32(p, 2), words, 4);
+            return _mm512_and_si512(_mm512_srlv_epi32(word, _mm512_slli_epi32(_mm512_and_si512(p, three), 3)), byte);
+        };
+        // 32-bit sums: every total is at most twice the held count, which this bounds to 2^30.
+        __m512i ks = _mm512_setzero_si512(), k4 = ks, vs = ks, v4 = ks, most = ks;
+        const std::size_t vector_end = kept.size() < (std::size_t{1} << 30) ? kept.size() : 0;
+        for (; j + 16 <= vector_end; j += 16) {
+            const __m512i p = _mm512_loadu_si512(kept.data() + j);
+            const __m512i k = tiers(p, key_misalign, key_words), v = tiers(p, value_misalign, value_words);
+            ks = _mm512_add_epi32(ks, k), k4 = _mm512_add_epi32(k4, _mm512_srli_epi32(k, 1));
+            vs = _mm512_add_epi32(vs, v), v4 = _mm512_add_epi32(v4, _mm512_srli_epi32(v, 1));
+            most = _mm512_max_epu32(most, _mm512_max_epu32(k, v));
+        }
+        key_sum = _mm512_reduce_add_epi32(ks), key_int4 = _mm512_reduce_add_epi32(k4);
+        value_sum = _mm512_reduce_add_epi32(vs), value_int4 = _mm512_reduce_add_epi32(v4);
+        top = static_cast<unsigned>(_mm512_reduce_max_epu32(most));
+    }
+#endif
+    for (; j < kept.size(); ++j) {
+        const unsigned k = key_tier[kept[j]], v = value_tier[kept[j]];
+        key_sum += k, key_int4 += k >> 1, value_sum += v, value_int4 += v >> 1;
+        top = std::max(top, std::max(k, v));
+    }
+    if (top > 2) throw std::logic_error("a held position's tier is " + std::to_string(top) + ", not 0, 1 or 2");
+    const auto n = static_cast<int64_t>(kept.size());
+    const int64_t key_int8 = key_sum - 2 * key_int4, value_int8 = value_sum - 2 * value_int4;
+    return start + static_cast<double>(n - key_int8 - key_int4) * key_bytes[0] + static_cast<double>(key_int8) * key_bytes[1] +
+           static_cast<double>(key_int4) * key_bytes[2] + static_cast<double>(n - value_int8 - value_int4) * value_bytes[0] +
+           static_cast<double>(value_int8) * value_bytes[1] + static_cast<double>(value_int4) * value_bytes[2];
+}
+
 // Output error and memory of the cache as the model reads it at this step: what the policy held
 // after the last eviction, plus the current token at fp16.
 void Harness::measure_values(const GroupStep& s) {
@@ -537,13 +594,14 @@ void Harness::measure_values(const GroupStep& s) {
     if (values_.memory) {
         const double token_bytes = key_bytes_[0] + value_bytes_[0];
         double bytes = token_bytes;  // the current token
-        if (!tiered_ && token_bytes == std::trunc(token_bytes)) {
+        if (state) {
+            bytes = state->bytes();  // its exact tokens at fp16 and the linear state
+        } else if (!tiered_ && token_bytes == std::trunc(token_bytes)) {
             // Every token at fp16 and whole bytes a token: the product is the sum below, exactly.
             bytes += static_cast<double>(kept_.size()) * token_bytes;
         } else {
-            for (int32_t p : kept_) bytes += key_bytes_[key_tier_[p]] + value_bytes_[value_tier_[p]];
+            bytes = held_tier_bytes(bytes, kept_, key_tier_.data(), value_tier_.data(), key_bytes_, value_bytes_);
         }
-        if (state) bytes = state->bytes();  // its exact tokens at fp16 and the linear state
         if (options_.bookkeeping) bytes += static_cast<double>(policy_->bytes_per_slot()) * (kept_.size() + 1);
         bytes += values_.fixed_bytes;  // held at every step: amortised over the context
         metrics_.cache_bytes += bytes;

@@ -146,6 +146,15 @@ struct CacheValues {
     bool outputs_when_measured = false;
 };
 
+// `start` plus the bytes of the held positions `kept`, each its key's and its value's tier's
+// bytes (tiers 0, 1, 2, by position): the sum token by token, in kept's order. Where `start` and
+// every tier's bytes are whole numbers (start at most 2^52, a tier's bytes 2^20), every partial
+// sum is an integer at most 2^53 and so exact, and the held tokens per tier times their bytes is
+// the same double: a count per tier gives it, without the chain of dependent floating adds that
+// was the metric's cost on a tiered replay.
+double held_tier_bytes(double start, std::span<const int32_t> kept, const uint8_t* key_tier, const uint8_t* value_tier,
+                       const double key_bytes[3], const double value_bytes[3]);
+
 class Harness {
 public:
     // `label` and `where` name the policy and the stream in error messages.
