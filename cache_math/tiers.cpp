@@ -12,8 +12,44 @@
 #include "cache_math/quantize.h"
 #include "cache_math/softmax_exp.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace kvsim {
 namespace {
+
+// row[positions[j]] for j < n, into out: sixteen a gather with AVX-512 (the copy loop took a load,
+// a load and a store a number; a step's shared scores are gathered for every cache it holds).
+void gather_at(const float* row, const int32_t* positions, std::ptrdiff_t n, float* out) {
+    std::ptrdiff_t j = 0;
+#if defined(__AVX512F__)
+    for (; j + 16 <= n; j += 16)
+        _mm512_storeu_ps(out + j, _mm512_i32gather_ps(_mm512_loadu_si512(positions + j), row, 4));
+#endif
+    for (; j < n; ++j) out[j] = row[positions[j]];
+}
+
+// Whether every tiers[positions[j]] is 0 (fp16): sixteen a gather with AVX-512, each tier the byte
+// of the aligned 32-bit word that holds it (read whole, so never past the array's own words).
+bool all_zero_at(const uint8_t* tiers, const int32_t* positions, std::ptrdiff_t n) {
+    std::ptrdiff_t j = 0;
+    uint32_t any = 0;
+#if defined(__AVX512F__)
+    const auto misalign = static_cast<int>(reinterpret_cast<uintptr_t>(tiers) & 3);
+    const void* words = tiers - misalign;
+    const __m512i three = _mm512_set1_epi32(3), byte = _mm512_set1_epi32(0xff), shift = _mm512_set1_epi32(misalign);
+    __m512i seen = _mm512_setzero_si512();
+    for (; j + 16 <= n; j += 16) {
+        const __m512i p = _mm512_add_epi32(_mm512_loadu_si512(positions + j), shift);
+        const __m512i word = _mm512_i32gather_epi32(_mm512_srli_epi32(p, 2), words, 4);
+        seen = _mm512_or_si512(seen, _mm512_and_si512(_mm512_srlv_epi32(word, _mm512_slli_epi32(_mm512_and_si512(p, three), 3)), byte));
+    }
+    any = static_cast<uint32_t>(_mm512_reduce_or_epi32(seen));
+#endif
+    for (; j < n; ++j) any |= tiers[positions[j]];
+    return any == 0;
+}
 
 QuantSpec spec_for(const TierFormat& f, int bits) {
     QuantSpec spec;
@@ -324,15 +360,13 @@ CachedValueSums cached_attention_weights(std::span<const CachedQuery> heads, std
     // scores are a plain gather: no tier looked up per position and head.
     const int32_t* const positions = held.data();
     const uint8_t* const tiers = key_tier.data();
-    bool all_fp16 = true;
-    for (Eigen::Index j = 0; j < n; ++j) all_fp16 &= tiers[positions[j]] == 0;
+    const bool all_fp16 = all_zero_at(tiers, positions, n);
     for (std::size_t h = 0; h < heads.size(); ++h) {
         const CachedQuery& head = heads[h];
         float* const scores = scratch.data() + static_cast<Eigen::Index>(h) * stride;  // plain indexing in the hot loops
         const std::array<const float*, 3> shared = head.shared_scores;
         if (all_fp16 && shared[0]) {
-            const float* const row = shared[0];
-            for (Eigen::Index j = 0; j < n; ++j) scores[j] = row[positions[j]];
+            gather_at(shared[0], positions, n, scores);
         } else {
             for (Eigen::Index j = 0; j < n; ++j) {
                 const int32_t p = positions[j];

@@ -308,6 +308,40 @@ TEST_CASE("cached attention: tiers mixed, shared scores of any tier and weights 
     }
 }
 
+TEST_CASE("cached attention: one quantised key among fp16 ones is read at its tier, whatever its place") {
+    // Shared fp16 scores serve only a cache whose every held key is fp16: a lone INT8 key, at
+    // each place among 40 held and each alignment of the tier array, must be scored as INT8.
+    std::mt19937 rng(13);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    const int tokens = 48, kv_heads = 1, kv = 0, d = 64;
+    const RandomTiers random(tokens, kv_heads, d, rng);
+    std::vector<float> q(d);
+    for (float& x : q) x = normal(rng);
+    std::vector<float> fp16_scores(tokens);
+    score_row(q.data(), random.arrays.k[0], tokens, kv, kv_heads, d, fp16_scores.data());
+    std::vector<int32_t> held;
+    for (int p = 0; p < tokens; ++p)
+        if (p % 6 != 5) held.push_back(p);  // 40 held
+    Eigen::ArrayXf scratch;
+    int checked = 0;
+    for (int offset = 0; offset < 4; ++offset) {
+        std::vector<uint8_t> key_buffer(tokens + 4, 0), value_tier(tokens, 0);
+        const std::span<uint8_t> key_tier(key_buffer.data() + offset, tokens);
+        for (const int32_t quantised : held) {
+            std::fill(key_tier.begin(), key_tier.end(), 0);
+            key_tier[quantised] = 1;
+            std::vector<float> out(d), out_shared(d);
+            cached_attention_output(q.data(), held, key_tier, value_tier, random.arrays, kv, kv_heads, d, scratch,
+                                    out.data(), nullptr);
+            cached_attention_output(q.data(), held, key_tier, value_tier, random.arrays, kv, kv_heads, d, scratch,
+                                    out_shared.data(), nullptr, {fp16_scores.data(), nullptr, nullptr});
+            CHECK(same_bits(out, out_shared));
+            ++checked;
+        }
+    }
+    CHECK(checked == 160);
+}
+
 TEST_CASE("value sums of many caches at once: each output is its own cache's call's bits") {
     // Caches of one step as a replay's plans are: held sets that overlap, ascending, each ending at
     // the current token, over more than one block of positions; value tiers that differ between
