@@ -626,15 +626,22 @@ private:
                 step.interleaved_bounded = interleave_rows(step.rows, step.t, interleaved.data());
                 step.interleaved = interleaved.data();
             }
-            for (int tier = 0; tier < 3; ++tier) {  // made in shared_work
-                if (!(tier == 0 ? scores_made(job.kv, step.t) : tier_scores_made(job.kv, step.t))) continue;
-                for (int h = 0; h < group_; ++h)
-                    scores_of_group[tier][h] = tier_scores_[tier].data() + scores_at(job.kv * group_ + h, first, step.t);
-                step.tier_scores[tier] = {scores_of_group[tier], static_cast<std::size_t>(group_)};
-                step.tier_scores_keys[tier] = tier == 0 ? fp16_arrays_->k[0] : shared_tiers_->k[tier];
-            }
+            attach_shared_scores(step, job.kv, first, scores_of_group);
             if (options_.output_error && shared) share_value_sums(harnesses, job, step);
             for (std::size_t c : job.combos) harnesses[job.kv * combos_.size() + c].step(step);
+        }
+    }
+
+    // The step's scores that shared_work made for KV head kv's query heads, for its caches to
+    // read where they hold the keys they were made from; `scores_of_group` holds what the spans
+    // point to.
+    void attach_shared_scores(GroupStep& step, int kv, int64_t first, const float* (&scores_of_group)[3][64]) const {
+        for (int tier = 0; tier < 3; ++tier) {
+            if (!(tier == 0 ? scores_made(kv, step.t) : tier_scores_made(kv, step.t))) continue;
+            for (int h = 0; h < group_; ++h)
+                scores_of_group[tier][h] = tier_scores_[tier].data() + scores_at(kv * group_ + h, first, step.t);
+            step.tier_scores[tier] = {scores_of_group[tier], static_cast<std::size_t>(group_)};
+            step.tier_scores_keys[tier] = tier == 0 ? fp16_arrays_->k[0] : shared_tiers_->k[tier];
         }
     }
 
@@ -672,10 +679,16 @@ private:
         }
         AdaKvAllocator allocator(*combos_[c].adakv);
         StepArrays arrays;
+        const float* scores_of_group[3][64];
         for (int64_t i = 0; i < end - first; ++i) {
             const int32_t t = static_cast<int32_t>(first + i);
-            for (int kv = 0; kv < kv_heads_; ++kv)
-                harnesses[kv * combinations + c].observe(group_step(kv, first, end, i, arrays));
+            for (int kv = 0; kv < kv_heads_; ++kv) {
+                // Every KV head's shared_work is done: its scores serve here as in advance() (where
+                // each cache made its own, a head-budget fit scored every held key again per budget).
+                GroupStep step = group_step(kv, first, end, i, arrays);
+                attach_shared_scores(step, kv, first, scores_of_group);
+                harnesses[kv * combinations + c].observe(step);
+            }
             if (t + 1 >= options_.harness.prefill_tokens) allocator.allocate(policies, shares, keep);
             for (int kv = 0; kv < kv_heads_; ++kv) harnesses[kv * combinations + c].evict_to(t, keep[kv]);
         }
