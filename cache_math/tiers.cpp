@@ -11,6 +11,7 @@
 #include "cache_math/lowrank.h"
 #include "cache_math/quantize.h"
 #include "cache_math/softmax_exp.h"
+#include "cache_math/tier_gather.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -30,21 +31,14 @@ void gather_at(const float* row, const int32_t* positions, std::ptrdiff_t n, flo
     for (; j < n; ++j) out[j] = row[positions[j]];
 }
 
-// Whether every tiers[positions[j]] is 0 (fp16): sixteen a gather with AVX-512, each tier the byte
-// of the aligned 32-bit word that holds it (read whole, so never past the array's own words).
+// Whether every tiers[positions[j]] is 0 (fp16): sixteen a gather with AVX-512.
 bool all_zero_at(const uint8_t* tiers, const int32_t* positions, std::ptrdiff_t n) {
     std::ptrdiff_t j = 0;
     uint32_t any = 0;
 #if defined(__AVX512F__)
-    const auto misalign = static_cast<int>(reinterpret_cast<uintptr_t>(tiers) & 3);
-    const void* words = tiers - misalign;
-    const __m512i three = _mm512_set1_epi32(3), byte = _mm512_set1_epi32(0xff), shift = _mm512_set1_epi32(misalign);
+    const TierGather gather(tiers);
     __m512i seen = _mm512_setzero_si512();
-    for (; j + 16 <= n; j += 16) {
-        const __m512i p = _mm512_add_epi32(_mm512_loadu_si512(positions + j), shift);
-        const __m512i word = _mm512_i32gather_epi32(_mm512_srli_epi32(p, 2), words, 4);
-        seen = _mm512_or_si512(seen, _mm512_and_si512(_mm512_srlv_epi32(word, _mm512_slli_epi32(_mm512_and_si512(p, three), 3)), byte));
-    }
+    for (; j + 16 <= n; j += 16) seen = _mm512_or_si512(seen, gather.at(_mm512_loadu_si512(positions + j)));
     any = static_cast<uint32_t>(_mm512_reduce_or_epi32(seen));
 #endif
     for (; j < n; ++j) any |= tiers[positions[j]];

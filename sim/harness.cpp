@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "cache_math/streaming_heads.h"
+#include "cache_math/tier_gather.h"
 #include "base/errors.h"
 
 #if defined(__AVX2__)
@@ -536,29 +537,19 @@ double held_tier_bytes(double start, std::span<const int32_t> kept, const uint8_
         return bytes;
     }
     // Tiers are 0, 1 or 2: the INT4 count is the sum of tier / 2, the INT8 count what the sum of
-    // tiers leaves. The tiers are bytes by position: sixteen at a time, each is the byte of the
-    // aligned 32-bit word that holds it (read whole, so never past the array's own words).
+    // tiers leaves. Sixteen positions a gather with AVX-512 (cache_math/tier_gather.h).
     int64_t key_sum = 0, key_int4 = 0, value_sum = 0, value_int4 = 0;
     unsigned top = 0;
     std::size_t j = 0;
 #if defined(__AVX512F__)
     {
-        const auto key_misalign = static_cast<int>(reinterpret_cast<uintptr_t>(key_tier) & 3);
-        const auto value_misalign = static_cast<int>(reinterpret_cast<uintptr_t>(value_tier) & 3);
-        const void* key_words = key_tier - key_misalign;
-        const void* value_words = value_tier - value_misalign;
-        const __m512i three = _mm512_set1_epi32(3), byte = _mm512_set1_epi32(0xff);
-        auto tiers = [&](__m512i p, int misalign, const void* words) {
-            p = _mm512_add_epi32(p, _mm512_set1_epi32(misalign));
-            const __m512i word = _mm512_i32gather_epi32(_mm512_srli_epi32(p, 2), words, 4);
-            return _mm512_and_si512(_mm512_srlv_epi32(word, _mm512_slli_epi32(_mm512_and_si512(p, three), 3)), byte);
-        };
+        const TierGather keys(key_tier), values(value_tier);
         // 32-bit sums: every total is at most twice the held count, which this bounds to 2^30.
         __m512i ks = _mm512_setzero_si512(), k4 = ks, vs = ks, v4 = ks, most = ks;
         const std::size_t vector_end = kept.size() < (std::size_t{1} << 30) ? kept.size() : 0;
         for (; j + 16 <= vector_end; j += 16) {
             const __m512i p = _mm512_loadu_si512(kept.data() + j);
-            const __m512i k = tiers(p, key_misalign, key_words), v = tiers(p, value_misalign, value_words);
+            const __m512i k = keys.at(p), v = values.at(p);
             ks = _mm512_add_epi32(ks, k), k4 = _mm512_add_epi32(k4, _mm512_srli_epi32(k, 1));
             vs = _mm512_add_epi32(vs, v), v4 = _mm512_add_epi32(v4, _mm512_srli_epi32(v, 1));
             most = _mm512_max_epu32(most, _mm512_max_epu32(k, v));
