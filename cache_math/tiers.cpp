@@ -271,7 +271,8 @@ void score_key_block(const float* const* queries, const float* first_key, int64_
     Lanes16 total = {};
     for (int c = blocked; c < head_dim; ++c)  // a tail, where the head size is no whole sixteens
         for (int h = 0; h < H; ++h)
-            for (int j = 0; j < kKeys; ++j) total[h * kKeys + j] += queries[h][c] * first_key[j * stride + c];
+            for (int j = 0; j < kKeys; ++j)  // fused, as fixed_order_dot's tail
+                total[h * kKeys + j] = std::fma(queries[h][c], first_key[j * stride + c], total[h * kKeys + j]);
     swap_blocks<8>(sums);
     swap_blocks<4>(sums);
     swap_blocks<2>(sums);

@@ -5,6 +5,7 @@
 #include <Eigen/Core>
 #include <array>
 #include <memory>
+#include <cmath>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -154,8 +155,10 @@ inline float fixed_order_dot(const float* a, const float* b, int n) {
     int i = 0;
     for (; i + 16 <= n; i += 16)
         for (int l = 0; l < 16; ++l) lanes[l] += a[i + l] * b[i + l];
+    // The tail's products fused into the sum, written out: left to the compiler, whether it fuses
+    // them depends on the target (-march=native), and score_rows_of_group must give these bits.
     float total = 0;
-    for (; i < n; ++i) total += a[i] * b[i];
+    for (; i < n; ++i) total = std::fma(a[i], b[i], total);
     for (int l = 0; l < 16; ++l) total += lanes[l];
     return total;
 }
