@@ -55,10 +55,12 @@ uint64_t ascending_key(double x) {
     return x == x ? key : 0;
 }
 
+// The importance an ascending key was made from (a NaN for a NaN's key, and +0 for -0's: the
+// importance is a sum that starts at +0, so it is never -0). Without branches, as ascending_key.
 double from_ascending_key(uint64_t key) {
-    if (key == 0) return std::numeric_limits<double>::quiet_NaN();
     constexpr uint64_t kSign = uint64_t{1} << 63;
-    return std::bit_cast<double>(key & kSign ? key & ~kSign : ~key);
+    const double x = std::bit_cast<double>(key & kSign ? key & ~kSign : ~key);
+    return key == 0 ? std::numeric_limits<double>::quiet_NaN() : x;
 }
 
 // floor(share * seen), forgiving the last bit of rounding (0.29 * 100 is 28.999999999999996).
@@ -71,7 +73,6 @@ public:
     Stratigraphic(int capacity, const StratigraphicParams& params) : capacity_(capacity), p_(params) {
         // Everything a step sizes by the held count, at its largest once: no allocation per step.
         positions_.reserve(capacity);
-        importance_.reserve(capacity);
         tier_.reserve(capacity);
         rank_keys_.reserve(capacity);
         rank_slots_.reserve(capacity);
@@ -87,9 +88,22 @@ public:
     }
 
     void on_decode_step(int32_t pos, std::span<const float> attn) override {
+        // Each held token's cumulative attention lives in its ranking key (rank_keys_): the step's
+        // weight, found by the token's slot, is added to it where it lies in the ranking. The
+        // ranking reads its keys in order, where it gathered them from an array by slot.
         const std::size_t observed = std::min(attn.size(), positions_.size());
-        double* importance = importance_.data();
-        for (std::size_t i = 0; i < observed; ++i) importance[i] += attn[i];
+        uint64_t* key = rank_keys_.data();
+        const uint32_t* slot = rank_slots_.data();
+        const float* weight = attn.data();
+        const std::size_t n = rank_keys_.size();
+        if (observed == n) {
+            for (std::size_t k = 0; k < n; ++k)
+                key[k] = ~ascending_key(from_ascending_key(~key[k]) + static_cast<double>(weight[slot[k]]));
+        } else {  // fewer weights than tokens: those past them take none
+            for (std::size_t k = 0; k < n; ++k)
+                if (slot[k] < observed)
+                    key[k] = ~ascending_key(from_ascending_key(~key[k]) + static_cast<double>(weight[slot[k]]));
+        }
         if (static_cast<int>(positions_.size()) >= capacity_)
             throw std::logic_error("admitted past its capacity of " + std::to_string(capacity_));
         admit(pos);
@@ -126,7 +140,6 @@ public:
             victims.push_back(positions_[i]);  // slots ascend, so positions do
         }
         positions_.erase(gone_);
-        importance_.erase(gone_);
         tier_.erase(gone_);
         close_ranking();
     }
@@ -165,8 +178,8 @@ public:
     bool sizes_itself() const override { return true; }
 
     std::size_t bytes_per_slot() const override {
-        return sizeof(decltype(positions_)::value_type) + sizeof(decltype(importance_)::value_type) +
-               sizeof(decltype(tier_)::value_type);
+        // The cumulative attention is a double a token, held as its ranking key.
+        return sizeof(decltype(positions_)::value_type) + sizeof(double) + sizeof(decltype(tier_)::value_type);
     }
 
 private:
@@ -183,7 +196,6 @@ private:
 
     void admit(int32_t pos) {
         positions_.push_back(pos);
-        importance_.push_back(0.0);
         tier_.push_back(kFp16);  // a new token is recent, so FP16
         rank_keys_.push_back(~ascending_key(0.0));
         rank_slots_.push_back(static_cast<uint32_t>(positions_.size() - 1));
@@ -193,16 +205,14 @@ private:
     // The ranking: every held token in importance order (higher cumulative attention first, the
     // lower position on ties, a NaN importance last), as pairs (key, slot) ascending in that order
     // (positions ascend with the slot, so the slot breaks ties), kept as two arrays so that the
-    // keys are renewed and checked several at a time, with each slot's rank beside them.
-    // Cumulative attention reorders few tokens a step, so last step's ranking, its keys renewed, is
-    // almost sorted: an insertion sort finishes it in about one pass, where each selection of a
+    // keys are renewed (on_decode_step) and checked several at a time, with each slot's rank
+    // beside them. Cumulative attention reorders few tokens a step, so last step's ranking, its
+    // keys renewed, is almost sorted: an insertion sort finishes it in about one pass, where each selection of a
     // zone boundary was a pass of its own. The order is total, so the zones are the same.
     void rank_by_importance() {
-        const double* importance = importance_.data();
         uint64_t* key = rank_keys_.data();
         uint32_t* slot = rank_slots_.data();
         const std::size_t n = rank_keys_.size();
-        for (std::size_t k = 0; k < n; ++k) key[k] = ~ascending_key(importance[slot[k]]);
         descents_.resize((n + 63) / 64);
         mark_descents(key, slot, n, descents_.data());
         // Moves bounded at a few per token: past that (attention reshuffled the order), a sort.
@@ -308,7 +318,7 @@ private:
         const double high = below + 1 < n ? from_ascending_key(key_from_least(below + 1)) : low;
         const double threshold = low + (rank - static_cast<double>(below)) * (high - low);
         // Those at or above it lead the ranking; the most important max_anchors of them.
-        while (guard.anchors < std::min(max_anchors, n) && importance_[rank_slots_[guard.anchors]] >= threshold)
+        while (guard.anchors < std::min(max_anchors, n) && from_ascending_key(~rank_keys_[guard.anchors]) >= threshold)
             ++guard.anchors;
         return guard;
     }
@@ -406,10 +416,11 @@ private:
     StratigraphicParams p_;
     int32_t step_ = 0;               // the latest position admitted
     SlotArray<int32_t> positions_;  // ascending
-    SlotArray<double> importance_;  // cumulative attention of the query group (mean over it)
     SlotArray<uint8_t> tier_;       // Tier as uint8_t; only ever grows (coarser)
-    // The ranking, kept between steps: an index over the three arrays above, not state of the
-    // algorithm (bytes_per_slot leaves it out, as it does scratch).
+    // The ranking, kept between steps. Its keys are the tokens' cumulative attention (the query
+    // group's mean weight summed over the steps), each as ~ascending_key: the algorithm's state,
+    // counted by bytes_per_slot as the double it encodes. The slots and ranks are an index (left
+    // out, as scratch is).
     SlotArray<uint64_t> rank_keys_;
     SlotArray<uint32_t> rank_slots_;
     SlotArray<uint32_t> rank_of_slot_;  // the inverse: each slot's rank
