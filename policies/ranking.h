@@ -1,17 +1,68 @@
 // A ranking kept between steps as two arrays, keys and slots, meant to ascend as pairs (the key,
 // then the slot): where it does not any more. A policy that ranks tokens by a score that changes a
 // little each step (stratigraphic's cumulative attention) renews the keys and finishes the order
-// with an insertion sort, which moves only the tokens marked here.
+// with an insertion sort, which moves only the tokens marked here. The keys are the scores
+// themselves, encoded so that plain integer order is the ranking's, and the score is renewed in
+// its key where the token lies in the ranking.
 #pragma once
 #include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 namespace kvsim {
+
+// An importance as an unsigned number in the order selections need (NaN lowest, then ascending;
+// -0 and +0 one key, as they compare equal): selections then compare plain integers, where a
+// comparison of doubles that minds NaN branched through every step of nth_element.
+inline uint64_t ascending_key(double x) {
+    // Written without branches (x + 0.0 turns -0 into +0): the loop over a head's tokens vectorises.
+    const uint64_t bits = std::bit_cast<uint64_t>(x + 0.0);
+    constexpr uint64_t kSign = uint64_t{1} << 63;
+    const uint64_t key = bits & kSign ? ~bits : bits | kSign;  // -inf's key is 0x000f..., above NaN's
+    return x == x ? key : 0;
+}
+
+// The importance an ascending key was made from (a NaN for a NaN's key, and +0 for -0's: the
+// importance is a sum that starts at +0, so it is never -0). Without branches, as ascending_key.
+inline double from_ascending_key(uint64_t key) {
+    constexpr uint64_t kSign = uint64_t{1} << 63;
+    const double x = std::bit_cast<double>(key & kSign ? key & ~kSign : ~key);
+    return key == 0 ? std::numeric_limits<double>::quiet_NaN() : x;
+}
+
+// The step's weights added to the tokens' cumulative attention where it is kept, as ranking keys
+// (~ascending_key of it), each weight found by its token's slot: key[k] = ~ascending_key(
+// from_ascending_key(~key[k]) + weight[slot[k]]) for k < n. Both conversions are one map, an
+// involution on the bits (sign set: kept; clear: every other bit flipped), NaN aside.
+inline void add_weights_to_keys(uint64_t* key, const uint32_t* slot, const float* weight, std::size_t n) {
+    std::size_t k = 0;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+    // Eight at a time: the weights gathered by slot, as the scalar loop's, and every NaN made
+    // and kept as it would (its key all ones, whatever its payload; all ones read back is a NaN).
+    const __m512i sign = _mm512_set1_epi64(static_cast<long long>(uint64_t{1} << 63));
+    const __m512i rest = _mm512_set1_epi64(static_cast<long long>(~(uint64_t{1} << 63)));
+    const __m512i all_ones = _mm512_set1_epi64(-1);
+    const auto flip = [&](__m512i b) {
+        return _mm512_mask_mov_epi64(_mm512_andnot_si512(b, rest), _mm512_test_epi64_mask(b, sign), b);
+    };
+    for (; k + 8 <= n; k += 8) {
+        const __m512i stored = _mm512_loadu_si512(key + k);
+        const __m256i at = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(slot + k));
+        const __m512d w = _mm512_cvtps_pd(_mm256_i32gather_ps(weight, at, 4));
+        const __m512d x = _mm512_castsi512_pd(flip(stored));  // a NaN's key, all ones, stays a NaN
+        const __m512d y = _mm512_add_pd(_mm512_add_pd(x, w), _mm512_setzero_pd());  // -0 as +0, as ascending_key
+        const __m512i renewed = _mm512_mask_mov_epi64(flip(_mm512_castpd_si512(y)), _mm512_cmp_pd_mask(y, y, _CMP_UNORD_Q),
+                                                      all_ones);
+        _mm512_storeu_si512(key + k, renewed);
+    }
+#endif
+    for (; k < n; ++k) key[k] = ~ascending_key(from_ascending_key(~key[k]) + static_cast<double>(weight[slot[k]]));
+}
 
 // Whether pair (a_key, a_slot) comes before pair (b_key, b_slot) in the ranking's order.
 inline bool pair_before(uint64_t a_key, uint32_t a_slot, uint64_t b_key, uint32_t b_slot) {

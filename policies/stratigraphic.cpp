@@ -44,25 +44,6 @@ struct StratigraphicParams {
     TierFormat format;
 };
 
-// An importance as an unsigned number in the order selections need (NaN lowest, then ascending;
-// -0 and +0 one key, as they compare equal): selections then compare plain integers, where a
-// comparison of doubles that minds NaN branched through every step of nth_element.
-uint64_t ascending_key(double x) {
-    // Written without branches (x + 0.0 turns -0 into +0): the loop over a head's tokens vectorises.
-    const uint64_t bits = std::bit_cast<uint64_t>(x + 0.0);
-    constexpr uint64_t kSign = uint64_t{1} << 63;
-    const uint64_t key = bits & kSign ? ~bits : bits | kSign;  // -inf's key is 0x000f..., above NaN's
-    return x == x ? key : 0;
-}
-
-// The importance an ascending key was made from (a NaN for a NaN's key, and +0 for -0's: the
-// importance is a sum that starts at +0, so it is never -0). Without branches, as ascending_key.
-double from_ascending_key(uint64_t key) {
-    constexpr uint64_t kSign = uint64_t{1} << 63;
-    const double x = std::bit_cast<double>(key & kSign ? key & ~kSign : ~key);
-    return key == 0 ? std::numeric_limits<double>::quiet_NaN() : x;
-}
-
 // floor(share * seen), forgiving the last bit of rounding (0.29 * 100 is 28.999999999999996).
 int64_t share_count(double share, int64_t seen) {
     return static_cast<int64_t>(std::floor(share * static_cast<double>(seen) + 1e-9));
@@ -97,8 +78,7 @@ public:
         const float* weight = attn.data();
         const std::size_t n = rank_keys_.size();
         if (observed == n) {
-            for (std::size_t k = 0; k < n; ++k)
-                key[k] = ~ascending_key(from_ascending_key(~key[k]) + static_cast<double>(weight[slot[k]]));
+            add_weights_to_keys(key, slot, weight, n);
         } else {  // fewer weights than tokens: those past them take none
             for (std::size_t k = 0; k < n; ++k)
                 if (slot[k] < observed)
