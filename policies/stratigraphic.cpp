@@ -81,8 +81,7 @@ public:
             add_weights_to_keys(key, slot, weight, n);
         } else {  // fewer weights than tokens: those past them take none
             for (std::size_t k = 0; k < n; ++k)
-                if (slot[k] < observed)
-                    key[k] = ~ascending_key(from_ascending_key(~key[k]) + static_cast<double>(weight[slot[k]]));
+                if (slot[k] < observed) add_weights_to_keys(key + k, slot + k, weight, 1);
         }
         if (static_cast<int>(positions_.size()) >= capacity_)
             throw std::logic_error("admitted past its capacity of " + std::to_string(capacity_));
@@ -187,8 +186,9 @@ private:
     // (positions ascend with the slot, so the slot breaks ties), kept as two arrays so that the
     // keys are renewed (on_decode_step) and checked several at a time, with each slot's rank
     // beside them. Cumulative attention reorders few tokens a step, so last step's ranking, its
-    // keys renewed, is almost sorted: an insertion sort finishes it in about one pass, where each selection of a
-    // zone boundary was a pass of its own. The order is total, so the zones are the same.
+    // keys renewed, is almost sorted: an insertion sort finishes it in about one pass, where each
+    // selection of a zone boundary was a pass of its own. The order is total, so the zones are the
+    // same.
     void rank_by_importance() {
         uint64_t* key = rank_keys_.data();
         uint32_t* slot = rank_slots_.data();

@@ -581,3 +581,41 @@ TEST_CASE("ranking: weights added to the scores in their keys, eight at a time a
     CHECK(nans > 100);      // not vacuous: NaNs met and made
     CHECK(changed > 4000);  // and most keys moved
 }
+
+TEST_CASE("stratigraphic: fewer weights than held tokens leave the rest as a weight of zero would") {
+    // Policy::on_decode_step may be given weights for the first held slots only. The importance is
+    // a sum from +0, so adding +0 leaves it as it was: a policy given zeros for the rest must keep,
+    // sink and evict exactly as one given the short list (the short list alone, so a read past it
+    // is a read past its vector).
+    const ParamValues p = params_with({});
+    auto short_fed = descriptor().make(p, PolicyContext{400, 1001, 1, 4});
+    auto zero_fed = descriptor().make(p, PolicyContext{400, 1001, 1, 4});
+    std::mt19937 rng(31);
+    std::uniform_real_distribution<float> uniform(0.0f, 1.0f);
+    std::vector<int32_t> held{0};
+    int shortened = 0;
+    for (int32_t t = 1; t <= 1000; ++t) {
+        const std::size_t n = held.size(), given = n > 5 && t % 3 ? n - 1 - rng() % 5 : n;
+        std::vector<float> padded(n, 0.0f);
+        for (std::size_t i = 0; i < given; ++i) padded[i] = uniform(rng) * (held[i] % 7 == 0 ? 3.0f : 0.1f);
+        const std::vector<float> shorter(padded.begin(), padded.begin() + static_cast<std::ptrdiff_t>(given));
+        shortened += given < n ? 1 : 0;
+        short_fed->on_decode_step(t, shorter);
+        zero_fed->on_decode_step(t, padded);
+        std::vector<int32_t> victims_short, victims_zero;
+        short_fed->evict(400, victims_short);
+        zero_fed->evict(400, victims_zero);
+        REQUIRE(victims_short == victims_zero);
+        held.push_back(t);
+        std::vector<int32_t> kept;
+        std::set_difference(held.begin(), held.end(), victims_short.begin(), victims_short.end(), std::back_inserter(kept));
+        held = kept;
+        std::vector<uint8_t> key_short(1001, 0), value_short(1001, 0), key_zero(1001, 0), value_zero(1001, 0);
+        short_fed->assign_tiers(t, held, key_short, value_short);
+        zero_fed->assign_tiers(t, held, key_zero, value_zero);
+        REQUIRE(key_short == key_zero);
+        REQUIRE(value_short == value_zero);
+    }
+    CHECK(shortened > 500);
+    CHECK(held.size() < 1000);  // not vacuous: tokens were evicted
+}
