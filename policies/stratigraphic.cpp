@@ -13,7 +13,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -70,8 +69,8 @@ public:
 
     void on_decode_step(int32_t pos, std::span<const float> attn) override {
         // Each held token's cumulative attention lives in its ranking key (rank_keys_): the step's
-        // weight, found by the token's slot, is added to it where it lies in the ranking. The
-        // ranking reads its keys in order, where it gathered them from an array by slot.
+        // weight, found by the token's slot, is added to it where it lies in the ranking, so the
+        // ranking reads its keys in order and never gathers them by slot.
         const std::size_t observed = std::min(attn.size(), positions_.size());
         uint64_t* key = rank_keys_.data();
         const uint32_t* slot = rank_slots_.data();
