@@ -819,6 +819,14 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     const auto start = std::chrono::steady_clock::now();
     SearchSetup setup(spec, run);
     SearchOutcome& out = setup.out;
+    // Each stage's wall seconds (SearchOutcome::stage_seconds), from where the last one ended.
+    auto stage_start = start;
+    auto stage_done = [&](const char* name) {
+        const auto now = std::chrono::steady_clock::now();
+        out.stage_seconds.emplace_back(name, std::chrono::duration<double>(now - stage_start).count());
+        stage_start = now;
+    };
+    stage_done("setup");
     const TraceMetadata& meta = setup.reader.metadata();
     const bool output_error = setup.output_error;
     const bool fit_layers = setup.fit_layers, fit_heads = setup.fit_heads, fit_streaming = setup.fit_streaming;
@@ -860,6 +868,7 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
     PolicyEntry entry = spec.policy;
     if (spec.deploy == "kvpress") {
         fit_prompt_ratios(setup, spec, run, [&](double f) { stage_progress(0, f); }, curve_notes);
+        stage_done("prompt ratios");
     } else if (fit_budgets) {
         const ByteModel& heldout_bytes = *heldout_bytes_model;
         const std::vector<int>& grid = out.grid;
@@ -1161,7 +1170,7 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
             r.adakv = m.adakv;
             out.records.push_back(r);
         }
-
+        stage_done("budgets");
     }
 
     // Streaming heads with fitted lambdas, at the same targets.
@@ -1174,6 +1183,7 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
                        &setup.full_outputs};
         if (run.measured_units) input.streaming_measured = &measured;
         fit_streaming_heads(input, out);
+        stage_done("streaming");
     }
     // Tier profiles for stratigraphic, at the same targets.
     if (fit_tiers) {
@@ -1190,6 +1200,7 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
                        &setup.full_outputs, run.measured_units ? &measured : nullptr};
         input.max_steps = run.max_steps;
         fit_tier_profiles(input, out);
+        stage_done("tiers");
     }
     // Ranks of low-rank K/V latents, with grouping at the same bytes.
     if (fit_ranks_) {
@@ -1201,6 +1212,7 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
                        &setup.full_outputs};
         if (run.measured_units) input.rank_measured = &measured;
         fit_ranks(input, out);
+        stage_done("ranks");
     }
     // One method per head, across the families above, at the same targets.
     if (fit_mixed) {
@@ -1214,6 +1226,7 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
                                             static_cast<double>(make_keep_all()->bytes_per_slot()))
                                       .bytes_per_token(kMaxBudgetTokens);
         fit_mixed_heads(input, mixed_tables, out);
+        stage_done("mixed");
     }
 
     // One block per target in the tables: the targets in the config's order, methods as they came.
@@ -1369,6 +1382,7 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
                       static_cast<unsigned long long>(spec.sample_seed));
         out.notes.push_back(line);
     }
+    stage_done("notes and profiles");
     out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     return std::move(out);
 }
@@ -1497,6 +1511,9 @@ void write_search_outputs(const SearchOutcome& o, const std::string& dir) {
                    {"notes", o.notes},
                    {"seconds", o.seconds},
                    {"records", records}};
+    Json stages = Json::array();
+    for (const auto& [stage, seconds] : o.stage_seconds) stages.push_back({{"stage", stage}, {"seconds", seconds}});
+    search["stage_seconds"] = stages;
     if (o.deploy != "kvsim") search["deploy"] = o.deploy;  // kvsim's own searches read as before
     if (sampled) search["sample"] = {{"steps", o.sample_steps}, {"seed", o.sample_seed}};
     if (!o.sparsity_curve.empty()) {

@@ -96,6 +96,9 @@ struct SearchOutcome {
     std::vector<std::string> notes;    // non-convex curves, the direction of the layer profile, ...
     std::vector<SparsityPoint> sparsity_curve;  // deploy duo: the fitted ranking at each sparsity
     double seconds = 0;
+    // Wall seconds of the setup and of each fit, in the order they ran: where a long search's
+    // time went, and what leaving a fit out would save.
+    std::vector<std::pair<std::string, double>> stage_seconds;
 };
 
 struct SearchUnitResult;

@@ -264,7 +264,16 @@ int finish_search(SearchRun run, const ExperimentConfig& config, const ModelInpu
         for (const std::string& n : outcome.notes) std::cout << "  " << n << "\n";
     }
     std::cout.flush();
-    if (!quiet) std::fprintf(stderr, "\nkvsim: search in %.1f s; results in %s/\n", outcome.seconds, out_dir.c_str());
+    if (!quiet) {
+        std::string stages;
+        for (const auto& [stage, seconds] : outcome.stage_seconds) {
+            char part[80];
+            std::snprintf(part, sizeof part, "%s%s %.1f s", stages.empty() ? "" : ", ", stage.c_str(), seconds);
+            stages += part;
+        }
+        std::fprintf(stderr, "\nkvsim: search in %.1f s (%s); results in %s/\n", outcome.seconds, stages.c_str(),
+                     out_dir.c_str());
+    }
     return 0;
 }
 

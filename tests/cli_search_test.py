@@ -157,6 +157,12 @@ class Search(KvsimTestCase):
         search = json.loads(read(os.path.join(self.out, "search.json")))
         self.assertEqual(search["format"], "kvsim-search")
         self.assertEqual(search["heldout_sequences"], ["tinystories_sample-3", "tinystories_sample-4"])
+        # Where the time went: the setup, each fit as it ran, the rest; together the whole search.
+        stages = search["stage_seconds"]
+        self.assertEqual([s["stage"] for s in stages], ["setup", "budgets", "notes and profiles"])
+        self.assertTrue(all(s["seconds"] >= 0 for s in stages))
+        self.assertGreater(stages[1]["seconds"], stages[0]["seconds"])
+        self.assertAlmostEqual(sum(s["seconds"] for s in stages), search["seconds"], delta=0.01)
         methods = {(r["method"], r["target"]): r for r in search["records"]}
         for target in TARGETS:
             uniform = methods[("uniform", target)]
