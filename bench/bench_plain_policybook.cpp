@@ -17,6 +17,7 @@
 #include "sim/policybook_trace.h"
 #include "sim/replay.h"
 #include "sim/sweep.h"
+#include "bench/arguments.h"
 
 using namespace kvsim;
 using Clock = std::chrono::steady_clock;
@@ -147,7 +148,7 @@ double seconds_since(Clock::time_point start) { return std::chrono::duration<dou
 }  // namespace
 
 int main(int argc, char** argv) {
-    const int runs = argc > 1 ? std::atoi(argv[1]) : 3;
+    const int runs = kvsim::bench::integer_argument(argc, argv, 1, 3, 1, 1000, "runs");
     const PolicybookTraceSpec spec;
     std::vector<std::vector<float>> rows(spec.sequence_length);
     PolicybookGenerator gen(spec);

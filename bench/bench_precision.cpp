@@ -8,6 +8,7 @@
 #include <cstdlib>
 
 #include "src/experiment.h"
+#include "bench/arguments.h"
 
 using namespace kvsim;
 
@@ -31,7 +32,7 @@ PolicyEntry policy(const std::string& name, std::map<std::string, double> params
 }  // namespace
 
 int main(int argc, char** argv) {
-    const int runs = argc > 1 ? std::atoi(argv[1]) : 5;
+    const int runs = kvsim::bench::integer_argument(argc, argv, 1, 5, 1, 1000, "runs");
     ExperimentConfig config;
     config.file = "bench";
     config.trace.synthetic = "qkv";

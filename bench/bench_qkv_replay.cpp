@@ -16,6 +16,7 @@
 #include "sim/replay.h"
 #include "sim/sweep.h"
 #include "sim/synthetic_qkv.h"
+#include "bench/arguments.h"
 
 using namespace kvsim;
 using Clock = std::chrono::steady_clock;
@@ -26,7 +27,9 @@ static double seconds_since(Clock::time_point start) {
 
 int main(int argc, char** argv) {
     SyntheticQkvSpec spec = synthetic_qkv_trace("llama-1b-4096", "bench");
-    if (argc > 1) spec.num_layers = std::atoi(argv[1]);
+    spec.num_layers = kvsim::bench::integer_argument(argc, argv, 1, spec.num_layers, 1, 256, "layers");
+    const int64_t wanted_block_floats = kvsim::bench::integer_argument<int64_t>(
+        argc, argv, 2, ReplayOptions{}.block_floats, 1, int64_t{1} << 40, "block floats");
     const int threads = tbb::info::default_concurrency();
     const double peak = bench::measure_fp32_peak_gflops(threads);
     std::printf("machine: %d threads, measured fp32 FMA peak %.1f GFLOP/s\n", threads, peak);
@@ -39,7 +42,7 @@ int main(int argc, char** argv) {
     AttentionBlock block;
     auto source = make_synthetic_qkv_source(spec, 0);
     const int64_t block_floats =
-        source->block_floats(argc > 2 ? std::atoll(argv[2]) : ReplayOptions{}.block_floats) / spec.num_query_heads;
+        source->block_floats(wanted_block_floats) / spec.num_query_heads;
     double flops = 0;
     start = Clock::now();
     KeysByFeature keys;

@@ -14,6 +14,7 @@
 
 #include "sim/replay.h"
 #include "sim/sweep.h"
+#include "bench/arguments.h"
 
 using namespace kvsim;
 using Clock = std::chrono::steady_clock;
@@ -56,7 +57,7 @@ double median(std::vector<double> v) {
 }  // namespace
 
 int main(int argc, char** argv) {
-    const int runs = argc > 1 ? std::atoi(argv[1]) : 9;
+    const int runs = kvsim::bench::integer_argument(argc, argv, 1, 9, 1, 1000, "runs");
     std::vector<PolicyEntry> policies;
     for (const char* name : {"sliding_window", "streaming_llm", "h2o", "scissorhands", "tova", "snapkv", "pyramidkv"})
         policies.push_back({name, {}, "bench"});

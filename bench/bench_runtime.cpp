@@ -37,6 +37,7 @@
 #include "policies/policy.h"
 #include "runtime/attention_kernels.h"
 #include "runtime/head_cache.h"
+#include "bench/flags.h"
 
 using namespace kvsim;
 using Clock = std::chrono::steady_clock;
@@ -347,7 +348,7 @@ int main(int argc, char** argv) {
     app.add_option("--rounds", rounds, "alternated rounds; each figure is their median")->check(CLI::Range(1, 1000));
     app.add_option("--step-context", step_context, "tokens before the whole decode steps are timed (0: skip them)")
         ->check(CLI::Range(0, 1 << 20));
-    CLI11_PARSE(app, argc, argv);
+    if (const auto status = kvsim::bench::parse_flags(app, argc, argv)) return *status;
     if (contexts.empty()) contexts = {4096, 16384, 32768};
     tbb::global_control limit(tbb::global_control::max_allowed_parallelism, static_cast<std::size_t>(threads));
 

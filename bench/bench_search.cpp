@@ -21,6 +21,7 @@
 #include "sim/replay.h"
 #include "sim/synthetic_qkv.h"
 #include "sim/trace_store.h"
+#include "bench/arguments.h"
 
 using namespace kvsim;
 using Clock = std::chrono::steady_clock;
@@ -30,13 +31,9 @@ static double seconds_since(Clock::time_point start) {
 }
 
 int main(int argc, char** argv) {
-    const int64_t tokens = argc > 1 ? std::atoll(argv[1]) : 1024;
-    const int grid_points = argc > 2 ? std::atoi(argv[2]) : 16;
-    const double sample_steps = argc > 3 ? std::atof(argv[3]) : 1.0;  // search.sample.steps
-    if (!(sample_steps > 0 && sample_steps <= 1)) {
-        std::fprintf(stderr, "bench_search: the sampled share of steps must be in (0, 1], got %s\n", argv[3]);
-        return 2;
-    }
+    const int64_t tokens = kvsim::bench::integer_argument<int64_t>(argc, argv, 1, 1024, 2, 1 << 20, "tokens per sequence");
+    const int grid_points = kvsim::bench::integer_argument(argc, argv, 2, 16, 1, 4096, "grid budgets");
+    const double sample_steps = kvsim::bench::real_argument(argc, argv, 3, 1.0, 0.0, 1.0, "sampled share of steps");
     SyntheticQkvSpec spec = synthetic_qkv_trace("llama-1b-4096", "bench");
     spec.tokens = tokens;
     const std::string dir = std::filesystem::temp_directory_path() / "kvsim-bench-search";

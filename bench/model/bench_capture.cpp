@@ -29,6 +29,7 @@
 #include "model/gguf.h"
 #include "model/gguf_writer.h"
 #include "model/llama.h"
+#include "bench/flags.h"
 
 using namespace kvsim;
 
@@ -55,7 +56,7 @@ int main(int argc, char** argv) {
     bool model_only = false;
     app.add_flag("--model-only", model_only,
                  "write the model and the text (sequences split by a line @@@), print their paths, stop");
-    CLI11_PARSE(app, argc, argv);
+    if (const auto status = kvsim::bench::parse_flags(app, argc, argv)) return *status;
     const std::map<std::string, model::TensorType> types = {{"F32", model::TensorType::F32},
                                                             {"Q8_0", model::TensorType::Q8_0},
                                                             {"Q4_K", model::TensorType::Q4_K},

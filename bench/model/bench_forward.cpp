@@ -28,6 +28,7 @@
 #include "bench/fp32_peak.h"
 #include "model/gguf_writer.h"
 #include "model/llama.h"
+#include "bench/flags.h"
 
 using namespace kvsim::model;
 
@@ -177,7 +178,7 @@ int main(int argc, char** argv) {
     app.add_option("--chunk", chunk, "forward_batch chunk size")->check(CLI::PositiveNumber);
     app.add_option("--model", model_path, "stories260K GGUF (skipped when absent)");
     app.add_flag("--synthetic-only", synthetic_only, "Skip stories260K");
-    CLI11_PARSE(app, argc, argv);
+    if (const auto status = kvsim::bench::parse_flags(app, argc, argv)) return *status;
 
     const int cores = static_cast<int>(std::thread::hardware_concurrency());
     const int used_threads = threads > 0 ? threads : tbb::info::default_concurrency();
