@@ -19,7 +19,8 @@ process (os.wait4):
 The defaults are issue 34's 1B case (8 x 4,096 tokens, 16 layers); --sequences 3 --tokens 1024
 --layers 2 --heldout 1 --targets 2x,3x is a look in minutes (at 1,024 tokens 4x is below what a
 streaming head's sinks and recent window of 64 hold, and the search says so). Run from the repository root after `ninja -C build`. Prints one
-line a stage and a total; the search's own timing and report are in DIR/search/.
+line a stage (the search's followed by its own stages' wall times) and a total; the search's
+report is in DIR/search/.
 """
 import argparse
 import json
@@ -125,6 +126,10 @@ def main():
     for name, command in stages:
         wall, cpu, rss = run_stage(name, command, f"{stem}-{name}.log")
         totals = [totals[0] + wall, totals[1] + cpu, max(totals[2], rss)]
+        if name == "search":  # where its time went, as search.json records it
+            with open(os.path.join(search_dir, "search.json")) as f:
+                parts = json.load(f)["stage_seconds"]
+            print("          " + ", ".join(f"{p['stage']} {p['seconds']:.1f} s" for p in parts), flush=True)
     print(f"{'total':9s} {totals[0]:9.1f} s wall {totals[1]:9.1f} s CPU {totals[2]:7.2f} GiB peak "
           f"(the model's writing not counted); logs: {stem}-*.log")
 
