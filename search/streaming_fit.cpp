@@ -9,6 +9,7 @@
 #include "base/atomic_file.h"
 #include "base/errors.h"
 #include "policies/policy.h"
+#include "search/golden_section.h"
 #include "sim/replay.h"
 #include "cache_math/streaming_heads.h"
 #include "sim/sweep.h"
@@ -51,7 +52,6 @@ StreamingPlanFile::~StreamingPlanFile() {
 
 namespace {
 
-constexpr double kGolden = 0.6180339887498949;  // (sqrt(5) - 1) / 2
 constexpr int kGoldenSteps = 16;                 // the bracket shrinks to 0.618^16 < 5e-4
 constexpr int kStreamingLambdaPasses = kGoldenSteps + 2;  // fit_lambdas' passes and the calibrated lambdas'
 
@@ -145,73 +145,38 @@ struct LambdaFit {
     std::vector<double> error_sum;      // ... summed over its steps
 };
 
-// Golden-section searches of every head's lambda at once, one search per entry of `searches` (its
-// sinks and recent window), each head streaming; then each bracket's middle against its ends (a
-// unimodal search never probes 0 or 1). A bracket keeps the probe it shrinks towards as one of its
-// next two, so after the first pass (both probes) each step measures one new lambda a head: on its
-// left for some heads, its right for others, all in one plan (a plan gives each head its own
-// lambda). The searches share their passes: a plan's result is what it would be alone, so two
-// searches take kGoldenSteps + 1 passes, not twice that. `extra` are measured in the last pass,
-// beside the candidates (their results follow).
+// Golden-section searches (GoldenSections) of every head's lambda at once, one search per entry of
+// `searches` (its sinks and recent window), each head streaming; then each bracket's middle against
+// its ends (a unimodal search never probes 0 or 1). After the first pass a step measures one new
+// lambda a head, on its left for some heads and its right for others, all in one plan (a plan
+// gives each head its own lambda). The searches share their passes: a plan's result is what it
+// would be alone, so two searches take kGoldenSteps + 1 passes, not twice that. `extra` are
+// measured in the last pass, beside the candidates (their results follow).
 std::vector<LambdaFit> fit_lambdas(PlanReplay& plans, AttentionSource& source, std::size_t units,
                                    const std::vector<const ParamValues*>& searches, const std::vector<Plan>& extra,
                                    std::vector<PlanResult>& extra_results) {
     const std::vector<uint8_t> every_head(units, 1);
     const std::size_t n = searches.size();
-    // Per search and head: the bracket, its two probes and their errors.
-    struct Bracket {
-        std::vector<double> low, high, left, right, left_error, right_error;
-    };
-    std::vector<Bracket> b(n);
+    std::vector<GoldenSections> sections(n, GoldenSections(units));
     auto probe = [&](std::size_t search, const std::string& name, std::vector<double> lambda) {
         return Plan{"search" + std::to_string(search) + "-" + name, every_head, std::move(lambda), {}, searches[search]};
     };
     std::vector<Plan> pass;  // the first: per search, its left probe, then its right one
     for (std::size_t i = 0; i < n; ++i) {
-        b[i].low.assign(units, 0.0);
-        b[i].high.assign(units, 1.0);
-        b[i].left.assign(units, 1.0 - kGolden);
-        b[i].right.assign(units, kGolden);
-        pass.push_back(probe(i, "left", b[i].left));
-        pass.push_back(probe(i, "right", b[i].right));
+        pass.push_back(probe(i, "left", sections[i].left()));
+        pass.push_back(probe(i, "right", sections[i].right()));
     }
     std::vector<PlanResult> r = plans.run(source, pass);
-    for (std::size_t i = 0; i < n; ++i) {
-        b[i].left_error = r[2 * i].head_error;
-        b[i].right_error = r[2 * i + 1].head_error;
-    }
+    for (std::size_t i = 0; i < n; ++i) sections[i].first_errors(r[2 * i].head_error, r[2 * i + 1].head_error);
     for (int step = 0; step < kGoldenSteps; ++step) {
-        // Keep the part of the bracket around the lower probe; that probe becomes the inner one on
-        // its side and the other side gets a new one (left where they tie, as a search alone would).
-        std::vector<std::vector<uint8_t>> new_left(n, std::vector<uint8_t>(units));
         pass.clear();
-        for (std::size_t i = 0; i < n; ++i) {
-            Bracket& k = b[i];
-            std::vector<double> lambda(units);
-            for (std::size_t u = 0; u < units; ++u) {
-                if (k.left_error[u] <= k.right_error[u]) {
-                    k.high[u] = k.right[u];
-                    k.right[u] = k.left[u];
-                    k.right_error[u] = k.left_error[u];
-                    k.left[u] = lambda[u] = k.high[u] - kGolden * (k.high[u] - k.low[u]);
-                    new_left[i][u] = 1;
-                } else {
-                    k.low[u] = k.left[u];
-                    k.left[u] = k.right[u];
-                    k.left_error[u] = k.right_error[u];
-                    k.right[u] = lambda[u] = k.low[u] + kGolden * (k.high[u] - k.low[u]);
-                }
-            }
-            pass.push_back(probe(i, "probe", std::move(lambda)));
-        }
+        for (std::size_t i = 0; i < n; ++i) pass.push_back(probe(i, "probe", sections[i].shrink()));
         if (step + 1 == kGoldenSteps) break;  // the last bracket is final: its middle is measured below
         r = plans.run(source, pass);
-        for (std::size_t i = 0; i < n; ++i)
-            for (std::size_t u = 0; u < units; ++u)
-                (new_left[i][u] ? b[i].left_error : b[i].right_error)[u] = r[i].head_error[u];
+        for (std::size_t i = 0; i < n; ++i) sections[i].new_errors(r[i].head_error);
     }
     std::vector<std::vector<double>> low(n), high(n);
-    for (std::size_t i = 0; i < n; ++i) low[i] = b[i].low, high[i] = b[i].high;
+    for (std::size_t i = 0; i < n; ++i) low[i] = sections[i].low(), high[i] = sections[i].high();
     std::vector<Plan> last;  // per search: its middle, 0 and 1; then the extra plans
     for (std::size_t i = 0; i < n; ++i) {
         std::vector<double> middle(units);
