@@ -44,10 +44,17 @@ std::map<std::string, HeldLock>& held_locks() {
 
 std::string error_text(int error) { return std::strerror(error); }
 
+// A shared holder that leaves takes the lock alone for a moment, to see whether it is the last
+// (unlock_folder): a process meeting that moment (a shard starting as another of the same folder
+// ends, a merge started as the last shard ends) tries again for this long before it takes the
+// lock for a writer's, which holds it for the whole of its run.
+constexpr auto kLockPatience = std::chrono::milliseconds(500);
+
 // Opens and locks DIR/.kvsim-lock. A holder removes the file as it releases it, so the file locked
 // must still be the one at that name; else another process got there between open and lock.
 int lock_folder(const std::string& dir, OutputFolder::Access access) {
     const std::string path = (fs::path(dir) / kLockName).string();
+    const auto give_up = std::chrono::steady_clock::now() + kLockPatience;
     for (;;) {
         const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
         if (fd < 0) throw InputError(dir + ": cannot write into this folder (" + error_text(errno) + ")");
@@ -55,6 +62,10 @@ int lock_folder(const std::string& dir, OutputFolder::Access access) {
         if (::flock(fd, mode | LOCK_NB) != 0) {
             const int error = errno;
             ::close(fd);
+            if (error == EWOULDBLOCK && std::chrono::steady_clock::now() < give_up) {
+                std::this_thread::sleep_for(std::chrono::milliseconds(10));
+                continue;
+            }
             if (error == EWOULDBLOCK)
                 throw InputError(dir + ": another kvsim is writing into this folder; wait until it ends, or give "
                                        "another output folder");
@@ -75,12 +86,18 @@ int lock_folder(const std::string& dir, OutputFolder::Access access) {
     }
 }
 
+void pause_holding_alone(const std::string& dir);
+
 void unlock_folder(const std::string& dir, const HeldLock& held) {
     if (held.fd < 0) return;
     // The last holder removes the file. A shared holder is the last when it can take the lock
     // alone; the exchange is not atomic, and one that fails leaves the file to the others.
-    if (held.access == OutputFolder::Access::exclusive || ::flock(held.fd, LOCK_EX | LOCK_NB) == 0)
+    if (held.access == OutputFolder::Access::exclusive) {
         ::unlink((fs::path(dir) / kLockName).string().c_str());
+    } else if (::flock(held.fd, LOCK_EX | LOCK_NB) == 0) {
+        pause_holding_alone(dir);
+        ::unlink((fs::path(dir) / kLockName).string().c_str());
+    }
     ::close(held.fd);
 }
 
@@ -96,6 +113,17 @@ void pause_for_tests(const std::string& dir) {
     const char* pause = std::getenv("KVSIM_TEST_COMMIT_PAUSE");
     if (!pause || !*pause) return;
     std::fprintf(stderr, "kvsim: test: paused between two renames in %s\n", dir.c_str());
+    std::fflush(stderr);
+    std::this_thread::sleep_for(std::chrono::duration<double>(std::atof(pause)));
+}
+
+// KVSIM_TEST_UNLOCK_PAUSE=SECONDS: a shared holder that finds itself the last stops that long
+// holding the lock alone, saying so on stderr, so the tests can start another there
+// (tests/cli_integrity_test.py).
+void pause_holding_alone(const std::string& dir) {
+    const char* pause = std::getenv("KVSIM_TEST_UNLOCK_PAUSE");
+    if (!pause || !*pause) return;
+    std::fprintf(stderr, "kvsim: test: paused holding %s's lock alone\n", dir.c_str());
     std::fflush(stderr);
     std::this_thread::sleep_for(std::chrono::duration<double>(std::atof(pause)));
 }

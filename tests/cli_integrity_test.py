@@ -416,7 +416,8 @@ class OutputFolders(KvsimTestCase):
     def test_a_second_writer_is_refused_while_the_first_writes(self):
         out = self.path("out")
         self.old_results(out)
-        first = self.start_paused("run", self.write("a.yaml", SWEEP_A), "--out", out, "-q", pause="3")
+        # Each second writer waits out kvsim's patience (half a second) before it is refused.
+        first = self.start_paused("run", self.write("a.yaml", SWEEP_A), "--out", out, "-q", pause="5")
         for args in (["run", self.path("b.yaml"), "--out", out, "-q"],
                      ["sweep", self.path("b.yaml"), "--shard", "0/2", "--out", out, "-q"],
                      ["merge", out, "-q"]):
@@ -451,6 +452,26 @@ class OutputFolders(KvsimTestCase):
         merged = kvsim("merge", out, "-q")
         self.assertEqual(merged.returncode, 0, merged.stderr)
         self.assertEqual(budgets_of(out), (["48", "64"], ["48", "64"]))
+
+    def test_a_shard_starting_as_another_leaves_is_not_refused(self):
+        # A shard that ends takes the folder's lock alone for a moment, to see whether it is the
+        # last holder; a shard or merge starting then must wait for that moment, not take it for
+        # another writer (a Slurm array's shards start and end at any time).
+        out = self.path("out")
+        config = self.write("a.yaml", SWEEP_A)
+        first = subprocess.Popen([cli_common.KVSIM, "sweep", config, "--shard", "0/2", "--out", out, "-q"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                 env=dict(os.environ, KVSIM_TEST_UNLOCK_PAUSE="0.25"))
+        line = first.stderr.readline()
+        self.assertIn("paused holding", line)
+        second = kvsim("sweep", config, "--shard", "1/2", "--out", out, "-q")
+        self.assertEqual(second.returncode, 0, second.stderr)
+        self.assertEqual(first.wait(timeout=60), 0, first.stderr.read())
+        first.stderr.close()
+        merged = kvsim("merge", out, "-q")
+        self.assertEqual(merged.returncode, 0, merged.stderr)
+        self.assertEqual(budgets_of(out), (["48", "64"], ["48", "64"]))
+        self.assertFalse(os.path.exists(os.path.join(out, ".kvsim-lock")))  # the last holder took it away
 
 
 def edit_json(path, change):
