@@ -44,6 +44,20 @@ std::map<std::string, HeldLock>& held_locks() {
 
 std::string error_text(int error) { return std::strerror(error); }
 
+// Where the environment variable `variable` holds SECONDS, stops that long, saying on stderr that
+// it is paused `where`, so the tests can act in that moment:
+// - KVSIM_TEST_COMMIT_PAUSE: a commit after its first rename, to interrupt it there
+//   (tests/cli_results_test.py);
+// - KVSIM_TEST_UNLOCK_PAUSE: a shared holder that finds itself the last, holding the lock alone,
+//   to start another there (tests/cli_integrity_test.py).
+void pause_for_tests(const char* variable, const std::string& where) {
+    const char* pause = std::getenv(variable);
+    if (!pause || !*pause) return;
+    std::fprintf(stderr, "kvsim: test: paused %s\n", where.c_str());
+    std::fflush(stderr);
+    std::this_thread::sleep_for(std::chrono::duration<double>(std::atof(pause)));
+}
+
 // A shared holder that leaves takes the lock alone for a moment, to see whether it is the last
 // (unlock_folder): a process meeting that moment (a shard starting as another of the same folder
 // ends, a merge started as the last shard ends) tries again for this long before it takes the
@@ -86,8 +100,6 @@ int lock_folder(const std::string& dir, OutputFolder::Access access) {
     }
 }
 
-void pause_holding_alone(const std::string& dir);
-
 void unlock_folder(const std::string& dir, const HeldLock& held) {
     if (held.fd < 0) return;
     // The last holder removes the file. A shared holder is the last when it can take the lock
@@ -95,7 +107,7 @@ void unlock_folder(const std::string& dir, const HeldLock& held) {
     if (held.access == OutputFolder::Access::exclusive) {
         ::unlink((fs::path(dir) / kLockName).string().c_str());
     } else if (::flock(held.fd, LOCK_EX | LOCK_NB) == 0) {
-        pause_holding_alone(dir);
+        pause_for_tests("KVSIM_TEST_UNLOCK_PAUSE", "holding " + dir + "'s lock alone");
         ::unlink((fs::path(dir) / kLockName).string().c_str());
     }
     ::close(held.fd);
@@ -105,27 +117,6 @@ void unlock_folder(const std::string& dir, const HeldLock& held) {
 bool plain_name(const std::string& name) {
     return !name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&
            name.find('\0') == std::string::npos;
-}
-
-// KVSIM_TEST_COMMIT_PAUSE=SECONDS: a commit stops that long after its first rename, saying so on
-// stderr, so the tests can interrupt it there (tests/cli_results_test.py).
-void pause_for_tests(const std::string& dir) {
-    const char* pause = std::getenv("KVSIM_TEST_COMMIT_PAUSE");
-    if (!pause || !*pause) return;
-    std::fprintf(stderr, "kvsim: test: paused between two renames in %s\n", dir.c_str());
-    std::fflush(stderr);
-    std::this_thread::sleep_for(std::chrono::duration<double>(std::atof(pause)));
-}
-
-// KVSIM_TEST_UNLOCK_PAUSE=SECONDS: a shared holder that finds itself the last stops that long
-// holding the lock alone, saying so on stderr, so the tests can start another there
-// (tests/cli_integrity_test.py).
-void pause_holding_alone(const std::string& dir) {
-    const char* pause = std::getenv("KVSIM_TEST_UNLOCK_PAUSE");
-    if (!pause || !*pause) return;
-    std::fprintf(stderr, "kvsim: test: paused holding %s's lock alone\n", dir.c_str());
-    std::fflush(stderr);
-    std::this_thread::sleep_for(std::chrono::duration<double>(std::atof(pause)));
 }
 
 }  // namespace
@@ -245,7 +236,8 @@ void FolderCommit::commit() {
                              std::to_string(files_.size()) + " files were replaced, and the next kvsim writing into " +
                              folder_.path() + " completes the rest");
         }
-        if (i == 0 && files_.size() > 1) pause_for_tests(folder_.path());
+        if (i == 0 && files_.size() > 1)
+            pause_for_tests("KVSIM_TEST_COMMIT_PAUSE", "between two renames in " + folder_.path());
     }
     if (files_.size() > 1 && std::remove(journal.c_str()) != 0)
         throw InputError(journal + ": cannot remove (" + error_text(errno) + ")");
