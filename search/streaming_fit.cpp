@@ -175,12 +175,12 @@ std::vector<LambdaFit> fit_lambdas(PlanReplay& plans, AttentionSource& source, s
         r = plans.run(source, pass);
         for (std::size_t i = 0; i < n; ++i) sections[i].new_errors(r[i].head_error);
     }
-    std::vector<std::vector<double>> low(n), high(n);
-    for (std::size_t i = 0; i < n; ++i) low[i] = sections[i].low(), high[i] = sections[i].high();
     std::vector<Plan> last;  // per search: its middle, 0 and 1; then the extra plans
     for (std::size_t i = 0; i < n; ++i) {
+        const std::vector<double>& low = sections[i].low();
+        const std::vector<double>& high = sections[i].high();
         std::vector<double> middle(units);
-        for (std::size_t u = 0; u < units; ++u) middle[u] = (low[i][u] + high[i][u]) / 2;
+        for (std::size_t u = 0; u < units; ++u) middle[u] = (low[u] + high[u]) / 2;
         last.push_back(probe(i, "middle", std::move(middle)));
         last.push_back(probe(i, "zero", std::vector<double>(units, 0.0)));
         last.push_back(probe(i, "one", std::vector<double>(units, 1.0)));
