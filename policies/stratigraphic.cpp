@@ -323,13 +323,18 @@ private:
         std::size_t zone_start[3] = {n, n, n};
         const uint32_t* slot = rank_slots_.data();
         const auto narrow = [](std::size_t x) { return static_cast<uint32_t>(x); };
-        constexpr std::size_t kBlock = 16;
+        // Blocks of 64 ranks, each counted in a loop the compiler takes many ranks at a time, then
+        // walked only where a boundary falls. The count is 32-bit and the guard a local copy: with
+        // a std::size_t count GCC widened every lane's compare to 64 bits, in blocks of 16.
+        constexpr uint32_t kBlock = 64;
         std::size_t unprotected = 0, next = 0;
         while (next < 3 && starts[next] == 0) zone_start[next++] = 0;
         for (std::size_t first = 0; first < n && next < 3; first += kBlock) {
-            const std::size_t last = std::min(first + kBlock, n);
-            std::size_t in_block = 0;  // a count the compiler takes sixteen at a time
-            for (std::size_t k = first; k < last; ++k) in_block += guard.holds(narrow(k), slot[k]) ? 0 : 1;
+            const std::size_t last = std::min<std::size_t>(first + kBlock, n);
+            const Protected fixed_guard = guard;
+            uint32_t in_block = 0;
+            for (uint32_t k = narrow(first), end = narrow(last); k < end; ++k)
+                in_block += fixed_guard.holds(k, slot[k]) ? 0u : 1u;
             if (unprotected + in_block <= starts[next]) {
                 unprotected += in_block;
                 continue;
@@ -366,10 +371,9 @@ private:
                     if (zone[i] > tier[i] && zone[i] != kEvicted) sunk_.emplace_back(positions_[i], zone[i]);
             for (uint32_t i = first; i < last; ++i) tier[i] = std::max(tier[i], zone[i]);
         }
-        // The evicted: the unprotected ranked from the evicted zone's start on.
-        std::size_t evicted = 0;
-        for (std::size_t k = zone_start[2]; k < n; ++k) evicted += guard.holds(narrow(k), slot[k]) ? 0 : 1;
-        return evicted;
+        // The evicted: the unprotected from the int4_end-th on (zone_start[2] is that one's rank).
+        const std::size_t unprotected_count = n - protected_count;
+        return unprotected_count > int4_end ? unprotected_count - int4_end : 0;
     }
 
     // Still over the harness budget: the least important unprotected tokens go next. Should the
