@@ -1,8 +1,9 @@
 // The contract between the replay harness and a KV-cache policy, and the registry that names
 // every policy with its published default parameters.
 #pragma once
-#include <cstddef>
 #include <algorithm>
+#include <array>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -79,6 +80,11 @@ public:
     }
     // The quantisation the tiers refer to; nullptr for a policy that keeps everything at fp16.
     virtual const TierFormat* tier_format() const { return nullptr; }
+    // How many held positions sit at each tier (fp16, INT8, INT4) as assign_tiers last reported
+    // them, where each position's key and value share its tier and the policy counts them as they
+    // change: the memory metric then costs a few products a step, not a pass over the held
+    // positions. False where the policy does not count them.
+    virtual bool held_per_tier(std::array<int64_t, 3>& count) const { (void)count; return false; }
     // Whether on_decode_step reads the attention it is given: false for a policy that keeps by
     // position alone, which is then given an empty span (the harness skips building it).
     virtual bool reads_attention() const { return true; }

@@ -9,6 +9,7 @@
 // tier holds little beyond sinks, recent tokens and anchors, and the cache is smaller than the
 // shares suggest. This follows the specification; the tests check the bounds sinking guarantees.
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -115,6 +116,7 @@ public:
         for (const uint8_t* at = zone; (at = static_cast<const uint8_t*>(std::memchr(at, kEvicted, zone_end - at))); ++at) {
             const auto i = static_cast<std::size_t>(at - zone);
             gone_.push_back(i);
+            --tier_count_[tier_[i]];  // kEvicted where its zone evicted it, its tier where trimmed
             victims.push_back(positions_[i]);  // slots ascend, so positions do
         }
         positions_.erase(gone_);
@@ -153,6 +155,10 @@ public:
     }
 
     const TierFormat* tier_format() const override { return &p_.format; }
+    bool held_per_tier(std::array<int64_t, 3>& count) const override {
+        std::copy(tier_count_.begin(), tier_count_.begin() + 3, count.begin());
+        return true;
+    }
     bool sizes_itself() const override { return true; }
 
     std::size_t bytes_per_slot() const override {
@@ -175,6 +181,7 @@ private:
     void admit(int32_t pos) {
         positions_.push_back(pos);
         tier_.push_back(kFp16);  // a new token is recent, so FP16
+        ++tier_count_[kFp16];
         rank_keys_.push_back(~ascending_key(0.0));
         rank_slots_.push_back(static_cast<uint32_t>(positions_.size() - 1));
         rank_of_slot_.push_back(static_cast<uint32_t>(rank_slots_.size() - 1));
@@ -359,16 +366,21 @@ private:
             zone[i] = fixed.holds(k, i) ? kFp16
                                         : static_cast<uint8_t>((k >= int8_start) + (k >= int4_start) + (k >= evicted_start));
         }
-        // Each token sinks to its zone. Thirty-two slots are tested at a time for one that sinks
-        // and stays (an evicted token's tier is never read again); those are kept for assign_tiers.
+        // Each token sinks to its zone. Thirty-two slots are tested at a time for one that sinks;
+        // each such is counted at its new tier, and kept for assign_tiers where it stays (an
+        // evicted token's tier, kEvicted, is read again only to count it out).
         constexpr uint32_t kSinkBlock = 32;
         for (uint32_t first = 0; first < count; first += kSinkBlock) {
             const uint32_t last = std::min(first + kSinkBlock, count);
             uint8_t sinks = 0;
-            for (uint32_t i = first; i < last; ++i) sinks |= static_cast<uint8_t>((zone[i] > tier[i]) & (zone[i] != kEvicted));
+            for (uint32_t i = first; i < last; ++i) sinks |= static_cast<uint8_t>(zone[i] > tier[i]);
             if (sinks)
-                for (uint32_t i = first; i < last; ++i)
-                    if (zone[i] > tier[i] && zone[i] != kEvicted) sunk_.emplace_back(positions_[i], zone[i]);
+                for (uint32_t i = first; i < last; ++i) {
+                    if (zone[i] <= tier[i]) continue;
+                    --tier_count_[tier[i]];
+                    ++tier_count_[zone[i]];
+                    if (zone[i] != kEvicted) sunk_.emplace_back(positions_[i], zone[i]);
+                }
             for (uint32_t i = first; i < last; ++i) tier[i] = std::max(tier[i], zone[i]);
         }
         // The evicted: the unprotected from the int4_end-th on (zone_start[2] is that one's rank).
@@ -400,6 +412,9 @@ private:
     int32_t step_ = 0;               // the latest position admitted
     SlotArray<int32_t> positions_;  // ascending
     SlotArray<uint8_t> tier_;       // Tier as uint8_t; only ever grows (coarser)
+    // Held slots per tier_ value: fp16, INT8, INT4, and kEvicted for those a re-zoning evicted
+    // until evict() lets them go (none between calls).
+    std::array<int64_t, 4> tier_count_{};
     // The ranking, kept between steps. Its keys are the tokens' cumulative attention (the query
     // group's mean weight summed over the steps), each as ~ascending_key: the algorithm's state,
     // counted by bytes_per_slot as the double it encodes. The slots and ranks are an index (left

@@ -525,13 +525,24 @@ bool Harness::output_measured(int32_t t) const {
     return !values_.sample.steps || values_.sample.steps[t];
 }
 
-double held_tier_bytes(double start, std::span<const int32_t> kept, const uint8_t* key_tier,
-                       const uint8_t* value_tier, const double key_bytes[3], const double value_bytes[3]) {
+bool tier_bytes_are_whole(double start, const double key_bytes[3], const double value_bytes[3]) {
     bool whole = start >= 0 && start <= 0x1p52 && start == std::trunc(start);
     for (int tier = 0; tier < 3; ++tier)
         for (const double b : {key_bytes[tier], value_bytes[tier]})
             whole = whole && b >= 0 && b <= 0x1p20 && b == std::trunc(b);
-    if (!whole) {
+    return whole;
+}
+
+double tier_bytes_of_counts(double start, const HeldTierCounts& c, const double key_bytes[3], const double value_bytes[3]) {
+    return start + static_cast<double>(c.held - c.key_int8 - c.key_int4) * key_bytes[0] +
+           static_cast<double>(c.key_int8) * key_bytes[1] + static_cast<double>(c.key_int4) * key_bytes[2] +
+           static_cast<double>(c.held - c.value_int8 - c.value_int4) * value_bytes[0] +
+           static_cast<double>(c.value_int8) * value_bytes[1] + static_cast<double>(c.value_int4) * value_bytes[2];
+}
+
+double held_tier_bytes(double start, std::span<const int32_t> kept, const uint8_t* key_tier,
+                       const uint8_t* value_tier, const double key_bytes[3], const double value_bytes[3]) {
+    if (!tier_bytes_are_whole(start, key_bytes, value_bytes)) {
         double bytes = start;
         for (int32_t p : kept) bytes += key_bytes[key_tier[p]] + value_bytes[value_tier[p]];
         return bytes;
@@ -565,11 +576,9 @@ double held_tier_bytes(double start, std::span<const int32_t> kept, const uint8_
         top = std::max(top, std::max(k, v));
     }
     if (top > 2) throw std::logic_error("a held position's tier is " + std::to_string(top) + ", not 0, 1 or 2");
-    const auto n = static_cast<int64_t>(kept.size());
-    const int64_t key_int8 = key_sum - 2 * key_int4, value_int8 = value_sum - 2 * value_int4;
-    return start + static_cast<double>(n - key_int8 - key_int4) * key_bytes[0] + static_cast<double>(key_int8) * key_bytes[1] +
-           static_cast<double>(key_int4) * key_bytes[2] + static_cast<double>(n - value_int8 - value_int4) * value_bytes[0] +
-           static_cast<double>(value_int8) * value_bytes[1] + static_cast<double>(value_int4) * value_bytes[2];
+    const HeldTierCounts counts{static_cast<int64_t>(kept.size()), key_sum - 2 * key_int4, key_int4,
+                                value_sum - 2 * value_int4, value_int4};
+    return tier_bytes_of_counts(start, counts, key_bytes, value_bytes);
 }
 
 // Output error and memory of the cache as the model reads it at this step: what the policy held
@@ -590,6 +599,14 @@ void Harness::measure_values(const GroupStep& s) {
         } else if (!tiered_ && token_bytes == std::trunc(token_bytes)) {
             // Every token at fp16 and whole bytes a token: the product is the sum below, exactly.
             bytes += static_cast<double>(kept_.size()) * token_bytes;
+        } else if (std::array<int64_t, 3> per_tier; policy_->held_per_tier(per_tier) &&
+                   tier_bytes_are_whole(bytes, key_bytes_, value_bytes_)) {
+            // The policy counts its tiers as they change: the same bits as the pass below.
+            if (per_tier[0] + per_tier[1] + per_tier[2] != static_cast<int64_t>(kept_.size()))
+                fail(t, "counts " + std::to_string(per_tier[0] + per_tier[1] + per_tier[2]) + " positions by tier, but holds " +
+                            std::to_string(kept_.size()));
+            bytes = tier_bytes_of_counts(bytes, {static_cast<int64_t>(kept_.size()), per_tier[1], per_tier[2], per_tier[1], per_tier[2]},
+                                         key_bytes_, value_bytes_);
         } else {
             bytes = held_tier_bytes(bytes, kept_, key_tier_.data(), value_tier_.data(), key_bytes_, value_bytes_);
         }

@@ -154,6 +154,16 @@ struct CacheValues {
 // was the metric's cost on a tiered replay.
 double held_tier_bytes(double start, std::span<const int32_t> kept, const uint8_t* key_tier, const uint8_t* value_tier,
                        const double key_bytes[3], const double value_bytes[3]);
+// Whether `start` and every tier's bytes are the whole numbers held_tier_bytes counts with.
+bool tier_bytes_are_whole(double start, const double key_bytes[3], const double value_bytes[3]);
+// Held positions, and how many of them hold their key and their value at INT8 and at INT4 (the
+// rest at fp16).
+struct HeldTierCounts {
+    int64_t held = 0, key_int8 = 0, key_int4 = 0, value_int8 = 0, value_int4 = 0;
+};
+// `start` plus their bytes, as held_tier_bytes adds them where the bytes are whole.
+double tier_bytes_of_counts(double start, const HeldTierCounts& counts, const double key_bytes[3],
+                            const double value_bytes[3]);
 
 class Harness {
 public:

@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <functional>
 #include <map>
@@ -141,6 +142,13 @@ void replay(Policy& policy, uint32_t seed, const std::function<void(const StepVi
                               << int{value_tier[pos]});
             tier[pos] = key_tier[pos];
         }
+        // The counts the memory metric reads in place of a pass over the held tiers.
+        std::array<int64_t, 3> counted{-1, -1, -1}, reported{};
+        if (!policy.held_per_tier(counted)) FAIL("step " << t << ": no tier counts");
+        for (int32_t pos : held) ++reported[tier[pos]];
+        if (counted != reported)
+            FAIL("step " << t << ": counts " << counted[0] << "/" << counted[1] << "/" << counted[2] << " by tier, "
+                         << reported[0] << "/" << reported[1] << "/" << reported[2] << " reported");
         check(StepView{t, before, held, victims, previous_tier, tier, importance});
     }
 }
