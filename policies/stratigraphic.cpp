@@ -19,6 +19,10 @@
 #include <string>
 #include <utility>
 
+#if defined(__BMI2__)
+#include <immintrin.h>
+#endif
+
 #include "policies/policy.h"
 #include "policies/ranking.h"
 #include "cache_math/tier_shares.h"
@@ -44,6 +48,16 @@ struct StratigraphicParams {
     TierFormat format;
 };
 
+// The position of x's k-th set bit (k from 0; x has more than k).
+inline unsigned nth_set_bit(uint64_t x, std::size_t k) {
+#if defined(__BMI2__)
+    return static_cast<unsigned>(std::countr_zero(_pdep_u64(uint64_t{1} << k, x)));
+#else
+    for (; k > 0; --k) x &= x - 1;
+    return static_cast<unsigned>(std::countr_zero(x));
+#endif
+}
+
 // floor(share * seen), forgiving the last bit of rounding (0.29 * 100 is 28.999999999999996).
 int64_t share_count(double share, int64_t seen) {
     return static_cast<int64_t>(std::floor(share * static_cast<double>(seen) + 1e-9));
@@ -60,6 +74,7 @@ public:
         rank_of_slot_.reserve(capacity);
         sort_scratch_.reserve(capacity);
         descents_.reserve((static_cast<std::size_t>(capacity) + 63) / 64);
+        protected_ranks_.reserve((static_cast<std::size_t>(capacity) + 63) / 64);
         zone_.reserve(capacity);
         gone_.reserve(capacity);
         gone_ranks_.reserve(capacity);
@@ -315,10 +330,28 @@ private:
     std::size_t assign_zones(const Protected& guard) {
         const int64_t seen = int64_t{step_} + 1;
         const std::size_t n = positions_.size();
-        // Early on the sinks and the recent window overlap: every slot but those between them.
-        std::size_t protected_count = n - (guard.recent_begin > guard.sinks_end ? guard.recent_begin - guard.sinks_end : 0);
-        for (std::size_t k = 0; k < guard.anchors; ++k)
-            protected_count += rank_slots_[k] >= guard.sinks_end && rank_slots_[k] < guard.recent_begin ? 1 : 0;
+        // The protected ranks as bits (rank k: bit k % 64 of word k / 64): the anchors lead the
+        // ranking, and the sinks and the recent window are a few dozen slots, each set by its rank.
+        // (Early on the sinks and the recent window overlap: every slot.) The boundaries below are
+        // then found by counting the clear bits a word at a time, where a pass over every rank
+        // asked each whether it was protected.
+        const std::size_t words = (n + 63) / 64;
+        protected_ranks_.assign(words, 0);
+        uint64_t* bits = protected_ranks_.data();
+        for (std::size_t w = 0; w < guard.anchors / 64; ++w) bits[w] = ~uint64_t{0};
+        if (guard.anchors % 64) bits[guard.anchors / 64] |= (uint64_t{1} << (guard.anchors % 64)) - 1;
+        const uint32_t* rank_of = rank_of_slot_.data();
+        const auto protect = [&](uint32_t from, uint32_t to) {
+            for (uint32_t i = from; i < to; ++i) bits[rank_of[i] / 64] |= uint64_t{1} << (rank_of[i] % 64);
+        };
+        if (guard.recent_begin > guard.sinks_end) {
+            protect(0, guard.sinks_end);
+            protect(guard.recent_begin, static_cast<uint32_t>(n));
+        } else {
+            protect(0, static_cast<uint32_t>(n));
+        }
+        std::size_t protected_count = 0;
+        for (std::size_t w = 0; w < words; ++w) protected_count += static_cast<std::size_t>(std::popcount(bits[w]));
         // The unprotected tokens' ranks where FP16, INT8 and INT4 end.
         const std::size_t fp16_end = static_cast<std::size_t>(
             std::max<int64_t>(share_count(p_.fp16_share, seen) - static_cast<int64_t>(protected_count), 0));
@@ -328,34 +361,20 @@ private:
         // are unprotected): an unprotected token's zone is how many of them its rank reaches.
         const std::size_t starts[3] = {fp16_end, int8_end, int4_end};
         std::size_t zone_start[3] = {n, n, n};
-        const uint32_t* slot = rank_slots_.data();
         const auto narrow = [](std::size_t x) { return static_cast<uint32_t>(x); };
-        // Blocks of 64 ranks, each counted in a loop the compiler takes many ranks at a time, then
-        // walked only where a boundary falls. The count is 32-bit and the guard a local copy: with
-        // a std::size_t count GCC widened every lane's compare to 64 bits, in blocks of 16.
-        constexpr uint32_t kBlock = 64;
         std::size_t unprotected = 0, next = 0;
         while (next < 3 && starts[next] == 0) zone_start[next++] = 0;
-        for (std::size_t first = 0; first < n && next < 3; first += kBlock) {
-            const std::size_t last = std::min<std::size_t>(first + kBlock, n);
-            const Protected fixed_guard = guard;
-            uint32_t in_block = 0;
-            for (uint32_t k = narrow(first), end = narrow(last); k < end; ++k)
-                in_block += fixed_guard.holds(k, slot[k]) ? 0u : 1u;
-            if (unprotected + in_block <= starts[next]) {
-                unprotected += in_block;
-                continue;
-            }
-            for (std::size_t k = first; k < last; ++k) {
-                if (guard.holds(narrow(k), slot[k])) continue;
-                while (next < 3 && unprotected == starts[next]) zone_start[next++] = k;
-                ++unprotected;
-            }
+        for (std::size_t w = 0; w < words && next < 3; ++w) {
+            uint64_t clear = ~bits[w];  // the word's unprotected ranks
+            if (n - 64 * w < 64) clear &= (uint64_t{1} << (n - 64 * w)) - 1;
+            const auto in_word = static_cast<std::size_t>(std::popcount(clear));
+            for (; next < 3 && unprotected + in_word > starts[next]; ++next)
+                zone_start[next] = 64 * w + nth_set_bit(clear, starts[next] - unprotected);
+            unprotected += in_word;
         }
         // Then every token by slot, in a loop without branches that the compiler takes many slots
         // at a time (32-bit numbers throughout, copied out of what a byte store could alias): its
         // zone.
-        const uint32_t* rank_of = rank_of_slot_.data();
         uint8_t *zone = zone_.data(), *tier = tier_.data();
         const Protected fixed = guard;
         const uint32_t int8_start = narrow(zone_start[0]), int4_start = narrow(zone_start[1]),
@@ -423,7 +442,8 @@ private:
     SlotArray<uint32_t> rank_slots_;
     SlotArray<uint32_t> rank_of_slot_;  // the inverse: each slot's rank
     // Scratch of one evict() call, kept to reuse its memory.
-    std::vector<uint64_t> descents_;  // mark_descents' bits
+    std::vector<uint64_t> descents_;         // mark_descents' bits
+    std::vector<uint64_t> protected_ranks_;  // assign_zones' bits
     std::vector<std::pair<uint64_t, uint32_t>> sort_scratch_;
     std::vector<uint8_t> zone_;
     std::vector<std::size_t> gone_;
