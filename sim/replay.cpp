@@ -396,14 +396,17 @@ private:
         // metrics, or a policy shown attention (search's streaming fit needs neither).
         rows_ = !qkv_ || options_.harness.attention_metrics ||
                 std::any_of(harnesses.begin(), harnesses.end(), [](const Harness& h) { return h.policy().reads_attention(); });
+        // The heavy hitters serve heavy-hitter recall alone: without the attention metrics (a
+        // search's output-error passes) no row's top positions are looked for.
+        heavy_hitters_ = rows_ && options_.harness.attention_metrics;
         for (int64_t first = 1; first <= shape_.last_steps[s];) {
             const int64_t end = attention_block_end(first, shape_.last_steps[s], block_floats);
-            size_heavy_hitters(first, end);
+            if (heavy_hitters_) size_heavy_hitters(first, end);
             if (qkv_) {
                 qkv_->begin_block(s, layer, first, end, block_);  // the rows come KV head by KV head, below
             } else {
                 source_.read_block(s, layer, first, end, block_);
-                heavy_hitters_of_block(first, end);
+                if (heavy_hitters_) heavy_hitters_of_block(first, end);
             }
             // The layer is loaded: the next one's load may start beside it.
             if (load_next) {
@@ -421,7 +424,8 @@ private:
             tbb::parallel_for(0, kv_heads_, [&](int kv) {
                 if (qkv_ && rows_)
                     for (int h = kv * group_; h < (kv + 1) * group_; ++h)
-                        if ((overflow_[h] = qkv_->head_rows(h, block_, &heavy_of_row_)) >= 0) return;
+                        if ((overflow_[h] = qkv_->head_rows(h, block_, heavy_hitters_ ? &heavy_of_row_ : nullptr)) >= 0)
+                            return;
                 shared_work(kv, first, end);
                 const std::vector<std::size_t>& runs = runs_of_kv_[kv];
                 if (runs.size() == 1)
@@ -715,13 +719,16 @@ private:
         const int64_t t = first + i;
         // The heavy hitters as bits too, once for all the step's harnesses (Harness::observe).
         const std::size_t words = (static_cast<std::size_t>(t) + 63) / 64;
-        if (heavy_as_bits && rows_) heavy_bits.assign(group * words, 0);
+        heavy_as_bits = heavy_as_bits && heavy_hitters_;
+        if (heavy_as_bits) heavy_bits.assign(group * words, 0);
         for (int h = 0; h < group_; ++h) {
             const int head = kv * group_ + h;
             const int64_t job_row = head * rows + i;
             if (rows_) {
                 rows_of_group[h] = block_.row(head, t);
-                heavy_of_group[h] = {heavy_.data() + job_row * block_k_, static_cast<std::size_t>(heavy_count_[job_row])};
+                heavy_of_group[h] = heavy_hitters_ ? std::span<const int32_t>{heavy_.data() + job_row * block_k_,
+                                                                               static_cast<std::size_t>(heavy_count_[job_row])}
+                                                   : std::span<const int32_t>{};
                 if (heavy_as_bits) {
                     uint64_t* bits = heavy_bits.data() + h * words;
                     for (int32_t p : heavy_of_group[h]) bits[p >> 6] |= uint64_t{1} << (p & 63);
@@ -742,7 +749,7 @@ private:
         step.t = static_cast<int32_t>(t);
         step.rows = {rows_of_group, group};
         step.heavy = {heavy_of_group, group};
-        if (heavy_as_bits && rows_) step.heavy_bits = {heavy_bits_of_group, group};
+        if (heavy_as_bits) step.heavy_bits = {heavy_bits_of_group, group};
         if (!raw_view_) step.self_weight = {self_of_group, group};
         if (recorded_self_) step.own_weight = {self_of_group, group};
         if (options_.output_error) {
@@ -802,6 +809,7 @@ private:
     int block_k_ = 0;  // heavy hitters per row in this block: k, or fewer where rows are shorter
     bool recorded_self_ = false;
     bool rows_ = true;  // this layer's attention rows are made (see replay_layer)
+    bool heavy_hitters_ = true;  // and their heavy hitters found (see replay_layer)
     std::vector<int32_t> heavy_;                    // [query head][row][k]
     std::vector<int32_t> heavy_count_;              // [query head][row]
     std::vector<int32_t> heavy_hint_, heavy_next_hint_;  // per query head: top_k_positions' hints
