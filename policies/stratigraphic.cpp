@@ -13,7 +13,6 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -68,14 +67,14 @@ public:
     Stratigraphic(int capacity, const StratigraphicParams& params) : capacity_(capacity), p_(params) {
         // Everything a step sizes by the held count, at its largest once: no allocation per step.
         positions_.reserve(capacity);
-        tier_.reserve(capacity);
+        rank_tiers_.reserve(capacity);
         rank_keys_.reserve(capacity);
         rank_slots_.reserve(capacity);
         rank_of_slot_.reserve(capacity);
         sort_scratch_.reserve(capacity);
         descents_.reserve((static_cast<std::size_t>(capacity) + 63) / 64);
         protected_ranks_.reserve((static_cast<std::size_t>(capacity) + 63) / 64);
-        zone_.reserve(capacity);
+        slot_tiers_.reserve(capacity);
         gone_.reserve(capacity);
         gone_ranks_.reserve(capacity);
         value_after_.reserve(capacity);
@@ -114,28 +113,22 @@ public:
         rank_by_importance();
         const Protected guard = find_protected();
         const std::size_t n = positions_.size();
-        zone_.resize(n);
-        // Between re-zonings no zone moves a tier; a re-zoning gives every token its zone, and a
-        // token's tier is the coarser of where it was and where its zone is (sinking).
-        std::size_t evicted = 0;
-        if (rezoning)
-            evicted = assign_zones(guard);
-        else
-            std::fill(zone_.begin(), zone_.end(), kFp16);
-        if (n - evicted > target) evicted += trim_to_budget(guard, n - evicted - target);
-        if (evicted == 0) return;
+        // Between re-zonings no zone moves a tier; a re-zoning sinks every token to its zone, and
+        // the unprotected from the rank `zoned_out` on are out.
+        gone_ranks_.clear();
+        const std::size_t zoned_out = rezoning ? rezone(guard) : n;
+        if (n - gone_ranks_.size() > target) trim_to_budget(guard, zoned_out, n - gone_ranks_.size() - target);
+        if (gone_ranks_.empty()) return;
 
-        // The evicted are few a step: memchr finds them without a branch per token.
+        std::sort(gone_ranks_.begin(), gone_ranks_.end());
         gone_.clear();
-        const uint8_t *zone = zone_.data(), *zone_end = zone + n;
-        for (const uint8_t* at = zone; (at = static_cast<const uint8_t*>(std::memchr(at, kEvicted, zone_end - at))); ++at) {
-            const auto i = static_cast<std::size_t>(at - zone);
-            gone_.push_back(i);
-            --tier_count_[tier_[i]];  // kEvicted where its zone evicted it, its tier where trimmed
-            victims.push_back(positions_[i]);  // slots ascend, so positions do
+        for (const std::size_t k : gone_ranks_) {
+            gone_.push_back(rank_slots_[k]);
+            --tier_count_[rank_tiers_[k]];
         }
+        std::sort(gone_.begin(), gone_.end());
+        for (const std::size_t i : gone_) victims.push_back(positions_[i]);  // slots ascend, so positions do
         positions_.erase(gone_);
-        tier_.erase(gone_);
         close_ranking();
     }
 
@@ -164,21 +157,20 @@ public:
                                        std::to_string(pos) + ", which it does not hold");
             if (static_cast<std::size_t>(pos) >= key_tier.size() || static_cast<std::size_t>(pos) >= value_tier.size())
                 throw std::logic_error("tier arrays too short for position " + std::to_string(pos));
-            key_tier[pos] = tier_[slot];
-            value_tier[pos] = tier_[slot];
+            key_tier[pos] = value_tier[pos] = rank_tiers_[rank_of_slot_[slot]];
         }
     }
 
     const TierFormat* tier_format() const override { return &p_.format; }
     bool held_per_tier(std::array<int64_t, 3>& count) const override {
-        std::copy(tier_count_.begin(), tier_count_.begin() + 3, count.begin());
+        count = tier_count_;
         return true;
     }
     bool sizes_itself() const override { return true; }
 
     std::size_t bytes_per_slot() const override {
         // The cumulative attention is a double a token, held as its ranking key.
-        return sizeof(decltype(positions_)::value_type) + sizeof(double) + sizeof(decltype(tier_)::value_type);
+        return sizeof(decltype(positions_)::value_type) + sizeof(double) + sizeof(decltype(rank_tiers_)::value_type);
     }
 
 private:
@@ -195,9 +187,9 @@ private:
 
     void admit(int32_t pos) {
         positions_.push_back(pos);
-        tier_.push_back(kFp16);  // a new token is recent, so FP16
-        ++tier_count_[kFp16];
+        ++tier_count_[kFp16];  // a new token is recent, so FP16
         rank_keys_.push_back(~ascending_key(0.0));
+        rank_tiers_.push_back(kFp16);
         rank_slots_.push_back(static_cast<uint32_t>(positions_.size() - 1));
         rank_of_slot_.push_back(static_cast<uint32_t>(rank_slots_.size() - 1));
     }
@@ -213,6 +205,7 @@ private:
     void rank_by_importance() {
         uint64_t* key = rank_keys_.data();
         uint32_t* slot = rank_slots_.data();
+        uint8_t* tier = rank_tiers_.data();
         const std::size_t n = rank_keys_.size();
         descents_.resize((n + 63) / 64);
         mark_descents(key, slot, n, descents_.data());
@@ -231,15 +224,18 @@ private:
                 for (; j < n && descends(j); ++j) {
                     const uint64_t x_key = key[j];
                     const uint32_t x_slot = slot[j];
+                    const uint8_t x_tier = tier[j];
                     std::size_t k = j;
                     do {
                         key[k] = key[k - 1];
                         slot[k] = slot[k - 1];
+                        tier[k] = tier[k - 1];
                         rank_of[slot[k]] = static_cast<uint32_t>(k);
                         --k;
                     } while (k > 0 && pair_before(x_key, x_slot, key[k - 1], slot[k - 1]));
                     key[k] = x_key;
                     slot[k] = x_slot;
+                    tier[k] = x_tier;
                     rank_of[x_slot] = static_cast<uint32_t>(k);
                     moves += j - k;
                     if (moves > 8 * n) return sort_ranking();
@@ -249,18 +245,16 @@ private:
         }
     }
 
-    // The ranking keeps its survivors, renumbered as the arrays closed up: the evicted (gone_,
-    // ascending slots) leave the keys and slots at their ranks and the ranks at their slots, one
-    // block move per gap, as the other arrays; then each slot drops by the evicted slots below it
-    // and each rank by the evicted ranks below it. A step evicts one or two tokens, so those
-    // counts are a few compares per token, which vectorise; more, and a table gives them.
+    // The ranking keeps its survivors, renumbered as the arrays closed up: the evicted (gone_ranks_
+    // and gone_, the same tokens' ranks and slots, each ascending) leave the keys, slots and tiers
+    // at their ranks and the ranks at their slots, one block move per gap, as positions_; then each
+    // slot drops by the evicted slots below it and each rank by the evicted ranks below it. A step
+    // evicts one or two tokens, so those counts are a few compares per token, which vectorise;
+    // more, and a table gives them.
     void close_ranking() {
-        uint32_t* rank_of = rank_of_slot_.data();
-        gone_ranks_.clear();
-        for (const std::size_t i : gone_) gone_ranks_.push_back(rank_of[i]);
-        std::sort(gone_ranks_.begin(), gone_ranks_.end());
         rank_keys_.erase(gone_ranks_);
         rank_slots_.erase(gone_ranks_);
+        rank_tiers_.erase(gone_ranks_);
         rank_of_slot_.erase(gone_);
         renumber(rank_slots_.data(), rank_slots_.size(), gone_);
         renumber(rank_of_slot_.data(), rank_of_slot_.size(), gone_ranks_);
@@ -290,11 +284,16 @@ private:
     void sort_ranking() {
         const std::size_t n = rank_keys_.size();
         sort_scratch_.resize(n);
-        for (std::size_t k = 0; k < n; ++k) sort_scratch_[k] = {rank_keys_[k], rank_slots_[k]};
+        slot_tiers_.resize(n);  // the tiers by slot while the ranks move
+        for (std::size_t k = 0; k < n; ++k) {
+            sort_scratch_[k] = {rank_keys_[k], rank_slots_[k]};
+            slot_tiers_[rank_slots_[k]] = rank_tiers_[k];
+        }
         std::sort(sort_scratch_.begin(), sort_scratch_.end());
         for (std::size_t k = 0; k < n; ++k) {
             rank_keys_[k] = sort_scratch_[k].first;
             rank_slots_[k] = sort_scratch_[k].second;
+            rank_tiers_[k] = slot_tiers_[rank_slots_[k]];
             rank_of_slot_[rank_slots_[k]] = static_cast<uint32_t>(k);
         }
     }
@@ -324,10 +323,11 @@ private:
         return guard;
     }
 
-    // The zones of a re-zoning step, and each token sunk to its zone: protected ones FP16, the
-    // rest in importance order into what the shares of the t + 1 tokens seen leave (FP16, INT8,
-    // INT4), then out. Returns how many are out.
-    std::size_t assign_zones(const Protected& guard) {
+    // A re-zoning: every token sunk to its zone. Protected ones are FP16; the rest fill, in
+    // importance order, what the shares of the t + 1 tokens seen leave of FP16, INT8 and INT4, and
+    // then are out. Appends the ranks of those out to gone_ranks_ and returns the first rank out
+    // (n where none is).
+    std::size_t rezone(const Protected& guard) {
         const int64_t seen = int64_t{step_} + 1;
         const std::size_t n = positions_.size();
         // The protected ranks as bits (rank k: bit k % 64 of word k / 64): the anchors lead the
@@ -360,8 +360,7 @@ private:
         // The rank of the unprotected token that starts INT8, INT4 and the evicted (n where too few
         // are unprotected): an unprotected token's zone is how many of them its rank reaches.
         const std::size_t starts[3] = {fp16_end, int8_end, int4_end};
-        std::size_t zone_start[3] = {n, n, n};
-        const auto narrow = [](std::size_t x) { return static_cast<uint32_t>(x); };
+        std::size_t zone_start[4] = {n, n, n, n};
         std::size_t unprotected = 0, next = 0;
         while (next < 3 && starts[next] == 0) zone_start[next++] = 0;
         for (std::size_t w = 0; w < words && next < 3; ++w) {
@@ -372,80 +371,83 @@ private:
                 zone_start[next] = 64 * w + nth_set_bit(clear, starts[next] - unprotected);
             unprotected += in_word;
         }
-        // Then every token by slot, in a loop without branches that the compiler takes many slots
-        // at a time (32-bit numbers throughout, copied out of what a byte store could alias): its
-        // zone.
-        uint8_t *zone = zone_.data(), *tier = tier_.data();
-        const Protected fixed = guard;
-        const uint32_t int8_start = narrow(zone_start[0]), int4_start = narrow(zone_start[1]),
-                       evicted_start = narrow(zone_start[2]), count = narrow(n);
-        for (uint32_t i = 0; i < count; ++i) {
-            const uint32_t k = rank_of[i];
-            // Zones are numbered as tiers, kEvicted one past INT4.
-            zone[i] = fixed.holds(k, i) ? kFp16
-                                        : static_cast<uint8_t>((k >= int8_start) + (k >= int4_start) + (k >= evicted_start));
-        }
-        // Each token sinks to its zone. Thirty-two slots are tested at a time for one that sinks;
-        // each such is counted at its new tier, and kept for assign_tiers where it stays (an
-        // evicted token's tier, kEvicted, is read again only to count it out).
-        constexpr uint32_t kSinkBlock = 32;
-        for (uint32_t first = 0; first < count; first += kSinkBlock) {
-            const uint32_t last = std::min(first + kSinkBlock, count);
-            uint8_t sinks = 0;
-            for (uint32_t i = first; i < last; ++i) sinks |= static_cast<uint8_t>(zone[i] > tier[i]);
-            if (sinks)
-                for (uint32_t i = first; i < last; ++i) {
-                    if (zone[i] <= tier[i]) continue;
-                    --tier_count_[tier[i]];
-                    ++tier_count_[zone[i]];
-                    if (zone[i] != kEvicted) sunk_.emplace_back(positions_[i], zone[i]);
+        // The tiers lie in ranking order (rank_tiers_), so each zone is a run of ranks: within it,
+        // the unprotected tokens at a finer tier sink, found 64 ranks at a time. An FP16 zone moves
+        // nothing, so the ranks before INT8's start are never read; a re-zoning sinks about one
+        // token of the 1,500 to 4,000 held, where a pass over every slot gave each its zone.
+        const uint8_t* tier = rank_tiers_.data();
+        for (uint8_t zone = kInt8; zone <= kEvicted; ++zone) {
+            const std::size_t from = zone_start[zone - 1], to = zone_start[zone];
+            for (std::size_t w = from / 64; w < words && 64 * w < to; ++w) {
+                const std::size_t first = 64 * w;
+                uint64_t sinking = finer_than(tier + first, std::min<std::size_t>(64, n - first), zone) & ~bits[w];
+                if (from > first) sinking &= ~uint64_t{0} << (from - first);
+                if (to - first < 64) sinking &= (uint64_t{1} << (to - first)) - 1;
+                for (; sinking; sinking &= sinking - 1) {
+                    const std::size_t k = first + static_cast<std::size_t>(std::countr_zero(sinking));
+                    if (zone == kEvicted) {  // counted out, at its tier, with the trimmed
+                        gone_ranks_.push_back(k);
+                        continue;
+                    }
+                    --tier_count_[tier[k]];
+                    ++tier_count_[zone];
+                    rank_tiers_[k] = zone;
+                    sunk_.emplace_back(positions_[rank_slots_[k]], zone);
                 }
-            for (uint32_t i = first; i < last; ++i) tier[i] = std::max(tier[i], zone[i]);
+            }
         }
-        // The evicted: the unprotected from the int4_end-th on (zone_start[2] is that one's rank).
-        const std::size_t unprotected_count = n - protected_count;
-        return unprotected_count > int4_end ? unprotected_count - int4_end : 0;
+        return zone_start[2];
     }
 
-    // Still over the harness budget: the least important unprotected tokens go next. Should the
-    // protected ones alone exceed it, the budget wins: the least important of them go, never the
-    // token just admitted. Returns how many went.
-    std::size_t trim_to_budget(const Protected& guard, std::size_t excess) {
-        const std::size_t wanted = excess;
-        for (const bool from_protected : {false, true}) {
-            for (std::size_t k = rank_slots_.size(); k-- > 0 && excess > 0;) {
-                const uint32_t i = rank_slots_[k];
-                if (zone_[i] == kEvicted || guard.holds(static_cast<uint32_t>(k), i) != from_protected ||
-                    (from_protected && positions_[i] == step_))
-                    continue;
-                zone_[i] = kEvicted;
+    // Bit j set where tier[j] < zone, for j < count (at most 64).
+    static uint64_t finer_than(const uint8_t* tier, std::size_t count, uint8_t zone) {
+#if defined(__AVX512BW__)
+        if (count == 64)
+            return _mm512_cmplt_epu8_mask(_mm512_loadu_si512(tier), _mm512_set1_epi8(static_cast<char>(zone)));
+#endif
+        uint64_t bits = 0;
+        for (std::size_t j = 0; j < count; ++j) bits |= uint64_t{tier[j] < zone} << j;
+        return bits;
+    }
+
+    // Still over the harness budget: the least important unprotected tokens not already out (those
+    // from rank zoned_out on) go next. Should the protected ones alone exceed it, the budget wins:
+    // the least important of them go, never the token just admitted. Appends their ranks to
+    // gone_ranks_.
+    void trim_to_budget(const Protected& guard, std::size_t zoned_out, std::size_t excess) {
+        for (std::size_t k = std::min(zoned_out, rank_slots_.size()); k-- > 0 && excess > 0;)
+            if (!guard.holds(static_cast<uint32_t>(k), rank_slots_[k])) {
+                gone_ranks_.push_back(k);
                 --excess;
             }
-            if (excess == 0) break;
+        for (std::size_t k = rank_slots_.size(); k-- > 0 && excess > 0;) {
+            const uint32_t i = rank_slots_[k];
+            if (guard.holds(static_cast<uint32_t>(k), i) && positions_[i] != step_) {
+                gone_ranks_.push_back(k);
+                --excess;
+            }
         }
-        return wanted - excess;
     }
 
     int capacity_;
     StratigraphicParams p_;
     int32_t step_ = 0;               // the latest position admitted
     SlotArray<int32_t> positions_;  // ascending
-    SlotArray<uint8_t> tier_;       // Tier as uint8_t; only ever grows (coarser)
-    // Held slots per tier_ value: fp16, INT8, INT4, and kEvicted for those a re-zoning evicted
-    // until evict() lets them go (none between calls).
-    std::array<int64_t, 4> tier_count_{};
+    std::array<int64_t, 3> tier_count_{};  // held tokens per tier: FP16, INT8, INT4
     // The ranking, kept between steps. Its keys are the tokens' cumulative attention (the query
     // group's mean weight summed over the steps), each as ~ascending_key: the algorithm's state,
-    // counted by bytes_per_slot as the double it encodes. The slots and ranks are an index (left
-    // out, as scratch is).
+    // counted by bytes_per_slot as the double it encodes. The tokens' tiers (Tier as uint8_t; a
+    // tier only ever grows coarser) lie beside the keys, in ranking order, so that a zone's tokens
+    // are a run of them. The slots and ranks are an index (left out, as scratch is).
     SlotArray<uint64_t> rank_keys_;
+    SlotArray<uint8_t> rank_tiers_;
     SlotArray<uint32_t> rank_slots_;
     SlotArray<uint32_t> rank_of_slot_;  // the inverse: each slot's rank
     // Scratch of one evict() call, kept to reuse its memory.
     std::vector<uint64_t> descents_;         // mark_descents' bits
-    std::vector<uint64_t> protected_ranks_;  // assign_zones' bits
+    std::vector<uint64_t> protected_ranks_;  // rezone's bits
     std::vector<std::pair<uint64_t, uint32_t>> sort_scratch_;
-    std::vector<uint8_t> zone_;
+    std::vector<uint8_t> slot_tiers_;  // sort_ranking's
     std::vector<std::size_t> gone_;
     std::vector<std::size_t> gone_ranks_;
     std::vector<uint32_t> value_after_;  // renumber's table

@@ -98,8 +98,14 @@ std::vector<float> attention(int32_t t, const std::vector<int32_t>& held, std::m
 
 // Runs kSteps steps; checks the harness contract itself (victims ascending and held, tiers in
 // range and equal for keys and values, evicted never held again) and hands each step to `check`.
+// The harness budget of step t, given how many it holds after admitting t.
+using BudgetAt = std::function<int(int32_t t, std::size_t held)>;
+BudgetAt budget_of(int budget) {
+    return [budget](int32_t, std::size_t) { return budget; };
+}
+
 void replay(Policy& policy, uint32_t seed, const std::function<void(const StepView&)>& check,
-            int budget = kHugeBudget, Attention kind = Attention::smooth) {
+            const BudgetAt& budget_at = budget_of(kHugeBudget), Attention kind = Attention::smooth) {
     std::mt19937 rng(seed);
     std::vector<int32_t> held = {0};
     std::vector<double> importance(kSteps, 0.0);
@@ -115,7 +121,7 @@ void replay(Policy& policy, uint32_t seed, const std::function<void(const StepVi
         const std::vector<int32_t> before = held;
 
         std::vector<int32_t> victims;
-        policy.evict(budget, victims);
+        policy.evict(budget_at(t, held.size()), victims);
         // Failures stop the run; passing steps add no assertions (there are millions of them).
         if (!std::is_sorted(victims.begin(), victims.end()) ||
             std::adjacent_find(victims.begin(), victims.end()) != victims.end())
@@ -334,7 +340,7 @@ LayerRun run_layer(const Setup& setup) {
         run.tier_history.push_back(std::move(tiers));
         run.final_fp16 = count_tier(s, 0);
         run.final_held = static_cast<int>(s.held.size());
-    }, kHugeBudget, setup.attention);
+    }, budget_of(kHugeBudget), setup.attention);
     return run;
 }
 
@@ -475,7 +481,7 @@ TEST_CASE("stratigraphic: a tight harness budget evicts the least important unpr
             if (expected != s.victims) budget.add(step + "not the least important unprotected tokens");
             ++trims_checked;
         },
-        kBudget);
+        budget_of(kBudget));
     INFO("sinking: " << sinking.first);
     CHECK(sinking.count == 0);
     INFO("protected: " << protected_fp16.first);
@@ -483,6 +489,51 @@ TEST_CASE("stratigraphic: a tight harness budget evicts the least important unpr
     INFO("budget: " << budget.first);
     CHECK(budget.count == 0);
     CHECK(trims_checked > 1000);
+}
+
+TEST_CASE("stratigraphic: a budget below the zones trims in the same step as a re-zoning evicts") {
+    // Every 32nd step from 400 on the budget drops 3 below what is held: the re-zoning evicts what
+    // the zones leave out, and the trim the least important unprotected tokens still held, so
+    // together they are the 3 least important unprotected (the zones evict from the least). In
+    // between, the zones (67% of the tokens seen, growing by 0.67 a step) catch up with the cuts.
+    constexpr std::size_t kCut = 3;
+    const auto cut_step = [](int32_t t) { return t >= 400 && t % 32 == 0; };
+    auto policy = make_policy({}, 0, 4);
+    Violations sinking, protected_fp16, budget;
+    std::vector<bool> gone(kSteps, false);
+    int cuts_checked = 0, cuts_after_zones_evicted = 0;
+    replay(
+        *policy, 17,
+        [&](const StepView& s) {
+            check_invariants(s, sinking, protected_fp16, gone);
+            if (!cut_step(s.t)) return;
+            const std::string step = "step " + std::to_string(s.t) + ": ";
+            const auto [zone, protected_count] = reference_zones(s, kLayer0Of4, {});
+            if (std::any_of(zone.begin(), zone.end(), [](const auto& z) { return z.second == 3; }))
+                ++cuts_after_zones_evicted;
+            const std::set<int32_t> anchors = anchors_of(s.before, s.importance);
+            std::vector<int32_t> unprotected;
+            for (int32_t pos : s.before)
+                if (!sink_or_recent(pos, s.t) && !anchors.count(pos)) unprotected.push_back(pos);
+            std::sort(unprotected.begin(), unprotected.end(), [&](int32_t a, int32_t b) {
+                return s.importance[a] != s.importance[b] ? s.importance[a] > s.importance[b] : a < b;
+            });
+            std::vector<int32_t> expected(unprotected.end() - static_cast<std::ptrdiff_t>(kCut), unprotected.end());
+            std::sort(expected.begin(), expected.end());
+            if (expected != s.victims)
+                budget.add(step + std::to_string(s.victims.size()) + " victims, not the " + std::to_string(kCut) +
+                           " least important unprotected tokens");
+            ++cuts_checked;
+        },
+        [&](int32_t t, std::size_t held) { return cut_step(t) ? static_cast<int>(held - kCut) : kHugeBudget; });
+    INFO("sinking: " << sinking.first);
+    CHECK(sinking.count == 0);
+    INFO("protected: " << protected_fp16.first);
+    CHECK(protected_fp16.count == 0);
+    INFO("budget: " << budget.first);
+    CHECK(budget.count == 0);
+    CHECK(cuts_checked == 50);
+    CHECK(cuts_after_zones_evicted > 10);  // not vacuous: 14 of the 50 (the zones evict in a third of all steps)
 }
 
 TEST_CASE("stratigraphic: parameter checks, bookkeeping bytes and tier format") {
