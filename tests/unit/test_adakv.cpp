@@ -2,6 +2,12 @@
 #include <doctest/doctest.h>
 #include <tbb/global_control.h>
 
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <random>
+#include <set>
+
 #include "helpers.h"
 #include "base/errors.h"
 #include "policies/adakv.h"
@@ -80,6 +86,69 @@ PolicyEntry ada(const std::string& name, std::map<std::string, double> params, d
     return e;
 }
 
+// A head that reports fixed scores: the allocator's input made by hand.
+class FixedScores : public Policy {
+public:
+    explicit FixedScores(HeldScores held) : held_(std::move(held)) {}
+    void on_decode_step(int32_t, std::span<const float>) override {}
+    void evict(int, std::vector<int32_t>&) override {}
+    std::size_t bytes_per_slot() const override { return 0; }
+    void assign_tiers(int32_t, std::span<const int32_t>, std::span<uint8_t>, std::span<uint8_t>) override {}
+    bool held_scores(HeldScores& out) override {
+        out = held_;
+        return true;
+    }
+
+private:
+    HeldScores held_;
+};
+
+// What each head keeps by the rules (policies/adakv.cpp), from one full sort per step of the
+// rules: protected first, then each head's best up to floor x share, then the layer's best.
+std::vector<int> reference_keep(const std::vector<HeldScores>& heads, const std::vector<int>& shares, double floor) {
+    struct Token {
+        double score;
+        int32_t position;
+        int head;
+    };
+    // Kept first: the higher score, a NaN last; ties to the higher position, then the higher head.
+    const auto kept_before = [](const Token& a, const Token& b) {
+        const bool a_nan = std::isnan(a.score), b_nan = std::isnan(b.score);
+        if (a_nan != b_nan) return b_nan;
+        if (!a_nan && a.score != b.score) return a.score > b.score;
+        return a.position != b.position ? a.position > b.position : a.head > b.head;
+    };
+    std::vector<int> keep(heads.size(), 0);
+    int64_t total = 0, held = 0;
+    for (std::size_t h = 0; h < heads.size(); ++h) total += shares[h], held += static_cast<int64_t>(heads[h].position.size());
+    if (held <= total) {
+        for (std::size_t h = 0; h < heads.size(); ++h) keep[h] = static_cast<int>(heads[h].position.size());
+        return keep;
+    }
+    std::vector<Token> pool;
+    int64_t given = 0;
+    for (std::size_t h = 0; h < heads.size(); ++h) {
+        std::vector<Token> own;
+        int protected_count = 0;
+        for (std::size_t i = 0; i < heads[h].position.size(); ++i) {
+            if (heads[h].protect[i])
+                ++protected_count;
+            else
+                own.push_back({heads[h].score[i], heads[h].position[i], static_cast<int>(h)});
+        }
+        std::sort(own.begin(), own.end(), kept_before);
+        const int floor_tokens = static_cast<int>(std::floor(floor * shares[h]));
+        const int guaranteed = std::clamp(floor_tokens - protected_count, 0, static_cast<int>(own.size()));
+        keep[h] = protected_count + guaranteed;
+        given += keep[h];
+        pool.insert(pool.end(), own.begin() + guaranteed, own.end());
+    }
+    std::sort(pool.begin(), pool.end(), kept_before);
+    const int64_t rest = std::clamp<int64_t>(total - given, 0, static_cast<int64_t>(pool.size()));
+    for (int64_t i = 0; i < rest; ++i) ++keep[pool[i].head];
+    return keep;
+}
+
 }  // namespace
 
 TEST_CASE("adakv: a diffuse head gets more slots than a concentrated one, within the layer's total") {
@@ -151,4 +220,47 @@ TEST_CASE("adakv config mistakes name the key") {
     CHECK(contains(message(ada("sliding_window", {}, 0.2)), "adakv selects by a scored eviction policy's scores"));
     CHECK(contains(message(ada("nonesuch", {}, 0.2)), "unknown policy 'nonesuch'"));
     CHECK(contains(message(entry("adakv")), "write {evict: h2o, adakv: {floor: 0.2}}"));
+}
+
+TEST_CASE("adakv: each head's count is the rules' by a full sort, with ties, NaN and signed zeros") {
+    // Scores from a few values so that ties are common within and across heads; NaN, -0 and +0
+    // among them (NaN is kept last, -0 and +0 tie); some tokens protected.
+    std::mt19937 rng(7);
+    const double values[] = {std::nan(""), -0.0, 0.0, 0.25, 0.5, 0.5, 1.0, -1.0, 3.0};
+    int cases = 0, scores_shared_by_heads = 0;
+    for (int round = 0; round < 400; ++round) {
+        const int head_count = 1 + static_cast<int>(rng() % 8);
+        std::vector<HeldScores> scores(static_cast<std::size_t>(head_count));
+        std::vector<std::unique_ptr<Policy>> heads;
+        std::vector<Policy*> pointers;
+        std::vector<int> shares;
+        for (HeldScores& held : scores) {
+            const int count = static_cast<int>(rng() % 40);
+            int32_t position = 0;
+            for (int i = 0; i < count; ++i) {
+                position += 1 + static_cast<int32_t>(rng() % 3);  // ascending, some heads sharing positions
+                held.position.push_back(position);
+                held.score.push_back(values[rng() % std::size(values)]);
+                held.protect.push_back(rng() % 6 == 0);
+            }
+            heads.push_back(std::make_unique<FixedScores>(held));
+            pointers.push_back(heads.back().get());
+            shares.push_back(static_cast<int>(rng() % 24));
+        }
+        const double floor = (rng() % 5) / 4.0;
+        std::vector<int> keep;
+        AdaKvAllocator(AdaKvRule{floor}).allocate(pointers, shares, keep);
+        const std::vector<int> expected = reference_keep(scores, shares, floor);
+        INFO("round " << round << ", " << head_count << " heads, floor " << floor);
+        CHECK(keep == expected);
+        ++cases;
+        // Not vacuous: different heads hold equal scores, which only the order's ties separate.
+        std::map<double, std::set<int>> heads_of_score;
+        for (int h = 0; h < head_count; ++h)
+            for (double v : scores[h].score)
+                if (v == v) heads_of_score[v].insert(h);
+        for (const auto& [v, hs] : heads_of_score) scores_shared_by_heads += hs.size() > 1;
+    }
+    CHECK(cases == 400);
+    CHECK(scores_shared_by_heads > 400);
 }
