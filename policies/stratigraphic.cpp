@@ -375,7 +375,7 @@ private:
         // the unprotected tokens at a finer tier sink, found 64 ranks at a time. An FP16 zone moves
         // nothing, so the ranks before INT8's start are never read; a re-zoning sinks about one
         // token of the 1,500 to 4,000 held, where a pass over every slot gave each its zone.
-        const uint8_t* tier = rank_tiers_.data();
+        uint8_t* tier = rank_tiers_.data();
         for (uint8_t zone = kInt8; zone <= kEvicted; ++zone) {
             const std::size_t from = zone_start[zone - 1], to = zone_start[zone];
             for (std::size_t w = from / 64; w < words && 64 * w < to; ++w) {
@@ -391,7 +391,7 @@ private:
                     }
                     --tier_count_[tier[k]];
                     ++tier_count_[zone];
-                    rank_tiers_[k] = zone;
+                    tier[k] = zone;
                     sunk_.emplace_back(positions_[rank_slots_[k]], zone);
                 }
             }

@@ -191,6 +191,27 @@ std::set<int32_t> anchors_of(const std::vector<int32_t>& held, const std::vector
 
 bool sink_or_recent(int32_t pos, int32_t t) { return pos < kSinks || pos > t - kRecent; }
 
+// The positions held before eviction that no rule protects (sinks, the recent window, anchors),
+// the most important first (the lower position on ties), by a full sort.
+std::vector<int32_t> unprotected_by_importance(const StepView& s, const AnchorRule& rule = {}) {
+    const std::set<int32_t> anchors = anchors_of(s.before, s.importance, rule);
+    std::vector<int32_t> unprotected;
+    for (int32_t pos : s.before)
+        if (!sink_or_recent(pos, s.t) && !anchors.count(pos)) unprotected.push_back(pos);
+    std::sort(unprotected.begin(), unprotected.end(), [&](int32_t a, int32_t b) {
+        return s.importance[a] != s.importance[b] ? s.importance[a] > s.importance[b] : a < b;
+    });
+    return unprotected;
+}
+
+// The `count` least important of them, ascending: what a budget trims first.
+std::vector<int32_t> least_important_unprotected(const StepView& s, std::size_t count) {
+    const std::vector<int32_t> unprotected = unprotected_by_importance(s);
+    std::vector<int32_t> least(unprotected.end() - static_cast<std::ptrdiff_t>(count), unprotected.end());
+    std::sort(least.begin(), least.end());
+    return least;
+}
+
 // The zone (0 fp16, 1 int8, 2 int4, 3 evicted) of every position held before eviction, by the
 // rules, with the tokens unprotected ranked by a full sort.
 struct Zones {
@@ -199,18 +220,9 @@ struct Zones {
 };
 
 Zones reference_zones(const StepView& s, const Shares& shares, const AnchorRule& rule) {
-    const std::set<int32_t> anchors = anchors_of(s.before, s.importance, rule);
+    const std::vector<int32_t> unprotected = unprotected_by_importance(s, rule);
     std::map<int32_t, int> zone;
-    std::vector<int32_t> unprotected;
-    for (int32_t pos : s.before) {
-        if (sink_or_recent(pos, s.t) || anchors.count(pos))
-            zone[pos] = 0;
-        else
-            unprotected.push_back(pos);
-    }
-    std::sort(unprotected.begin(), unprotected.end(), [&](int32_t a, int32_t b) {
-        return s.importance[a] != s.importance[b] ? s.importance[a] > s.importance[b] : a < b;
-    });
+    for (int32_t pos : s.before) zone[pos] = 0;  // FP16, the protected zone; the unprotected get theirs below
     const int64_t protected_count = static_cast<int64_t>(s.before.size() - unprotected.size());
     const int64_t fp16_left = std::max<int64_t>(shares.count(shares.fp16, s.t) - protected_count, 0);
     const int64_t int8_end = fp16_left + shares.count(shares.int8, s.t);
@@ -468,17 +480,7 @@ TEST_CASE("stratigraphic: a tight harness budget evicts the least important unpr
             const std::string step = "step " + std::to_string(s.t) + ": ";
             if (s.held.size() > kBudget) budget.add(step + std::to_string(s.held.size()) + " held");
             if (s.t % 8 == 0 || s.before.size() <= kBudget) return;
-            const std::set<int32_t> anchors = anchors_of(s.before, s.importance);
-            std::vector<int32_t> unprotected;
-            for (int32_t pos : s.before)
-                if (!sink_or_recent(pos, s.t) && !anchors.count(pos)) unprotected.push_back(pos);
-            std::sort(unprotected.begin(), unprotected.end(), [&](int32_t a, int32_t b) {
-                return s.importance[a] != s.importance[b] ? s.importance[a] > s.importance[b] : a < b;
-            });
-            std::vector<int32_t> expected(unprotected.end() - static_cast<std::ptrdiff_t>(s.before.size() - kBudget),
-                                          unprotected.end());
-            std::sort(expected.begin(), expected.end());
-            if (expected != s.victims) budget.add(step + "not the least important unprotected tokens");
+            if (least_important_unprotected(s, s.before.size() - kBudget) != s.victims) budget.add(step + "not the least important unprotected tokens");
             ++trims_checked;
         },
         budget_of(kBudget));
@@ -508,19 +510,10 @@ TEST_CASE("stratigraphic: a budget below the zones trims in the same step as a r
             check_invariants(s, sinking, protected_fp16, gone);
             if (!cut_step(s.t)) return;
             const std::string step = "step " + std::to_string(s.t) + ": ";
-            const auto [zone, protected_count] = reference_zones(s, kLayer0Of4, {});
+            const std::map<int32_t, int> zone = reference_zones(s, kLayer0Of4, {}).zone;
             if (std::any_of(zone.begin(), zone.end(), [](const auto& z) { return z.second == 3; }))
                 ++cuts_after_zones_evicted;
-            const std::set<int32_t> anchors = anchors_of(s.before, s.importance);
-            std::vector<int32_t> unprotected;
-            for (int32_t pos : s.before)
-                if (!sink_or_recent(pos, s.t) && !anchors.count(pos)) unprotected.push_back(pos);
-            std::sort(unprotected.begin(), unprotected.end(), [&](int32_t a, int32_t b) {
-                return s.importance[a] != s.importance[b] ? s.importance[a] > s.importance[b] : a < b;
-            });
-            std::vector<int32_t> expected(unprotected.end() - static_cast<std::ptrdiff_t>(kCut), unprotected.end());
-            std::sort(expected.begin(), expected.end());
-            if (expected != s.victims)
+            if (least_important_unprotected(s, kCut) != s.victims)
                 budget.add(step + std::to_string(s.victims.size()) + " victims, not the " + std::to_string(kCut) +
                            " least important unprotected tokens");
             ++cuts_checked;
