@@ -9,12 +9,16 @@
 // from the simulator's arithmetic is the order of summation: a dot product is summed in eight
 // (AVX2) or sixteen (AVX-512) lanes with fused multiply-adds, then across the lanes, where the
 // simulator sums in sixteen lanes without fusing (cache_math/tiers.h, fixed_order_dot). The query
-// is never quantised: an int8 query would round each of its numbers by up to 1/254 of its largest,
-// where the agreement with the oracle (1e-5) leaves room for float rounding only.
+// is never rounded to int8: that would move each of its numbers by up to 1/254 of its largest,
+// where the agreement with the oracle (1e-5) leaves room for float rounding only. Where the CPU
+// has AMX tiles (Sapphire Rapids and later), INT8 and INT4 keys are scored by integer tile
+// products against the query split exactly into four int8 parts (to 2^-29 of its largest
+// number), each scale group's sums then scaled in float.
 //
 // With AVX2, FMA and F16C in the build (-march=native on any x86-64 CPU since 2015) the kernels
 // are vector code, eight channels a vector; with AVX-512 (F, BW, DQ, VL and VBMI: Ice Lake, Zen 4
-// and later) sixteen, for head sizes that are whole sixteens, summed in sixteen lanes. Elsewhere
+// and later) sixteen, for head sizes that are whole sixteens, summed in sixteen lanes; with AMX
+// the quantised keys' scores as above, for tiers of 256 rows or more. Elsewhere
 // the portable ones, plain loops over the same numerics, serve. Every set a build holds is
 // compiled in and reachable by name, and the tests hold each to the others.
 #pragma once
@@ -72,7 +76,7 @@ bool vector_kernels();
 
 // The kernel sets this build holds, portable first; the last is what score_rows and
 // accumulate_rows use.
-enum class KernelSet { portable, avx2, avx512 };
+enum class KernelSet { portable, avx2, avx512, amx };
 std::vector<KernelSet> kernel_sets();
 const char* kernel_set_name(KernelSet set);
 

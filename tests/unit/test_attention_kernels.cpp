@@ -90,7 +90,7 @@ std::vector<Shape> shapes() {
     std::vector<Shape> all;
     for (int tier = 0; tier < 3; ++tier)
         for (const auto& [d, groups] : std::vector<std::pair<int, std::vector<int>>>{
-                 {128, {32, 8, 128, 12, 0}}, {48, {16, 48, 24, 0}}, {8, {8, 4, 0}}, {67, {16, 67, 0}}, {20, {5, 0}}})
+                 {128, {32, 8, 128, 12, 0}}, {192, {64}}, {48, {16, 48, 24, 0}}, {8, {8, 4, 0}}, {67, {16, 67, 0}}, {20, {5, 0}}})
             for (int group : groups)
                 if (tier > 0 || group == groups.front()) all.push_back({tier, d, group});
     return all;
