@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <string>
 #include <numeric>
@@ -182,6 +183,40 @@ TEST_CASE("attention kernels: scores and weighted sums for query groups of 1 to 
                         REQUIRE(std::abs(out[h * d + c] - expected[c]) <= (t.count + 2) * 0x1p-24 * magnitude[c]);
                 }
             }
+        }
+    }
+}
+
+TEST_CASE("attention kernels: a query the tile path cannot split scores as the AVX-512 kernels score it") {
+    // The AMX path splits the query into int8 parts under a power-of-two scale; a query with NaN or
+    // an infinity, or so large or small that the scale leaves float's range, takes the AVX-512
+    // kernels instead, to the bit (NaN where they give NaN). Where the build or CPU has no tiles the
+    // set is absent and there is nothing to compare.
+    const std::vector<KernelSet> sets = kernel_sets();
+    if (std::find(sets.begin(), sets.end(), KernelSet::amx) == sets.end()) return;
+    std::mt19937 rng(14);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (int tier = 1; tier <= 2; ++tier) {
+        const int d = 128, slots = 300;
+        const Rows r(tier, slots, d, 32, rng);
+        const TierRows t = r.rows();
+        std::vector<float> scratch(kernel_scratch_floats(d, d));
+        for (const float odd : {NAN, INFINITY, -INFINITY, 3e38f, 1e-30f, 1e-42f}) {
+            std::vector<float> q(4 * d);
+            for (float& x : q) x = normal(rng);
+            if (std::abs(odd) >= 1e38f || std::isnan(odd))
+                q[2 * d + 17] = odd;  // one number of head 2
+            else
+                for (int c = 0; c < d; ++c) q[c] = odd * (c % 3 == 0 ? 1.0f : 0.5f);  // all of head 0 tiny
+            std::vector<float> by_tiles(4 * slots, 0.0f), by_vectors(4 * slots, 0.0f);
+            std::vector<float> peaks_tiles(4, -INFINITY), peaks_vectors(4, -INFINITY);
+            score_rows_with(KernelSet::amx, t, q.data(), 4, 0.1f, by_tiles.data(), slots, peaks_tiles.data(),
+                            scratch.data());
+            score_rows_with(KernelSet::avx512, t, q.data(), 4, 0.1f, by_vectors.data(), slots,
+                            peaks_vectors.data(), scratch.data());
+            INFO("tier " << tier << ", odd number " << odd);
+            CHECK(std::memcmp(by_tiles.data(), by_vectors.data(), by_tiles.size() * sizeof(float)) == 0);
+            CHECK(std::memcmp(peaks_tiles.data(), peaks_vectors.data(), 4 * sizeof(float)) == 0);
         }
     }
 }
