@@ -548,6 +548,14 @@ inline void score_rows_at(const TierRows& t, const Block& b, int i0, const float
         row[w] = row_data<Tier>(t, static_cast<std::size_t>(b.first + i0 + w));
         sc[w] = scales_of<K>(t, b, i0 + w);
     }
+    // These rows' successors a block ahead start coming into L1 (as the value pass's).
+    const std::size_t row_bytes = Tier == 0 ? static_cast<std::size_t>(d) * 2 : static_cast<std::size_t>(t.row_bytes);
+#pragma GCC unroll 8
+    for (int w = 0; w < RW; ++w) {
+        if (b.first + i0 + w + kKernelBlock >= t.count) break;
+        const char* ahead = static_cast<const char*>(row_data<Tier>(t, static_cast<std::size_t>(b.first + i0 + w + kKernelBlock)));
+        for (std::size_t at = 0; at < row_bytes; at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
+    }
     __m512 acc[RW][G];
 #pragma GCC unroll 8
     for (int w = 0; w < RW; ++w)
@@ -625,8 +633,19 @@ inline void accumulate_slice(const TierRows& t, const Block& b, int j0, const fl
     for (int s = 0; s < S; ++s)
 #pragma GCC unroll 8
         for (int h = 0; h < G; ++h) acc[s][h] = _mm512_loadu_ps(out + static_cast<std::size_t>(h) * d + 16 * (j0 + s));
+    // The slice's bytes of the row a block ahead start coming into L1, one row an iteration (a
+    // whole block's at once filled the core's line buffers ahead of its own loads).
+    constexpr int kBytesPerChannel2 = Tier == 0 ? 4 : Tier == 1 ? 2 : 1;  // twice the bytes a channel
+    const std::size_t slice_offset = static_cast<std::size_t>(16 * j0) * kBytesPerChannel2 / 2;
+    const std::size_t slice_bytes = static_cast<std::size_t>(16 * S) * kBytesPerChannel2 / 2;
     for (int i = 0; i < b.rows; ++i) {
         const void* row = row_data<Tier>(t, static_cast<std::size_t>(b.first + i));
+        if (b.first + i + kKernelBlock < t.count) {
+            const char* ahead =
+                static_cast<const char*>(row_data<Tier>(t, static_cast<std::size_t>(b.first + i + kKernelBlock))) +
+                slice_offset;
+            for (std::size_t at = 0; at < slice_bytes; at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
+        }
         const float* sc = scales_of<K>(t, b, i);
         __m512 w[G];
 #pragma GCC unroll 8
