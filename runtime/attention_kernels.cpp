@@ -792,12 +792,13 @@ int channels_a_product(const TierRows& t) {
 // bytes a column. column_scale[4s + h] = a_h 2^-7s. False where a head is not finite or so large
 // or small that a_h would leave float's range.
 bool split_query(const float* q, int n, int d, int8_t* parts, int8_t* matrix, float* column_scale) {
+    // Channels c..c+15 that the row has.
+    const auto lanes_at = [d](int c) { return d - c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (d - c)) - 1); };
     for (int h = 0; h < 4; ++h) {
         __m512 big = _mm512_setzero_ps();
         __mmask16 not_a_number = 0;
         for (int c = 0; h < n && c < d; c += 16) {
-            const __mmask16 lanes = d - c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (d - c)) - 1);
-            const __m512 x = _mm512_abs_ps(_mm512_maskz_loadu_ps(lanes, q + h * d + c));
+            const __m512 x = _mm512_abs_ps(_mm512_maskz_loadu_ps(lanes_at(c), q + h * d + c));
             big = _mm512_max_ps(big, x);
             not_a_number |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
         }
@@ -812,7 +813,7 @@ bool split_query(const float* q, int n, int d, int8_t* parts, int8_t* matrix, fl
         }
         const __m512 inverse = _mm512_set1_ps(std::ldexp(1.0f, -e)), step = _mm512_set1_ps(128.0f);
         for (int c = 0; c < d; c += 16) {
-            const __mmask16 lanes = d - c >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (d - c)) - 1);
+            const __mmask16 lanes = lanes_at(c);
             __m512 y = h < n ? _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, q + h * d + c), inverse) : _mm512_setzero_ps();
             for (int s = 0; s < 4; ++s) {  // each part the nearest integer, the rest (exact) scaled up
                 const __m512 part = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -1095,13 +1096,14 @@ void score_rows_with([[maybe_unused]] KernelSet set, const TierRows& t, const fl
                      float* scores, std::size_t stride, float* peaks, float* scratch) {
     check_rows(t);
     if (t.count == 0) return;
-#if defined(KVSIM_AMX_KERNELS)
-    if (set == KernelSet::amx && t.head_dim % 16 == 0 && t.head_dim / 16 <= kMaxChunks && amx::usable())
-        return amx::score_rows_amx(t, q, group, scale, scores, stride, peaks, scratch);
-#endif
 #if defined(KVSIM_AVX512_KERNELS)
-    if ((set == KernelSet::avx512 || set == KernelSet::amx) && t.head_dim % 16 == 0 && t.head_dim / 16 <= kMaxChunks)
+    if ((set == KernelSet::avx512 || set == KernelSet::amx) && t.head_dim % 16 == 0 && t.head_dim / 16 <= kMaxChunks) {
+#if defined(KVSIM_AMX_KERNELS)
+        if (set == KernelSet::amx && amx::usable())
+            return amx::score_rows_amx(t, q, group, scale, scores, stride, peaks, scratch);
+#endif
         return score_rows_avx512(t, q, group, scale, scores, stride, peaks, scratch);
+    }
 #endif
 #if defined(KVSIM_VECTOR_KERNELS)
     if (set != KernelSet::portable && t.head_dim / 8 <= kMaxChunks)
