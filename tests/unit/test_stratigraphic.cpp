@@ -246,6 +246,13 @@ struct Violations {
     }
 };
 
+// A rule holds when nothing violated it; where something did, the message names the rule and
+// the first violation.
+void check_none(const std::string& rule, const Violations& v) {
+    INFO(rule << ": " << v.first);
+    CHECK(v.count == 0);
+}
+
 std::string at(int32_t t, int32_t pos) { return "step " + std::to_string(t) + " position " + std::to_string(pos); }
 
 // The properties every run must keep, whatever its parameters.
@@ -366,16 +373,11 @@ const LayerRun& layer3() {
 }
 
 void check_run(const LayerRun& run) {
-    INFO("sinking: " << run.sinking.first);
-    CHECK(run.sinking.count == 0);
-    INFO("protected: " << run.protected_fp16.first);
-    CHECK(run.protected_fp16.count == 0);
-    INFO("anchors: " << run.anchors.first);
-    CHECK(run.anchors.count == 0);
-    INFO("zones: " << run.zones.first);
-    CHECK(run.zones.count == 0);
-    INFO("counts: " << run.counts.first);
-    CHECK(run.counts.count == 0);
+    check_none("sinking", run.sinking);
+    check_none("protected", run.protected_fp16);
+    check_none("anchors", run.anchors);
+    check_none("zones", run.zones);
+    check_none("counts", run.counts);
 }
 
 }  // namespace
@@ -456,12 +458,9 @@ TEST_CASE("stratigraphic: rezone_every = 8 moves tiers only on multiples of 8") 
         if (s.t % 8 != 0 && moved) between.add("step " + std::to_string(s.t) + ": tiers or residency changed");
         if (s.t % 8 == 0 && moved) ++rezonings_that_moved;
     });
-    INFO("sinking: " << sinking.first);
-    CHECK(sinking.count == 0);
-    INFO("protected: " << protected_fp16.first);
-    CHECK(protected_fp16.count == 0);
-    INFO("between re-zonings: " << between.first);
-    CHECK(between.count == 0);
+    check_none("sinking", sinking);
+    check_none("protected", protected_fp16);
+    check_none("between re-zonings", between);
     CHECK(rezonings_that_moved > 200);  // nearly every one of the 249 after warm-up
 }
 
@@ -480,16 +479,14 @@ TEST_CASE("stratigraphic: a tight harness budget evicts the least important unpr
             const std::string step = "step " + std::to_string(s.t) + ": ";
             if (s.held.size() > kBudget) budget.add(step + std::to_string(s.held.size()) + " held");
             if (s.t % 8 == 0 || s.before.size() <= kBudget) return;
-            if (least_important_unprotected(s, s.before.size() - kBudget) != s.victims) budget.add(step + "not the least important unprotected tokens");
+            if (least_important_unprotected(s, s.before.size() - kBudget) != s.victims)
+                budget.add(step + "not the least important unprotected tokens");
             ++trims_checked;
         },
         budget_of(kBudget));
-    INFO("sinking: " << sinking.first);
-    CHECK(sinking.count == 0);
-    INFO("protected: " << protected_fp16.first);
-    CHECK(protected_fp16.count == 0);
-    INFO("budget: " << budget.first);
-    CHECK(budget.count == 0);
+    check_none("sinking", sinking);
+    check_none("protected", protected_fp16);
+    check_none("budget", budget);
     CHECK(trims_checked > 1000);
 }
 
@@ -519,12 +516,9 @@ TEST_CASE("stratigraphic: a budget below the zones trims in the same step as a r
             ++cuts_checked;
         },
         [&](int32_t t, std::size_t held) { return cut_step(t) ? static_cast<int>(held - kCut) : kHugeBudget; });
-    INFO("sinking: " << sinking.first);
-    CHECK(sinking.count == 0);
-    INFO("protected: " << protected_fp16.first);
-    CHECK(protected_fp16.count == 0);
-    INFO("budget: " << budget.first);
-    CHECK(budget.count == 0);
+    check_none("sinking", sinking);
+    check_none("protected", protected_fp16);
+    check_none("budget", budget);
     CHECK(cuts_checked == 50);
     CHECK(cuts_after_zones_evicted > 10);  // not vacuous: 14 of the 50 (the zones evict in a third of all steps)
 }
