@@ -26,6 +26,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <functional>
 #include <stdexcept>
 
 #include "base/errors.h"
@@ -65,13 +67,25 @@ std::string adakv_label(const AdaKvRule& rule) {
 
 namespace {
 
-// Ada-KV's order of eviction across heads: the wrapped policy's, then the lower head.
-template <class C>
-bool evicted_first(const C& a, const C& b) {
-    if (evicted_before(a.score, b.score)) return true;
-    if (evicted_before(b.score, a.score)) return false;
-    return a.position != b.position ? a.position < b.position : a.head < b.head;
+// Ada-KV's order of eviction across heads, the wrapped policy's and then the lower head, as one
+// key: a double's bits made to compare as unsigned (negative numbers' bits inverted, positive
+// numbers' sign bit set) with NaN below every number and -0 equal to +0, as evicted_before has
+// them; then the position, then the head. The larger key is kept first. Two of these compare as
+// two integers, where the comparator they replace tested for NaN twice a comparison (the
+// selections were 10-14% of the samples of a 16-layer search pass with Ada-KV's plans).
+unsigned __int128 kept_key(double score, int32_t position, int head) {
+    uint64_t order = 0;  // NaN
+    if (score == score) {
+        uint64_t bits;
+        const double canonical = score == 0 ? 0.0 : score;
+        std::memcpy(&bits, &canonical, sizeof bits);
+        order = bits >> 63 ? ~bits : bits | (uint64_t{1} << 63);
+    }
+    const uint64_t tie = (static_cast<uint64_t>(static_cast<uint32_t>(position)) << 32) | static_cast<uint32_t>(head);
+    return (static_cast<unsigned __int128>(order) << 64) | tie;
 }
+
+int head_of(unsigned __int128 key) { return static_cast<int>(static_cast<uint32_t>(key)); }
 
 }  // namespace
 
@@ -90,7 +104,7 @@ void AdaKvAllocator::allocate(std::span<Policy* const> heads, std::span<const in
         for (std::size_t h = 0; h < count; ++h) keep[h] = static_cast<int>(held_[h].position.size());
         return;
     }
-    auto kept_first = [](const Candidate& a, const Candidate& b) { return evicted_first(b, a); };
+    const auto kept_first = std::greater<Candidate>();
     pool_.clear();
     int64_t given = 0;
     for (std::size_t h = 0; h < count; ++h) {
@@ -102,7 +116,7 @@ void AdaKvAllocator::allocate(std::span<Policy* const> heads, std::span<const in
             if (s.protect[i])
                 ++protected_count;
             else
-                evictable_.push_back({s.score[i], s.position[i], static_cast<int>(h)});
+                evictable_.push_back(kept_key(s.score[i], s.position[i], static_cast<int>(h)));
         }
         // 4. The safeguard: the head's own best tokens up to floor x its share.
         const int floor_tokens = static_cast<int>(std::floor(rule_.floor * std::max(shares[h], 0)));
@@ -116,7 +130,7 @@ void AdaKvAllocator::allocate(std::span<Policy* const> heads, std::span<const in
     // 5. The rest of the layer's total: the best remaining tokens of all heads.
     const std::size_t rest = static_cast<std::size_t>(std::clamp<int64_t>(total - given, 0, static_cast<int64_t>(pool_.size())));
     std::nth_element(pool_.begin(), pool_.begin() + rest, pool_.end(), kept_first);
-    for (std::size_t i = 0; i < rest; ++i) ++keep[pool_[i].head];
+    for (std::size_t i = 0; i < rest; ++i) ++keep[head_of(pool_[i])];
 }
 
 }  // namespace kvsim

@@ -32,11 +32,9 @@ public:
     void allocate(std::span<Policy* const> heads, std::span<const int> shares, std::vector<int>& keep);
 
 private:
-    struct Candidate {
-        double score;
-        int32_t position;
-        int head;
-    };
+    // A candidate as one unsigned number that is larger the later it is evicted: the score's
+    // order (NaN lowest, -0 and +0 equal) above its position, above its head.
+    using Candidate = unsigned __int128;
     AdaKvRule rule_;
     std::vector<HeldScores> held_;
     std::vector<Candidate> evictable_, pool_;

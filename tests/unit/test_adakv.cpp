@@ -224,9 +224,11 @@ TEST_CASE("adakv config mistakes name the key") {
 
 TEST_CASE("adakv: each head's count is the rules' by a full sort, with ties, NaN and signed zeros") {
     // Scores from a few values so that ties are common within and across heads; NaN, -0 and +0
-    // among them (NaN is kept last, -0 and +0 tie); some tokens protected.
+    // among them (NaN is kept last, -0 and +0 tie), infinities, a subnormal and numbers of every
+    // sign and size (the allocator compares them as integer keys); some tokens protected.
     std::mt19937 rng(7);
-    const double values[] = {std::nan(""), -0.0, 0.0, 0.25, 0.5, 0.5, 1.0, -1.0, 3.0};
+    const double values[] = {std::nan(""), -0.0, 0.0, 0.25, 0.5, 0.5, 1.0, -1.0, 3.0, -INFINITY, INFINITY,
+                             4.9e-324, -4.9e-324, -1e300, 1e300, -2.5, -0.25};
     int cases = 0, scores_shared_by_heads = 0;
     for (int round = 0; round < 400; ++round) {
         const int head_count = 1 + static_cast<int>(rng() % 8);
