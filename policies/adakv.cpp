@@ -26,12 +26,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <functional>
 #include <stdexcept>
 
 #include "base/errors.h"
-#include "policies/scored_eviction.h"
+#include "policies/ranking.h"
 
 namespace kvsim {
 
@@ -68,21 +67,13 @@ std::string adakv_label(const AdaKvRule& rule) {
 namespace {
 
 // Ada-KV's order of eviction across heads, the wrapped policy's and then the lower head, as one
-// key: a double's bits made to compare as unsigned (negative numbers' bits inverted, positive
-// numbers' sign bit set) with NaN below every number and -0 equal to +0, as evicted_before has
-// them; then the position, then the head. The larger key is kept first. Two of these compare as
-// two integers, where the comparator they replace tested for NaN twice a comparison (the
-// selections were 10-14% of the samples of a 16-layer search pass with Ada-KV's plans).
+// key: the score's ascending_key (NaN lowest, -0 and +0 one key, as evicted_before has them), then
+// the position, then the head. The larger key is kept first. Two of these compare as two
+// integers, where the comparator they replace tested for NaN twice a comparison (the selections
+// were 10-14% of the samples of a 16-layer search pass with Ada-KV's plans).
 unsigned __int128 kept_key(double score, int32_t position, int head) {
-    uint64_t order = 0;  // NaN
-    if (score == score) {
-        uint64_t bits;
-        const double canonical = score == 0 ? 0.0 : score;
-        std::memcpy(&bits, &canonical, sizeof bits);
-        order = bits >> 63 ? ~bits : bits | (uint64_t{1} << 63);
-    }
     const uint64_t tie = (static_cast<uint64_t>(static_cast<uint32_t>(position)) << 32) | static_cast<uint32_t>(head);
-    return (static_cast<unsigned __int128>(order) << 64) | tie;
+    return (static_cast<unsigned __int128>(ascending_key(score)) << 64) | tie;
 }
 
 int head_of(unsigned __int128 key) { return static_cast<int>(static_cast<uint32_t>(key)); }
