@@ -1372,12 +1372,12 @@ SearchOutcome run_search(const SearchSpec& spec, const SearchRun& run) {
         out.profiles.push_back(p);
     }
     if (spec.sample_steps < 1) {
-        char line[400];
+        char line[600];
         std::snprintf(line, sizeof line,
                       "Output error was measured on %s of each stream's decode steps (at least 2; search.sample, seed "
-                      "%llu), a random sample the same for every budget of a (layer, KV head): each held-out figure "
-                      "is an estimate with its 95%% interval, and the fits chose by estimates. `kvsim run` of a "
-                      "profile on the held-out sequences measures its exact figure.",
+                      "%llu), one step drawn at random from each run of consecutive steps, the same for every budget "
+                      "of a (layer, KV head): each held-out figure is an estimate with its 95%% interval, and the fits "
+                      "chose by estimates. `kvsim run` of a profile on the held-out sequences measures its exact figure.",
                       (format_number(100 * spec.sample_steps) + "%").c_str(),
                       static_cast<unsigned long long>(spec.sample_seed));
         out.notes.push_back(line);

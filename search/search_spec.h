@@ -51,7 +51,8 @@ struct SearchSpec {
     std::string objective;              // output_rel_error or retained_mass; "" for the trace's default
     std::string objective_where;
     // sample: output error measured on this share of each stream's decode steps (1: every step),
-    // a random sample drawn from sample_seed; every figure then carries a 95% interval.
+    // one step drawn from each of as many runs of consecutive steps (sim/step_sample.h) by
+    // sample_seed; every figure then carries a 95% interval.
     double sample_steps = 1.0;
     uint64_t sample_seed = 1;
     std::string sample_where;

@@ -640,10 +640,8 @@ void Harness::measure_values(const GroupStep& s) {
             ++metrics_.output_steps;
         }
         if (sampling) {
-            sample_error_ += step_error;
-            sample_error_squares_ += step_error * step_error;
-            sample_cosine_ += step_cosine;
-            ++sampled_steps_;
+            if (!sample_sums_) sample_sums_.emplace(values_.sample.population, values_.sample.strata);
+            sample_sums_->add(step_error, step_cosine);
         }
     }
     if (sampling) {
@@ -652,23 +650,21 @@ void Harness::measure_values(const GroupStep& s) {
     }
 }
 
-// The sample's estimates of the stream's every-step sums (its mean times the steps measured) and
-// the variance of the error's: N^2 (1 - n/N) s^2 / n for n of N steps drawn without replacement,
-// s^2 the sample variance of a step's summed error. A step's query heads are one draw, not
-// several, so the variance counts what they share.
+// The sample's estimates of the stream's every-step sums and the variance of the error's
+// (StratifiedSum). A step's query heads are one draw, not several, so the variance counts what
+// they share.
 void Harness::finish_sample(int64_t group) {
-    const double n = static_cast<double>(sampled_steps_), population = static_cast<double>(population_steps_);
-    if (sampled_steps_ < 2 || sampled_steps_ > population_steps_)
-        throw std::logic_error("harness " + label_ + where_ + ": " + std::to_string(sampled_steps_) + " of " +
-                               std::to_string(population_steps_) + " steps sampled for output error");
-    const double mean = sample_error_ / n;
-    const double sample_variance = std::max(0.0, (sample_error_squares_ - n * mean * mean) / (n - 1));
-    metrics_.output_rel_error += population * mean;
-    metrics_.output_cosine += population * (sample_cosine_ / n);
+    if (!sample_sums_ || !sample_sums_->complete() || population_steps_ != values_.sample.population)
+        throw std::logic_error("harness " + label_ + where_ + ": a stratified sample of " +
+                               std::to_string(values_.sample.strata) + " of " + std::to_string(values_.sample.population) +
+                               " steps ended after " + std::to_string(population_steps_) + " steps, " +
+                               (sample_sums_ && sample_sums_->complete() ? "every stratum" : "strata missing"));
+    metrics_.output_rel_error += sample_sums_->total();
+    metrics_.output_cosine += sample_sums_->second_total();
     metrics_.output_steps += population_steps_ * group;
-    metrics_.output_error_variance += population * population * (1 - n / population) * sample_variance / n;
-    sample_error_ = sample_error_squares_ = sample_cosine_ = 0;
-    sampled_steps_ = population_steps_ = 0;
+    metrics_.output_error_variance += sample_sums_->variance();
+    sample_sums_.reset();
+    population_steps_ = 0;
 }
 
 void Harness::fail(int32_t t, const std::string& what) const {

@@ -5,12 +5,14 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "policies/policy.h"
 #include "sim/attention_source.h"
+#include "sim/step_sample.h"
 #include "cache_math/tiers.h"
 
 namespace kvsim {
@@ -121,12 +123,14 @@ struct GroupStep {
     std::array<const float*, 3> tier_scores_keys{};
 };
 
-// Output error measured on a simple random sample of a stream's decode steps: `steps[t]` says
-// whether step t is in it; the harness scales its sums up to every step at `last_step` (the
-// stream's last) and estimates their variance there (sim/replay.h, ReplayOptions).
+// Output error measured on a stratified sample of a stream's decode steps (sim/step_sample.h):
+// `steps[t]` says whether step t is in it, one step from each of `strata` runs of consecutive
+// steps among the `population` measured; the harness scales its sums up to every step at
+// `last_step` (the stream's last) and estimates their variance there (sim/replay.h, ReplayOptions).
 struct OutputErrorSample {
     const uint8_t* steps = nullptr;
     int64_t last_step = 0;
+    int64_t population = 0, strata = 0;
 };
 
 // Where a harness finds the values its cache holds (Q/K/V traces only).
@@ -239,10 +243,10 @@ private:
 
     void measure_values(const GroupStep& s);
     void finish_sample(int64_t group);
-    // The sampled output error: per sampled step, the group's summed relative error (x) and
-    // cosine; the measured steps of the stream, sampled or not.
-    double sample_error_ = 0, sample_error_squares_ = 0, sample_cosine_ = 0;
-    int64_t sampled_steps_ = 0, population_steps_ = 0;
+    // The sampled output error: per sampled step, the group's summed relative error and cosine,
+    // stratum by stratum; the measured steps of the stream, sampled or not.
+    std::optional<StratifiedSum> sample_sums_;
+    int64_t population_steps_ = 0;
     void attend_cached(const GroupStep& s, bool with_outputs);
     const CachedValueSums* attend_cached_weights(const GroupStep& s, bool with_outputs);
     bool output_measured(int32_t t) const;

@@ -14,6 +14,7 @@
 #include "cache_math/tiers.h"
 #include "sim/qkv_attention.h"
 #include "sim/rng.h"
+#include "sim/step_sample.h"
 #include "base/errors.h"
 #include "base/size_limits.h"
 
@@ -297,15 +298,21 @@ private:
         return tier_arrays_.back().get();
     }
 
+    // How many of a stream's M measured steps its output error is measured on: n = ceil(f M), at
+    // least 2 (at most M).
+    int64_t sample_size(int64_t population) const {
+        return std::min<int64_t>(population, std::max<int64_t>(2, static_cast<int64_t>(std::ceil(options_.output_error_sample * population))));
+    }
+
     // The steps of a stream whose output error is measured (ReplayOptions::output_error_sample):
-    // n of its M measured steps (first..last), drawn without replacement (Floyd's algorithm) by a
-    // generator seeded by the seed, the sequence, the layer, the KV head and the first step, so
+    // one of each of n strata of its M measured steps (first..last; sim/step_sample.h), drawn by
+    // a generator seeded by the seed, the sequence, the layer, the KV head and the first step, so
     // every budget of a (layer, KV head) is measured on the same steps, on any machine or shard.
     // Empty where every step is measured.
     const std::vector<uint8_t>& sampled_steps(int s, int layer, int kv, int64_t first) {
         const int64_t last = shape_.last_steps[s], population = last - first + 1;
         const double fraction = options_.output_error_sample;
-        const int64_t n = std::min<int64_t>(population, std::max<int64_t>(2, static_cast<int64_t>(std::ceil(fraction * population))));
+        const int64_t n = sample_size(population);
         std::vector<uint8_t>& steps = sample_masks_[{kv, first}];
         if (fraction >= 1 || n >= population) return steps;  // every step
         steps.assign(static_cast<std::size_t>(last + 1), 0);
@@ -313,12 +320,7 @@ private:
         for (const int64_t key : {int64_t{s}, int64_t{layer}, int64_t{kv}, first})
             seed = Xoshiro128::mix32(seed ^ static_cast<uint32_t>(key));
         Xoshiro128 rng(seed);
-        for (int64_t j = population - n; j < population; ++j) {
-            const int64_t pick = rng.next_int(static_cast<uint64_t>(j + 1));
-            uint8_t& chosen = steps[static_cast<std::size_t>(first + pick)];
-            if (chosen) steps[static_cast<std::size_t>(first + j)] = 1;
-            else chosen = 1;
-        }
+        draw_stratified_steps(population, n, rng, steps.data() + first);
         std::vector<uint8_t>& needed = full_output_steps_[kv];
         if (needed.empty()) needed.assign(steps.size(), 0);
         for (std::size_t t = 0; t < steps.size(); ++t) needed[t] |= steps[t];
@@ -347,10 +349,12 @@ private:
             CacheValues values{arrays, kv, kv_heads_, head_dim_, options_.output_error, options_.memory};
             values.outputs_when_measured = true;
             if (options_.output_error && options_.output_error_sample < 1) {
-                const std::vector<uint8_t>& steps =
-                    sampled_steps(s, layer, kv, std::max<int64_t>(1, harnesses[job].prefill_tokens()));
+                const int64_t first = std::max<int64_t>(1, harnesses[job].prefill_tokens());
+                const int64_t population = shape_.last_steps[s] - first + 1;
+                const std::vector<uint8_t>& steps = sampled_steps(s, layer, kv, first);
                 if (steps.empty()) full_output_every_step_[kv] = 1;
-                values.sample = {steps.empty() ? nullptr : steps.data(), shape_.last_steps[s]};
+                values.sample = {steps.empty() ? nullptr : steps.data(), shape_.last_steps[s], population,
+                                 sample_size(population)};
             }
             if (const KvProjection* p = policy.projection()) {
                 values.key_dim = p->stored_key_dim(layer, kv, head_dim_);

@@ -155,8 +155,9 @@ struct ReplayOptions {
     int64_t block_floats = 1 << 22;  // attention weights per block, all query heads of a layer together
     bool output_error = false;       // Q/K/V traces: the cached attention output against the full cache's
     bool memory = false;             // Q/K/V traces: bytes held per token and the compression ratio
-    // Output error measured on this fraction of each stream's decode steps (at least 2), a simple
-    // random sample drawn from output_error_seed; 1: every step. The policies still see every step.
+    // Output error measured on this fraction of each stream's decode steps (at least 2), one step
+    // from each of as many runs of consecutive steps (sim/step_sample.h), drawn from
+    // output_error_seed; 1: every step. The policies still see every step.
     double output_error_sample = 1.0;
     uint64_t output_error_seed = 0;
     std::function<void(double done_fraction)> progress;  // called between blocks, from the calling thread
