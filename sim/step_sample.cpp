@@ -32,16 +32,17 @@ void StratifiedSum::add(double value, double second) {
                                             stratum_begin(added_, population_, strata_));
     total_ += size * value;
     second_total_ += size * second;
-    group_values_.push_back(value);
-    group_sizes_.push_back(size);
+    group_values_[group_count_] = value;
+    group_sizes_[group_count_] = size;
+    ++group_count_;
     ++added_;
     // Pairs in order; where n is odd the last pair takes the last stratum too.
     const bool odd = strata_ % 2 == 1;
-    if (complete() || (group_values_.size() == 2 && !(odd && added_ == strata_ - 1))) close_group();
+    if (complete() || (group_count_ == 2 && !(odd && added_ == strata_ - 1))) close_group();
 }
 
 void StratifiedSum::close_group() {
-    const std::size_t count = group_values_.size();
+    const std::size_t count = group_count_;
     double weighted = 0, sizes = 0;
     for (std::size_t i = 0; i < count; ++i) weighted += group_sizes_[i] * group_values_[i], sizes += group_sizes_[i];
     const double mean = weighted / sizes;
@@ -51,8 +52,7 @@ void StratifiedSum::close_group() {
         squares += deviation * deviation;
     }
     variance_ += static_cast<double>(count) / static_cast<double>(count - 1) * squares;
-    group_values_.clear();
-    group_sizes_.clear();
+    group_count_ = 0;
 }
 
 }  // namespace kvsim

@@ -1,11 +1,11 @@
 // Output error on a stratified sample of a stream's decode steps (search.sample): the M steps cut
 // into n strata of consecutive steps, one step drawn from each. A stream's error drifts with its
 // context (a cache fills, then evicts), and a simple random sample pays for that drift in its
-// variance; one step a stratum does not (on Llama-3.2-1B's shape, 4,096 steps, 1/8 of them: 2.6x
-// to 9.8x less variance for H2O and stratigraphic streams; docs/search-and-export.md).
+// variance; one step a stratum does not (on Llama-3.2-1B's shape, 4,096 steps, 1/8 of them: a
+// median 2.6x to 9.2x less variance for stratigraphic and H2O streams; docs/search-and-export.md).
 #pragma once
+#include <array>
 #include <cstdint>
-#include <vector>
 
 #include "sim/rng.h"
 
@@ -40,7 +40,9 @@ private:
 
     int64_t population_, strata_, added_ = 0;
     double total_ = 0, second_total_ = 0, variance_ = 0;
-    std::vector<double> group_values_, group_sizes_;  // the open group's strata
+    // The open group's strata (two, or three for the last where n is odd): values and sizes.
+    std::array<double, 3> group_values_{}, group_sizes_{};
+    std::size_t group_count_ = 0;
 };
 
 }  // namespace kvsim
