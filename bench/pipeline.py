@@ -150,42 +150,44 @@ def main():
     print(f"{'total':9s} {totals[0]:9.1f} s wall {totals[1]:9.1f} s CPU {totals[2]:7.2f} GiB peak "
           f"(the model's writing not counted); logs: {stem}-*.log")
     if args.against_exhaustive:
-        compare_with_exhaustive(args, kvsim, stem, search_dir, write_search_config, targets)
+        compare_with_exhaustive(kvsim, stem, trace, heldout, search_dir, write_search_config, targets)
 
 
-def replay_config(path, trace, heldout, search_dir, targets, output_dir):
-    """A kvsim run config replaying a search's fitted profiles on the held-out sequences, every step."""
-    profiles = [os.path.join(search_dir, f"profile-{fit}-{target}.json") for fit in FITS for target in targets]
+def fitted_profiles(search_dir, targets):
+    """(fit, target, path) of each profile a search writes, in the order the replays list them."""
+    return [(fit, target, os.path.join(search_dir, f"profile-{fit}-{target}.json")) for fit in FITS for target in targets]
+
+
+def replay_config(path, trace, heldout, profiles, output_dir):
+    """A kvsim run config replaying profiles on the held-out sequences, every step."""
     with open(path, "w") as out:
         out.write(f"trace: {{path: {json.dumps(trace)}, sequences: {heldout}}}\n"
-                  "policies:\n" + "".join(f"  - profile: {json.dumps(p)}\n" for p in profiles) +
+                  "policies:\n" + "".join(f"  - profile: {json.dumps(p)}\n" for _, _, p in profiles) +
                   "metrics: [output_rel_error]\n"
                   f"output: {{dir: {json.dumps(output_dir)}}}\n")
 
 
-def compare_with_exhaustive(args, kvsim, stem, search_dir, write_search_config, targets):
+def compare_with_exhaustive(kvsim, stem, trace, heldout, search_dir, write_search_config, targets):
     """Issue 34's check of the shortcuts together: the exhaustive search's fitted profiles against
     the fast one's, each replayed exactly by kvsim run, and the fast search's interval."""
     exhaustive_dir = stem + "-exhaustive"
     config = stem + "-exhaustive.yaml"
     write_search_config(config, exhaustive_dir, fast=False)
     run_stage("exhaustive", [kvsim, "search", config, "-q"], f"{stem}-exhaustive.log")
-    trace = stem + ".h5"
-    heldout = list(range(args.sequences - args.heldout, args.sequences))
+    profiles = {"fast": fitted_profiles(search_dir, targets), "exhaustive": fitted_profiles(exhaustive_dir, targets)}
     exact = {}
-    for name, folder in (("fast", search_dir), ("exhaustive", exhaustive_dir)):
+    for name in ("fast", "exhaustive"):
         replay = f"{stem}-replay-{name}.yaml"
-        replay_config(replay, trace, heldout, folder, targets, f"{stem}-replay-{name}")
+        replay_config(replay, trace, heldout, profiles[name], f"{stem}-replay-{name}")
         run_stage(f"replay {name}", [kvsim, "run", replay, "-q"], f"{stem}-replay-{name}.log")
         with open(os.path.join(f"{stem}-replay-{name}", "results.json")) as f:
             exact[name] = [row["output_rel_error"] for row in json.load(f)]
     # The exhaustive search measured every step: its profiles' recorded held-out figures are exact,
     # and kvsim run must give them to the last bit.
     recorded = []
-    for fit in FITS:
-        for target in targets:
-            with open(os.path.join(exhaustive_dir, f"profile-{fit}-{target}.json")) as f:
-                recorded.append(json.load(f)["heldout"]["value"])
+    for _, _, path in profiles["exhaustive"]:
+        with open(path) as f:
+            recorded.append(json.load(f)["heldout"]["value"])
     print("the exhaustive search's recorded held-out figures "
           + ("equal kvsim run's to the bit" if recorded == exact["exhaustive"] else
              f"DIFFER from kvsim run's: {recorded} against {exact['exhaustive']}"))
@@ -195,9 +197,9 @@ def compare_with_exhaustive(args, kvsim, stem, search_dir, write_search_config, 
         records = {(row["method"], row["target"]): row for row in csv.DictReader(f)}
     print(f"{'fit':14s} {'target':6s} {'exhaustive':>11s} {'fast':>11s} {'gap':>8s} "
           f"{'fast estimate':>24s}  covers")
-    worst, covered, rows = 0.0, 0, 0
-    for i, (fit, target) in enumerate((fit, target) for fit in FITS for target in targets):
-        with open(os.path.join(search_dir, f"profile-{fit}-{target}.json")) as f:
+    worst, covered = 0.0, 0
+    for i, (fit, target, path) in enumerate(profiles["fast"]):
+        with open(path) as f:
             method = json.load(f)["method"]
         record = records[(method, target)]
         estimate = float(record["heldout"])
@@ -205,11 +207,11 @@ def compare_with_exhaustive(args, kvsim, stem, search_dir, write_search_config, 
         fast, full = exact["fast"][i], exact["exhaustive"][i]
         gap = fast / full - 1.0
         covers = abs(estimate - fast) <= half
-        worst, covered, rows = max(worst, gap), covered + covers, rows + 1
+        worst, covered = max(worst, gap), covered + covers
         print(f"{fit:14s} {target:6s} {full:11.6f} {fast:11.6f} {100 * gap:+7.2f}% "
               f"{estimate:11.6f} +- {half:9.6f}  {'yes' if covers else 'no'}", flush=True)
     print(f"the fast search's fitted profiles at most {100 * worst:+.2f}% over the exhaustive search's held out "
-          f"(exact replays); its intervals covered {covered} of {rows}")
+          f"(exact replays); its intervals covered {covered} of {len(profiles['fast'])}")
 
 
 if __name__ == "__main__":
